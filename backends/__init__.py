@@ -1,0 +1,1 @@
+"""Engines the gateway manages: the engine server, its executors, and the performance model."""

@@ -1,0 +1,123 @@
+"""backends.yaml: the one config path, parsed strictly (unknown keys are errors naming file and key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from gateway import yaml_files
+from gateway.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
+from gateway.errors import ConfigError
+from gateway.policies import build_policy
+from gateway.yaml_files import StrictModel
+
+DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
+
+
+class LaunchSpec(StrictModel):
+    """How the gateway starts a managed engine (`python -m backends.engine ...`)."""
+
+    executor: Literal["simulated"] = "simulated"
+    time_scale: float = Field(default=1.0, ge=0)
+    max_batch: PositiveInt = 256
+    memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class BackendSpec(StrictModel):
+    id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    role: Literal["language", "vision", "both"] = "language"
+    gpu: str
+    address: str | None = None      # host:port of an external engine; managed engines report theirs
+    launch: LaunchSpec | None = None
+    steal: bool = False
+
+    @model_validator(mode="after")
+    def _managed_or_external(self) -> BackendSpec:
+        if self.launch is None and self.address is None:
+            raise ValueError("an entry needs `launch` (managed) or `address` (external)")
+        return self
+
+
+class Limits(StrictModel):
+    max_prompt_tokens: PositiveInt | None = None   # default: the model's max_context
+    max_tokens: PositiveInt = 4096                 # upper bound a client may ask for
+    default_max_tokens: PositiveInt = 256
+    max_body_bytes: PositiveInt = 1 << 20
+    max_messages: PositiveInt = 256
+    max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
+    first_token_timeout_s: PositiveFloat = 60.0
+    request_timeout_s: PositiveFloat = 600.0
+
+
+class RoutingConfig(StrictModel):
+    policy: str = "heteroserve"
+    params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class GatewaySettings(StrictModel):
+    heartbeat_interval_ms: PositiveInt = 200
+    heartbeat_miss_limit: PositiveInt = 3
+    engine_start_timeout_s: PositiveFloat = 60.0
+    routing: RoutingConfig = RoutingConfig()
+    limits: Limits = Limits()
+
+
+class ClusterFile(StrictModel):
+    model: str
+    served_model_name: str | None = None
+    gateway: GatewaySettings = GatewaySettings()
+    backends: list[BackendSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> ClusterFile:
+        seen: set[str] = set()
+        for b in self.backends:
+            if b.id in seen:
+                raise ValueError(f"duplicate backend id {b.id!r}")
+            seen.add(b.id)
+        return self
+
+
+class ClusterConfig:
+    """A validated backends.yaml resolved against the catalogs."""
+
+    def __init__(self, path: Path, raw: ClusterFile, catalog: Catalog) -> None:
+        self.path = path
+        self.raw = raw
+        self.catalog = catalog
+        self.model: ModelProfile = _resolve(path, "model", lambda: catalog.model(raw.model))
+        self.gpus: dict[str, GpuProfile] = {
+            b.id: _resolve(path, f"backends.{i}.gpu", lambda b=b: catalog.gpu(b.gpu))  # type: ignore[misc]
+            for i, b in enumerate(raw.backends)
+        }
+        routing = raw.gateway.routing
+        _resolve(path, "gateway.routing", lambda: build_policy(routing.policy, routing.params.get(routing.policy)))
+        for name, params in routing.params.items():
+            _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))  # type: ignore[misc]
+
+    @property
+    def served_model_name(self) -> str:
+        return self.raw.served_model_name or self.raw.model
+
+    @property
+    def settings(self) -> GatewaySettings:
+        return self.raw.gateway
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.settings.limits.max_prompt_tokens or self.model.max_context
+
+
+def _resolve(path: Path, where: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {where}: {exc}") from None
+
+
+def load_cluster(path: Path = DEFAULT_BACKENDS, catalog: Catalog | None = None) -> ClusterConfig:
+    raw = yaml_files.load(path, ClusterFile)
+    return ClusterConfig(path, raw, catalog or load_catalog())

@@ -1,0 +1,39 @@
+"""Routing policies and their one registry.
+
+Each policy is a class with a `name`, a pydantic `Params` model (unknown keys rejected) and a pure
+`choose(request, candidates, now)`. `build_policy` is the only way the gateway and the simulator
+make one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.errors import ConfigError
+from gateway.policies.capacity_proportional import CapacityProportional
+from gateway.policies.contracts import Policy
+from gateway.policies.heteroserve import HeteroServe
+from gateway.policies.power_of_two import PowerOfTwo
+from gateway.policies.round_robin import RoundRobin
+from gateway.policies.shortest_queue import ShortestQueue
+
+REGISTRY: dict[str, Any] = {
+    cls.name: cls for cls in (HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo)
+}
+
+
+def build_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    try:
+        cls = REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+    try:
+        parsed = cls.Params.model_validate(dict(params or {}))
+    except ValidationError as exc:
+        bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"policy {name!r} parameters: {bad}") from None
+    policy: Policy = cls(parsed)
+    return policy

@@ -1,0 +1,105 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_tokens: int
+    image_tokens: int
+    max_tokens: int
+    temperature: float
+    embedding_count: int
+    embedding_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("text", "index", "finish_reason", "usage")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    index: int
+    finish_reason: str
+    usage: Usage
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data", "width", "height", "tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    width: int
+    height: int
+    tokens: int
+    def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images", "deliver_to", "image_index_offset")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDEX_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    deliver_to: str
+    image_index_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., deliver_to: _Optional[str] = ..., image_index_offset: _Optional[int] = ...) -> None: ...
+
+class EncodeReply(_message.Message):
+    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s")
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_S_FIELD_NUMBER: _ClassVar[int]
+    image_tokens: int
+    embedding_bytes: int
+    encode_s: float
+    deliver_s: float
+    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("request_id", "image_index", "tokens", "hidden", "dtype", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    image_index: int
+    tokens: int
+    hidden: int
+    dtype: str
+    data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., image_index: _Optional[int] = ..., tokens: _Optional[int] = ..., hidden: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DeliverReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
