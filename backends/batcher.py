@@ -1,0 +1,130 @@
+"""Continuous batching as a pure state machine, timed by the performance model.
+
+The simulated engine calls `step()` and sleeps for the returned duration; the discrete-event
+simulator advances virtual time by it. Neither sleeps here, so both share one scheduler.
+
+Per step: admit waiting sequences in FIFO order while the batch has room and their KV reservation
+(prompt + max new tokens) fits; newly admitted sequences run prefill and emit their first token,
+running ones decode one token each. Step time = prefill(new prompt tokens) + decode step(old batch).
+KV is reserved whole at admission, so the cache is never over capacity and admission simply waits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from backends import perf_model
+from gateway.catalog import GpuProfile, ModelProfile
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    id: str
+    prompt_tokens: int           # text + image tokens
+    max_tokens: int              # KV is reserved for this many new tokens
+    target_tokens: int           # tokens it will actually produce (≤ max_tokens; EOS in a real engine)
+    arrival_s: float = 0.0
+    generated: int = 0
+    kv_reserved: int = 0
+    cancelled: bool = False
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.target_tokens
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration_s: float
+    prefilled: list[Sequence] = field(default_factory=list)   # emitted their first token this step
+    decoded: list[Sequence] = field(default_factory=list)     # emitted one more token this step
+    finished: list[Sequence] = field(default_factory=list)    # left the batch this step (KV freed)
+
+
+class SequenceTooLarge(ValueError):
+    """A sequence whose reservation exceeds the whole KV cache: it could never be admitted."""
+
+
+class ContinuousBatcher:
+    def __init__(self, model: ModelProfile, gpu: GpuProfile, kv_capacity_bytes: int, max_batch: int = 256) -> None:
+        self.model, self.gpu = model, gpu
+        self.kv_capacity_bytes = kv_capacity_bytes
+        self.max_batch = max_batch
+        self.kv_used_bytes = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def kv_free_bytes(self) -> int:
+        return self.kv_capacity_bytes - self.kv_used_bytes
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def reservation(self, seq: Sequence) -> int:
+        return perf_model.kv_bytes(self.model, seq.prompt_tokens + seq.max_tokens)
+
+    def submit(self, seq: Sequence) -> None:
+        if self.reservation(seq) > self.kv_capacity_bytes:
+            raise SequenceTooLarge(
+                f"{seq.prompt_tokens + seq.max_tokens} tokens need {self.reservation(seq)} KV bytes; "
+                f"this GPU has {self.kv_capacity_bytes}"
+            )
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Mark for removal; it leaves (and frees its KV) at the next step."""
+        seq.cancelled = True
+
+    def step(self) -> StepResult:
+        self._drop_cancelled()
+        old = list(self.running)
+        new = self._admit()
+        result = StepResult(duration_s=0.0, prefilled=new, decoded=old)
+        if new:
+            result.duration_s += perf_model.prefill_seconds(self.model, self.gpu, sum(s.prompt_tokens for s in new))
+        if old:
+            ctx = sum(s.context_tokens for s in old)
+            result.duration_s += perf_model.decode_step_seconds(self.model, self.gpu, len(old), ctx)
+        for s in self.running:
+            s.generated += 1
+        still: list[Sequence] = []
+        for s in self.running:
+            if s.done:
+                self._free(s)
+                result.finished.append(s)
+            else:
+                still.append(s)
+        self.running = still
+        return result
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            need = self.reservation(seq)
+            if need > self.kv_free_bytes:
+                break
+            self.waiting.popleft()
+            seq.kv_reserved = need
+            self.kv_used_bytes += need
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _drop_cancelled(self) -> None:
+        if any(s.cancelled for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        for s in [s for s in self.running if s.cancelled]:
+            self._free(s)
+            self.running.remove(s)
+
+    def _free(self, seq: Sequence) -> None:
+        self.kv_used_bytes -= seq.kv_reserved
+        seq.kv_reserved = 0
