@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from gateway import yaml_files
 from gateway.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
@@ -71,14 +71,15 @@ class ClusterFile(StrictModel):
     gateway: GatewaySettings = GatewaySettings()
     backends: list[BackendSpec] = Field(min_length=1)
 
-    @model_validator(mode="after")
-    def _unique_ids(self) -> ClusterFile:
-        seen: set[str] = set()
-        for b in self.backends:
+    @field_validator("backends")
+    @classmethod
+    def _unique_ids(cls, backends: list[BackendSpec]) -> list[BackendSpec]:
+        seen: dict[str, int] = {}
+        for i, b in enumerate(backends):
             if b.id in seen:
-                raise ValueError(f"duplicate backend id {b.id!r}")
-            seen.add(b.id)
-        return self
+                raise ValueError(f"duplicate backend id {b.id!r} (entries {seen[b.id]} and {i})")
+            seen[b.id] = i
+        return backends
 
 
 class ClusterConfig:

@@ -4,6 +4,7 @@
     ├── ConfigError                  bad backends.yaml / catalog (names the file and the field)
     └── RequestError                 anything a client can get back
         ├── InvalidRequest           400  malformed body, wrong types, over a limit
+        │   └── PayloadTooLarge      413  body over max_body_bytes
         ├── ModelNotFound            404  unknown model
         ├── Unauthorized             401
         ├── Overloaded               429  admission queue full (Retry-After)
@@ -45,6 +46,11 @@ class RequestError(HeteroGateError):
 class InvalidRequest(RequestError):
     status = 400
     type = "invalid_request_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+    code = "payload_too_large"
 
 
 class ModelNotFound(RequestError):

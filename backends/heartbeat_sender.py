@@ -1,0 +1,77 @@
+"""Pushes an engine's state to the gateway's Control stream.
+
+One message every interval, plus one soon after each admission/completion burst (`poke`), coalesced
+so a burst of 100 completions costs one message. Reconnects with capped exponential backoff when
+the gateway is away. Sequence numbers start at the process start time in µs, so a restarted engine
+never looks older than the one it replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import structlog
+
+from gateway.wire import control_pb2, control_pb2_grpc
+
+log = structlog.get_logger("heartbeat_sender")
+
+# After a poke, wait this long for more changes before sending (coalescing window).
+POKE_COALESCE_S = 0.005
+
+
+class HeartbeatSender:
+    def __init__(
+        self,
+        gateway_address: str,
+        build_state: Callable[[], control_pb2.BackendState],
+        interval_s: float = 0.2,
+        reconnect_max_s: float = 2.0,
+    ) -> None:
+        self._address = gateway_address
+        self._build_state = build_state
+        self.interval_s = interval_s
+        self._reconnect_max_s = reconnect_max_s
+        self._seq = time.time_ns() // 1000
+        self._poked = asyncio.Event()
+        self.connected = asyncio.Event()
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    async def run(self) -> None:
+        backoff = 0.05
+        async with grpc.aio.insecure_channel(self._address) as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            while True:
+                try:
+                    call = stub.Connect(self._messages())
+                    async for ack in call:
+                        self.connected.set()
+                        backoff = 0.05
+                        if ack.heartbeat_interval_ms:
+                            self.interval_s = ack.heartbeat_interval_ms / 1000
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        log.error("gateway_rejected_backend", detail=exc.details())
+                    else:
+                        log.debug("gateway_unreachable", code=str(exc.code()))
+                self.connected.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(self._reconnect_max_s, backoff * 2)
+
+    async def _messages(self) -> AsyncIterator[control_pb2.BackendState]:
+        while True:
+            self._seq += 1
+            state = self._build_state()
+            state.seq = self._seq
+            yield state
+            try:
+                await asyncio.wait_for(self._poked.wait(), timeout=self.interval_s)
+                await asyncio.sleep(POKE_COALESCE_S)
+            except TimeoutError:
+                pass
+            self._poked.clear()

@@ -1,0 +1,110 @@
+"""Simulated GPU: a continuous-batching loop in real time, timed by the performance model.
+
+Each `ContinuousBatcher.step()` says how long the step takes on this GPU; the loop sleeps for that
+duration × time_scale and then hands every sequence its token. Output lengths stand in for EOS: a
+request stops at a length drawn from its request id (stable across retries) unless max_tokens
+comes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from backends.batcher import ContinuousBatcher, Sequence
+from gateway.catalog import GpuProfile, ModelProfile
+
+# Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
+NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
+_WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
+_SERVICE_EWMA_ALPHA = 0.2
+
+
+@dataclass(slots=True)
+class Token:
+    text: str
+    index: int
+    finish_reason: str | None = None   # "stop" | "length" on the last token
+
+
+def natural_length(request_id: str) -> int:
+    span = NATURAL_MAX_TOKENS - NATURAL_MIN_TOKENS + 1
+    return NATURAL_MIN_TOKENS + zlib.crc32(request_id.encode()) % span
+
+
+class SimulatedExecutor:
+    def __init__(
+        self,
+        model: ModelProfile,
+        gpu: GpuProfile,
+        kv_capacity_bytes: int,
+        *,
+        time_scale: float = 1.0,
+        max_batch: int = 256,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch)
+        self.time_scale = time_scale
+        self._on_change = on_change
+        self._queues: dict[int, asyncio.Queue[Token]] = {}
+        self._wake = asyncio.Event()
+        self.mean_service_s = 0.0
+        self.tokens_generated = 0
+        self.requests_completed = 0
+
+    async def generate(self, request_id: str, prompt_tokens: int, max_tokens: int) -> AsyncIterator[Token]:
+        """Yield the request's tokens; closing the iterator early cancels the sequence."""
+        target = min(max_tokens, natural_length(request_id))
+        seq = Sequence(request_id, prompt_tokens, max_tokens, target, arrival_s=time.monotonic())
+        self.batcher.submit(seq)   # raises SequenceTooLarge before anything is queued
+        queue: asyncio.Queue[Token] = asyncio.Queue()
+        self._queues[id(seq)] = queue
+        self._wake.set()
+        self._on_change()
+        try:
+            while True:
+                token = await queue.get()
+                yield token
+                if token.finish_reason is not None:
+                    return
+        finally:
+            self._queues.pop(id(seq), None)
+            if not seq.done:
+                self.batcher.cancel(seq)
+                self._wake.set()
+
+    async def run(self) -> None:
+        """The engine loop; runs until cancelled."""
+        while True:
+            if self.batcher.idle:
+                self._wake.clear()
+                await self._wake.wait()
+            step = self.batcher.step()
+            if step.duration_s > 0:
+                await asyncio.sleep(step.duration_s * self.time_scale)
+            self._publish(step.prefilled)
+            self._publish(step.decoded)
+            if step.prefilled or step.finished:
+                for seq in step.finished:
+                    self._record_service(time.monotonic() - seq.arrival_s)
+                self._on_change()
+
+    def _publish(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            queue = self._queues.get(id(seq))
+            if queue is None:
+                continue
+            index = seq.generated - 1
+            finish = None
+            if seq.done:
+                finish = "length" if seq.generated >= seq.max_tokens else "stop"
+            queue.put_nowait(Token(_WORDS[index % len(_WORDS)] + " ", index, finish))
+            self.tokens_generated += 1
+
+    def _record_service(self, seconds: float) -> None:
+        self.requests_completed += 1
+        prev = self.mean_service_s
+        self.mean_service_s = seconds if prev == 0 else prev + _SERVICE_EWMA_ALPHA * (seconds - prev)

@@ -1,0 +1,95 @@
+"""gRPC clients of the engines: one pooled channel per backend address, errors mapped at the boundary.
+
+grpc.aio errors become `BackendFailure` (retryable unless the engine said the request itself is bad)
+or `BackendTimeout`. Clients are created by `EngineClients` at start-up and on address changes, and
+closed at shutdown; nothing else in the gateway touches grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
+from gateway.wire import engine_pb2, engine_pb2_grpc
+
+# Engine answers that mean "this request is wrong", not "this engine is broken": never retried.
+_CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool) -> Exception:
+    code = exc.code()
+    detail = f"backend {backend_id}: {code.name.lower()}: {exc.details()}"
+    if code in _CLIENT_FAULTS:
+        return InvalidRequest(exc.details() or "rejected by the engine")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return BackendTimeout(detail, backend_id=backend_id, retryable=retryable)
+    return BackendFailure(detail, backend_id=backend_id, retryable=retryable)
+
+
+class EngineClient:
+    def __init__(self, backend_id: str, address: str) -> None:
+        self.backend_id = backend_id
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    async def generate(
+        self, request: engine_pb2.GenerateRequest, *, first_token_timeout_s: float, timeout_s: float
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """Stream chunks. Failures before the first chunk are retryable; closing early cancels the RPC."""
+        call = self._stub.Generate(request, timeout=timeout_s)
+        started = False
+        try:
+            try:
+                async with asyncio.timeout(first_token_timeout_s):
+                    chunk = await call.read()
+            except TimeoutError:
+                raise BackendTimeout(
+                    f"backend {self.backend_id}: no first token within {first_token_timeout_s:g} s",
+                    backend_id=self.backend_id,
+                ) from None
+            while chunk is not grpc.aio.EOF:
+                started = True
+                yield chunk
+                chunk = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc, self.backend_id, retryable=not started) from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class EngineClients:
+    """The pool: one client per backend, replaced when a backend reports a new address."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, EngineClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, backend_id: str) -> EngineClient | None:
+        return self._clients.get(backend_id)
+
+    def ensure(self, backend_id: str, address: str) -> None:
+        """Called on every heartbeat: a no-op unless the backend moved (e.g. a restarted engine)."""
+        current = self._clients.get(backend_id)
+        if current is not None and current.address == address:
+            return
+        self._clients[backend_id] = EngineClient(backend_id, address)
+        if current is not None:
+            task = asyncio.create_task(current.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._clients.values()), *self._closing)
+        self._clients.clear()

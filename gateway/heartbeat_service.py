@@ -1,0 +1,66 @@
+"""gRPC Control service: backends push their state on one long-lived stream each."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import structlog
+
+from gateway.state_table import Reported, StateTable
+from gateway.wire import control_pb2, control_pb2_grpc
+
+log = structlog.get_logger("heartbeat")
+
+ROLE_NAMES = {
+    control_pb2.ROLE_LANGUAGE: "language",
+    control_pb2.ROLE_VISION: "vision",
+    control_pb2.ROLE_BOTH: "both",
+}
+
+
+def reported_from(msg: control_pb2.BackendState) -> Reported:
+    return Reported(
+        seq=msg.seq,
+        waiting=msg.queue_depth,
+        running=msg.running,
+        kv_free_bytes=msg.kv_free_bytes,
+        kv_total_bytes=msg.kv_total_bytes,
+        vision_backlog=msg.vision_backlog,
+        mean_service_s=msg.mean_service_s,
+        tokens_generated=msg.tokens_generated,
+        requests_completed=msg.requests_completed,
+        images_encoded=msg.images_encoded,
+    )
+
+
+class ControlService(control_pb2_grpc.ControlServicer):
+    def __init__(
+        self,
+        table: StateTable,
+        on_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
+        language_backlog: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self._table = table
+        self._on_heartbeat = on_heartbeat
+        self._language_backlog = language_backlog
+
+    async def Connect(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[control_pb2.BackendState], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[control_pb2.GatewayMessage]:
+        interval_ms = int(self._table.heartbeat_interval_s * 1000)
+        backend_id = ""
+        async for msg in request_iterator:
+            if msg.backend_id != backend_id:
+                backend_id = msg.backend_id
+                if self._table.get(backend_id) is None:
+                    await context.abort(
+                        grpc.StatusCode.NOT_FOUND, f"backend {backend_id!r} is not in the gateway's backends file"
+                    )
+                log.info("backend_connected", backend=backend_id, address=msg.address)
+            entry = self._table.apply_heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
+            if entry is not None:
+                self._on_heartbeat(backend_id, msg.address)
+            yield control_pb2.GatewayMessage(
+                ack_seq=msg.seq, heartbeat_interval_ms=interval_ms, language_backlog=self._language_backlog()
+            )

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP front door (FastAPI).
+
+Bodies are read with a size cap and parsed by `openai_types`; every error leaves through
+`error_response`, so clients always get an OpenAI-shaped body, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import orjson
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    RequestError,
+    openai_error_body,
+)
+from gateway.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, image_parts, render_chat
+from gateway.pipeline import Dispatch, GenerationJob
+from gateway.runtime import Runtime
+from gateway.tokens import count_text_tokens
+
+log = structlog.get_logger("http")
+T = TypeVar("T")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(err: RequestError, request_id: str) -> Response:
+    headers = {"x-request-id": request_id}
+    if err.retry_after_s is not None:
+        headers["retry-after"] = str(max(1, round(err.retry_after_s)))
+    return json_response(openai_error_body(err), err.status, headers)
+
+
+def request_id_of(request: Request) -> str:
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id", "")
+        rid = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        request.state.request_id = rid
+    return str(rid)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(model: type[T], raw: bytes) -> T:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(data)  # type: ignore[attr-defined, no-any-return]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"{where}: {err['msg']}", param=where or None) from None
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client goes away first (the engine RPC is cancelled with it)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(runtime: Runtime) -> FastAPI:
+    app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    limits = runtime.limits
+    model_name = runtime.config.served_model_name
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> Response:
+        return error_response(exc, request_id_of(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        err = RequestError(str(exc.detail))
+        err.status, err.type = exc.status_code, "invalid_request_error"
+        return error_response(err, request_id_of(request))
+
+    def check_limits(model: str, prompt_tokens: int, asked: int | None) -> int:
+        """Validate the model and lengths; return max_tokens to use."""
+        if model != model_name:
+            raise ModelNotFound(f"model {model!r} does not exist; this gateway serves {model_name!r}", param="model")
+        if prompt_tokens > runtime.config.max_prompt_tokens:
+            raise InvalidRequest(
+                f"prompt is {prompt_tokens} tokens; the limit is {runtime.config.max_prompt_tokens}",
+                param="messages", code="context_length_exceeded",
+            )
+        if asked is not None and asked > limits.max_tokens:
+            raise InvalidRequest(f"max_tokens is {asked}; the limit is {limits.max_tokens}", param="max_tokens")
+        room = runtime.config.model.max_context - prompt_tokens
+        if asked is not None and asked > room:
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({asked}) exceeds the model's context of "
+                f"{runtime.config.model.max_context}", param="max_tokens", code="context_length_exceeded",
+            )
+        return asked if asked is not None else max(1, min(limits.default_max_tokens, room))
+
+    async def serve(
+        request: Request, kind: Kind, job: GenerationJob, stream: bool, include_usage: bool, endpoint: str
+    ) -> Response:
+        rid = job.request_id
+        dispatch = await unless_disconnected(request, runtime.pipeline.start(job))
+        headers = {"x-request-id": rid, "x-heterogate-backend": dispatch.backend_id}
+        if stream:
+            events = sse(dispatch, ChunkWriter(kind, rid, model_name), include_usage, endpoint)
+            return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **_SSE_HEADERS})
+        text, finish, use = await unless_disconnected(request, collect(dispatch, endpoint))
+        return json_response(completion_body(kind, rid, model_name, text, finish, use), headers=headers)
+
+    async def collect(dispatch: Dispatch, endpoint: str) -> tuple[str, str, dict[str, int]]:
+        parts: list[str] = []
+        status = "error"
+        try:
+            async for chunk in dispatch.rest():
+                parts.append(chunk.text)
+                last = chunk
+            status = "ok"
+        finally:
+            done(dispatch, endpoint, status)
+        return "".join(parts), last.finish_reason, usage(last.usage.prompt_tokens, last.usage.completion_tokens)
+
+    async def sse(dispatch: Dispatch, w: ChunkWriter, include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
+        status = "error"
+        try:
+            if w.kind == "chat":
+                yield w.role()
+            async for chunk in dispatch.rest():
+                yield w.token(chunk.text, chunk.finish_reason or None)
+                last = chunk
+            if include_usage:
+                yield w.usage(usage(last.usage.prompt_tokens, last.usage.completion_tokens))
+            status = "ok"
+        except RequestError as exc:
+            yield error_event(exc)
+        finally:
+            done(dispatch, endpoint, status)
+        yield DONE
+
+    def done(dispatch: Dispatch, endpoint: str, status: str) -> None:
+        policy = dispatch.decision.policy
+        runtime.metrics.requests.labels(endpoint, policy, dispatch.backend_id, status).inc()
+        log.info("request", request_id=dispatch.request_id, policy=policy,
+                 backend=dispatch.backend_id, cost=round(dispatch.decision.cost, 6),
+                 ttft_s=round(dispatch.ttft_s, 4), latency_s=round(time.monotonic() - dispatch.started, 4),
+                 status=status, endpoint=endpoint)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        rid = request_id_of(request)
+        req = parse(ChatCompletionRequest, await read_body(request, limits.max_body_bytes))
+        if len(req.messages) > limits.max_messages:
+            raise InvalidRequest(f"{len(req.messages)} messages; the limit is {limits.max_messages}", param="messages")
+        for i, j, _ in image_parts(req.messages)[:1]:
+            raise InvalidRequest(
+                "image inputs are not enabled on this gateway yet", param=f"messages.{i}.content.{j}"
+            )
+        prompt, tokens = render_chat(req.messages)
+        max_tokens = check_limits(req.model, tokens, req.requested_max_tokens())
+        job = GenerationJob(rid, prompt, tokens, max_tokens, 1.0 if req.temperature is None else req.temperature)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await serve(request, "chat", job, req.stream, include_usage, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        rid = request_id_of(request)
+        req = parse(CompletionRequest, await read_body(request, limits.max_body_bytes))
+        if isinstance(req.prompt, list):
+            if len(req.prompt) != 1:
+                raise InvalidRequest("prompt must be one string (batched prompts are not supported)", param="prompt")
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        tokens = count_text_tokens(prompt)
+        max_tokens = check_limits(req.model, tokens, req.requested_max_tokens())
+        job = GenerationJob(rid, prompt, tokens, max_tokens, 1.0 if req.temperature is None else req.temperature)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await serve(request, "text", job, req.stream, include_usage, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        item = {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate"}
+        return json_response({"object": "list", "data": [item]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        healthy = runtime.healthy_language_backends()
+        status = 200 if healthy else 503
+        return json_response({"ready": bool(healthy), "healthy_language_backends": healthy}, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/backends")
+    async def admin_backends() -> Response:
+        return json_response({"object": "list", "data": runtime.describe_backends()})
+
+    return app

@@ -1,0 +1,78 @@
+"""Prometheus metrics of one gateway process, on its own registry (no module globals).
+
+Per-backend gauges are not pushed on every change: a collector reads the state table at scrape
+time, so they are exact and cost nothing on the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.state_table import StateTable
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
+
+
+class BackendCollector(Collector):
+    def __init__(self, table: StateTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["backend", "role", "gpu"]
+        families = {
+            "queue": GaugeMetricFamily("heterogate_backend_queue_depth", "Q_i as routed on", labels=labels),
+            "in_flight": GaugeMetricFamily("heterogate_backend_in_flight", "Requests in flight", labels=labels),
+            "kv_free": GaugeMetricFamily("heterogate_backend_kv_free_bytes", "Free KV cache bytes", labels=labels),
+            "kv_total": GaugeMetricFamily("heterogate_backend_kv_total_bytes", "KV cache bytes", labels=labels),
+            "vision": GaugeMetricFamily(
+                "heterogate_backend_vision_backlog_tokens", "Image tokens waiting to be encoded", labels=labels
+            ),
+            "healthy": GaugeMetricFamily("heterogate_backend_healthy", "1 if heartbeats are current", labels=labels),
+            "service": GaugeMetricFamily(
+                "heterogate_backend_mean_service_seconds", "T̄_service used by the router", labels=labels
+            ),
+        }
+        for e in self._table.entries():
+            values = [e.id, e.role, e.gpu.name]
+            snap = self._table.snapshot(e)
+            families["queue"].add_metric(values, snap.queue_depth)
+            families["in_flight"].add_metric(values, e.in_flight)
+            families["kv_free"].add_metric(values, snap.kv_free_bytes)
+            families["kv_total"].add_metric(values, snap.kv_total_bytes)
+            families["vision"].add_metric(values, snap.vision_backlog)
+            families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
+            families["service"].add_metric(values, snap.mean_service_s)
+        yield from families.values()
+
+
+class GatewayMetrics:
+    def __init__(self, table: StateTable) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "heterogate_requests", "Requests by outcome", ["endpoint", "policy", "backend", "status"], registry=r
+        )
+        self.decisions = Counter("heterogate_routing_decisions", "Routing decisions", ["policy", "backend"], registry=r)
+        self.oom_vetoes = Counter(
+            "heterogate_routing_oom_vetoes", "Candidates vetoed for lack of KV room", ["backend"], registry=r
+        )
+        self.retries = Counter("heterogate_dispatch_retries", "Re-dispatches before the first token", ["backend"], registry=r)
+        self.decision_seconds = Histogram(
+            "heterogate_routing_decision_seconds", "Time to choose a backend", ["policy"],
+            buckets=_DECISION_BUCKETS, registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "heterogate_ttft_seconds", "Time to first token", ["backend"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e_seconds = Histogram(
+            "heterogate_e2e_seconds", "End-to-end request latency", ["backend"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        r.register(BackendCollector(table))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

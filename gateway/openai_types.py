@@ -1,0 +1,95 @@
+"""OpenAI request bodies as pydantic models, and their translation into a prompt.
+
+Types are strict (a string where a number belongs is a 400, not a coercion); fields the gateway
+does not act on (`user`, `seed`, `logit_bias`, ...) are accepted and ignored, as OpenAI-compatible
+servers do, so that unmodified clients work.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    return "".join(p.text for p in message.content if isinstance(p, TextPart))
+
+
+def render_chat(messages: list[ChatMessage]) -> tuple[str, int]:
+    """A plain chat template: `role: text` lines; returns (prompt, estimated text tokens)."""
+    lines = [f"{m.role}: {message_text(m)}" for m in messages]
+    tokens = sum(count_text_tokens(message_text(m)) + CHAT_MESSAGE_OVERHEAD for m in messages)
+    return "\n".join(lines), tokens
+
+
+def image_parts(messages: list[ChatMessage]) -> list[tuple[int, int, ImagePart]]:
+    """Every image part as (message index, part index, part), in order."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            out.extend((i, j, p) for j, p in enumerate(m.content) if isinstance(p, ImagePart))
+    return out

@@ -1,0 +1,176 @@
+"""The live table of backends: written by heartbeats and by the request pipeline, read by policies.
+
+Signals have one producer each: heartbeats write what the engine reports; the pipeline writes the
+gateway's own in-flight counts (the paper's feedback loop) and measured service times. Policies only
+read immutable `BackendSnapshot`s, rebuilt when a signal changes so that a decision costs O(N)
+attribute reads and no allocation per candidate.
+
+Q_i (queue_depth) = max(in-flight from this gateway, engine-reported waiting + running): the
+gateway's count moves the instant a request is dispatched, the heartbeat corrects it with what the
+engine really holds (including work from other gateway replicas).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from backends import perf_model
+from gateway.catalog import GpuProfile, ModelProfile
+from gateway.policies.contracts import BackendSnapshot, Role
+
+# Weight of a new sample in the gateway's service-time EWMA.
+SERVICE_EWMA_ALPHA = 0.2
+# Prior for T̄_service before any sample: prefill of a typical prompt plus a typical completion.
+PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS = 512, 128
+
+
+@dataclass(slots=True)
+class Reported:
+    """The last heartbeat's numbers."""
+
+    seq: int = -1
+    waiting: int = 0
+    running: int = 0
+    kv_free_bytes: int = 0
+    kv_total_bytes: int = 0
+    vision_backlog: int = 0
+    mean_service_s: float = 0.0
+    tokens_generated: int = 0
+    requests_completed: int = 0
+    images_encoded: int = 0
+
+
+@dataclass(slots=True)
+class BackendEntry:
+    id: str
+    role: Role
+    gpu: GpuProfile
+    address: str | None
+    managed: bool
+    steal: bool = False
+    last_heartbeat: float | None = None       # monotonic seconds
+    reported: Reported = field(default_factory=Reported)
+    in_flight: int = 0
+    service_ewma_s: float | None = None
+    snapshot: BackendSnapshot | None = None   # None = stale, rebuild on next read
+
+
+class StateTable:
+    def __init__(
+        self,
+        model: ModelProfile,
+        heartbeat_interval_s: float,
+        miss_limit: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.miss_limit = miss_limit
+        self.clock = clock
+        self._entries: dict[str, BackendEntry] = {}
+        self._prior_s: dict[str, float] = {}
+
+    # -- producers ---------------------------------------------------------------------------
+
+    def register(
+        self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool, steal: bool = False
+    ) -> BackendEntry:
+        entry = BackendEntry(backend_id, role, gpu, address, managed, steal)
+        self._entries[backend_id] = entry
+        return entry
+
+    def apply_heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
+        """Record one heartbeat; returns None for an unknown backend or an out-of-order message.
+
+        Engines start their sequence numbers at their start time in µs, so a restarted engine's
+        numbers are still larger than its predecessor's.
+        """
+        entry = self._entries.get(backend_id)
+        if entry is None or seq <= entry.reported.seq:
+            return None
+        entry.reported = reported
+        entry.address = address or entry.address
+        entry.last_heartbeat = self.clock()
+        entry.snapshot = None
+        return entry
+
+    def acquire(self, backend_id: str) -> None:
+        entry = self._entries[backend_id]
+        entry.in_flight += 1
+        entry.snapshot = None
+
+    def release(self, backend_id: str, service_s: float | None) -> None:
+        """End of one dispatch; `service_s` is the measured service time of a completed request."""
+        entry = self._entries[backend_id]
+        entry.in_flight = max(0, entry.in_flight - 1)
+        if service_s is not None:
+            prev = entry.service_ewma_s
+            entry.service_ewma_s = service_s if prev is None else prev + SERVICE_EWMA_ALPHA * (service_s - prev)
+        entry.snapshot = None
+
+    # -- readers -----------------------------------------------------------------------------
+
+    def get(self, backend_id: str) -> BackendEntry | None:
+        return self._entries.get(backend_id)
+
+    def entries(self) -> Iterable[BackendEntry]:
+        return self._entries.values()
+
+    def is_healthy(self, entry: BackendEntry, now: float | None = None) -> bool:
+        if entry.last_heartbeat is None:
+            return False
+        now = self.clock() if now is None else now
+        return now - entry.last_heartbeat <= self.miss_limit * self.heartbeat_interval_s
+
+    def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> list[
+        BackendSnapshot
+    ]:
+        """Healthy backends whose role is in `roles`, as snapshots."""
+        now = self.clock() if now is None else now
+        limit = self.miss_limit * self.heartbeat_interval_s
+        skip = set(exclude)
+        out = []
+        for e in self._entries.values():
+            if e.role in roles and e.last_heartbeat is not None and now - e.last_heartbeat <= limit and e.id not in skip:
+                out.append(e.snapshot or self._rebuild(e))
+        return out
+
+    def snapshot(self, entry: BackendEntry) -> BackendSnapshot:
+        return entry.snapshot or self._rebuild(entry)
+
+    def mean_service_s(self, entry: BackendEntry) -> float:
+        """Engine-measured if reported, else the gateway's own EWMA, else the performance-model prior."""
+        if entry.reported.mean_service_s > 0:
+            return entry.reported.mean_service_s
+        if entry.service_ewma_s is not None:
+            return entry.service_ewma_s
+        prior = self._prior_s.get(entry.gpu.name)
+        if prior is None:
+            prior = perf_model.service_seconds(self.model, entry.gpu, PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS)
+            self._prior_s[entry.gpu.name] = prior
+        return prior
+
+    def _rebuild(self, e: BackendEntry) -> BackendSnapshot:
+        r = e.reported
+        snap = BackendSnapshot(
+            id=e.id,
+            role=e.role,
+            gpu=e.gpu.name,
+            tflops=e.gpu.tflops,
+            bandwidth_gbs=e.gpu.bandwidth_gbs,
+            price_per_hour=e.gpu.price_per_hour,
+            queue_depth=max(e.in_flight, r.waiting + r.running),
+            in_flight=e.in_flight,
+            kv_free_bytes=r.kv_free_bytes,
+            kv_total_bytes=r.kv_total_bytes,
+            kv_bytes_per_token=self.model.kv_bytes_per_token,
+            vision_backlog=r.vision_backlog,
+            mean_service_s=self.mean_service_s(e),
+            prefill_s_per_token=perf_model.prefill_seconds_per_token(self.model, e.gpu),
+            encode_s_per_token=perf_model.encode_seconds(self.model, e.gpu, 1),
+            steal=e.steal,
+        )
+        e.snapshot = snap
+        return snap

@@ -1,0 +1,189 @@
+"""GPU/model catalogs (image token counting) and strict backends.yaml parsing."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gateway.catalog import CONFIG_DIR, load_catalog
+from gateway.config import DEFAULT_BACKENDS, load_cluster
+from gateway.errors import ConfigError
+from tests.snapshots import catalog
+
+QWEN_MAX_TOKENS = 12845056 // (28 * 28)   # 16384
+
+
+# --- catalog -------------------------------------------------------------------------------------
+
+
+def test_catalog_names_every_entry_and_holds_the_papers_figures() -> None:
+    cat = catalog()
+    assert {"H100", "A100-80GB", "L40S", "RTX-4090"} <= set(cat.gpus)
+    assert all(name == g.name for name, g in cat.gpus.items())
+    assert all(name == m.name for name, m in cat.models.items())
+    h100 = cat.gpu("H100")
+    assert (h100.tflops, h100.bandwidth_gbs, h100.hbm_gb) == (989, 3350, 80)
+    assert (h100.flops, h100.bandwidth_bytes_s, h100.hbm_bytes) == (989e12, 3350e9, 80_000_000_000)
+    assert cat.gpu("L40S").tflops == 362
+    assert cat.model("llava-1.5-7b").weight_bytes == 14_120_000_000
+
+
+def test_unknown_catalog_entries_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"unknown GPU 'V100'; known: .*H100"):
+        catalog().gpu("V100")
+    with pytest.raises(ConfigError, match=r"unknown model 'gpt-5'; known: .*llava-1.5-7b"):
+        catalog().model("gpt-5")
+
+
+def test_llava_images_are_always_576_tokens() -> None:
+    llava = catalog().model("llava-1.5-7b")
+    assert llava.image_tokens(336, 336) == 576
+    assert llava.image_tokens(4000, 3000) == 576
+    assert catalog().model("llama-2-7b").image_tokens(336, 336) == 0
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "tokens"),
+    [
+        (1024, 768, 999),   # 1036 x 756 after rounding to 28: 37 · 27
+        (640, 480, 391),    # 644 x 476: 23 · 17
+        (448, 448, 256),    # exact multiples: 16 · 16
+        (20, 30, 6),        # 784 px < min 3136: beta = sqrt(3136/600), ceil -> 56 x 84: 2 · 3
+        (10, 10, 4),        # beta = 5.6 -> 56 x 56: 2 · 2
+        (8000, 6000, 16170),   # beta = sqrt(48e6/12845056) -> floor to 4116 x 3080: 147 · 110
+    ],
+)
+def test_qwen_dynamic_image_tokens_hand_computed(width: int, height: int, tokens: int) -> None:
+    assert catalog().model("qwen2.5-vl-7b").image_tokens(width, height) == tokens
+
+
+def test_qwen_tiny_image_clamps_up_to_min_pixels() -> None:
+    qwen = catalog().model("qwen2.5-vl-7b")
+    for w, h in [(1, 1), (5, 40), (28, 28), (40, 5)]:
+        assert qwen.image_tokens(w, h) * 28 * 28 >= 3136, (w, h)
+
+
+def test_qwen_huge_image_clamps_down_to_max_pixels() -> None:
+    qwen = catalog().model("qwen2.5-vl-7b")
+    for w, h in [(10_000, 10_000), (20_000, 3_000), (3_000, 20_000), (8000, 6000)]:
+        tokens = qwen.image_tokens(w, h)
+        assert tokens <= QWEN_MAX_TOKENS, (w, h)
+        assert tokens >= 0.9 * QWEN_MAX_TOKENS, (w, h)   # clamped to just under the cap, not far below
+
+
+def test_qwen_token_count_is_symmetric_in_orientation() -> None:
+    qwen = catalog().model("qwen2.5-vl-7b")
+    assert qwen.image_tokens(1024, 768) == qwen.image_tokens(768, 1024)
+
+
+def test_bad_catalog_file_names_file_and_field(tmp_path: Path) -> None:
+    shutil.copy(CONFIG_DIR / "models.yaml", tmp_path / "models.yaml")
+    (tmp_path / "gpus.yaml").write_text("H100:\n  tflops: 989\n  bandwidth_gbs: 3350\n  hbm_gb: 80\n"
+                                        "  price_per_hour: 3.5\n  fp4_tflops: 4000\n")
+    with pytest.raises(ConfigError) as exc:
+        load_catalog(tmp_path)
+    assert str(exc.value) == f"{tmp_path / 'gpus.yaml'}: H100.fp4_tflops: Extra inputs are not permitted"
+
+
+def test_fixed_vision_profile_needs_a_token_count(tmp_path: Path) -> None:
+    shutil.copy(CONFIG_DIR / "gpus.yaml", tmp_path / "gpus.yaml")
+    (tmp_path / "models.yaml").write_text(
+        "m:\n  params: 1e9\n  layers: 2\n  kv_heads: 2\n  head_dim: 64\n  hidden: 128\n"
+        "  vision: {mode: fixed, encoder_params: 1e8}\n"
+    )
+    with pytest.raises(ConfigError, match=r"models\.yaml: m\.vision: .*tokens_per_image"):
+        load_catalog(tmp_path)
+
+
+# --- backends.yaml -------------------------------------------------------------------------------
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "backends.yaml"
+    path.write_text("model: llava-1.5-7b\n" + body)
+    return path
+
+
+def config_error(path: Path) -> str:
+    with pytest.raises(ConfigError) as exc:
+        load_cluster(path, catalog())
+    return str(exc.value)
+
+
+def test_default_demo_cluster_loads() -> None:
+    cfg = load_cluster(DEFAULT_BACKENDS, catalog())
+    assert cfg.served_model_name == "llava-1.5-7b"
+    assert cfg.settings.routing.policy == "heteroserve"
+    assert cfg.max_prompt_tokens == 4096
+    assert [g.name for g in cfg.gpus.values()].count("H100") == 2
+    assert len(cfg.gpus) == 8
+
+
+def test_minimal_external_entry(tmp_path: Path) -> None:
+    cfg = load_cluster(write(tmp_path, "backends:\n  - {id: ext-0, gpu: L40S, address: '10.0.0.5:8001'}\n"), catalog())
+    (spec,) = cfg.raw.backends
+    assert (spec.address, spec.launch, spec.role) == ("10.0.0.5:8001", None, "language")
+    assert cfg.gpus["ext-0"].name == "L40S"
+
+
+def test_unknown_keys_name_file_and_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "colour: red\nbackends:\n  - {id: a, gpu: H100, launch: {}, weight: 2}\n")
+    msg = config_error(path)
+    assert f"{path}: colour: Extra inputs are not permitted" in msg
+    assert f"{path}: backends.0.weight: Extra inputs are not permitted" in msg
+
+
+def test_bad_gpu_name_names_file_field_and_value(tmp_path: Path) -> None:
+    path = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H900, launch: {}}\n")
+    msg = config_error(path)
+    assert msg.startswith(f"{path}: backends.1.gpu: unknown GPU 'H900'")
+    assert "H100" in msg   # lists the known ones
+
+
+def test_duplicate_backend_id(tmp_path: Path) -> None:
+    path = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: a, gpu: L40S, launch: {}}\n")
+    msg = config_error(path)
+    assert msg.startswith(f"{path}: backends: ")
+    assert "duplicate backend id 'a' (entries 0 and 1)" in msg
+
+
+def test_entry_needs_launch_or_address(tmp_path: Path) -> None:
+    path = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H100}\n")
+    msg = config_error(path)
+    assert msg.startswith(f"{path}: backends.1: ")
+    assert "`launch`" in msg and "`address`" in msg
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("backends: []\n", "backends: List should have at least 1 item"),
+        ("backends:\n  - {id: 'a b', gpu: H100, launch: {}}\n", "backends.0.id: String should match pattern"),
+        ("backends:\n  - {id: a, gpu: H100, role: decoder, launch: {}}\n", "backends.0.role: Input should be"),
+        ("gateway: {heartbeat_interval_ms: 0}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
+         "gateway.heartbeat_interval_ms: Input should be greater than 0"),
+        ("gateway: {routing: {policy: fastest}}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
+         "gateway.routing: unknown policy 'fastest'"),
+        ("gateway: {routing: {params: {power_of_two: {seeds: 1}}}}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
+         "gateway.routing.params.power_of_two: policy 'power_of_two' parameters: seeds: Extra inputs"),
+    ],
+)
+def test_field_errors_name_file_and_field(tmp_path: Path, body: str, expected: str) -> None:
+    path = write(tmp_path, body)
+    assert f"{path}: {expected}" in config_error(path)
+
+
+def test_unknown_model(tmp_path: Path) -> None:
+    path = tmp_path / "backends.yaml"
+    path.write_text("model: llava-9\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n")
+    assert config_error(path).startswith(f"{path}: model: unknown model 'llava-9'")
+
+
+def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    assert config_error(missing).startswith(f"{missing}: cannot read")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("backends: [\n")
+    assert config_error(broken).startswith(f"{broken}: not valid YAML")
