@@ -92,6 +92,7 @@ class Engine:
             mean_service_s=self.executor.mean_service_s,
             tokens_generated=self.executor.tokens_generated,
             requests_completed=self.executor.requests_completed,
+            pid=os.getpid(),
         )
 
     async def serve(self) -> None:

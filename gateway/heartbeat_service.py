@@ -31,6 +31,7 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         tokens_generated=msg.tokens_generated,
         requests_completed=msg.requests_completed,
         images_encoded=msg.images_encoded,
+        pid=msg.pid,
     )
 
 

@@ -38,6 +38,7 @@ class Runtime:
                 "gpu": e.gpu.name,
                 "address": e.address,
                 "managed": e.managed,
+                "pid": e.reported.pid or None,
                 "healthy": self.table.is_healthy(e),
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,

@@ -40,6 +40,7 @@ class Reported:
     tokens_generated: int = 0
     requests_completed: int = 0
     images_encoded: int = 0
+    pid: int = 0
 
 
 @dataclass(slots=True)
