@@ -51,10 +51,19 @@ class SequenceTooLarge(ValueError):
 
 
 class ContinuousBatcher:
-    def __init__(self, model: ModelProfile, gpu: GpuProfile, kv_capacity_bytes: int, max_batch: int = 256) -> None:
+    def __init__(
+        self,
+        model: ModelProfile,
+        gpu: GpuProfile,
+        kv_capacity_bytes: int,
+        max_batch: int = 256,
+        max_prefill_tokens: int | None = None,
+    ) -> None:
         self.model, self.gpu = model, gpu
         self.kv_capacity_bytes = kv_capacity_bytes
         self.max_batch = max_batch
+        # Bounds one step's prefill (work stealing keeps steps short); one sequence is always admitted.
+        self.max_prefill_tokens = max_prefill_tokens
         self.kv_used_bytes = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -106,10 +115,14 @@ class ContinuousBatcher:
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
+        prefill = 0
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             need = self.reservation(seq)
             if need > self.kv_free_bytes:
+                break
+            prefill += seq.prompt_tokens
+            if admitted and self.max_prefill_tokens is not None and prefill > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             seq.kv_reserved = need

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,8 +21,11 @@ import structlog
 
 from backends import perf_model
 from backends.batcher import SequenceTooLarge
+from backends.embedding_store import EmbeddingStore, EmbeddingTimeout
+from backends.gpu_scheduler import GpuScheduler
 from backends.heartbeat_sender import HeartbeatSender
 from backends.sim_executor import SimulatedExecutor
+from backends.vision_executor import VisionExecutor
 from gateway.catalog import GpuProfile, ModelProfile, load_catalog
 from gateway.cli import run
 from gateway.logs import configure_logging
@@ -33,21 +37,34 @@ ROLES = {"language": control_pb2.ROLE_LANGUAGE, "vision": control_pb2.ROLE_VISIO
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, executor: SimulatedExecutor) -> None:
-        self._executor = executor
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        executor = self._engine.language
+        if executor is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no language model")
         if request.max_tokens == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+        wait_s = 0.0
+        if request.embedding_count:
+            t0 = time.monotonic()
+            timeout_s = (request.embedding_timeout_ms or 10_000) / 1000
+            try:
+                await self._engine.embeddings.wait(request.request_id, request.embedding_count, timeout_s)
+            except EmbeddingTimeout as exc:
+                await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            wait_s = time.monotonic() - t0
         prompt_tokens = request.prompt_tokens + request.image_tokens
         try:
-            stream = self._executor.generate(request.request_id, max(1, prompt_tokens), request.max_tokens)
             count = 0
-            async for token in stream:
+            async for token in executor.generate(request.request_id, max(1, prompt_tokens), request.max_tokens):
                 count += 1
                 chunk = engine_pb2.GenerateChunk(text=token.text, index=token.index)
+                if count == 1:
+                    chunk.embedding_wait_s = wait_s
                 if token.finish_reason is not None:
                     chunk.finish_reason = token.finish_reason
                     chunk.usage.prompt_tokens = prompt_tokens
@@ -56,24 +73,86 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except SequenceTooLarge as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
+    async def Encode(
+        self, request: engine_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EncodeReply:
+        vision = self._engine.vision
+        if vision is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no vision encoder")
+        if not request.images or not request.deliver_to:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs images and deliver_to")
+        try:
+            return await vision.encode(request)
+        except grpc.aio.AioRpcError as exc:
+            detail = f"delivery to {request.deliver_to} failed: {exc.details()}"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
+        raise AssertionError("unreachable")
+
+    async def DeliverEmbedding(
+        self, request: engine_pb2.Embedding, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.DeliverReply:
+        if self._engine.language is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no language model")
+        self._engine.embeddings.put(request)
+        return engine_pb2.DeliverReply(accepted=True)
+
+
+class EmbeddingSender:
+    """Vision side of the hand-off: one pooled channel per language engine address."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._timeout_s = timeout_s
+
+    async def deliver(self, address: str, embedding: engine_pb2.Embedding) -> None:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
+            self._channels.append(channel)
+            stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
+        await stub.DeliverEmbedding(embedding, timeout=self._timeout_s)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels))
+
 
 class Engine:
     def __init__(self, args: argparse.Namespace, model: ModelProfile, gpu: GpuProfile) -> None:
         self.args = args
         self.model, self.gpu = model, gpu
-        kv = perf_model.kv_capacity_bytes(model, gpu, memory_utilization=args.memory_utilization)
-        self.executor = SimulatedExecutor(
-            model, gpu, kv, time_scale=args.time_scale, max_batch=args.max_batch, on_change=self._changed
-        )
+        role, steal = args.role, args.steal
+        self.embeddings = EmbeddingStore()
+        self.sender = EmbeddingSender()
+        self.language: SimulatedExecutor | None = None
+        self.vision: VisionExecutor | None = None
+        if role in ("vision", "both"):
+            self.vision = VisionExecutor(
+                model, gpu, self.sender.deliver, time_scale=args.time_scale, max_images=args.vision_batch,
+                batch_timeout_s=args.vision_batch_timeout_ms / 1000, on_change=self._changed,
+            )
+        if role in ("language", "both") or steal:
+            kv = perf_model.kv_capacity_bytes(
+                model, gpu, memory_utilization=args.memory_utilization, encoder_loaded=self.vision is not None
+            )
+            max_batch, prefill_budget = args.max_batch, None
+            if role == "vision":   # stealing: half batch, each step's prefill within the episode bound
+                max_batch = max(1, args.max_batch // 2)
+                prefill_budget = int(args.steal_episode_ms / 1000 / perf_model.prefill_seconds_per_token(model, gpu))
+            self.language = SimulatedExecutor(
+                model, gpu, kv, time_scale=args.time_scale, max_batch=max_batch,
+                max_prefill_tokens=prefill_budget, on_change=self._changed,
+            )
+        self.scheduler = GpuScheduler(self.language, self.vision, stealing=role == "vision")
         self.address = ""
         self.heartbeats = HeartbeatSender(args.gateway, self.state, interval_s=args.heartbeat_ms / 1000)
 
     def _changed(self) -> None:
+        self.scheduler.wake()
         self.heartbeats.poke()
 
     def state(self) -> control_pb2.BackendState:
-        b = self.executor.batcher
-        return control_pb2.BackendState(
+        msg = control_pb2.BackendState(
             backend_id=self.args.backend_id,
             role=ROLES[self.args.role],
             address=self.address,
@@ -85,19 +164,27 @@ class Engine:
                 hbm_gb=self.gpu.hbm_gb,
                 price_per_hour=self.gpu.price_per_hour,
             ),
-            queue_depth=len(b.waiting),
-            running=len(b.running),
-            kv_free_bytes=b.kv_free_bytes,
-            kv_total_bytes=b.kv_capacity_bytes,
-            mean_service_s=self.executor.mean_service_s,
-            tokens_generated=self.executor.tokens_generated,
-            requests_completed=self.executor.requests_completed,
+            steal=self.args.steal,
             pid=os.getpid(),
+            steal_episodes=self.scheduler.steal_episodes,
+            tokens_stolen=self.scheduler.tokens_stolen,
         )
+        if self.language is not None:
+            b = self.language.batcher
+            msg.queue_depth, msg.running = len(b.waiting), len(b.running)
+            msg.kv_free_bytes, msg.kv_total_bytes = b.kv_free_bytes, b.kv_capacity_bytes
+            msg.mean_service_s = self.language.mean_service_s
+            msg.tokens_generated = self.language.tokens_generated
+            msg.requests_completed = self.language.requests_completed
+        if self.vision is not None:
+            msg.vision_backlog = self.vision.backlog_tokens
+            msg.images_encoded = self.vision.images_encoded
+            msg.embedding_bytes_sent = self.vision.embedding_bytes_sent
+        return msg
 
     async def serve(self) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(self.executor), server)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(self), server)
         port = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         self.address = f"{self.args.host}:{port}"
         await server.start()
@@ -106,17 +193,18 @@ class Engine:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(c) for c in (self.executor.run(), self.heartbeats.run(), _watch_parent(stop))]
+        tasks = [asyncio.create_task(c) for c in (self.scheduler.run(), self.heartbeats.run(), _watch_parent(stop))]
         await stop.wait()
         for t in tasks:
             t.cancel()
         await server.stop(grace=1.0)
+        await self.sender.close()
 
 
 async def _watch_parent(stop: asyncio.Event) -> None:
     """Exit when the launching gateway is gone (killed with SIGKILL it cannot stop us)."""
     parent = os.getppid()
-    while os.getppid() == parent:
+    while os.getppid() == parent:  # noqa: ASYNC110 - polling the parent pid is the point
         await asyncio.sleep(1.0)
     stop.set()
 
@@ -134,6 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--memory-utilization", type=float, default=perf_model.DEFAULT_MEMORY_UTILIZATION)
     p.add_argument("--heartbeat-ms", type=int, default=200)
+    p.add_argument("--steal", action="store_true", help="vision engine: load the decoder and steal language work")
+    p.add_argument("--steal-episode-ms", type=float, default=100.0, help="bound on one stealing step")
+    p.add_argument("--vision-batch", type=int, default=32, help="aligned encode batch: images")
+    p.add_argument("--vision-batch-timeout-ms", type=float, default=50.0, help="aligned encode batch: wait")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 

@@ -1,7 +1,8 @@
-"""Simulated GPU: a continuous-batching loop in real time, timed by the performance model.
+"""Simulated language model: continuous batching in real time, timed by the performance model.
 
-Each `ContinuousBatcher.step()` says how long the step takes on this GPU; the loop sleeps for that
-duration × time_scale and then hands every sequence its token. Output lengths stand in for EOS: a
+Each `ContinuousBatcher.step()` says how long the step takes on this GPU; `run_step` sleeps for that
+duration × time_scale and then hands every sequence its token. The GPU scheduler decides when a
+step runs (vision work first on a shared GPU). Output lengths stand in for EOS: a
 request stops at a length drawn from its request id (stable across retries) unless max_tokens
 comes first.
 """
@@ -44,13 +45,13 @@ class SimulatedExecutor:
         *,
         time_scale: float = 1.0,
         max_batch: int = 256,
+        max_prefill_tokens: int | None = None,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
-        self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch)
+        self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch, max_prefill_tokens)
         self.time_scale = time_scale
         self._on_change = on_change
         self._queues: dict[int, asyncio.Queue[Token]] = {}
-        self._wake = asyncio.Event()
         self.mean_service_s = 0.0
         self.tokens_generated = 0
         self.requests_completed = 0
@@ -62,7 +63,6 @@ class SimulatedExecutor:
         self.batcher.submit(seq)   # raises SequenceTooLarge before anything is queued
         queue: asyncio.Queue[Token] = asyncio.Queue()
         self._queues[id(seq)] = queue
-        self._wake.set()
         self._on_change()
         try:
             while True:
@@ -74,23 +74,23 @@ class SimulatedExecutor:
             self._queues.pop(id(seq), None)
             if not seq.done:
                 self.batcher.cancel(seq)
-                self._wake.set()
 
-    async def run(self) -> None:
-        """The engine loop; runs until cancelled."""
-        while True:
-            if self.batcher.idle:
-                self._wake.clear()
-                await self._wake.wait()
-            step = self.batcher.step()
-            if step.duration_s > 0:
-                await asyncio.sleep(step.duration_s * self.time_scale)
-            self._publish(step.prefilled)
-            self._publish(step.decoded)
-            if step.prefilled or step.finished:
-                for seq in step.finished:
-                    self._record_service(time.monotonic() - seq.arrival_s)
-                self._on_change()
+    @property
+    def has_work(self) -> bool:
+        return not self.batcher.idle
+
+    async def run_step(self) -> int:
+        """Run one batch step; returns the number of tokens it produced."""
+        step = self.batcher.step()
+        if step.duration_s > 0:
+            await asyncio.sleep(step.duration_s * self.time_scale)
+        self._publish(step.prefilled)
+        self._publish(step.decoded)
+        if step.prefilled or step.finished:
+            for seq in step.finished:
+                self._record_service(time.monotonic() - seq.arrival_s)
+            self._on_change()
+        return len(step.prefilled) + len(step.decoded)
 
     def _publish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

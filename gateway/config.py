@@ -10,7 +10,9 @@ from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_v
 from gateway import yaml_files
 from gateway.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
 from gateway.errors import ConfigError
+from gateway.images import ImageLimits
 from gateway.policies import build_policy
+from gateway.policies.stealing import DEFAULT_THRESHOLD
 from gateway.yaml_files import StrictModel
 
 DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
@@ -23,6 +25,9 @@ class LaunchSpec(StrictModel):
     time_scale: float = Field(default=1.0, ge=0)
     max_batch: PositiveInt = 256
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    vision_batch: PositiveInt = 32                 # aligned encode batch: images ...
+    vision_batch_timeout_ms: PositiveFloat = 50.0  # ... or this long after the first one
+    steal_episode_ms: PositiveFloat = 100.0        # bound on one work-stealing step
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -38,6 +43,8 @@ class BackendSpec(StrictModel):
     def _managed_or_external(self) -> BackendSpec:
         if self.launch is None and self.address is None:
             raise ValueError("an entry needs `launch` (managed) or `address` (external)")
+        if self.steal and self.role != "vision":
+            raise ValueError("`steal` applies to vision backends only")
         return self
 
 
@@ -45,7 +52,7 @@ class Limits(StrictModel):
     max_prompt_tokens: PositiveInt | None = None   # default: the model's max_context
     max_tokens: PositiveInt = 4096                 # upper bound a client may ask for
     default_max_tokens: PositiveInt = 256
-    max_body_bytes: PositiveInt = 1 << 20
+    max_body_bytes: PositiveInt = 32 << 20         # images arrive base64-encoded inside the body
     max_messages: PositiveInt = 256
     max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
     first_token_timeout_s: PositiveFloat = 60.0
@@ -53,16 +60,25 @@ class Limits(StrictModel):
 
 
 class RoutingConfig(StrictModel):
-    policy: str = "heteroserve"
+    policy: str = "heteroserve"              # language pool
+    vision_policy: str = "encode_cost"       # vision pool
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class StealingConfig(StrictModel):
+    enabled: bool = True
+    threshold: PositiveInt = DEFAULT_THRESHOLD   # τ: language backlog that lets vision GPUs steal
 
 
 class GatewaySettings(StrictModel):
     heartbeat_interval_ms: PositiveInt = 200
     heartbeat_miss_limit: PositiveInt = 3
     engine_start_timeout_s: PositiveFloat = 60.0
+    handoff_timeout_s: PositiveFloat = 10.0   # a language engine waits this long for embeddings
     routing: RoutingConfig = RoutingConfig()
     limits: Limits = Limits()
+    images: ImageLimits = ImageLimits()
+    stealing: StealingConfig = StealingConfig()
 
 
 class ClusterFile(StrictModel):
@@ -95,7 +111,12 @@ class ClusterConfig:
             for i, b in enumerate(raw.backends)
         }
         routing = raw.gateway.routing
-        _resolve(path, "gateway.routing", lambda: build_policy(routing.policy, routing.params.get(routing.policy)))
+        for key, name in (("policy", routing.policy), ("vision_policy", routing.vision_policy)):
+            _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))  # type: ignore[misc]
+        if self.model.vision is None:
+            for i, b in enumerate(raw.backends):
+                if b.role != "language":
+                    raise ConfigError(f"{path}: backends.{i}.role: model {raw.model!r} has no vision encoder")
         for name, params in routing.params.items():
             _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))  # type: ignore[misc]
 

@@ -65,6 +65,13 @@ class EngineClient:
         finally:
             call.cancel()
 
+    async def encode(self, request: engine_pb2.EncodeRequest, *, timeout_s: float) -> engine_pb2.EncodeReply:
+        try:
+            reply: engine_pb2.EncodeReply = await self._stub.Encode(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc, self.backend_id, retryable=True) from None
+        return reply
+
     async def close(self) -> None:
         await self._channel.close()
 

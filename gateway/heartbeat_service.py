@@ -12,13 +12,6 @@ from gateway.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat")
 
-ROLE_NAMES = {
-    control_pb2.ROLE_LANGUAGE: "language",
-    control_pb2.ROLE_VISION: "vision",
-    control_pb2.ROLE_BOTH: "both",
-}
-
-
 def reported_from(msg: control_pb2.BackendState) -> Reported:
     return Reported(
         seq=msg.seq,
@@ -32,6 +25,9 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         requests_completed=msg.requests_completed,
         images_encoded=msg.images_encoded,
         pid=msg.pid,
+        steal_episodes=msg.steal_episodes,
+        tokens_stolen=msg.tokens_stolen,
+        embedding_bytes_sent=msg.embedding_bytes_sent,
     )
 
 
@@ -40,13 +36,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self,
         table: StateTable,
         on_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
-        language_backlog: Callable[[], int] = lambda: 0,
     ) -> None:
         self._table = table
         self._on_heartbeat = on_heartbeat
-        self._language_backlog = language_backlog
 
-    async def Connect(  # noqa: N802 - gRPC method name
+    async def Connect(
         self, request_iterator: AsyncIterator[control_pb2.BackendState], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[control_pb2.GatewayMessage]:
         interval_ms = int(self._table.heartbeat_interval_s * 1000)
@@ -62,6 +56,4 @@ class ControlService(control_pb2_grpc.ControlServicer):
             entry = self._table.apply_heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
             if entry is not None:
                 self._on_heartbeat(backend_id, msg.address)
-            yield control_pb2.GatewayMessage(
-                ack_seq=msg.seq, heartbeat_interval_ms=interval_ms, language_backlog=self._language_backlog()
-            )
+            yield control_pb2.GatewayMessage(ack_seq=msg.seq, heartbeat_interval_ms=interval_ms)

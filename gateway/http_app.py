@@ -27,6 +27,7 @@ from gateway.errors import (
     RequestError,
     openai_error_body,
 )
+from gateway.images import ImageInput, load_image
 from gateway.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest, image_parts, render_chat
 from gateway.pipeline import Dispatch, GenerationJob
@@ -126,10 +127,13 @@ def create_app(runtime: Runtime) -> FastAPI:
         err.status, err.type = exc.status_code, "invalid_request_error"
         return error_response(err, request_id_of(request))
 
+    def unknown_model(model: str) -> ModelNotFound:
+        return ModelNotFound(f"model {model!r} does not exist; this gateway serves {model_name!r}", param="model")
+
     def check_limits(model: str, prompt_tokens: int, asked: int | None) -> int:
         """Validate the model and lengths; return max_tokens to use."""
         if model != model_name:
-            raise ModelNotFound(f"model {model!r} does not exist; this gateway serves {model_name!r}", param="model")
+            raise unknown_model(model)
         if prompt_tokens > runtime.config.max_prompt_tokens:
             raise InvalidRequest(
                 f"prompt is {prompt_tokens} tokens; the limit is {runtime.config.max_prompt_tokens}",
@@ -151,6 +155,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         rid = job.request_id
         dispatch = await unless_disconnected(request, runtime.pipeline.start(job))
         headers = {"x-request-id": rid, "x-heterogate-backend": dispatch.backend_id}
+        if dispatch.vision_backend_id is not None:
+            headers["x-heterogate-vision-backend"] = dispatch.vision_backend_id
         if stream:
             events = sse(dispatch, ChunkWriter(kind, rid, model_name), include_usage, endpoint)
             return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **_SSE_HEADERS})
@@ -194,19 +200,37 @@ def create_app(runtime: Runtime) -> FastAPI:
                  ttft_s=round(dispatch.ttft_s, 4), latency_s=round(time.monotonic() - dispatch.started, 4),
                  status=status, endpoint=endpoint)
 
+    async def load_images(req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
+        parts = image_parts(req.messages)
+        if not parts:
+            return ()
+        if runtime.config.model.vision is None:
+            raise InvalidRequest(f"model {model_name!r} does not accept images", param="messages")
+        img_limits = runtime.config.settings.images
+        if len(parts) > img_limits.max_images:
+            raise InvalidRequest(f"{len(parts)} images; the limit is {img_limits.max_images} per request",
+                                 param="messages")
+        loads = (
+            load_image(p.image_url.url, f"messages.{i}.content.{j}", img_limits, runtime.config.model,
+                       runtime.fetcher)
+            for i, j, p in parts
+        )
+        return tuple(await asyncio.gather(*loads))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         rid = request_id_of(request)
         req = parse(ChatCompletionRequest, await read_body(request, limits.max_body_bytes))
         if len(req.messages) > limits.max_messages:
             raise InvalidRequest(f"{len(req.messages)} messages; the limit is {limits.max_messages}", param="messages")
-        for i, j, _ in image_parts(req.messages)[:1]:
-            raise InvalidRequest(
-                "image inputs are not enabled on this gateway yet", param=f"messages.{i}.content.{j}"
-            )
+        if req.model != model_name:
+            raise unknown_model(req.model)
+        images = await load_images(req)
         prompt, tokens = render_chat(req.messages)
-        max_tokens = check_limits(req.model, tokens, req.requested_max_tokens())
-        job = GenerationJob(rid, prompt, tokens, max_tokens, 1.0 if req.temperature is None else req.temperature)
+        image_tokens = sum(i.tokens for i in images)
+        max_tokens = check_limits(req.model, tokens + image_tokens, req.requested_max_tokens())
+        temperature = 1.0 if req.temperature is None else req.temperature
+        job = GenerationJob(rid, prompt, tokens, max_tokens, temperature, images)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(request, "chat", job, req.stream, include_usage, "chat")
 

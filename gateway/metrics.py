@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.state_table import StateTable
@@ -24,7 +24,7 @@ class BackendCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["backend", "role", "gpu"]
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "queue": GaugeMetricFamily("heterogate_backend_queue_depth", "Q_i as routed on", labels=labels),
             "in_flight": GaugeMetricFamily("heterogate_backend_in_flight", "Requests in flight", labels=labels),
             "kv_free": GaugeMetricFamily("heterogate_backend_kv_free_bytes", "Free KV cache bytes", labels=labels),
@@ -35,6 +35,12 @@ class BackendCollector(Collector):
             "healthy": GaugeMetricFamily("heterogate_backend_healthy", "1 if heartbeats are current", labels=labels),
             "service": GaugeMetricFamily(
                 "heterogate_backend_mean_service_seconds", "T̄_service used by the router", labels=labels
+            ),
+            "episodes": CounterMetricFamily(
+                "heterogate_backend_steal_episodes", "Work-stealing episodes (engine-reported)", labels=labels
+            ),
+            "stolen": CounterMetricFamily(
+                "heterogate_backend_tokens_stolen", "Tokens generated while stealing (engine-reported)", labels=labels
             ),
         }
         for e in self._table.entries():
@@ -47,6 +53,8 @@ class BackendCollector(Collector):
             families["vision"].add_metric(values, snap.vision_backlog)
             families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
             families["service"].add_metric(values, snap.mean_service_s)
+            families["episodes"].add_metric(values, e.reported.steal_episodes)
+            families["stolen"].add_metric(values, e.reported.tokens_stolen)
         yield from families.values()
 
 
@@ -61,7 +69,24 @@ class GatewayMetrics:
         self.oom_vetoes = Counter(
             "heterogate_routing_oom_vetoes", "Candidates vetoed for lack of KV room", ["backend"], registry=r
         )
-        self.retries = Counter("heterogate_dispatch_retries", "Re-dispatches before the first token", ["backend"], registry=r)
+        self.retries = Counter(
+            "heterogate_dispatch_retries", "Re-dispatches before the first token", ["backend"], registry=r
+        )
+        self.encode_seconds = Histogram(
+            "heterogate_encode_seconds", "Encode RPC latency (queue + encode + hand-off)", ["backend"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.embedding_bytes = Counter(
+            "heterogate_embedding_bytes", "Embedding bytes sent vision -> language", ["backend"], registry=r
+        )
+        self.handoff_wait_seconds = Histogram(
+            "heterogate_handoff_wait_seconds", "Time a language engine waited for embeddings", ["backend"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.stolen_requests = Counter(
+            "heterogate_stolen_requests", "Language requests routed to a vision backend (work stealing)",
+            ["backend"], registry=r,
+        )
         self.decision_seconds = Histogram(
             "heterogate_routing_decision_seconds", "Time to choose a backend", ["policy"],
             buckets=_DECISION_BUCKETS, registry=r,

@@ -1,29 +1,39 @@
-"""The request pipeline: route, dispatch, retry before the first token, count in flight.
+"""The request pipeline: route both pools, dispatch, hand off embeddings, retry before the first token.
+
+Text-only: route the language pool (heteroserve with L_r = text tokens) and call Generate.
+With images: route the language pool first (L_r = text + image tokens), then the vision pool; the
+vision engine encodes and delivers the embedding straight to the chosen language engine while that
+engine's Generate waits for it. The gateway carries control, not tensors. A vision failure before
+delivery re-encodes on another vision backend; a `both` (monolithic) backend encodes its own images.
 
 `start()` returns only once the first token is in hand, so every failure that can still be retried
-is retried (on another backend, up to `max_attempts`) and the HTTP door can still answer with a
-proper status. After the first token, failures surface from `Dispatch.rest()` and the client gets an
-error event; nothing is ever dispatched twice once a token has been sent.
+is retried (up to `max_attempts` per pool) and the HTTP door can still answer with a proper status.
+After the first token, failures surface from `Dispatch.rest()`: nothing is dispatched twice once a
+token has been sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import structlog
 
-from gateway.engine_client import EngineClients
+from gateway.engine_client import EngineClient, EngineClients
 from gateway.errors import BackendFailure, NoBackendAvailable
+from gateway.images import ImageInput
 from gateway.metrics import GatewayMetrics
-from gateway.policies.contracts import Decision, Policy, RequestProfile, Role
+from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
+from gateway.policies.stealing import stealers
 from gateway.state_table import StateTable
 from gateway.wire import engine_pb2
 
 log = structlog.get_logger("pipeline")
 
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")
+VISION_ROLES: tuple[Role, ...] = ("vision",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +43,11 @@ class GenerationJob:
     prompt_tokens: int
     max_tokens: int
     temperature: float = 1.0
-    image_tokens: int = 0
+    images: tuple[ImageInput, ...] = ()
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(img.tokens for img in self.images)
 
     def profile(self) -> RequestProfile:
         return RequestProfile(
@@ -42,9 +56,13 @@ class GenerationJob:
 
 
 @dataclass(frozen=True, slots=True)
-class Timeouts:
-    first_token_s: float
-    request_s: float
+class PipelineSettings:
+    max_attempts: int
+    first_token_timeout_s: float
+    request_timeout_s: float
+    handoff_timeout_s: float
+    stealing: bool
+    steal_threshold: int
 
 
 class Dispatch:
@@ -53,16 +71,18 @@ class Dispatch:
     def __init__(
         self,
         pipeline: Pipeline,
-        request_id: str,
+        job: GenerationJob,
         decision: Decision,
+        vision_backend_id: str | None,
         first: engine_pb2.GenerateChunk,
         stream: AsyncIterator[engine_pb2.GenerateChunk],
         started: float,
     ) -> None:
         self._pipeline = pipeline
-        self.request_id = request_id
+        self.request_id = job.request_id
         self.decision = decision
         self.backend_id = decision.backend.id
+        self.vision_backend_id = vision_backend_id
         self.first = first
         self._stream = stream
         self.started = started
@@ -94,49 +114,46 @@ class Pipeline:
         self,
         table: StateTable,
         policy: Policy,
+        vision_policy: Policy,
         clients: EngineClients,
         metrics: GatewayMetrics,
-        *,
-        max_attempts: int,
-        timeouts: Timeouts,
+        settings: PipelineSettings,
     ) -> None:
         self.table = table
         self.policy = policy
+        self.vision_policy = vision_policy
         self.clients = clients
         self.metrics = metrics
-        self.max_attempts = max_attempts
-        self.timeouts = timeouts
+        self.settings = settings
 
-    def route(self, profile: RequestProfile, exclude: list[str]) -> Decision | None:
-        now = time.monotonic()
-        candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
-        if not candidates:
-            return None
+    def _decide(self, policy: Policy, profile: RequestProfile, candidates: list[BackendSnapshot], now: float) -> (
+        Decision
+    ):
         t0 = time.perf_counter()
-        decision = self.policy.choose(profile, candidates, now)
-        self.metrics.decision_seconds.labels(self.policy.name).observe(time.perf_counter() - t0)
-        self.metrics.decisions.labels(self.policy.name, decision.backend.id).inc()
+        decision = policy.choose(profile, candidates, now)
+        self.metrics.decision_seconds.labels(policy.name).observe(time.perf_counter() - t0)
+        self.metrics.decisions.labels(policy.name, decision.backend.id).inc()
         for vetoed in decision.vetoed:
             self.metrics.oom_vetoes.labels(vetoed).inc()
-        log.debug("routed", request_id=profile.request_id, policy=self.policy.name,
-                  backend=decision.backend.id, costs=[c._asdict() for c in decision.costs])
+        log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
+                  costs=[c._asdict() for c in decision.costs])
         return decision
+
+    def route_language(self, profile: RequestProfile, exclude: list[str]) -> Decision | None:
+        now = time.monotonic()
+        candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
+        if self.settings.stealing:
+            vision = self.table.candidates(VISION_ROLES, now, exclude)
+            candidates += stealers(vision, self.table.language_backlog(), self.settings.steal_threshold)
+        return self._decide(self.policy, profile, candidates, now) if candidates else None
 
     async def start(self, job: GenerationJob) -> Dispatch:
         profile = job.profile()
-        request = engine_pb2.GenerateRequest(
-            request_id=job.request_id,
-            prompt=job.prompt,
-            prompt_tokens=job.prompt_tokens,
-            image_tokens=job.image_tokens,
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-        )
         started = time.monotonic()
         tried: list[str] = []
         last_error: BackendFailure | None = None
-        for _ in range(self.max_attempts):
-            decision = self.route(profile, tried)
+        for _ in range(self.settings.max_attempts):
+            decision = self.route_language(profile, tried)
             if decision is None:
                 break
             backend_id = decision.backend.id
@@ -144,33 +161,104 @@ class Pipeline:
             client = self.clients.get(backend_id)
             if client is None:
                 continue
-            self.table.acquire(backend_id)
-            stream = client.generate(
-                request, first_token_timeout_s=self.timeouts.first_token_s, timeout_s=self.timeouts.request_s
-            )
             try:
-                first = await anext(stream)
-            except (BackendFailure, StopAsyncIteration) as exc:
-                self.table.release(backend_id, None)
-                await stream.aclose()  # type: ignore[attr-defined]
-                if isinstance(exc, BackendFailure) and not exc.retryable:
+                return await self._attempt(job, decision, client, started)
+            except BackendFailure as exc:
+                if not exc.retryable:
                     raise
-                last_error = exc if isinstance(exc, BackendFailure) else BackendFailure(
-                    f"backend {backend_id}: empty stream", backend_id=backend_id
-                )
+                last_error = exc
                 self.metrics.retries.labels(backend_id).inc()
                 log.warning("dispatch_failed", request_id=job.request_id, backend=backend_id, error=str(exc))
-                continue
-            except BaseException:
-                self.table.release(backend_id, None)
-                await stream.aclose()  # type: ignore[attr-defined]
-                raise
-            dispatch = Dispatch(self, job.request_id, decision, first, stream, started)
-            self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
-            return dispatch
         if last_error is not None:
             raise last_error
         raise NoBackendAvailable("no healthy language backend is available; retry later")
+
+    async def _attempt(
+        self, job: GenerationJob, decision: Decision, client: EngineClient, started: float
+    ) -> Dispatch:
+        backend_id = decision.backend.id
+        request = engine_pb2.GenerateRequest(
+            request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
+            image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
+            embedding_count=len(job.images), embedding_timeout_ms=int(self.settings.handoff_timeout_s * 1000),
+        )
+        self.table.acquire(backend_id)
+        if decision.backend.role == "vision":
+            self.metrics.stolen_requests.labels(backend_id).inc()
+        stream = client.generate(
+            request, first_token_timeout_s=self.settings.first_token_timeout_s + (
+                self.settings.handoff_timeout_s if job.images else 0.0),
+            timeout_s=self.settings.request_timeout_s,
+        )
+        first_read = asyncio.ensure_future(anext(stream))
+        encoding = asyncio.ensure_future(self._encode(job, decision.backend, client)) if job.images else None
+        try:
+            if encoding is not None:
+                await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
+                if encoding.done() and encoding.exception() is not None:
+                    raise encoding.exception()  # type: ignore[misc]
+            first = await first_read
+            vision_id = await encoding if encoding is not None else None
+        except BaseException as exc:
+            for task in (first_read, encoding):
+                if task is not None:
+                    task.cancel()
+            self.table.release(backend_id, None)
+            await stream.aclose()  # type: ignore[attr-defined]
+            if isinstance(exc, StopAsyncIteration):
+                raise BackendFailure(f"backend {backend_id}: empty stream", backend_id=backend_id) from None
+            raise
+        if first.embedding_wait_s:
+            self.metrics.handoff_wait_seconds.labels(backend_id).observe(first.embedding_wait_s)
+        dispatch = Dispatch(self, job, decision, vision_id, first, stream, started)
+        self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
+        return dispatch
+
+    async def _encode(self, job: GenerationJob, language: BackendSnapshot, language_client: EngineClient) -> str:
+        """Encode the job's images and deliver them to `language`; returns the vision backend id."""
+        request = engine_pb2.EncodeRequest(
+            request_id=job.request_id, deliver_to=language_client.address,
+            images=[engine_pb2.Image(data=i.data, width=i.width, height=i.height, tokens=i.tokens)
+                    for i in job.images],
+        )
+        if language.role == "both":   # monolithic: this GPU encodes its own images
+            await self._encode_on(language.id, language_client, request, job.image_tokens)
+            return language.id
+        profile = job.profile()
+        tried: list[str] = []
+        last_error: BackendFailure | None = None
+        for _ in range(self.settings.max_attempts):
+            now = time.monotonic()
+            candidates = self.table.candidates(VISION_ROLES, now, tried)
+            client = None
+            if candidates:
+                vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id
+                tried.append(vision_id)
+                client = self.clients.get(vision_id)
+            if client is None:
+                break
+            try:
+                await self._encode_on(vision_id, client, request, job.image_tokens)
+                return vision_id
+            except BackendFailure as exc:
+                last_error = exc
+                self.metrics.retries.labels(vision_id).inc()
+                log.warning("encode_failed", request_id=job.request_id, backend=vision_id, error=str(exc))
+        if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
+            raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
+        raise NoBackendAvailable("no healthy vision backend is available for the request's images; retry later")
+
+    async def _encode_on(
+        self, backend_id: str, client: EngineClient, request: engine_pb2.EncodeRequest, tokens: int
+    ) -> None:
+        self.table.acquire_vision(backend_id, tokens)
+        t0 = time.monotonic()
+        try:
+            reply = await client.encode(request, timeout_s=self.settings.handoff_timeout_s)
+        finally:
+            self.table.release_vision(backend_id, tokens)
+        self.metrics.encode_seconds.labels(backend_id).observe(time.monotonic() - t0)
+        self.metrics.embedding_bytes.labels(backend_id).inc(reply.embedding_bytes)
 
     def finish(self, dispatch: Dispatch, service_s: float | None) -> None:
         self.table.release(dispatch.backend_id, service_s)

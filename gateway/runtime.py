@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from gateway.config import ClusterConfig, Limits
 from gateway.engine_client import EngineClients
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import LANGUAGE_ROLES, Pipeline, Timeouts
+from gateway.pipeline import LANGUAGE_ROLES, Pipeline, PipelineSettings
 from gateway.policies import build_policy
 from gateway.state_table import StateTable
 
@@ -20,6 +22,11 @@ class Runtime:
     clients: EngineClients
     metrics: GatewayMetrics
     pipeline: Pipeline
+    fetcher: httpx.AsyncClient    # remote image URLs (only when the config enables them)
+
+    async def close(self) -> None:
+        await self.clients.close()
+        await self.fetcher.aclose()
 
     @property
     def limits(self) -> Limits:
@@ -47,6 +54,11 @@ class Runtime:
                 "kv_free_bytes": snap.kv_free_bytes,
                 "kv_total_bytes": snap.kv_total_bytes,
                 "vision_backlog": snap.vision_backlog,
+                "images_encoded": e.reported.images_encoded,
+                "embedding_bytes_sent": e.reported.embedding_bytes_sent,
+                "steal": e.steal,
+                "steal_episodes": e.reported.steal_episodes,
+                "tokens_stolen": e.reported.tokens_stolen,
                 "mean_service_s": snap.mean_service_s,
                 "tokens_generated": e.reported.tokens_generated,
                 "requests_completed": e.reported.requests_completed,
@@ -62,17 +74,25 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
             spec.id, spec.role, config.gpus[spec.id], address=spec.address, managed=spec.launch is not None,
             steal=spec.steal,
         )
-    name = policy_name or settings.routing.policy
-    policy = build_policy(name, settings.routing.params.get(name))
+    routing = settings.routing
+    name = policy_name or routing.policy
+    policy = build_policy(name, routing.params.get(name))
+    vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
     clients = EngineClients()
     for spec in config.raw.backends:
         if spec.address is not None:
             clients.ensure(spec.id, spec.address)
     metrics = GatewayMetrics(table)
     limits = settings.limits
-    pipeline = Pipeline(
-        table, policy, clients, metrics,
+    pipeline = Pipeline(table, policy, vision_policy, clients, metrics, PipelineSettings(
         max_attempts=limits.max_attempts,
-        timeouts=Timeouts(first_token_s=limits.first_token_timeout_s, request_s=limits.request_timeout_s),
+        first_token_timeout_s=limits.first_token_timeout_s,
+        request_timeout_s=limits.request_timeout_s,
+        handoff_timeout_s=settings.handoff_timeout_s,
+        stealing=settings.stealing.enabled,
+        steal_threshold=settings.stealing.threshold,
+    ))
+    fetcher = httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )
-    return Runtime(config, table, clients, metrics, pipeline)
+    return Runtime(config, table, clients, metrics, pipeline, fetcher)

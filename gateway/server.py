@@ -86,6 +86,6 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         await http
         await supervisor.stop()
         await control.stop(grace=1.0)
-        await runtime.clients.close()
+        await runtime.close()
         stopper.cancel()
         log.info("gateway_stopped")

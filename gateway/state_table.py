@@ -41,6 +41,9 @@ class Reported:
     requests_completed: int = 0
     images_encoded: int = 0
     pid: int = 0
+    steal_episodes: int = 0
+    tokens_stolen: int = 0
+    embedding_bytes_sent: int = 0
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class BackendEntry:
     last_heartbeat: float | None = None       # monotonic seconds
     reported: Reported = field(default_factory=Reported)
     in_flight: int = 0
+    vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded
     service_ewma_s: float | None = None
     snapshot: BackendSnapshot | None = None   # None = stale, rebuild on next read
 
@@ -111,6 +115,16 @@ class StateTable:
             entry.service_ewma_s = service_s if prev is None else prev + SERVICE_EWMA_ALPHA * (service_s - prev)
         entry.snapshot = None
 
+    def acquire_vision(self, backend_id: str, image_tokens: int) -> None:
+        entry = self._entries[backend_id]
+        entry.vision_in_flight_tokens += image_tokens
+        entry.snapshot = None
+
+    def release_vision(self, backend_id: str, image_tokens: int) -> None:
+        entry = self._entries[backend_id]
+        entry.vision_in_flight_tokens = max(0, entry.vision_in_flight_tokens - image_tokens)
+        entry.snapshot = None
+
     # -- readers -----------------------------------------------------------------------------
 
     def get(self, backend_id: str) -> BackendEntry | None:
@@ -132,11 +146,15 @@ class StateTable:
         now = self.clock() if now is None else now
         limit = self.miss_limit * self.heartbeat_interval_s
         skip = set(exclude)
-        out = []
-        for e in self._entries.values():
-            if e.role in roles and e.last_heartbeat is not None and now - e.last_heartbeat <= limit and e.id not in skip:
-                out.append(e.snapshot or self._rebuild(e))
-        return out
+        return [
+            e.snapshot or self._rebuild(e)
+            for e in self._entries.values()
+            if e.role in roles and e.last_heartbeat is not None and now - e.last_heartbeat <= limit and e.id not in skip
+        ]
+
+    def language_backlog(self) -> int:
+        """Requests waiting (admitted, not yet running) across the language pool, as last reported."""
+        return sum(e.reported.waiting for e in self._entries.values() if e.role != "vision")
 
     def snapshot(self, entry: BackendEntry) -> BackendSnapshot:
         return entry.snapshot or self._rebuild(entry)
@@ -167,7 +185,7 @@ class StateTable:
             kv_free_bytes=r.kv_free_bytes,
             kv_total_bytes=r.kv_total_bytes,
             kv_bytes_per_token=self.model.kv_bytes_per_token,
-            vision_backlog=r.vision_backlog,
+            vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens),
             mean_service_s=self.mean_service_s(e),
             prefill_s_per_token=perf_model.prefill_seconds_per_token(self.model, e.gpu),
             encode_s_per_token=perf_model.encode_seconds(self.model, e.gpu, 1),

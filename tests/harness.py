@@ -102,3 +102,68 @@ def run_gateway(config: Path, *extra: str, healthy: int | None = None, timeout: 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+# --- Fault injection, metrics and SSE helpers for the integration / end-to-end tests -------------
+
+
+def engine_pid(gw: Gateway, backend_id: str) -> int:
+    """The pid a backend's engine reports in its heartbeats (waits for the first one)."""
+    return int(gw.wait_until(lambda: gw.backend(backend_id)["pid"], timeout=10))
+
+
+def wait_all_healthy(gw: Gateway, timeout: float = 20.0) -> list[dict[str, Any]]:
+    """Block until every backend of the gateway heartbeats; returns /admin/backends then."""
+    return list(gw.wait_until(lambda: (bs := gw.backends()) and all(b["healthy"] for b in bs) and bs, timeout=timeout))
+
+
+@contextmanager
+def sigstopped(pid: int) -> Iterator[None]:
+    """SIGSTOP a process for the block and SIGCONT it on the way out, whatever happens inside."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def metric_total(gw: Gateway, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` in /metrics whose labels include `labels` (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{gw.url}/metrics", timeout=5).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def sse_payloads(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of the `data:` lines of a server-sent-event stream, in order."""
+    for line in lines:
+        if line.startswith("data:"):
+            yield line[len("data:"):].strip()
+
+
+def long_request_id(min_tokens: int, prefix: str = "long") -> str:
+    """A request id whose simulated natural completion is at least `min_tokens` tokens long.
+
+    Simulated engines stop a request at a length drawn from its id (x-request-id is honoured), so a
+    test that needs a long generation picks its id.
+    """
+    from backends.sim_executor import natural_length
+
+    return next(f"{prefix}-{i}" for i in range(100_000) if natural_length(f"{prefix}-{i}") >= min_tokens)

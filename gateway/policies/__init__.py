@@ -15,13 +15,19 @@ from pydantic import ValidationError
 from gateway.errors import ConfigError
 from gateway.policies.capacity_proportional import CapacityProportional
 from gateway.policies.contracts import Policy
+from gateway.policies.encode_cost import EncodeCost
 from gateway.policies.heteroserve import HeteroServe
+from gateway.policies.least_image_tokens import LeastImageTokens
 from gateway.policies.power_of_two import PowerOfTwo
 from gateway.policies.round_robin import RoundRobin
 from gateway.policies.shortest_queue import ShortestQueue
 
 REGISTRY: dict[str, Any] = {
-    cls.name: cls for cls in (HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo)
+    cls.name: cls
+    for cls in (
+        HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo,
+        EncodeCost, LeastImageTokens,  # vision pool
+    )
 }
 
 

@@ -32,7 +32,7 @@ class GpuProfile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tflops: _Optional[float] = ..., bandwidth_gbs: _Optional[float] = ..., hbm_gb: _Optional[float] = ..., price_per_hour: _Optional[float] = ...) -> None: ...
 
 class BackendState(_message.Message):
-    __slots__ = ("backend_id", "role", "address", "model", "gpu", "queue_depth", "running", "kv_free_bytes", "kv_total_bytes", "vision_backlog", "mean_service_s", "seq", "steal", "tokens_generated", "requests_completed", "images_encoded", "pid")
+    __slots__ = ("backend_id", "role", "address", "model", "gpu", "queue_depth", "running", "kv_free_bytes", "kv_total_bytes", "vision_backlog", "mean_service_s", "seq", "steal", "tokens_generated", "requests_completed", "images_encoded", "pid", "steal_episodes", "tokens_stolen", "embedding_bytes_sent")
     BACKEND_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class BackendState(_message.Message):
     REQUESTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    STEAL_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_STOLEN_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     backend_id: str
     role: Role
     address: str
@@ -67,14 +70,15 @@ class BackendState(_message.Message):
     requests_completed: int
     images_encoded: int
     pid: int
-    def __init__(self, backend_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., gpu: _Optional[_Union[GpuProfile, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., kv_total_bytes: _Optional[int] = ..., vision_backlog: _Optional[int] = ..., mean_service_s: _Optional[float] = ..., seq: _Optional[int] = ..., steal: _Optional[bool] = ..., tokens_generated: _Optional[int] = ..., requests_completed: _Optional[int] = ..., images_encoded: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    steal_episodes: int
+    tokens_stolen: int
+    embedding_bytes_sent: int
+    def __init__(self, backend_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., gpu: _Optional[_Union[GpuProfile, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., kv_total_bytes: _Optional[int] = ..., vision_backlog: _Optional[int] = ..., mean_service_s: _Optional[float] = ..., seq: _Optional[int] = ..., steal: _Optional[bool] = ..., tokens_generated: _Optional[int] = ..., requests_completed: _Optional[int] = ..., images_encoded: _Optional[int] = ..., pid: _Optional[int] = ..., steal_episodes: _Optional[int] = ..., tokens_stolen: _Optional[int] = ..., embedding_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
-    __slots__ = ("ack_seq", "heartbeat_interval_ms", "language_backlog")
+    __slots__ = ("ack_seq", "heartbeat_interval_ms")
     ACK_SEQ_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
-    LANGUAGE_BACKLOG_FIELD_NUMBER: _ClassVar[int]
     ack_seq: int
     heartbeat_interval_ms: int
-    language_backlog: int
-    def __init__(self, ack_seq: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., language_backlog: _Optional[int] = ...) -> None: ...
+    def __init__(self, ack_seq: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...

@@ -35,16 +35,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "index", "finish_reason", "usage")
+    __slots__ = ("text", "index", "finish_reason", "usage", "embedding_wait_s")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     finish_reason: str
     usage: Usage
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    embedding_wait_s: float
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., embedding_wait_s: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "width", "height", "tokens")

@@ -133,7 +133,7 @@ def test_capacity_proportional_ignores_load() -> None:
 
 
 def test_registry_builds_every_policy_by_name() -> None:
-    assert set(REGISTRY) == {"heteroserve", "round_robin", "shortest_queue", "power_of_two", "capacity_proportional"}
+    assert {"heteroserve", "round_robin", "shortest_queue", "power_of_two", "capacity_proportional"} <= set(REGISTRY)
     backends = cluster({"H100": 1, "L40S": 1})
     for name in REGISTRY:
         p = build_policy(name)

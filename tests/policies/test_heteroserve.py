@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 
 from gateway.policies import build_policy
-from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
+from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
 from gateway.policies.heteroserve import HeteroServe, HeteroServeParams
 from gateway.policies.shortest_queue import ShortestQueue
 from tests.snapshots import cluster, random_cluster, snapshot
@@ -164,6 +164,47 @@ def test_w1_zero_is_shortest_queue() -> None:
         ]
         r = request(rng.randint(1, 4096))
         assert hetero.choose(r, backends, now=0.0).backend.id == sq.choose(r, backends, now=0.0).backend.id, trial
+
+
+def algorithm_1(p: HeteroServe, request: RequestProfile, candidates: Sequence[BackendSnapshot]) -> Decision:
+    """The paper's Algorithm 1, written as the plain loop, as the reference for the policy."""
+    best_i, best = 0, float("inf")
+    costs = []
+    for i, b in enumerate(candidates):
+        c1 = p.w1 * request.input_tokens * b.prefill_s_per_token
+        c2 = p.w2 * b.queue_depth * b.mean_service_s
+        c3 = p.w3 if request.input_tokens > b.kv_free_bytes / b.kv_bytes_per_token else 0.0
+        c = c1 + c2 + c3
+        costs.append(CostTerms(b.id, c1, c2, c3, c))
+        if c < best:
+            best_i, best = i, c
+    return Decision(candidates[best_i], "heteroserve", tuple(costs))
+
+
+def _odd(rng: random.Random, b: BackendSnapshot) -> BackendSnapshot:
+    """Ties, empty queues, infinite service times (0 · inf = NaN) and a zero-free KV cache."""
+    return dataclasses.replace(
+        b,
+        queue_depth=rng.choice([0, 0, 1, b.queue_depth]),
+        mean_service_s=rng.choice([0.5, 0.5, b.mean_service_s, float("inf")]),
+        kv_free_bytes=rng.choice([0, b.kv_free_bytes, b.kv_total_bytes]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("w1", "w2", "w3"), [(1, 1, 100), (0, 1, 100), (1, 0, 100), (0, 0, 0), (1, 1, float("inf")), (2.5, 0.1, 7)]
+)
+def test_matches_algorithm_1_exactly(w1: float, w2: float, w3: float) -> None:
+    rng = random.Random(f"{w1}/{w2}/{w3}")
+    p = policy(w1, w2, w3)
+    for trial in range(300):
+        backends = random_cluster(rng, rng.randint(1, 24), max_queue=3)
+        if trial % 2:
+            backends = [_odd(rng, b) for b in backends]
+        r = request(rng.choice([1, 576, rng.randint(1, 32768)]))
+        got, want = p.choose(r, backends, now=0.0), algorithm_1(p, r, backends)
+        assert got.backend.id == want.backend.id, trial
+        assert repr(got.costs) == repr(want.costs), trial    # repr: NaN == NaN
 
 
 def test_choose_is_pure() -> None:

@@ -1,0 +1,54 @@
+"""One loop per simulated GPU: what runs next when a GPU holds a vision encoder, a decoder, or both.
+
+Vision first (work stealing P1, modality paper §5.3): whenever an encode batch is ready it runs
+before the next language step, so a vision burst waits at most one language step. Language steps on
+a stealing GPU are kept short by its batcher (half batch, bounded prefill per step), which bounds
+that wait. While an encode batch is still filling (aligned batching), language steps go on.
+A `both` (monolithic) GPU runs the same loop without the bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from backends.sim_executor import SimulatedExecutor
+from backends.vision_executor import VisionExecutor
+
+
+class GpuScheduler:
+    def __init__(self, language: SimulatedExecutor | None, vision: VisionExecutor | None, *, stealing: bool) -> None:
+        self.language, self.vision = language, vision
+        self.stealing = stealing
+        self._wake = asyncio.Event()
+        self.steal_episodes = 0
+        self.tokens_stolen = 0
+        self._in_episode = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            wait_s = self.vision.ready_in(time.monotonic()) if self.vision else float("inf")
+            if wait_s == 0.0:
+                assert self.vision is not None
+                self._in_episode = False
+                await self.vision.run_batch()
+            elif self.language is not None and self.language.has_work:
+                tokens = await self.language.run_step()
+                if self.stealing:
+                    self._count_steal(tokens)
+            else:
+                self._in_episode = False
+                timeout = None if wait_s == float("inf") else wait_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _count_steal(self, tokens: int) -> None:
+        if not self._in_episode:
+            self._in_episode = True
+            self.steal_episodes += 1
+        self.tokens_stolen += tokens

@@ -1,0 +1,1 @@
+"""Load generation for HeteroGate: the discrete-event simulator (`loadtest.sim`) for policy studies at scale."""

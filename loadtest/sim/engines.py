@@ -1,0 +1,215 @@
+"""Simulated GPUs in virtual time: the paper's serial engine and the shared continuous batcher.
+
+An engine is driven by two calls: `submit(i, now)` queues request i and, if the GPU was idle, starts
+work and returns the time of its next event; `on_event(now)` completes that event and returns the
+requests that finished plus the time of the following event (None when the GPU goes idle). Each
+engine owns its signals (queue, in-flight, free KV, an EWMA of completed service times) and exposes
+them as the router's `BackendSnapshot`, rebuilt lazily only after its state changed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends import perf_model
+from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
+from gateway.catalog import GpuProfile, ModelProfile
+from gateway.policies.contracts import BackendSnapshot, Role
+from loadtest.sim.workloads import Lengths
+
+EWMA_ALPHA = 0.1    # weight of the newest completed service time in T̄_service
+
+
+@dataclass(slots=True)
+class Recorder:
+    """Per-request outcomes, indexed like the trace (NaN / -1 until they happen)."""
+
+    lengths: Lengths
+    backend: np.ndarray
+    admitted: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    rejected: np.ndarray
+
+    @classmethod
+    def for_lengths(cls, lengths: Lengths) -> Recorder:
+        n = len(lengths.output_tokens)
+        return cls(
+            lengths,
+            np.full(n, -1, dtype=np.int64),
+            np.full(n, np.nan),
+            np.full(n, np.nan),
+            np.full(n, np.nan),
+            np.zeros(n, dtype=bool),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    backend_id: str
+    model: ModelProfile
+    gpu: GpuProfile
+    kv_capacity: int
+    prior_service_s: float          # T̄_service before any completion: the performance model's estimate
+    role: Role = "language"
+    max_batch: int = 256
+
+
+class Engine:
+    """Signals and snapshot shared by every engine kind."""
+
+    def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
+        model, gpu = spec.model, spec.gpu
+        self.id, self.model, self.gpu, self.rec, self.role = spec.backend_id, model, gpu, rec, spec.role
+        self.kv_capacity = spec.kv_capacity
+        self.mean_service_s = spec.prior_service_s
+        self.in_flight = 0
+        self._snap: BackendSnapshot | None = None
+        self._static = dict(
+            id=spec.backend_id,
+            role=spec.role,
+            gpu=gpu.name,
+            tflops=gpu.tflops,
+            bandwidth_gbs=gpu.bandwidth_gbs,
+            price_per_hour=gpu.price_per_hour,
+            kv_total_bytes=spec.kv_capacity,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            prefill_s_per_token=perf_model.prefill_seconds_per_token(model, gpu),
+            encode_s_per_token=perf_model.encode_seconds(model, gpu, 1),
+        )
+
+    def submit(self, i: int, now: float) -> float | None:
+        raise NotImplementedError
+
+    def on_event(self, now: float) -> tuple[list[int], float | None]:
+        raise NotImplementedError
+
+    def queue_depth(self) -> int:
+        raise NotImplementedError
+
+    def kv_free_bytes(self) -> int:
+        raise NotImplementedError
+
+    def vision_backlog(self) -> int:
+        return 0
+
+    def snapshot(self) -> BackendSnapshot:
+        if self._snap is None:
+            self._snap = BackendSnapshot(
+                **self._static,  # type: ignore[arg-type]
+                queue_depth=max(self.in_flight, self.queue_depth()),
+                in_flight=self.in_flight,
+                kv_free_bytes=self.kv_free_bytes(),
+                vision_backlog=self.vision_backlog(),
+                mean_service_s=self.mean_service_s,
+            )
+        return self._snap
+
+    def _finished(self, i: int, now: float) -> None:
+        """Record a completion and feed its service time (admission → last token) into T̄_service."""
+        self.rec.finish[i] = now
+        self.mean_service_s += EWMA_ALPHA * (now - self.rec.admitted[i] - self.mean_service_s)
+        self.in_flight -= 1
+
+
+class SerialEngine(Engine):
+    """The capability-weighted paper's GPU: one request at a time, prefill 2·P·L/F then 2·P/B per token."""
+
+    def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
+        super().__init__(spec, rec)
+        self.queue: deque[int] = deque()
+        self.current = -1
+        self.prefill_per_token = perf_model.prefill_seconds_per_token(self.model, self.gpu)
+        self.decode_per_token = perf_model.serial_decode_seconds_per_token(self.model, self.gpu)
+
+    def queue_depth(self) -> int:
+        return len(self.queue) + (self.current >= 0)
+
+    def kv_free_bytes(self) -> int:
+        if self.current < 0:
+            return self.kv_capacity
+        lengths = self.rec.lengths
+        tokens = int(lengths.input_tokens[self.current] + lengths.max_output_tokens[self.current])
+        return self.kv_capacity - perf_model.kv_bytes(self.model, tokens)
+
+    def submit(self, i: int, now: float) -> float | None:
+        self.in_flight += 1
+        self.queue.append(i)
+        self._snap = None
+        return self._start(now) if self.current < 0 else None
+
+    def on_event(self, now: float) -> tuple[list[int], float | None]:
+        done = self.current
+        self._finished(done, now)
+        self.current = -1
+        self._snap = None
+        return [done], (self._start(now) if self.queue else None)
+
+    def _start(self, now: float) -> float:
+        i = self.current = self.queue.popleft()
+        lengths = self.rec.lengths
+        prefill = int(lengths.input_tokens[i]) * self.prefill_per_token
+        self.rec.admitted[i] = now
+        self.rec.first_token[i] = now + prefill
+        return now + prefill + int(lengths.output_tokens[i]) * self.decode_per_token
+
+
+class BatchEngine(Engine):
+    """Continuous batching with the shared `ContinuousBatcher`; virtual time advances by `step()`'s duration."""
+
+    def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
+        super().__init__(spec, rec)
+        self.batcher = ContinuousBatcher(self.model, self.gpu, self.kv_capacity, max_batch=spec.max_batch)
+        self.stepping = False
+        self._step_start = 0.0
+        self._result_prefilled: list[Sequence] = []
+        self._result_finished: list[Sequence] = []
+
+    def queue_depth(self) -> int:
+        return len(self.batcher.waiting) + len(self.batcher.running)
+
+    def kv_free_bytes(self) -> int:
+        return self.batcher.kv_free_bytes
+
+    def submit(self, i: int, now: float) -> float | None:
+        lengths = self.rec.lengths
+        seq = Sequence(
+            str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.output_tokens[i]), now
+        )
+        try:
+            self.batcher.submit(seq)
+        except SequenceTooLarge:
+            self.rec.rejected[i] = True
+            return None
+        self.in_flight += 1
+        self._snap = None
+        return None if self.stepping else self._step(now)
+
+    def on_event(self, now: float) -> tuple[list[int], float | None]:
+        for s in self._result_prefilled:
+            i = int(s.id)
+            self.rec.admitted[i] = self._step_start
+            self.rec.first_token[i] = now
+        done = [int(s.id) for s in self._result_finished]
+        for i in done:
+            self._finished(i, now)
+        self._snap = None
+        if self.batcher.idle:
+            self.stepping = False
+            return done, None
+        return done, self._step(now)
+
+    def _step(self, now: float) -> float | None:
+        result = self.batcher.step()
+        if result.duration_s <= 0.0:
+            if not self.batcher.idle:
+                raise RuntimeError(f"{self.id}: a step made no progress with work queued")
+            self.stepping = False          # only cancelled sequences were left
+            return None
+        self.stepping = True
+        self._step_start = now
+        self._result_prefilled, self._result_finished = result.prefilled, result.finished
+        return now + result.duration_s
