@@ -167,3 +167,10 @@ def long_request_id(min_tokens: int, prefix: str = "long") -> str:
     from backends.sim_executor import natural_length
 
     return next(f"{prefix}-{i}" for i in range(100_000) if natural_length(f"{prefix}-{i}") >= min_tokens)
+
+
+def short_request_id(max_tokens: int, prefix: str = "short") -> str:
+    """A request id whose simulated natural completion is at most `max_tokens` tokens long."""
+    from backends.sim_executor import natural_length
+
+    return next(f"{prefix}-{i}" for i in range(100_000) if natural_length(f"{prefix}-{i}") <= max_tokens)

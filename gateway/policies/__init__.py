@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.errors import ConfigError
+from gateway.policies.batch_aware import BatchAware
 from gateway.policies.capacity_proportional import CapacityProportional
 from gateway.policies.contracts import Policy
 from gateway.policies.encode_cost import EncodeCost
@@ -25,7 +26,7 @@ from gateway.policies.shortest_queue import ShortestQueue
 REGISTRY: dict[str, Any] = {
     cls.name: cls
     for cls in (
-        HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo,
+        HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo, BatchAware,
         EncodeCost, LeastImageTokens,  # vision pool
     )
 }

@@ -59,8 +59,10 @@ def test_models_and_health(demo_gateway: Gateway) -> None:
 
 def test_admin_backends_shape(demo_gateway: Gateway) -> None:
     backends = demo_gateway.backends()
-    assert len(backends) == 8
-    assert {b["gpu"] for b in backends} == {"H100", "A100-80GB", "L40S"}
+    language = [b for b in backends if b["role"] == "language"]
+    assert len(language) == 8
+    assert {b["gpu"] for b in language} == {"H100", "A100-80GB", "L40S"}
+    assert {b["gpu"] for b in backends if b["role"] == "vision"} == {"RTX-4090"}
     for b in backends:
         for key in ("id", "role", "gpu", "healthy", "queue_depth", "in_flight", "kv_free_bytes", "kv_total_bytes"):
             assert key in b
