@@ -8,7 +8,10 @@ from typing import Any, Literal
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from gateway import yaml_files
+from gateway.admission import AdmissionConfig
+from gateway.auth import AuthConfig
 from gateway.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
+from gateway.circuit_breaker import BreakerConfig
 from gateway.errors import ConfigError
 from gateway.images import ImageLimits
 from gateway.policies import build_policy
@@ -56,7 +59,7 @@ class Limits(StrictModel):
     max_messages: PositiveInt = 256
     max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
     first_token_timeout_s: PositiveFloat = 60.0
-    request_timeout_s: PositiveFloat = 600.0
+    request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
 
 
 class RoutingConfig(StrictModel):
@@ -75,10 +78,16 @@ class GatewaySettings(StrictModel):
     heartbeat_miss_limit: PositiveInt = 3
     engine_start_timeout_s: PositiveFloat = 60.0
     handoff_timeout_s: PositiveFloat = 10.0   # a language engine waits this long for embeddings
+    drain_timeout_s: PositiveFloat = 30.0     # on SIGTERM: finish in-flight requests for up to this long
+    retry_backoff_s: PositiveFloat = 0.02     # first retry waits U(0.5, 1) × this; doubles per retry
+    retry_backoff_max_s: PositiveFloat = 1.0
     routing: RoutingConfig = RoutingConfig()
     limits: Limits = Limits()
     images: ImageLimits = ImageLimits()
     stealing: StealingConfig = StealingConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    auth: AuthConfig = AuthConfig()
 
 
 class ClusterFile(StrictModel):

@@ -217,9 +217,25 @@ def create_app(runtime: Runtime) -> FastAPI:
         )
         return tuple(await asyncio.gather(*loads))
 
+    def client_timeout(request: Request) -> float | None:
+        raw = request.headers.get("x-request-timeout")
+        if raw is None:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise InvalidRequest("x-request-timeout must be a positive number of seconds", param="x-request-timeout")
+        return value
+
+    def authorize(request: Request, *, admin: bool = False) -> None:
+        runtime.keys.check(request.headers.get("authorization"), admin=admin)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         rid = request_id_of(request)
+        authorize(request)
         req = parse(ChatCompletionRequest, await read_body(request, limits.max_body_bytes))
         if len(req.messages) > limits.max_messages:
             raise InvalidRequest(f"{len(req.messages)} messages; the limit is {limits.max_messages}", param="messages")
@@ -230,13 +246,14 @@ def create_app(runtime: Runtime) -> FastAPI:
         image_tokens = sum(i.tokens for i in images)
         max_tokens = check_limits(req.model, tokens + image_tokens, req.requested_max_tokens())
         temperature = 1.0 if req.temperature is None else req.temperature
-        job = GenerationJob(rid, prompt, tokens, max_tokens, temperature, images)
+        job = GenerationJob(rid, prompt, tokens, max_tokens, temperature, images, client_timeout(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(request, "chat", job, req.stream, include_usage, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         rid = request_id_of(request)
+        authorize(request)
         req = parse(CompletionRequest, await read_body(request, limits.max_body_bytes))
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -248,12 +265,14 @@ def create_app(runtime: Runtime) -> FastAPI:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = count_text_tokens(prompt)
         max_tokens = check_limits(req.model, tokens, req.requested_max_tokens())
-        job = GenerationJob(rid, prompt, tokens, max_tokens, 1.0 if req.temperature is None else req.temperature)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        job = GenerationJob(rid, prompt, tokens, max_tokens, temperature, timeout_s=client_timeout(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(request, "text", job, req.stream, include_usage, "completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        authorize(request)
         item = {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate"}
         return json_response({"object": "list", "data": [item]})
 
@@ -268,11 +287,13 @@ def create_app(runtime: Runtime) -> FastAPI:
         return json_response({"ready": bool(healthy), "healthy_language_backends": healthy}, status)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        authorize(request, admin=True)
         return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/admin/backends")
-    async def admin_backends() -> Response:
+    async def admin_backends(request: Request) -> Response:
+        authorize(request, admin=True)
         return json_response({"object": "list", "data": runtime.describe_backends()})
 
     return app

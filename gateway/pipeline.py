@@ -15,12 +15,15 @@ token has been sent.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import structlog
 
+from gateway.admission import AdmissionQueue
+from gateway.circuit_breaker import Breakers
 from gateway.engine_client import EngineClient, EngineClients
 from gateway.errors import BackendFailure, NoBackendAvailable
 from gateway.images import ImageInput
@@ -44,6 +47,7 @@ class GenerationJob:
     max_tokens: int
     temperature: float = 1.0
     images: tuple[ImageInput, ...] = ()
+    timeout_s: float | None = None     # the client's deadline, capped by the server's request timeout
 
     @property
     def image_tokens(self) -> int:
@@ -63,6 +67,8 @@ class PipelineSettings:
     handoff_timeout_s: float
     stealing: bool
     steal_threshold: int
+    retry_backoff_s: float = 0.02
+    retry_backoff_max_s: float = 1.0
 
 
 class Dispatch:
@@ -103,6 +109,9 @@ class Dispatch:
                 backend_id=self.backend_id,
                 retryable=False,
             ) from None
+        except BackendFailure:
+            self._pipeline.breakers.on_failure(self.backend_id)
+            raise
         finally:
             await self._stream.aclose()  # type: ignore[attr-defined]
             elapsed = time.monotonic() - self.started
@@ -118,7 +127,11 @@ class Pipeline:
         clients: EngineClients,
         metrics: GatewayMetrics,
         settings: PipelineSettings,
+        breakers: Breakers,
+        admission: AdmissionQueue,
     ) -> None:
+        self.breakers = breakers
+        self.admission = admission
         self.table = table
         self.policy = policy
         self.vision_policy = vision_policy
@@ -139,8 +152,15 @@ class Pipeline:
                   costs=[c._asdict() for c in decision.costs])
         return decision
 
+    def saturated(self) -> bool:
+        """Every language candidate is at the admission queue-depth limit (none at all: not saturated)."""
+        limit = self.admission.config.saturated_queue_depth
+        candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
+        return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
+
     def route_language(self, profile: RequestProfile, exclude: list[str]) -> Decision | None:
         now = time.monotonic()
+        exclude = exclude + self.breakers.blocked()
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
         if self.settings.stealing:
             vision = self.table.candidates(VISION_ROLES, now, exclude)
@@ -148,11 +168,17 @@ class Pipeline:
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
     async def start(self, job: GenerationJob) -> Dispatch:
-        profile = job.profile()
+        """Admit, route, dispatch; retry (with backoff and jitter) until the first token or the deadline."""
         started = time.monotonic()
+        timeout_s = min(job.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
+        deadline = started + timeout_s
+        await self.admission.wait_for_capacity(self.saturated, deadline)
+        profile = job.profile()
         tried: list[str] = []
         last_error: BackendFailure | None = None
-        for _ in range(self.settings.max_attempts):
+        for attempt in range(self.settings.max_attempts):
+            if attempt and not await self._backoff(attempt, deadline):
+                break
             decision = self.route_language(profile, tried)
             if decision is None:
                 break
@@ -161,20 +187,34 @@ class Pipeline:
             client = self.clients.get(backend_id)
             if client is None:
                 continue
+            self.breakers.on_dispatch(backend_id)
             try:
-                return await self._attempt(job, decision, client, started)
+                dispatch = await self._attempt(job, decision, client, started, deadline)
             except BackendFailure as exc:
+                self.breakers.on_failure(backend_id)
                 if not exc.retryable:
                     raise
                 last_error = exc
                 self.metrics.retries.labels(backend_id).inc()
                 log.warning("dispatch_failed", request_id=job.request_id, backend=backend_id, error=str(exc))
+                continue
+            self.breakers.on_success(backend_id)
+            return dispatch
         if last_error is not None:
             raise last_error
         raise NoBackendAvailable("no healthy language backend is available; retry later")
 
+    async def _backoff(self, attempt: int, deadline: float) -> bool:
+        """Sleep before retry `attempt` (full-jitter exponential); False if the deadline leaves no time."""
+        cap = min(self.settings.retry_backoff_max_s, self.settings.retry_backoff_s * 2 ** (attempt - 1))
+        delay = cap * random.uniform(0.5, 1.0)
+        if time.monotonic() + delay >= deadline:
+            return False
+        await asyncio.sleep(delay)
+        return True
+
     async def _attempt(
-        self, job: GenerationJob, decision: Decision, client: EngineClient, started: float
+        self, job: GenerationJob, decision: Decision, client: EngineClient, started: float, deadline: float
     ) -> Dispatch:
         backend_id = decision.backend.id
         request = engine_pb2.GenerateRequest(
@@ -185,11 +225,9 @@ class Pipeline:
         self.table.acquire(backend_id)
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()
-        stream = client.generate(
-            request, first_token_timeout_s=self.settings.first_token_timeout_s + (
-                self.settings.handoff_timeout_s if job.images else 0.0),
-            timeout_s=self.settings.request_timeout_s,
-        )
+        remaining = max(0.001, deadline - time.monotonic())
+        first_token_s = self.settings.first_token_timeout_s + (self.settings.handoff_timeout_s if job.images else 0)
+        stream = client.generate(request, first_token_timeout_s=min(first_token_s, remaining), timeout_s=remaining)
         first_read = asyncio.ensure_future(anext(stream))
         encoding = asyncio.ensure_future(self._encode(job, decision.backend, client)) if job.images else None
         try:
@@ -204,6 +242,7 @@ class Pipeline:
                 if task is not None:
                     task.cancel()
             self.table.release(backend_id, None)
+            self.admission.notify()
             await stream.aclose()  # type: ignore[attr-defined]
             if isinstance(exc, StopAsyncIteration):
                 raise BackendFailure(f"backend {backend_id}: empty stream", backend_id=backend_id) from None
@@ -262,5 +301,6 @@ class Pipeline:
 
     def finish(self, dispatch: Dispatch, service_s: float | None) -> None:
         self.table.release(dispatch.backend_id, service_s)
+        self.admission.notify()
         if service_s is not None:
             self.metrics.e2e_seconds.labels(dispatch.backend_id).observe(service_s)

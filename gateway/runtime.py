@@ -7,6 +7,9 @@ from typing import Any
 
 import httpx
 
+from gateway.admission import AdmissionQueue
+from gateway.auth import KeyRing
+from gateway.circuit_breaker import Breakers
 from gateway.config import ClusterConfig, Limits
 from gateway.engine_client import EngineClients
 from gateway.metrics import GatewayMetrics
@@ -23,6 +26,7 @@ class Runtime:
     metrics: GatewayMetrics
     pipeline: Pipeline
     fetcher: httpx.AsyncClient    # remote image URLs (only when the config enables them)
+    keys: KeyRing
 
     async def close(self) -> None:
         await self.clients.close()
@@ -47,6 +51,7 @@ class Runtime:
                 "managed": e.managed,
                 "pid": e.reported.pid or None,
                 "healthy": self.table.is_healthy(e),
+                "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,
                 "running": e.reported.running,
@@ -91,8 +96,10 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
         handoff_timeout_s=settings.handoff_timeout_s,
         stealing=settings.stealing.enabled,
         steal_threshold=settings.stealing.threshold,
-    ))
+        retry_backoff_s=settings.retry_backoff_s,
+        retry_backoff_max_s=settings.retry_backoff_max_s,
+    ), Breakers(settings.breaker), AdmissionQueue(settings.admission))
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )
-    return Runtime(config, table, clients, metrics, pipeline, fetcher)
+    return Runtime(config, table, clients, metrics, pipeline, fetcher, KeyRing.load(settings.auth))

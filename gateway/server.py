@@ -65,7 +65,7 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     app = create_app(runtime)
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=False,
-        lifespan="off", timeout_graceful_shutdown=5,
+        lifespan="off", timeout_graceful_shutdown=int(config.settings.drain_timeout_s),
     ))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     stop = asyncio.Event()
