@@ -95,6 +95,17 @@ class BackendTimeout(BackendFailure):
     code = "backend_timeout"
 
 
+# HTTP status of a RequestError → the gRPC status code the gRPC door answers with.
+GRPC_CODES = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_code_name(err: RequestError) -> str:
+    return GRPC_CODES.get(err.status, "INTERNAL")
+
+
 def openai_error_body(err: RequestError) -> dict[str, Any]:
     """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

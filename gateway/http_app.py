@@ -22,17 +22,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import (
     InvalidRequest,
-    ModelNotFound,
     PayloadTooLarge,
     RequestError,
     openai_error_body,
 )
-from gateway.images import ImageInput, load_image
+from gateway.jobs import JobBuilder
 from gateway.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest, image_parts, render_chat
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from gateway.pipeline import Dispatch, GenerationJob
 from gateway.runtime import Runtime
-from gateway.tokens import count_text_tokens
 
 log = structlog.get_logger("http")
 T = TypeVar("T")
@@ -115,7 +113,8 @@ def create_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     limits = runtime.limits
-    model_name = runtime.config.served_model_name
+    jobs = JobBuilder(runtime)
+    model_name = jobs.model_name
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> Response:
@@ -126,28 +125,6 @@ def create_app(runtime: Runtime) -> FastAPI:
         err = RequestError(str(exc.detail))
         err.status, err.type = exc.status_code, "invalid_request_error"
         return error_response(err, request_id_of(request))
-
-    def unknown_model(model: str) -> ModelNotFound:
-        return ModelNotFound(f"model {model!r} does not exist; this gateway serves {model_name!r}", param="model")
-
-    def check_limits(model: str, prompt_tokens: int, asked: int | None) -> int:
-        """Validate the model and lengths; return max_tokens to use."""
-        if model != model_name:
-            raise unknown_model(model)
-        if prompt_tokens > runtime.config.max_prompt_tokens:
-            raise InvalidRequest(
-                f"prompt is {prompt_tokens} tokens; the limit is {runtime.config.max_prompt_tokens}",
-                param="messages", code="context_length_exceeded",
-            )
-        if asked is not None and asked > limits.max_tokens:
-            raise InvalidRequest(f"max_tokens is {asked}; the limit is {limits.max_tokens}", param="max_tokens")
-        room = runtime.config.model.max_context - prompt_tokens
-        if asked is not None and asked > room:
-            raise InvalidRequest(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({asked}) exceeds the model's context of "
-                f"{runtime.config.model.max_context}", param="max_tokens", code="context_length_exceeded",
-            )
-        return asked if asked is not None else max(1, min(limits.default_max_tokens, room))
 
     async def serve(
         request: Request, kind: Kind, job: GenerationJob, stream: bool, include_usage: bool, endpoint: str
@@ -200,23 +177,6 @@ def create_app(runtime: Runtime) -> FastAPI:
                  ttft_s=round(dispatch.ttft_s, 4), latency_s=round(time.monotonic() - dispatch.started, 4),
                  status=status, endpoint=endpoint)
 
-    async def load_images(req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
-        parts = image_parts(req.messages)
-        if not parts:
-            return ()
-        if runtime.config.model.vision is None:
-            raise InvalidRequest(f"model {model_name!r} does not accept images", param="messages")
-        img_limits = runtime.config.settings.images
-        if len(parts) > img_limits.max_images:
-            raise InvalidRequest(f"{len(parts)} images; the limit is {img_limits.max_images} per request",
-                                 param="messages")
-        loads = (
-            load_image(p.image_url.url, f"messages.{i}.content.{j}", img_limits, runtime.config.model,
-                       runtime.fetcher)
-            for i, j, p in parts
-        )
-        return tuple(await asyncio.gather(*loads))
-
     def client_timeout(request: Request) -> float | None:
         raw = request.headers.get("x-request-timeout")
         if raw is None:
@@ -237,16 +197,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         rid = request_id_of(request)
         authorize(request)
         req = parse(ChatCompletionRequest, await read_body(request, limits.max_body_bytes))
-        if len(req.messages) > limits.max_messages:
-            raise InvalidRequest(f"{len(req.messages)} messages; the limit is {limits.max_messages}", param="messages")
-        if req.model != model_name:
-            raise unknown_model(req.model)
-        images = await load_images(req)
-        prompt, tokens = render_chat(req.messages)
-        image_tokens = sum(i.tokens for i in images)
-        max_tokens = check_limits(req.model, tokens + image_tokens, req.requested_max_tokens())
-        temperature = 1.0 if req.temperature is None else req.temperature
-        job = GenerationJob(rid, prompt, tokens, max_tokens, temperature, images, client_timeout(request))
+        job = await jobs.chat(req, rid, client_timeout(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(request, "chat", job, req.stream, include_usage, "chat")
 
@@ -255,18 +206,7 @@ def create_app(runtime: Runtime) -> FastAPI:
         rid = request_id_of(request)
         authorize(request)
         req = parse(CompletionRequest, await read_body(request, limits.max_body_bytes))
-        if isinstance(req.prompt, list):
-            if len(req.prompt) != 1:
-                raise InvalidRequest("prompt must be one string (batched prompts are not supported)", param="prompt")
-            prompt = req.prompt[0]
-        else:
-            prompt = req.prompt
-        if not prompt:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
-        tokens = count_text_tokens(prompt)
-        max_tokens = check_limits(req.model, tokens, req.requested_max_tokens())
-        temperature = 1.0 if req.temperature is None else req.temperature
-        job = GenerationJob(rid, prompt, tokens, max_tokens, temperature, timeout_s=client_timeout(request))
+        job = jobs.completion(req, rid, client_timeout(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await serve(request, "text", job, req.stream, include_usage, "completions")
 

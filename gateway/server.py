@@ -1,4 +1,4 @@
-"""Runs one gateway process: control gRPC server, managed engines, HTTP front door; stops them in order."""
+"""Runs one gateway process: gRPC server (control + front door), managed engines, HTTP door; stops them in order."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import structlog
 import uvicorn
 
 from gateway.config import ClusterConfig
+from gateway.grpc_door import add_front_door
 from gateway.heartbeat_service import ControlService
 from gateway.http_app import create_app
 from gateway.runtime import Runtime, build_runtime
@@ -35,6 +36,7 @@ async def start_control(runtime: Runtime, host: str, port: int) -> tuple[grpc.ai
     server = grpc.aio.server()
     service = ControlService(runtime.table, on_heartbeat=runtime.clients.ensure)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
+    await add_front_door(server, runtime)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the control gRPC port {host}:{port}")

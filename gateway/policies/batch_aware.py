@@ -39,10 +39,11 @@ from gateway.yaml_files import StrictModel
 
 
 class BatchAwareParams(StrictModel):
-    w_decode: float = Field(default=0.1, ge=0)
+    w_decode: float = Field(default=1.0, ge=0)
     output_fraction: float = Field(default=0.5, gt=0, le=1)
     max_batch: int = Field(default=256, ge=1)
     bytes_per_param: float = Field(default=2.0, gt=0)
+    size_ewma: float = Field(default=0.02, gt=0, le=1)
     veto: float = Field(default=1e6, ge=0)
 
 
@@ -52,8 +53,11 @@ class BatchAware:
 
     def __init__(self, params: BatchAwareParams | None = None) -> None:
         self.p = params or BatchAwareParams()
+        self.mean_reserve = 0.0       # R̄: EWMA of the reservations this router has seen
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
+        reserve = request.input_tokens + request.max_output_tokens
+        self.mean_reserve += (reserve - self.mean_reserve) * (self.p.size_ewma if self.mean_reserve else 1.0)
         costs = tuple(self.cost(request, b) for b in candidates)
         best = min(range(len(candidates)), key=lambda i: costs[i].total)
         return Decision(candidates[best], self.name, costs)
@@ -62,17 +66,17 @@ class BatchAware:
         p = self.p
         length, new_tokens = request.input_tokens, request.max_output_tokens
         reserve = length + new_tokens
-        kv_tokens = b.kv_total_bytes / b.kv_bytes_per_token if b.kv_bytes_per_token else float("inf")
+        if not b.kv_bytes_per_token or reserve * b.kv_bytes_per_token > b.kv_total_bytes:
+            return CostTerms(b.id, 0.0, 0.0, p.veto, p.veto)
+        kv_tokens = b.kv_total_bytes / b.kv_bytes_per_token
         queue = b.queue_depth
-        ahead = max(kv_tokens - b.kv_free_tokens, queue * reserve) if b.kv_bytes_per_token else 0.0
+        ahead = max(kv_tokens - b.kv_free_tokens, queue * self.mean_reserve)
         overflow = max((ahead + reserve) / kv_tokens, (queue + 1) / p.max_batch) - 1.0
         wait = max(0.0, overflow) * b.mean_service_s
-        batch = min(queue + 1, kv_tokens / reserve, p.max_batch)
-        flops = b.tflops * 1e12
-        weights = b.prefill_s_per_token * flops / 2.0 * p.bytes_per_param
+        full_batch = min(kv_tokens / reserve, p.max_batch)
+        weights = b.prefill_s_per_token * b.tflops * 1e12 / 2.0 * p.bytes_per_param
         reserved = b.kv_total_bytes - b.kv_free_bytes
-        step = max((weights + reserved) / (b.bandwidth_gbs * 1e9), b.prefill_s_per_token * batch)
+        step = max((weights + reserved) / (b.bandwidth_gbs * 1e9), b.prefill_s_per_token * min(queue + 1, full_batch))
         first = step + length * b.prefill_s_per_token
-        decode = p.w_decode * p.output_fraction * new_tokens * step
-        veto = p.veto if reserve > kv_tokens else 0.0
-        return CostTerms(b.id, first, wait, veto, wait + first + decode + veto)
+        decode = p.w_decode * p.output_fraction * new_tokens * step / max(1.0, full_batch)
+        return CostTerms(b.id, first, wait, 0.0, wait + first + decode)

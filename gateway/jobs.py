@@ -1,0 +1,88 @@
+"""Validated OpenAI requests → `GenerationJob`s: limits, model name, images, token counts.
+
+Shared by the HTTP and gRPC front doors so that both enforce the very same rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.images import ImageInput, load_image
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, image_parts, render_chat
+from gateway.pipeline import GenerationJob
+from gateway.runtime import Runtime
+from gateway.tokens import count_text_tokens
+
+
+class JobBuilder:
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._config = runtime.config
+        self._limits = runtime.limits
+        self.model_name = runtime.config.served_model_name
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ModelNotFound(
+                f"model {model!r} does not exist; this gateway serves {self.model_name!r}", param="model"
+            )
+
+    def max_tokens(self, prompt_tokens: int, asked: int | None) -> int:
+        """Check the prompt and max_tokens against the limits; return the max_tokens to use."""
+        limit, context = self._config.max_prompt_tokens, self._config.model.max_context
+        if prompt_tokens > limit:
+            raise InvalidRequest(f"prompt is {prompt_tokens} tokens; the limit is {limit}",
+                                 param="messages", code="context_length_exceeded")
+        if asked is not None and asked > self._limits.max_tokens:
+            raise InvalidRequest(f"max_tokens is {asked}; the limit is {self._limits.max_tokens}", param="max_tokens")
+        room = context - prompt_tokens
+        if asked is not None and asked > room:
+            raise InvalidRequest(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({asked}) exceeds the model's context of {context}",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return asked if asked is not None else max(1, min(self._limits.default_max_tokens, room))
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
+        if len(req.messages) > self._limits.max_messages:
+            raise InvalidRequest(
+                f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
+            )
+        self.check_model(req.model)
+        images = await self._images(req)
+        prompt, tokens = render_chat(req.messages)
+        max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), req.requested_max_tokens())
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s)
+
+    def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
+        self.check_model(req.model)
+        if isinstance(req.prompt, list):
+            if len(req.prompt) != 1:
+                raise InvalidRequest("prompt must be one string (batched prompts are not supported)", param="prompt")
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        tokens = count_text_tokens(prompt)
+        max_tokens = self.max_tokens(tokens, req.requested_max_tokens())
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, timeout_s=timeout_s)
+
+    async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
+        parts = image_parts(req.messages)
+        if not parts:
+            return ()
+        model = self._config.model
+        if model.vision is None:
+            raise InvalidRequest(f"model {self.model_name!r} does not accept images", param="messages")
+        limits = self._config.settings.images
+        if len(parts) > limits.max_images:
+            raise InvalidRequest(f"{len(parts)} images; the limit is {limits.max_images} per request",
+                                 param="messages")
+        fetcher = self._runtime.fetcher
+        return tuple(await asyncio.gather(*(
+            load_image(p.image_url.url, f"messages.{i}.content.{j}", limits, model, fetcher) for i, j, p in parts
+        )))
