@@ -48,12 +48,18 @@ class Gateway:
     url: str
     grpc_port: int
     log_path: Path
+    admin_key: str | None = None
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
     def client(self, timeout: float = 30.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
     def backends(self) -> list[dict[str, Any]]:
-        return list(httpx.get(f"{self.url}/admin/backends", timeout=5).json()["data"])
+        resp = httpx.get(f"{self.url}/admin/backends", headers=self.admin_headers, timeout=5)
+        return list(resp.json()["data"])
 
     def backend(self, backend_id: str) -> dict[str, Any]:
         return next(b for b in self.backends() if b["id"] == backend_id)
@@ -72,7 +78,9 @@ class Gateway:
 
 
 @contextmanager
-def run_gateway(config: Path, *extra: str, healthy: int | None = None, timeout: float = 60.0) -> Iterator[Gateway]:
+def run_gateway(
+    config: Path, *extra: str, healthy: int | None = None, timeout: float = 60.0, admin_key: str | None = None
+) -> Iterator[Gateway]:
     """Run `gateway --backends config` until the block ends; wait until `healthy` backends heartbeat."""
     port, grpc_port = free_port(), free_port()
     log_path = config.parent / "gateway.log"
@@ -80,7 +88,7 @@ def run_gateway(config: Path, *extra: str, healthy: int | None = None, timeout: 
            "--grpc-port", str(grpc_port), "--log-level", "warning", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", grpc_port, log_path)
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", grpc_port, log_path, admin_key)
     try:
         want = healthy if healthy is not None else len(yaml.safe_load(config.read_text())["backends"])
 
