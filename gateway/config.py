@@ -34,13 +34,24 @@ class LaunchSpec(StrictModel):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class ScrapeSpec(StrictModel):
+    """Gateway-side scraping of an engine's Prometheus /metrics (for engines without an agent)."""
+
+    engine: Literal["vllm", "sglang", "trtllm"]
+    metrics_url: str | None = None       # default: <address>/metrics
+    interval_ms: PositiveInt = 500
+
+
 class BackendSpec(StrictModel):
     id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    kind: Literal["engine", "openai"] = "engine"   # engine: our gRPC engine; openai: vLLM/SGLang/... over HTTP
     role: Literal["language", "vision", "both"] = "language"
     gpu: str
-    address: str | None = None      # host:port of an external engine; managed engines report theirs
+    address: str | None = None      # engine: host:port; openai: base URL. Managed engines report theirs.
     launch: LaunchSpec | None = None
     steal: bool = False
+    upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
+    scrape: ScrapeSpec | None = None
 
     @model_validator(mode="after")
     def _managed_or_external(self) -> BackendSpec:
@@ -48,6 +59,13 @@ class BackendSpec(StrictModel):
             raise ValueError("an entry needs `launch` (managed) or `address` (external)")
         if self.steal and self.role != "vision":
             raise ValueError("`steal` applies to vision backends only")
+        if self.kind == "openai":
+            if self.launch is not None or self.role != "language":
+                raise ValueError("kind: openai backends are external language backends (no launch, role language)")
+            if not (self.address or "").startswith(("http://", "https://")):
+                raise ValueError("kind: openai needs `address` as a base URL, e.g. http://10.0.0.5:8000")
+        elif self.upstream_model is not None or self.scrape is not None:
+            raise ValueError("`upstream_model` and `scrape` apply to kind: openai backends only")
         return self
 
 

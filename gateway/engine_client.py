@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import grpc
+import httpx
 
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
+from gateway.generation_job import GenerationJob
+from gateway.openai_upstream import OpenAIUpstreamClient
 from gateway.wire import engine_pb2, engine_pb2_grpc
 
 # Engine answers that mean "this request is wrong", not "this engine is broken": never retried.
@@ -35,6 +39,8 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool
 
 
 class EngineClient:
+    accepts_embeddings = True
+
     def __init__(self, backend_id: str, address: str) -> None:
         self.backend_id = backend_id
         self.address = address
@@ -42,9 +48,14 @@ class EngineClient:
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     async def generate(
-        self, request: engine_pb2.GenerateRequest, *, first_token_timeout_s: float, timeout_s: float
+        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """Stream chunks. Failures before the first chunk are retryable; closing early cancels the RPC."""
+        request = engine_pb2.GenerateRequest(
+            request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
+            image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
+            embedding_count=len(job.images), embedding_timeout_ms=int(handoff_timeout_s * 1000),
+        )
         call = self._stub.Generate(request, timeout=timeout_s)
         started = False
         try:
@@ -76,22 +87,48 @@ class EngineClient:
         await self._channel.close()
 
 
+class BackendClient(Protocol):
+    backend_id: str
+    address: str
+    accepts_embeddings: bool
+
+    def generate(
+        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]: ...
+
+    async def close(self) -> None: ...
+
+
 class EngineClients:
-    """The pool: one client per backend, replaced when a backend reports a new address."""
+    """The pool: one client per backend, replaced when a backend reports a new address.
 
-    def __init__(self) -> None:
-        self._clients: dict[str, EngineClient] = {}
+    `kind: engine` backends get a gRPC client; `kind: openai` backends share one pooled httpx client.
+    """
+
+    def __init__(self, upstreams: dict[str, str | None] | None = None) -> None:
+        self._clients: dict[str, BackendClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._upstreams = upstreams or {}   # openai backend id -> upstream model name (or None)
+        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
-    def get(self, backend_id: str) -> EngineClient | None:
+    def get(self, backend_id: str) -> BackendClient | None:
         return self._clients.get(backend_id)
+
+    def engine(self, backend_id: str) -> EngineClient | None:
+        """The gRPC client of a backend that speaks the engine protocol (vision pool, hand-offs)."""
+        client = self._clients.get(backend_id)
+        return client if isinstance(client, EngineClient) else None
 
     def ensure(self, backend_id: str, address: str) -> None:
         """Called on every heartbeat: a no-op unless the backend moved (e.g. a restarted engine)."""
         current = self._clients.get(backend_id)
-        if current is not None and current.address == address:
+        if current is not None and current.address == address.rstrip("/"):
             return
-        self._clients[backend_id] = EngineClient(backend_id, address)
+        if backend_id in self._upstreams:
+            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, self._http,
+                                                             self._upstreams[backend_id])
+        else:
+            self._clients[backend_id] = EngineClient(backend_id, address)
         if current is not None:
             task = asyncio.create_task(current.close())
             self._closing.add(task)
@@ -99,4 +136,5 @@ class EngineClients:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients.values()), *self._closing)
+        await self._http.aclose()
         self._clients.clear()

@@ -17,10 +17,10 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest, RequestError, grpc_code_name
+from gateway.generation_job import GenerationJob
 from gateway.images import FORMATS
 from gateway.jobs import JobBuilder
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from gateway.pipeline import GenerationJob
 from gateway.runtime import Runtime
 from gateway.wire import control_pb2, inference_pb2, inference_pb2_grpc
 

@@ -26,10 +26,11 @@ from gateway.errors import (
     RequestError,
     openai_error_body,
 )
+from gateway.generation_job import GenerationJob
 from gateway.jobs import JobBuilder
 from gateway.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from gateway.pipeline import Dispatch, GenerationJob
+from gateway.pipeline import Dispatch
 from gateway.runtime import Runtime
 
 log = structlog.get_logger("http")

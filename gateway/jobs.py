@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.generation_job import GenerationJob
 from gateway.images import ImageInput, load_image
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest, image_parts, render_chat
-from gateway.pipeline import GenerationJob
 from gateway.runtime import Runtime
 from gateway.tokens import count_text_tokens
 
@@ -54,7 +54,8 @@ class JobBuilder:
         prompt, tokens = render_chat(req.messages)
         max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), req.requested_max_tokens())
         temperature = 1.0 if req.temperature is None else req.temperature
-        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s)
+        body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat", body)
 
     def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
         self.check_model(req.model)
@@ -69,7 +70,8 @@ class JobBuilder:
         tokens = count_text_tokens(prompt)
         max_tokens = self.max_tokens(tokens, req.requested_max_tokens())
         temperature = 1.0 if req.temperature is None else req.temperature
-        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, timeout_s=timeout_s)
+        body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text", body)
 
     async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
         parts = image_parts(req.messages)

@@ -56,6 +56,11 @@ class BackendCollector(Collector):
             families["episodes"].add_metric(values, e.reported.steal_episodes)
             families["stolen"].add_metric(values, e.reported.tokens_stolen)
         yield from families.values()
+        fail_open = GaugeMetricFamily(
+            "heterogate_routing_failing_open", "1 when every candidate's metrics are stale and routing uses "
+            "the gateway's own in-flight counts")
+        fail_open.add_metric([], 1.0 if self._table.failing_open else 0.0)
+        yield fail_open
 
 
 class GatewayMetrics:

@@ -24,9 +24,9 @@ import structlog
 
 from gateway.admission import AdmissionQueue
 from gateway.circuit_breaker import Breakers
-from gateway.engine_client import EngineClient, EngineClients
+from gateway.engine_client import BackendClient, EngineClient, EngineClients
 from gateway.errors import BackendFailure, NoBackendAvailable
-from gateway.images import ImageInput
+from gateway.generation_job import GenerationJob
 from gateway.metrics import GatewayMetrics
 from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.policies.stealing import stealers
@@ -37,26 +37,6 @@ log = structlog.get_logger("pipeline")
 
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")
 VISION_ROLES: tuple[Role, ...] = ("vision",)
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationJob:
-    request_id: str
-    prompt: str
-    prompt_tokens: int
-    max_tokens: int
-    temperature: float = 1.0
-    images: tuple[ImageInput, ...] = ()
-    timeout_s: float | None = None     # the client's deadline, capped by the server's request timeout
-
-    @property
-    def image_tokens(self) -> int:
-        return sum(img.tokens for img in self.images)
-
-    def profile(self) -> RequestProfile:
-        return RequestProfile(
-            self.request_id, self.prompt_tokens + self.image_tokens, self.max_tokens, self.image_tokens
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,22 +194,22 @@ class Pipeline:
         return True
 
     async def _attempt(
-        self, job: GenerationJob, decision: Decision, client: EngineClient, started: float, deadline: float
+        self, job: GenerationJob, decision: Decision, client: BackendClient, started: float, deadline: float
     ) -> Dispatch:
         backend_id = decision.backend.id
-        request = engine_pb2.GenerateRequest(
-            request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
-            image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
-            embedding_count=len(job.images), embedding_timeout_ms=int(self.settings.handoff_timeout_s * 1000),
-        )
         self.table.acquire(backend_id)
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()
         remaining = max(0.001, deadline - time.monotonic())
         first_token_s = self.settings.first_token_timeout_s + (self.settings.handoff_timeout_s if job.images else 0)
-        stream = client.generate(request, first_token_timeout_s=min(first_token_s, remaining), timeout_s=remaining)
+        stream = client.generate(
+            job, handoff_timeout_s=self.settings.handoff_timeout_s,
+            first_token_timeout_s=min(first_token_s, remaining), timeout_s=remaining,
+        )
         first_read = asyncio.ensure_future(anext(stream))
-        encoding = asyncio.ensure_future(self._encode(job, decision.backend, client)) if job.images else None
+        encoding = None
+        if job.images and client.accepts_embeddings:
+            encoding = asyncio.ensure_future(self._encode(job, decision.backend, client.address))
         try:
             if encoding is not None:
                 await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
@@ -253,15 +233,16 @@ class Pipeline:
         self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
         return dispatch
 
-    async def _encode(self, job: GenerationJob, language: BackendSnapshot, language_client: EngineClient) -> str:
+    async def _encode(self, job: GenerationJob, language: BackendSnapshot, deliver_to: str) -> str:
         """Encode the job's images and deliver them to `language`; returns the vision backend id."""
         request = engine_pb2.EncodeRequest(
-            request_id=job.request_id, deliver_to=language_client.address,
+            request_id=job.request_id, deliver_to=deliver_to,
             images=[engine_pb2.Image(data=i.data, width=i.width, height=i.height, tokens=i.tokens)
                     for i in job.images],
         )
-        if language.role == "both":   # monolithic: this GPU encodes its own images
-            await self._encode_on(language.id, language_client, request, job.image_tokens)
+        own = self.clients.engine(language.id)
+        if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images
+            await self._encode_on(language.id, own, request, job.image_tokens)
             return language.id
         profile = job.profile()
         tried: list[str] = []
@@ -273,7 +254,7 @@ class Pipeline:
             if candidates:
                 vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id
                 tried.append(vision_id)
-                client = self.clients.get(vision_id)
+                client = self.clients.engine(vision_id)
             if client is None:
                 break
             try:

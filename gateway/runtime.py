@@ -77,13 +77,13 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
     for spec in config.raw.backends:
         table.register(
             spec.id, spec.role, config.gpus[spec.id], address=spec.address, managed=spec.launch is not None,
-            steal=spec.steal,
+            steal=spec.steal, external=spec.kind == "openai",
         )
     routing = settings.routing
     name = policy_name or routing.policy
     policy = build_policy(name, routing.params.get(name))
     vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
-    clients = EngineClients()
+    clients = EngineClients({s.id: s.upstream_model for s in config.raw.backends if s.kind == "openai"})
     for spec in config.raw.backends:
         if spec.address is not None:
             clients.ensure(spec.id, spec.address)

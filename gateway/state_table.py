@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backends import perf_model
 from gateway.catalog import GpuProfile, ModelProfile
 from gateway.policies.contracts import BackendSnapshot, Role
 
+# Queue depth that a backend with stale metrics is assumed to have.
+SATURATED_QUEUE = 1_000_000
 # Weight of a new sample in the gateway's service-time EWMA.
 SERVICE_EWMA_ALPHA = 0.2
 # Prior for T̄_service before any sample: prefill of a typical prompt plus a typical completion.
@@ -54,6 +56,7 @@ class BackendEntry:
     address: str | None
     managed: bool
     steal: bool = False
+    external: bool = False                    # kind: openai: reachable without heartbeats (see candidates)
     last_heartbeat: float | None = None       # monotonic seconds
     reported: Reported = field(default_factory=Reported)
     in_flight: int = 0
@@ -76,13 +79,15 @@ class StateTable:
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
         self._prior_s: dict[str, float] = {}
+        self.failing_open = False
 
     # -- producers ---------------------------------------------------------------------------
 
     def register(
-        self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool, steal: bool = False
+        self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool,
+        steal: bool = False, external: bool = False,
     ) -> BackendEntry:
-        entry = BackendEntry(backend_id, role, gpu, address, managed, steal)
+        entry = BackendEntry(backend_id, role, gpu, address, managed, steal, external)
         self._entries[backend_id] = entry
         return entry
 
@@ -142,15 +147,35 @@ class StateTable:
     def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> list[
         BackendSnapshot
     ]:
-        """Healthy backends whose role is in `roles`, as snapshots."""
+        """Healthy backends whose role is in `roles`, as snapshots.
+
+        An external (kind: openai) backend whose metrics are stale stays a candidate but looks
+        saturated; when every candidate is such a backend the table fails open and routes on the
+        gateway's own in-flight counts (`failing_open` says so).
+        """
         now = self.clock() if now is None else now
         limit = self.miss_limit * self.heartbeat_interval_s
         skip = set(exclude)
-        return [
-            e.snapshot or self._rebuild(e)
-            for e in self._entries.values()
-            if e.role in roles and e.last_heartbeat is not None and now - e.last_heartbeat <= limit and e.id not in skip
-        ]
+        fresh, stale = [], []
+        for e in self._entries.values():
+            if e.role not in roles or e.id in skip:
+                continue
+            if e.last_heartbeat is not None and now - e.last_heartbeat <= limit:
+                fresh.append(e.snapshot or self._rebuild(e))
+            elif e.external:
+                stale.append(e)
+        self.failing_open = bool(stale) and not fresh
+        if self.failing_open:
+            return [self._blind(e) for e in stale]
+        return fresh + [self._saturated(e) for e in stale]
+
+    def _saturated(self, e: BackendEntry) -> BackendSnapshot:
+        return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight), kv_free_bytes=0)
+
+    def _blind(self, e: BackendEntry) -> BackendSnapshot:
+        """What the gateway knows without metrics: its own in-flight count and the GPU's nominal KV."""
+        kv = perf_model.kv_capacity_bytes(self.model, e.gpu)
+        return replace(self.snapshot(e), queue_depth=e.in_flight, kv_free_bytes=kv, kv_total_bytes=kv)
 
     def language_backlog(self) -> int:
         """Requests waiting (admitted, not yet running) across the language pool, as last reported."""

@@ -78,5 +78,5 @@ class BatchAware:
         reserved = b.kv_total_bytes - b.kv_free_bytes
         step = max((weights + reserved) / (b.bandwidth_gbs * 1e9), b.prefill_s_per_token * min(queue + 1, full_batch))
         first = step + length * b.prefill_s_per_token
-        decode = p.w_decode * p.output_fraction * new_tokens * step / max(1.0, full_batch)
+        decode = p.w_decode * p.output_fraction * new_tokens * step
         return CostTerms(b.id, first, wait, 0.0, wait + first + decode)

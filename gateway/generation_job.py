@@ -1,0 +1,32 @@
+"""One validated request as the pipeline and the backend clients see it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gateway.images import ImageInput
+from gateway.policies.contracts import RequestProfile
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    request_id: str
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    temperature: float = 1.0
+    images: tuple[ImageInput, ...] = ()
+    timeout_s: float | None = None     # the client's deadline, capped by the server's request timeout
+    kind: Literal["chat", "text"] = "chat"
+    # The client's OpenAI body (validated), forwarded as-is to OpenAI-compatible upstream engines.
+    body: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(img.tokens for img in self.images)
+
+    def profile(self) -> RequestProfile:
+        return RequestProfile(
+            self.request_id, self.prompt_tokens + self.image_tokens, self.max_tokens, self.image_tokens
+        )
