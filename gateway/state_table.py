@@ -164,8 +164,10 @@ class StateTable:
                 fresh.append(e.snapshot or self._rebuild(e))
             elif e.external:
                 stale.append(e)
-        self.failing_open = bool(stale) and not fresh
-        if self.failing_open:
+        failing_open = bool(stale) and not fresh
+        if "language" in roles:   # the flag reports on the language pool
+            self.failing_open = failing_open
+        if failing_open:
             return [self._blind(e) for e in stale]
         return fresh + [self._saturated(e) for e in stale]
 

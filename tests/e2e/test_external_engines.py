@@ -1,0 +1,121 @@
+"""Existing OpenAI-compatible engines (vLLM / SGLang formats) behind the gateway, with heartbeat agents.
+
+Real processes on 127.0.0.1: two fake engines, one agent beside each, and the gateway.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
+
+MODEL = "llava-1.5-7b"
+Agent = subprocess.Popen[bytes]
+Cluster = tuple[Gateway, dict[str, str], list[Agent]]
+
+
+def spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, dict[str, str], list[Agent]]]:
+    tmp: Path = tmp_path_factory.mktemp("external")
+    engines = {"ext-vllm": ("vllm", free_port()), "ext-sglang": ("sglang", free_port())}
+    urls = {bid: f"http://127.0.0.1:{port}" for bid, (_, port) in engines.items()}
+    config = write_config(tmp, {
+        "model": MODEL,
+        "gateway": {"heartbeat_interval_ms": 100, "routing": {"policy": "shortest_queue"},
+                    "retry_backoff_s": 0.001},
+        "backends": [{"id": bid, "kind": "openai", "role": "language", "gpu": "A100-80GB", "address": urls[bid]}
+                     for bid in engines],
+    })
+    with ExitStack() as stack:
+        for engine, port in engines.values():
+            proc = spawn("tests.fake_openai_server", "--port", str(port), "--engine", engine)
+            stack.callback(stop, proc)
+        gw = stack.enter_context(run_gateway(config, healthy=0))
+        agents = []
+        for bid, (engine, _) in engines.items():
+            agent = spawn("backends.agent", "--engine", engine, "--address", urls[bid], "--backend-id", bid,
+                          "--gpu", "A100-80GB", "--model", MODEL, "--gateway", f"127.0.0.1:{gw.grpc_port}",
+                          "--interval-ms", "100", "--kv-total-tokens", "100000")
+            stack.callback(stop, agent)
+            agents.append(agent)
+        gw.wait_until(lambda: all(b["healthy"] for b in gw.backends()), timeout=30)
+        yield gw, urls, agents
+
+
+def control(url: str, **values: int) -> None:
+    httpx.post(f"{url}/control", json=values, timeout=5).raise_for_status()
+
+
+def served(url: str) -> int:
+    return int(httpx.get(f"{url}/stats", timeout=5).json()["served"])
+
+
+def chat(gw: Gateway, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+
+
+def test_agent_metrics_move_routing(cluster: Cluster) -> None:
+    gw, urls, _ = cluster
+    for busy, idle in (("ext-vllm", "ext-sglang"), ("ext-sglang", "ext-vllm")):
+        control(urls[busy], waiting=50)
+        control(urls[idle], waiting=0)
+        gw.wait_until(lambda b=busy: gw.backend(b)["queue_depth"] >= 50 and gw.backend(idle)["queue_depth"] < 50)
+        picks = {chat(gw).headers["x-heterogate-backend"] for _ in range(5)}
+        assert picks == {idle}
+    control(urls["ext-sglang"], waiting=0)
+
+
+def test_streaming_and_usage_pass_through(cluster: Cluster) -> None:
+    gw, _, _ = cluster
+    plain = chat(gw)
+    assert plain.status_code == 200
+    assert plain.json()["choices"][0]["message"]["content"] == "w0 w1 w2 w3 "
+    assert plain.json()["usage"]["completion_tokens"] == 4
+    events = [ln for ln in chat(gw, stream=True).text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 6
+
+
+def test_upstream_5xx_is_retried_once_elsewhere_without_duplicates(cluster: Cluster) -> None:
+    gw, urls, _ = cluster
+    control(urls["ext-vllm"], waiting=0, fail=1)
+    control(urls["ext-sglang"], waiting=10)
+    gw.wait_until(lambda: gw.backend("ext-sglang")["queue_depth"] >= 10 and gw.backend("ext-vllm")["queue_depth"] < 10)
+    before = {bid: served(url) for bid, url in urls.items()}
+    resp = chat(gw)
+    assert resp.status_code == 200 and resp.headers["x-heterogate-backend"] == "ext-sglang"
+    after = {bid: served(url) for bid, url in urls.items()}
+    assert after["ext-sglang"] - before["ext-sglang"] == 1 and after["ext-vllm"] == before["ext-vllm"]
+    control(urls["ext-sglang"], waiting=0)
+
+
+def test_all_stale_fails_open_and_says_so(cluster: Cluster) -> None:
+    """Runs last in the module: it stops the agents."""
+    gw, urls, agents = cluster
+    for agent in agents:
+        stop(agent)
+    gw.wait_until(lambda: not any(b["healthy"] for b in gw.backends()))
+    assert chat(gw).status_code == 200
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
+    assert "heterogate_routing_failing_open 1.0" in metrics
+    assert sum(served(url) for url in urls.values()) > 0
