@@ -15,6 +15,7 @@ from gateway.grpc_door import add_front_door
 from gateway.heartbeat_service import ControlService
 from gateway.http_app import create_app
 from gateway.runtime import Runtime, build_runtime
+from gateway.scrapers import run_scrapers
 from gateway.supervisor import Supervisor
 from gateway.wire import control_pb2_grpc
 
@@ -77,6 +78,7 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
              policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name)
     http = asyncio.create_task(server.serve())
+    scrapers = asyncio.create_task(run_scrapers(config, f"{options.grpc_host}:{grpc_port}", stop))
     ready = asyncio.create_task(wait_for_engines(runtime, supervisor, config.settings.engine_start_timeout_s))
     stopper = asyncio.create_task(stop.wait())
     try:
@@ -84,8 +86,10 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     finally:
         log.info("gateway_stopping")
         ready.cancel()
+        stop.set()
         server.should_exit = True
         await http
+        await scrapers
         await supervisor.stop()
         await control.stop(grace=1.0)
         await runtime.close()
