@@ -23,7 +23,7 @@ from backends import perf_model
 from backends.batcher import SequenceTooLarge
 from backends.embedding_store import EmbeddingStore, EmbeddingTimeout
 from backends.gpu_scheduler import GpuScheduler
-from backends.heartbeat_sender import HeartbeatSender
+from backends.heartbeat_sender import HeartbeatSender, gpu_message
 from backends.sim_executor import SimulatedExecutor
 from backends.vision_executor import VisionExecutor
 from gateway.catalog import GpuProfile, ModelProfile, load_catalog
@@ -157,13 +157,7 @@ class Engine:
             role=ROLES[self.args.role],
             address=self.address,
             model=self.model.name,
-            gpu=control_pb2.GpuProfile(
-                name=self.gpu.name,
-                tflops=self.gpu.tflops,
-                bandwidth_gbs=self.gpu.bandwidth_gbs,
-                hbm_gb=self.gpu.hbm_gb,
-                price_per_hour=self.gpu.price_per_hour,
-            ),
+            gpu=gpu_message(self.gpu),
             steal=self.args.steal,
             pid=os.getpid(),
             steal_episodes=self.scheduler.steal_episodes,

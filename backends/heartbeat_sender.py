@@ -15,12 +15,20 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
+from gateway.catalog import GpuProfile
 from gateway.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat_sender")
 
 # After a poke, wait this long for more changes before sending (coalescing window).
 POKE_COALESCE_S = 0.005
+
+
+def gpu_message(gpu: GpuProfile) -> control_pb2.GpuProfile:
+    return control_pb2.GpuProfile(
+        name=gpu.name, tflops=gpu.tflops, bandwidth_gbs=gpu.bandwidth_gbs, hbm_gb=gpu.hbm_gb,
+        price_per_hour=gpu.price_per_hour,
+    )
 
 
 class HeartbeatSender:

@@ -119,6 +119,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> Response:
+        backend = getattr(exc, "backend_id", "none")
+        runtime.metrics.requests.labels(request.url.path, runtime.pipeline.policy.name, backend, str(exc.status)).inc()
         return error_response(exc, request_id_of(request))
 
     @app.exception_handler(StarletteHTTPException)
@@ -131,27 +133,23 @@ def create_app(runtime: Runtime) -> FastAPI:
         request: Request, kind: Kind, job: GenerationJob, stream: bool, include_usage: bool, endpoint: str
     ) -> Response:
         rid = job.request_id
-        dispatch = await unless_disconnected(request, runtime.pipeline.start(job))
-        headers = {"x-request-id": rid, "x-heterogate-backend": dispatch.backend_id}
+        if stream:
+            dispatch = await unless_disconnected(request, runtime.pipeline.start(job))
+            events = sse(dispatch, ChunkWriter(kind, rid, model_name), include_usage, endpoint)
+            headers = {**backend_headers(dispatch), **_SSE_HEADERS}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        dispatch, chunks = await unless_disconnected(request, runtime.pipeline.complete(job))
+        done(dispatch, endpoint, "ok")
+        last = chunks[-1]
+        use = usage(last.usage.prompt_tokens, last.usage.completion_tokens)
+        body = completion_body(kind, rid, model_name, "".join(c.text for c in chunks), last.finish_reason, use)
+        return json_response(body, headers=backend_headers(dispatch))
+
+    def backend_headers(dispatch: Dispatch) -> dict[str, str]:
+        headers = {"x-request-id": dispatch.request_id, "x-heterogate-backend": dispatch.backend_id}
         if dispatch.vision_backend_id is not None:
             headers["x-heterogate-vision-backend"] = dispatch.vision_backend_id
-        if stream:
-            events = sse(dispatch, ChunkWriter(kind, rid, model_name), include_usage, endpoint)
-            return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **_SSE_HEADERS})
-        text, finish, use = await unless_disconnected(request, collect(dispatch, endpoint))
-        return json_response(completion_body(kind, rid, model_name, text, finish, use), headers=headers)
-
-    async def collect(dispatch: Dispatch, endpoint: str) -> tuple[str, str, dict[str, int]]:
-        parts: list[str] = []
-        status = "error"
-        try:
-            async for chunk in dispatch.rest():
-                parts.append(chunk.text)
-                last = chunk
-            status = "ok"
-        finally:
-            done(dispatch, endpoint, status)
-        return "".join(parts), last.finish_reason, usage(last.usage.prompt_tokens, last.usage.completion_tokens)
+        return headers
 
     async def sse(dispatch: Dispatch, w: ChunkWriter, include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
         status = "error"

@@ -184,6 +184,24 @@ class Pipeline:
             raise last_error
         raise NoBackendAvailable("no healthy language backend is available; retry later")
 
+    async def complete(self, job: GenerationJob) -> tuple[Dispatch, list[engine_pb2.GenerateChunk]]:
+        """A whole completion for a non-streamed response.
+
+        Nothing has reached the client yet, so a backend that dies mid-generation is not fatal: the
+        request starts over on another backend (within max_attempts), and the client gets one answer.
+        """
+        for attempt in range(1, self.settings.max_attempts + 1):
+            dispatch = await self.start(job)
+            try:
+                return dispatch, [chunk async for chunk in dispatch.rest()]
+            except BackendFailure as exc:
+                if attempt == self.settings.max_attempts:
+                    raise
+                self.metrics.retries.labels(dispatch.backend_id).inc()
+                log.warning("restarting_after_midstream_failure", request_id=job.request_id,
+                            backend=dispatch.backend_id, error=str(exc))
+        raise AssertionError("unreachable")
+
     async def _backoff(self, attempt: int, deadline: float) -> bool:
         """Sleep before retry `attempt` (full-jitter exponential); False if the deadline leaves no time."""
         cap = min(self.settings.retry_backoff_max_s, self.settings.retry_backoff_s * 2 ** (attempt - 1))

@@ -53,14 +53,16 @@ class BatchAware:
 
     def __init__(self, params: BatchAwareParams | None = None) -> None:
         self.p = params or BatchAwareParams()
-        self.mean_reserve = 0.0       # R̄: EWMA of the reservations this router has seen
+        self.mean_reserve: dict[str, float] = {}    # R̄_i: EWMA of the reservations routed to backend i
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
         reserve = request.input_tokens + request.max_output_tokens
-        self.mean_reserve += (reserve - self.mean_reserve) * (self.p.size_ewma if self.mean_reserve else 1.0)
         costs = tuple(self.cost(request, b) for b in candidates)
         best = min(range(len(candidates)), key=lambda i: costs[i].total)
-        return Decision(candidates[best], self.name, costs)
+        chosen = candidates[best]
+        old = self.mean_reserve.get(chosen.id, float(reserve))
+        self.mean_reserve[chosen.id] = old + (reserve - old) * self.p.size_ewma
+        return Decision(chosen, self.name, costs)
 
     def cost(self, request: RequestProfile, b: BackendSnapshot) -> CostTerms:
         p = self.p
@@ -70,7 +72,7 @@ class BatchAware:
             return CostTerms(b.id, 0.0, 0.0, p.veto, p.veto)
         kv_tokens = b.kv_total_bytes / b.kv_bytes_per_token
         queue = b.queue_depth
-        ahead = max(kv_tokens - b.kv_free_tokens, queue * self.mean_reserve)
+        ahead = max(kv_tokens - b.kv_free_tokens, queue * self.mean_reserve.get(b.id, reserve))
         overflow = max((ahead + reserve) / kv_tokens, (queue + 1) / p.max_batch) - 1.0
         wait = max(0.0, overflow) * b.mean_service_s
         full_batch = min(kv_tokens / reserve, p.max_batch)

@@ -80,7 +80,7 @@ def test_agent_metrics_move_routing(cluster: Cluster) -> None:
     for busy, idle in (("ext-vllm", "ext-sglang"), ("ext-sglang", "ext-vllm")):
         control(urls[busy], waiting=50)
         control(urls[idle], waiting=0)
-        gw.wait_until(lambda b=busy: gw.backend(b)["queue_depth"] >= 50 and gw.backend(idle)["queue_depth"] < 50)
+        gw.wait_until(lambda b=busy, i=idle: gw.backend(b)["queue_depth"] >= 50 and gw.backend(i)["queue_depth"] < 50)
         picks = {chat(gw).headers["x-heterogate-backend"] for _ in range(5)}
         assert picks == {idle}
     control(urls["ext-sglang"], waiting=0)
