@@ -35,7 +35,7 @@ VALID_TEXT: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 @st.composite
 def mutated(draw: st.DrawFn, valid: dict[str, Any]) -> dict[str, Any]:
     body = dict(valid)
-    keys = list(valid) + ["messages", "stream", "temperature", "n", "stop", "stream_options", "max_completion_tokens"]
+    keys = [*valid, "messages", "stream", "temperature", "n", "stop", "stream_options", "max_completion_tokens"]
     for key in draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3)):
         body[key] = draw(json_values)
     return body
