@@ -28,12 +28,12 @@ class JobBuilder:
                 f"model {model!r} does not exist; this gateway serves {self.model_name!r}", param="model"
             )
 
-    def max_tokens(self, prompt_tokens: int, asked: int | None) -> int:
+    def max_tokens(self, prompt_tokens: int, asked: int | None, prompt_param: str = "messages") -> int:
         """Check the prompt and max_tokens against the limits; return the max_tokens to use."""
         limit, context = self._config.max_prompt_tokens, self._config.model.max_context
         if prompt_tokens > limit:
             raise InvalidRequest(f"prompt is {prompt_tokens} tokens; the limit is {limit}",
-                                 param="messages", code="context_length_exceeded")
+                                 param=prompt_param, code="context_length_exceeded")
         if asked is not None and asked > self._limits.max_tokens:
             raise InvalidRequest(f"max_tokens is {asked}; the limit is {self._limits.max_tokens}", param="max_tokens")
         room = context - prompt_tokens
@@ -68,7 +68,7 @@ class JobBuilder:
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = count_text_tokens(prompt)
-        max_tokens = self.max_tokens(tokens, req.requested_max_tokens())
+        max_tokens = self.max_tokens(tokens, req.requested_max_tokens(), prompt_param="prompt")
         temperature = 1.0 if req.temperature is None else req.temperature
         body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text", body)
