@@ -15,6 +15,7 @@ token has been sent.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator
@@ -112,6 +113,7 @@ class Pipeline:
     ) -> None:
         self.breakers = breakers
         self.admission = admission
+        self.debug = logging.getLogger().isEnabledFor(logging.DEBUG)   # set by configure_logging
         self.table = table
         self.policy = policy
         self.vision_policy = vision_policy
@@ -128,8 +130,9 @@ class Pipeline:
         self.metrics.decisions.labels(policy.name, decision.backend.id).inc()
         for vetoed in decision.vetoed:
             self.metrics.oom_vetoes.labels(vetoed).inc()
-        log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
-                  costs=[c._asdict() for c in decision.costs])
+        if self.debug:   # the cost table is O(N) to render: only when someone reads it
+            log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
+                      costs=[c._asdict() for c in decision.costs])
         return decision
 
     def saturated(self) -> bool:

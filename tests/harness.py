@@ -79,7 +79,7 @@ class Gateway:
 
 @contextmanager
 def run_gateway(
-    config: Path, *extra: str, healthy: int | None = None, timeout: float = 60.0, admin_key: str | None = None
+    config: Path, *extra: str, healthy: int | None = None, timeout: float = 120.0, admin_key: str | None = None
 ) -> Iterator[Gateway]:
     """Run `gateway --backends config` until the block ends; wait until `healthy` backends heartbeat."""
     port, grpc_port = free_port(), free_port()
@@ -182,3 +182,220 @@ def short_request_id(max_tokens: int, prefix: str = "short") -> str:
     from backends.sim_executor import natural_length
 
     return next(f"{prefix}-{i}" for i in range(100_000) if natural_length(f"{prefix}-{i}") <= max_tokens)
+
+
+# --- Multimodal helpers: images in memory, a recording image server, standalone engines ----------
+
+
+def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (32, 32), *, noise: bool = False, seed: int = 0) -> bytes:
+    """An image file made with Pillow in memory (`noise`: random pixels, so it does not compress)."""
+    import io
+    import random
+
+    from PIL import Image
+
+    img = Image.new("RGB", size, (200, 40, 90))
+    if noise:
+        rng = random.Random(seed)
+        img.frombytes(rng.randbytes(size[0] * size[1] * 3))
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def without_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same messages with every image part removed (the text, and so its token count, unchanged)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            m = {**m, "content": [p for p in content if p.get("type") != "image_url"]}
+        out.append(m)
+    return out
+
+
+@dataclass
+class ImageServer:
+    """A loopback HTTP server for image-URL tests: /cat.png (200), /redirect (302 to /cat.png), else 404."""
+
+    port: int
+    hits: list[str]
+
+    def url(self, path: str = "/cat.png", host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+
+@contextmanager
+def serving_images(png: bytes) -> Iterator[ImageServer]:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("content-type", "image/png")
+                self.send_header("content-length", str(len(png)))
+                self.end_headers()
+                self.wfile.write(png)
+            elif self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("location", "/cat.png")
+                self.send_header("content-length", "0")
+                self.end_headers()
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield ImageServer(int(server.server_address[1]), hits)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+class StandaloneEngines:
+    """Engine processes outside any gateway, heartbeating to a Control service that the test runs.
+
+    The Control service (the gateway's own `ControlService` on a `StateTable`) runs on a grpc.aio
+    server in a background thread; `reported(id)` reads what an engine last reported and `address(id)`
+    where its Engine service listens (engines bind an ephemeral port and say so in heartbeats).
+    """
+
+    def __init__(self, model: str, log_dir: Path, heartbeat_ms: int = 100) -> None:
+        from gateway.catalog import load_catalog
+
+        self.catalog = load_catalog()
+        self.model = model
+        self.heartbeat_ms = heartbeat_ms
+        self.log_dir = log_dir
+        self.table: Any = None
+        self.control_port = 0
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._loop: Any = None
+        self._thread: Any = None
+        self._server: Any = None
+
+    def start(self) -> None:
+        import asyncio
+        import threading
+
+        import grpc
+
+        from gateway.heartbeat_service import ControlService
+        from gateway.state_table import StateTable
+        from gateway.wire import control_pb2_grpc
+
+        started = threading.Event()
+
+        async def serve() -> None:
+            self.table = StateTable(self.catalog.model(self.model), self.heartbeat_ms / 1000, miss_limit=5)
+            self._server = grpc.aio.server()
+            control_pb2_grpc.add_ControlServicer_to_server(ControlService(self.table), self._server)
+            self.control_port = self._server.add_insecure_port("127.0.0.1:0")
+            await self._server.start()
+            started.set()
+
+        def run() -> None:
+            self._loop.run_until_complete(serve())
+            self._loop.run_forever()
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=run, name="standalone-control", daemon=True)
+        self._thread.start()
+        if not started.wait(10):
+            raise RuntimeError("the test's Control service did not start")
+
+    def launch(self, backend_id: str, role: str, gpu: str, *args: str) -> subprocess.Popen[bytes]:
+        import asyncio
+
+        async def register() -> None:
+            self.table.register(backend_id, role, self.catalog.gpu(gpu), address=None, managed=False,
+                                steal="--steal" in args)
+
+        asyncio.run_coroutine_threadsafe(register(), self._loop).result(5)
+        cmd = [sys.executable, "-m", "backends.engine", "--backend-id", backend_id, "--role", role, "--gpu", gpu,
+               "--model", self.model, "--gateway", f"127.0.0.1:{self.control_port}", "--port", "0",
+               "--heartbeat-ms", str(self.heartbeat_ms), "--log-level", "warning", *args]
+        with open(self.log_dir / f"{backend_id}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        self._procs[backend_id] = proc
+        return proc
+
+    def reported(self, backend_id: str) -> Any:
+        return self.table.get(backend_id).reported
+
+    def address(self, backend_id: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self._procs[backend_id]
+            if proc.poll() is not None:
+                log = (self.log_dir / f"{backend_id}.log").read_text(errors="replace")
+                raise RuntimeError(f"engine {backend_id} exited with {proc.returncode}:\n{log[-3000:]}")
+            entry = self.table.get(backend_id)
+            if entry is not None and entry.last_heartbeat is not None and entry.address:
+                return str(entry.address)
+            time.sleep(0.05)
+        raise TimeoutError(f"engine {backend_id} sent no heartbeat within {timeout} s")
+
+    def wait_reported(self, backend_id: str, predicate: Any, timeout: float = 10.0) -> Any:
+        """Poll the engine's last heartbeat until `predicate(reported)` holds; returns that report."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rep = self.reported(backend_id)
+            if predicate(rep):
+                return rep
+            time.sleep(0.02)
+        raise TimeoutError(f"engine {backend_id}: condition not met within {timeout} s; last report {rep}")
+
+    def close(self) -> None:
+        import asyncio
+
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._loop is not None:
+            if self._server is not None:
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace=None), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+
+@contextmanager
+def standalone_engines(model: str, log_dir: Path, heartbeat_ms: int = 100) -> Iterator[StandaloneEngines]:
+    engines = StandaloneEngines(model, log_dir, heartbeat_ms)
+    engines.start()
+    try:
+        yield engines
+    finally:
+        engines.close()
