@@ -197,7 +197,7 @@ def _odd(rng: random.Random, b: BackendSnapshot) -> BackendSnapshot:
 def test_matches_algorithm_1_exactly(w1: float, w2: float, w3: float) -> None:
     rng = random.Random(f"{w1}/{w2}/{w3}")
     p = policy(w1, w2, w3)
-    for trial in range(300):
+    for trial in range(120):
         backends = random_cluster(rng, rng.randint(1, 24), max_queue=3)
         if trial % 2:
             backends = [_odd(rng, b) for b in backends]
