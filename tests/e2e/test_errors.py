@@ -30,8 +30,8 @@ from tests.harness import (
     long_request_id,
     metric_total,
     run_gateway,
-    sigstopped,
     short_request_id,
+    sigstopped,
     sse_payloads,
     wait_all_healthy,
     write_config,
@@ -61,6 +61,8 @@ def limits_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             "heartbeat_interval_ms": 100,
             "limits": {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
                        "max_body_bytes": MAX_BODY_BYTES},
+            # Remote image URLs on, so that the loopback refusal (not the switch) is what is tested.
+            "images": {"remote_urls": True},
         },
         "backends": [{"id": "l4-0", "gpu": "L4", "launch": {"time_scale": 1.0}}],
     })
@@ -138,7 +140,8 @@ def post(gw: Gateway, path: str, **kwargs: Any) -> httpx.Response:
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_malformed_json_is_400(limits_gw: Gateway, path: str) -> None:
-    r = post(limits_gw, path, content=b'{"model": "llava-1.5-7b", "messages": [', headers={"content-type": "application/json"})
+    raw = b'{"model": "llava-1.5-7b", "messages": ['
+    r = post(limits_gw, path, content=raw, headers={"content-type": "application/json"})
     assert_openai_error(r, 400, type_="invalid_request_error", param=None)
 
 
@@ -243,24 +246,27 @@ def test_chunked_body_over_max_body_bytes_is_413(limits_gw: Gateway) -> None:
 # --- images --------------------------------------------------------------------------------------
 
 
-class _Recorder(BaseHTTPRequestHandler):
-    hits: list[str] = []
+def recording_server(hits: list[str]) -> ThreadingHTTPServer:
+    """A loopback HTTP server that serves a tiny PNG and records every path asked for."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.hits.append(self.path)
-        self.send_response(200)
-        self.send_header("content-type", "image/png")
-        self.end_headers()
-        self.wfile.write(b"\x89PNG\r\n\x1a\n")
+    class Recorder(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("content-type", "image/png")
+            self.end_headers()
+            self.wfile.write(b"\x89PNG\r\n\x1a\n")
 
-    def log_message(self, *args: Any) -> None:
-        pass
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
 
 
 def test_image_url_to_a_local_http_address_is_400_naming_the_part(limits_gw: Gateway) -> None:
-    """A remote (non-data:) URL at a loopback address must never be fetched; the part is named."""
-    handler = type("Recorder", (_Recorder,), {"hits": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    """A remote (non-data:) URL at a loopback address is refused, never fetched, and the part is named."""
+    hits: list[str] = []
+    server = recording_server(hits)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -273,7 +279,7 @@ def test_image_url_to_a_local_http_address_is_400_naming_the_part(limits_gw: Gat
         thread.join(timeout=5)
     err = assert_openai_error(r, 400, type_="invalid_request_error")
     assert err["param"] is not None and err["param"].startswith("messages.0.content.1"), err
-    assert handler.hits == [], f"the gateway fetched {handler.hits}"
+    assert hits == [], f"the gateway fetched {hits}"
 
 
 # --- routes --------------------------------------------------------------------------------------
@@ -371,11 +377,47 @@ def test_failure_after_the_first_token_ends_the_stream_with_an_error_event(failo
     failover_gw.wait_until(restarted, timeout=20)
 
 
-# --- client disconnects ----------------------------------------------------------------------------
+def test_failure_mid_generation_of_a_non_streamed_request_starts_it_over_elsewhere(failover_gw: Gateway) -> None:
+    """Nothing has reached the client yet, so the client gets one whole answer from the other backend."""
+    gw = failover_gw
+    wait_all_healthy(gw)
+    ids = [b["id"] for b in gw.backends()]
+    ttft = "heterogate_ttft_seconds_count"
+    firsts = {i: metric_total(gw, ttft, backend=i) for i in ids}
+    retries = {i: metric_total(gw, "heterogate_dispatch_retries_total", backend=i) for i in ids}
+    rid = long_request_id(LONG_TOKENS, prefix="midplain")
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(
+        post(gw, COMPLETIONS, json=completion(max_tokens=40), headers={"x-request-id": rid})
+    ))
+    sender.start()
+    try:
+        # The gateway holds the first token once its TTFT is observed: from then on the failure is mid-generation.
+        first = gw.wait_until(lambda: next((i for i in ids if metric_total(gw, ttft, backend=i) > firsts[i]), None),
+                              timeout=10, interval=0.01)
+        pid = engine_pid(gw, first)
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        sender.join(timeout=30)
+    assert answer, "the request did not finish"
+    r = answer[0]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == rid
+    assert r.headers["x-heterogate-backend"] != first
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 40 and choice["finish_reason"] == "length"
+    assert len(choice["text"].split()) == 40
+    assert metric_total(gw, "heterogate_dispatch_retries_total", backend=first) > retries[first]
+
+    def restarted() -> bool:
+        b = gw.backend(first)
+        return bool(b["healthy"] and b["pid"] not in (None, pid))
+
+    gw.wait_until(restarted, timeout=20)
+    gw.wait_until(lambda: all(b["in_flight"] == 0 for b in gw.backends()), timeout=5)
 
 
-def _engine(gw: Gateway) -> dict[str, Any]:
-    return gw.backend("l4-0")
+# --- client disconnects --------------------------------------------------------------------------
 
 
 def test_client_disconnect_during_a_stream_cancels_the_generation(limits_gw: Gateway) -> None:
