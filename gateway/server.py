@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from dataclasses import dataclass
 
@@ -66,6 +67,8 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     supervisor = Supervisor(config, f"{options.grpc_host}:{grpc_port}", log_level=options.engine_log_level)
     supervisor.start()
     app = create_app(runtime)
+    # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
+    gc.freeze()
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=False,
         lifespan="off", timeout_graceful_shutdown=int(config.settings.drain_timeout_s),

@@ -1,0 +1,196 @@
+"""The gateway's own Python cost per request, in process: no sockets, no gRPC, no other process.
+
+    python benchmarks/gateway_micro.py [--quick] [--requests 3000] [--repeats 5]
+
+The real FastAPI app (`gateway.http_app.create_app` over `gateway.runtime.build_runtime`, one
+backend) is called as an ASGI callable, on uvloop, with a fake engine client in place of the gRPC
+one (it yields max_tokens GenerateChunks at once). What is left is everything the gateway does in
+Python for a request: FastAPI/Starlette, body parsing and validation, job building, admission,
+routing, metrics, logging calls, the disconnect watcher, response rendering. Subtracting it from the
+gateway's CPU per request under wrk (gateway_overhead.py) leaves uvicorn's HTTP I/O and the grpc.aio
+client with its threads.
+
+Each cell: `requests` sequential requests, CPU time of this process (time.process_time) divided by
+the count; the minimum over `repeats` (the least disturbed by other processes). Cells: GET /health;
+POST /v1/chat/completions non-streaming and streaming; then the non-streaming request with each
+in-process change of gateway_variants.py (telemetry_off, gc_freeze, no_watcher, no_metrics) and
+with one GenerateChunk for the whole completion (chunk_all). Writes
+benchmarks/results/gateway_micro.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:   # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import gateway_variants  # noqa: E402
+from benchmarks.bench_cluster import cluster_config  # noqa: E402
+from benchmarks.gateway_overhead import CHAT, git_state  # noqa: E402
+from gateway.config import load_cluster  # noqa: E402
+from gateway.generation_job import GenerationJob  # noqa: E402
+from gateway.http_app import create_app  # noqa: E402
+from gateway.logs import configure_logging  # noqa: E402
+from gateway.runtime import Runtime, build_runtime  # noqa: E402
+from gateway.state_table import Reported  # noqa: E402
+from gateway.wire import engine_pb2  # noqa: E402
+from tests.harness import write_config  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "gateway_micro.json"
+ASGI = Callable[[dict[str, Any], Callable[[], Any], Callable[[dict[str, Any]], Any]], Any]
+
+
+class FakeEngineClient:
+    """Stands in for gateway.engine_client.EngineClient: the chunks a fast engine sends, no I/O."""
+
+    accepts_embeddings = False
+
+    def __init__(self, backend_id: str, tokens_per_chunk: int = 1) -> None:
+        self.backend_id = backend_id
+        self.address = "fake:0"
+        self.tokens_per_chunk = tokens_per_chunk
+
+    async def generate(
+        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        n = job.max_tokens
+        per = self.tokens_per_chunk or n
+        for start in range(0, n, per):
+            end = min(n, start + per)
+            chunk = engine_pb2.GenerateChunk(text="word " * (end - start), index=end - 1)
+            if end == n:
+                chunk.finish_reason = "length"
+                chunk.usage.prompt_tokens = job.prompt_tokens
+                chunk.usage.completion_tokens = n
+            yield chunk
+
+    async def close(self) -> None:
+        pass
+
+
+def make_runtime(tmp: Path, tokens_per_chunk: int) -> Runtime:
+    config = load_cluster(write_config(tmp, cluster_config("stub", ["127.0.0.1:9"])))
+    runtime = build_runtime(config)
+    # No injection point for a backend client exists, so the benchmark replaces the gRPC one.
+    runtime.clients._clients["e0"] = FakeEngineClient("e0", tokens_per_chunk)  # type: ignore[assignment]
+    return runtime
+
+
+def beat(runtime: Runtime) -> None:
+    """A heartbeat, so that the backend stays healthy (sequence numbers must grow)."""
+    seq, total = time.monotonic_ns(), 50 << 30
+    runtime.table.apply_heartbeat("e0", seq, "fake:0", Reported(seq=seq, kv_free_bytes=total, kv_total_bytes=total))
+
+
+def scope(method: str, path: str, body: bytes) -> dict[str, Any]:
+    headers = [(b"host", b"bench"), (b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+
+
+async def one(app: ASGI, method: str, path: str, body: bytes) -> int:
+    sent = False
+    never = asyncio.Event()
+    status = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never.wait()   # the client stays connected
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(scope(method, path, body), receive, send)
+    return status
+
+
+async def cell(runtime: Runtime, app: ASGI, method: str, path: str, body: bytes, requests: int,
+               repeats: int) -> float:
+    """Minimum over repeats of CPU µs per request."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for i in range(requests):
+            if i % 64 == 0:
+                beat(runtime)
+            status = await one(app, method, path, body)
+            if status != 200:
+                raise RuntimeError(f"{method} {path}: status {status}")
+        best = min(best, (time.process_time() - t0) / requests * 1e6)
+    return best
+
+
+async def measure(requests: int, repeats: int) -> dict[str, float]:
+    body = json.dumps(CHAT).encode()
+    stream_body = json.dumps({**CHAT, "stream": True}).encode()
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="gateway-micro-") as tmp:
+        runtime = make_runtime(Path(tmp), 1)
+        app = create_app(runtime)
+        await cell(runtime, app, "POST", "/v1/chat/completions", body, 200, 1)   # warm-up
+        out["GET /health"] = await cell(runtime, app, "GET", "/health", b"", requests, repeats)
+        out["chat"] = await cell(runtime, app, "POST", "/v1/chat/completions", body, requests, repeats)
+        out["chat stream"] = await cell(runtime, app, "POST", "/v1/chat/completions", stream_body, requests, repeats)
+        runtime = make_runtime(Path(tmp), 0)
+        out["chat, chunk_all"] = await cell(runtime, create_app(runtime), "POST", "/v1/chat/completions", body,
+                                            requests, repeats)
+        for patch in ("telemetry_off", "no_watcher", "no_metrics", "gc_freeze"):   # cumulative, in this order
+            gateway_variants.PATCHES[patch]()
+            runtime = make_runtime(Path(tmp), 1)
+            app = create_app(runtime)
+            if patch == "gc_freeze":
+                gateway_variants.PATCHES["gc_freeze"]()   # again, after the app exists
+            out[f"chat, +{patch}"] = await cell(runtime, app, "POST", "/v1/chat/completions", body, requests, repeats)
+    gc.unfreeze()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="smoke run (< 30 s): 500 requests x 2 repeats")
+    p.add_argument("--requests", type=int, help="requests per repeat (default 3000)")
+    p.add_argument("--repeats", type=int, help="repeats per cell (default 5)")
+    args = p.parse_args(argv)
+    requests = args.requests or (500 if args.quick else 3000)
+    repeats = args.repeats or (2 if args.quick else 5)
+    started = time.monotonic()
+    configure_logging("warning")   # as benchmarked: gateway --log-level warning
+    cells = uvloop.run(measure(requests, repeats))
+    base = cells["chat"]
+    print(f"\n{'in-process ASGI call (fake engine, max_tokens 4)':52s} {'CPU µs/req':>10s} {'vs chat':>8s}")
+    for name, us in cells.items():
+        print(f"{name:52s} {us:10.1f} {us / base - 1:+8.1%}")
+    report = {"benchmark": "gateway_micro", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+              "git": git_state(), "requests": requests, "repeats": repeats, "cpu_us_per_request": cells,
+              "note": "patches after chunk_all are cumulative: +telemetry_off, +no_watcher, +no_metrics, +gc_freeze",
+              "wall_s": time.monotonic() - started}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=1))
+    print(f"wrote {OUT} ({report['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
