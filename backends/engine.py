@@ -53,7 +53,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             t0 = time.monotonic()
             timeout_s = (request.embedding_timeout_ms or 10_000) / 1000
             try:
-                await self._engine.embeddings.wait(request.request_id, request.embedding_count, timeout_s)
+                key = request.handoff_key or request.request_id
+                await self._engine.embeddings.wait(key, request.embedding_count, timeout_s)
             except EmbeddingTimeout as exc:
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
             wait_s = time.monotonic() - t0

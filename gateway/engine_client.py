@@ -20,6 +20,7 @@ from gateway.openai_upstream import OpenAIUpstreamClient
 from gateway.wire import engine_pb2, engine_pb2_grpc
 
 # Engine answers that mean "this request is wrong", not "this engine is broken": never retried.
+HANDOFF_TIMEOUT = "handoff_timeout"
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
@@ -33,6 +34,8 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool
     detail = f"backend {backend_id}: {code.name.lower()}: {exc.details()}"
     if code in _CLIENT_FAULTS:
         return InvalidRequest(exc.details() or "rejected by the engine")
+    if code == grpc.StatusCode.ABORTED:   # the engine gave up waiting for embeddings: a vision-side fault
+        return BackendFailure(detail, backend_id=backend_id, retryable=retryable, code=HANDOFF_TIMEOUT)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return BackendTimeout(detail, backend_id=backend_id, retryable=retryable)
     return BackendFailure(detail, backend_id=backend_id, retryable=retryable)
@@ -48,13 +51,15 @@ class EngineClient:
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     async def generate(
-        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
+        self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
+        timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """Stream chunks. Failures before the first chunk are retryable; closing early cancels the RPC."""
         request = engine_pb2.GenerateRequest(
             request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
             image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
             embedding_count=len(job.images), embedding_timeout_ms=int(handoff_timeout_s * 1000),
+            handoff_key=handoff_key,
         )
         call = self._stub.Generate(request, timeout=timeout_s)
         started = False
@@ -93,7 +98,8 @@ class BackendClient(Protocol):
     accepts_embeddings: bool
 
     def generate(
-        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
+        self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
+        timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]: ...
 
     async def close(self) -> None: ...

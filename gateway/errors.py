@@ -84,8 +84,8 @@ class BackendFailure(RequestError):
     type = "backend_error"
     code = "backend_failure"
 
-    def __init__(self, message: str, *, backend_id: str, retryable: bool = True) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, backend_id: str, retryable: bool = True, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.backend_id = backend_id
         self.retryable = retryable
 

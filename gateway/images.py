@@ -63,6 +63,8 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile) -
         raise InvalidRequest(f"{where}: not a PNG, JPEG or WebP image", param=where) from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise InvalidRequest(f"{where}: image is corrupt or truncated ({exc})", param=where) from None
+    if fmt == "JPEG" and not data.rstrip(b"\x00").endswith(b"\xff\xd9"):   # verify() does not check JPEG
+        raise InvalidRequest(f"{where}: image is corrupt or truncated (JPEG without an end marker)", param=where)
     if fmt not in FORMATS:
         raise InvalidRequest(f"{where}: {fmt or 'unknown'} images are not supported (PNG, JPEG, WebP)", param=where)
     if width * height > limits.max_image_pixels:

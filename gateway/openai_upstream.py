@@ -45,7 +45,8 @@ class OpenAIUpstreamClient:
         return body
 
     async def generate(
-        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
+        self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
+        timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
         timeout = httpx.Timeout(connect=min(5.0, timeout_s), read=first_token_timeout_s, write=10.0, pool=5.0)

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import structlog
 
 from gateway.admission import AdmissionQueue
 from gateway.circuit_breaker import Breakers
-from gateway.engine_client import BackendClient, EngineClient, EngineClients
+from gateway.engine_client import HANDOFF_TIMEOUT, BackendClient, EngineClient, EngineClients
 from gateway.errors import BackendFailure, NoBackendAvailable
 from gateway.generation_job import GenerationJob
 from gateway.metrics import GatewayMetrics
@@ -174,7 +175,8 @@ class Pipeline:
             try:
                 dispatch = await self._attempt(job, decision, client, started, deadline)
             except BackendFailure as exc:
-                self.breakers.on_failure(backend_id)
+                if exc.backend_id == backend_id and exc.code != HANDOFF_TIMEOUT:   # not the vision side's fault
+                    self.breakers.on_failure(backend_id)
                 if not exc.retryable:
                     raise
                 last_error = exc
@@ -222,15 +224,17 @@ class Pipeline:
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()
         remaining = max(0.001, deadline - time.monotonic())
-        first_token_s = self.settings.first_token_timeout_s + (self.settings.handoff_timeout_s if job.images else 0)
+        # The language engine waits long enough for every vision attempt (a re-encode must still land).
+        handoff_s = self.settings.handoff_timeout_s * self.settings.max_attempts if job.images else 0.0
+        handoff_key = uuid.uuid4().hex if job.images else ""   # never the client's id: no cross-request pick-up
         stream = client.generate(
-            job, handoff_timeout_s=self.settings.handoff_timeout_s,
-            first_token_timeout_s=min(first_token_s, remaining), timeout_s=remaining,
+            job, handoff_key=handoff_key, handoff_timeout_s=handoff_s,
+            first_token_timeout_s=min(self.settings.first_token_timeout_s + handoff_s, remaining), timeout_s=remaining,
         )
         first_read = asyncio.ensure_future(anext(stream))
         encoding = None
         if job.images and client.accepts_embeddings:
-            encoding = asyncio.ensure_future(self._encode(job, decision.backend, client.address))
+            encoding = asyncio.ensure_future(self._encode(job, handoff_key, decision.backend, client.address))
         try:
             if encoding is not None:
                 await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
@@ -239,9 +243,10 @@ class Pipeline:
             first = await first_read
             vision_id = await encoding if encoding is not None else None
         except BaseException as exc:
-            for task in (first_read, encoding):
-                if task is not None:
-                    task.cancel()
+            pending = [t for t in (first_read, encoding) if t is not None]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)   # the stream must be idle to close it
             self.table.release(backend_id, None)
             self.admission.notify()
             await stream.aclose()  # type: ignore[attr-defined]
@@ -254,10 +259,10 @@ class Pipeline:
         self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
         return dispatch
 
-    async def _encode(self, job: GenerationJob, language: BackendSnapshot, deliver_to: str) -> str:
-        """Encode the job's images and deliver them to `language`; returns the vision backend id."""
+    async def _encode(self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str) -> str:
+        """Encode the job's images and deliver them to `language` under `key`; returns the vision backend id."""
         request = engine_pb2.EncodeRequest(
-            request_id=job.request_id, deliver_to=deliver_to,
+            request_id=key, deliver_to=deliver_to,
             images=[engine_pb2.Image(data=i.data, width=i.width, height=i.height, tokens=i.tokens)
                     for i in job.images],
         )
@@ -270,7 +275,7 @@ class Pipeline:
         last_error: BackendFailure | None = None
         for _ in range(self.settings.max_attempts):
             now = time.monotonic()
-            candidates = self.table.candidates(VISION_ROLES, now, tried)
+            candidates = self.table.candidates(VISION_ROLES, now, tried + self.breakers.blocked())
             client = None
             if candidates:
                 vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id
@@ -278,11 +283,14 @@ class Pipeline:
                 client = self.clients.engine(vision_id)
             if client is None:
                 break
+            self.breakers.on_dispatch(vision_id)
             try:
                 await self._encode_on(vision_id, client, request, job.image_tokens)
+                self.breakers.on_success(vision_id)
                 return vision_id
             except BackendFailure as exc:
                 last_error = exc
+                self.breakers.on_failure(vision_id)
                 self.metrics.retries.labels(vision_id).inc()
                 log.warning("encode_failed", request_id=job.request_id, backend=vision_id, error=str(exc))
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
