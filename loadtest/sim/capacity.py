@@ -3,9 +3,9 @@
 Load normalisation (capability-weighted paper §4.1, "λ = 1.0× equals the cluster's aggregate service
 rate under uniform dispatching"): λ(1.0×) = Σ_i μ_i, where μ_i is GPU i's saturated service rate for
 the workload as a whole, i.e. as if it received the uniformly dispatched mix: serial engines 1/E[S_i]
-from the paper's formulas, continuous-batching engines measured on one saturated simulated batcher. Under this reading the
-round-robin baseline is already past its bottleneck (N · min_i μ_i) at 0.5×, as the paper's flat
-Uniform curve (2,147 → 2,222 tok/s from 0.5× to 1.0×) implies.
+from the paper's formulas, continuous-batching engines measured on one saturated simulated batcher.
+Under this reading the round-robin baseline is already past its bottleneck (N · min_i μ_i) at 0.5×,
+as the paper's flat Uniform curve (2,147 → 2,222 tok/s from 0.5× to 1.0×) implies.
 
 KV budget of a model too large for one GPU (Llama-2-70B in fp16 is 138 GB): the paper charges no
 weights to a GPU's HBM; we follow it and give the KV cache a stated share of HBM (KV_SHARE_OVERSIZE)
@@ -38,12 +38,11 @@ def kv_capacity(model: ModelProfile, gpu: GpuProfile, *, encoder_loaded: bool = 
 
 def serial_service_s(model: ModelProfile, gpu: GpuProfile, prompt: float, output: float) -> float:
     """The paper's serial engine: prefill 2·P·L/F, then 2·P/B per output token."""
-    return prompt * perf_model.prefill_seconds_per_token(model, gpu) + output * perf_model.serial_decode_seconds_per_token(
-        model, gpu
-    )
+    prefill = prompt * perf_model.prefill_seconds_per_token(model, gpu)
+    return prefill + output * perf_model.serial_decode_seconds_per_token(model, gpu)
 
 
-def measured_batch_rate(model: ModelProfile, gpu: GpuProfile, workload: str, n: int = 2000) -> float:
+def measured_batch_rate(model: ModelProfile, gpu: GpuProfile, workload: str, n: int = 1500) -> float:
     """μ_i of a continuous-batching GPU, measured rather than guessed: saturate one simulated engine with
     `n` requests of the workload's reference sample and count completions per second while its
     waiting queue is non-empty (the batcher's own admission rules, KV reservations and prefill stalls)."""

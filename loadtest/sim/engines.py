@@ -56,6 +56,8 @@ class EngineSpec:
     prior_service_s: float          # T̄_service before any completion: the performance model's estimate
     role: Role = "language"
     max_batch: int = 256
+    max_prefill_tokens: int | None = None   # per-step prefill bound (a stealing vision GPU's episode bound)
+    steal: bool = False
 
 
 class Engine:
@@ -79,6 +81,7 @@ class Engine:
             kv_bytes_per_token=model.kv_bytes_per_token,
             prefill_s_per_token=perf_model.prefill_seconds_per_token(model, gpu),
             encode_s_per_token=perf_model.encode_seconds(model, gpu, 1),
+            steal=spec.steal,
         )
 
     def submit(self, i: int, now: float) -> float | None:
@@ -162,7 +165,9 @@ class BatchEngine(Engine):
 
     def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
         super().__init__(spec, rec)
-        self.batcher = ContinuousBatcher(self.model, self.gpu, self.kv_capacity, max_batch=spec.max_batch)
+        self.batcher = ContinuousBatcher(
+            self.model, self.gpu, self.kv_capacity, max_batch=spec.max_batch, max_prefill_tokens=spec.max_prefill_tokens
+        )
         self.stepping = False
         self._step_start = 0.0
         self._result_prefilled: list[Sequence] = []
@@ -175,6 +180,17 @@ class BatchEngine(Engine):
         return self.batcher.kv_free_bytes
 
     def submit(self, i: int, now: float) -> float | None:
+        if not self._enqueue(i, now):
+            return None
+        self.in_flight += 1
+        return None if self.stepping else self._start_step(now)
+
+    def on_event(self, now: float) -> tuple[list[int], float | None]:
+        done = self._end_step(now)
+        return done, (None if self.batcher.idle else self._start_step(now))
+
+    def _enqueue(self, i: int, now: float) -> bool:
+        """Hand request i to the batcher; False (and marked rejected) if its KV could never fit here."""
         lengths = self.rec.lengths
         seq = Sequence(
             str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.output_tokens[i]), now
@@ -183,12 +199,25 @@ class BatchEngine(Engine):
             self.batcher.submit(seq)
         except SequenceTooLarge:
             self.rec.rejected[i] = True
-            return None
-        self.in_flight += 1
+            return False
         self._snap = None
-        return None if self.stepping else self._step(now)
+        return True
 
-    def on_event(self, now: float) -> tuple[list[int], float | None]:
+    def _start_step(self, now: float) -> float | None:
+        result = self.batcher.step()
+        if result.duration_s <= 0.0:
+            if not self.batcher.idle:
+                raise RuntimeError(f"{self.id}: a step made no progress with work queued")
+            return None                    # only cancelled sequences were left
+        self.stepping = True
+        self._step_start = now
+        self._result_prefilled, self._result_finished = result.prefilled, result.finished
+        self._snap = None
+        return now + result.duration_s
+
+    def _end_step(self, now: float) -> list[int]:
+        """Stamp the step's first tokens and completions at its end; returns the finished requests."""
+        self.stepping = False
         for s in self._result_prefilled:
             i = int(s.id)
             self.rec.admitted[i] = self._step_start
@@ -197,19 +226,4 @@ class BatchEngine(Engine):
         for i in done:
             self._finished(i, now)
         self._snap = None
-        if self.batcher.idle:
-            self.stepping = False
-            return done, None
-        return done, self._step(now)
-
-    def _step(self, now: float) -> float | None:
-        result = self.batcher.step()
-        if result.duration_s <= 0.0:
-            if not self.batcher.idle:
-                raise RuntimeError(f"{self.id}: a step made no progress with work queued")
-            self.stepping = False          # only cancelled sequences were left
-            return None
-        self.stepping = True
-        self._step_start = now
-        self._result_prefilled, self._result_finished = result.prefilled, result.finished
-        return now + result.duration_s
+        return done

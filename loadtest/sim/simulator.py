@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ MODES = ("serial", "continuous")
 class RunSpec:
     gpus: tuple[str, ...]                  # catalog GPU names, one per backend
     policy: str
-    params: Mapping[str, Any] = field(default_factory=dict)
+    params: tuple[tuple[str, Any], ...] = ()   # policy parameters, hashable so equal runs dedupe
     model: str = "llama-2-70b"
     mode: str = "serial"
     workload: str = "sharegpt"
@@ -43,9 +42,9 @@ class RunSpec:
 
 
 def arrival_rate(spec: RunSpec, catalog: Catalog) -> float:
+    """spec.load · Σ_i μ_i (capacity.py)."""
     model = catalog.model(spec.model)
-    mus = [capacity.service_rate(model, catalog.gpu(g), spec.mode, spec.workload) for g in spec.gpus]
-    return spec.load * sum(mus)
+    return spec.load * sum(capacity.service_rate(model, catalog.gpu(g), spec.mode, spec.workload) for g in spec.gpus)
 
 
 def build_engines(spec: RunSpec, catalog: Catalog, rec: Recorder) -> list[Engine]:
@@ -102,17 +101,18 @@ def _fire(heap: list[tuple[float, int]], engines: list[Engine]) -> int:
     return 1
 
 
-def run(spec: RunSpec, catalog: Catalog | None = None) -> dict[str, Any]:
-    """One simulation: the spec's fields plus the metrics of `metrics.summarize`."""
+def run(spec: RunSpec, catalog: Catalog | None = None, rate: float | None = None) -> dict[str, Any]:
+    """One simulation; `rate` (requests/s) overrides spec.load · Σ μ_i when the caller already knows it."""
     catalog = catalog or load_catalog()
     if spec.mode not in MODES:
         raise ValueError(f"unknown engine mode {spec.mode!r}; known: {MODES}")
-    started = time.perf_counter()
-    trace = make_trace(spec.workload, spec.arrivals, arrival_rate(spec, catalog), spec.n_requests, spec.seed)
+    started, cpu = time.perf_counter(), time.process_time()
+    rate = arrival_rate(spec, catalog) if rate is None else rate
+    trace = make_trace(spec.workload, spec.arrivals, rate, spec.n_requests, spec.seed)
     rec = Recorder.for_lengths(trace.lengths)
     engines = build_engines(spec, catalog, rec)
     events = simulate(trace, engines, make_policy(spec), rec)
     gpu_names = np.array([e.gpu.name for e in engines])
     out = summarize(trace, rec, gpu_names, [e.gpu.price_per_hour for e in engines])
-    out.update(events=events, wall_s=time.perf_counter() - started)
+    out.update(events=events, wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu, rate_rps=rate)
     return out

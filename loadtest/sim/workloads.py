@@ -12,7 +12,7 @@ heavy-tailed image count per request for the mixed variant.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
@@ -34,10 +34,10 @@ class Lengths:
     images: np.ndarray
     output_tokens: np.ndarray
     max_output_tokens: np.ndarray
+    input_tokens: np.ndarray = field(init=False)    # text + image tokens: what prefill and KV see
 
-    @property
-    def input_tokens(self) -> np.ndarray:
-        return self.text_tokens + self.image_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_tokens", self.text_tokens + self.image_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,180 @@
+"""Modality-level disaggregation in virtual time (modality paper §5-§6): monolithic vs split, ± stealing.
+
+The dispatch mirrors gateway/pipeline.py: the language backend is chosen first (language pool, plus
+the vision GPUs that `gateway.policies.stealing.stealers` admits), and counted in flight at once;
+an image request is then encoded on the vision backend chosen by the vision policy (`encode_cost`)
+and its embedding (perf_model.embedding_bytes) travels over PCIe to the language backend; a
+monolithic (`both`) GPU encodes its own images and moves nothing. Text-only requests skip vision.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends import perf_model
+from gateway.catalog import Catalog, load_catalog
+from gateway.policies import build_policy
+from gateway.policies.contracts import Policy, RequestProfile, Role
+from gateway.policies.stealing import DEFAULT_THRESHOLD, stealers
+from loadtest.sim import capacity
+from loadtest.sim.engines import EngineSpec, Recorder
+from loadtest.sim.metrics import summarize
+from loadtest.sim.vlm import STEAL_EPISODE_S, Delivery, EncodeJob, VlmEngine
+from loadtest.sim.workloads import Trace, make_trace, mean_lengths
+
+PCIE_BYTES_S = 25e9     # PCIe Gen4 x16, effective: a 4.7 MB LLaVA embedding moves in ≈ 0.2 ms
+
+Member = tuple[str, Role, bool]      # (catalog GPU, role, steal)
+DEPLOYMENTS: dict[str, tuple[Member, ...]] = {
+    "4×A100 monolithic": (("A100-80GB", "both", False),) * 4,
+    "2×4090 vision + 2×A100": (("RTX-4090", "vision", False),) * 2 + (("A100-80GB", "language", False),) * 2,
+    "2×4090 vision + 2×A100 + stealing": (("RTX-4090", "vision", True),) * 2
+    + (("A100-80GB", "language", False),) * 2,
+}
+
+
+@dataclass(frozen=True)
+class VlmRunSpec:
+    deployment: str
+    rate: float                         # requests/s
+    n_requests: int = 3000
+    seed: int = 0
+    workload: str = "coco"
+    model: str = "llava-1.5-7b"
+    policy: str = "heteroserve"         # language pool (the gateway's default)
+    vision_policy: str = "encode_cost"  # vision pool (the gateway's default)
+    steal_threshold: int = DEFAULT_THRESHOLD
+
+
+def a100_rate(catalog: Catalog, model: str = "llava-1.5-7b", workload: str = "coco") -> float:
+    """Measured saturated request rate of one A100 language engine: the unit the loads are set in."""
+    return capacity.measured_batch_rate(catalog.model(model), catalog.gpu("A100-80GB"), workload)
+
+
+def build(spec: VlmRunSpec, catalog: Catalog, rec: Recorder) -> list[VlmEngine]:
+    model = catalog.model(spec.model)
+    prompt, output, _ = mean_lengths(spec.workload)
+    engines = []
+    for k, (name, role, steal) in enumerate(DEPLOYMENTS[spec.deployment]):
+        gpu = catalog.gpu(name)
+        decoder = role != "vision" or steal
+        kv = capacity.kv_capacity(model, gpu, encoder_loaded=role != "language") if decoder else 0
+        prior = perf_model.service_seconds(model, gpu, round(prompt), round(output))
+        bounded = role == "vision"      # a stealing GPU: half batch, per-step prefill within the episode bound
+        episode_tokens = int(STEAL_EPISODE_S / perf_model.prefill_seconds_per_token(model, gpu))
+        es = EngineSpec(
+            f"{name.lower()}-{k}", model, gpu, kv, prior, role=role, steal=steal,
+            max_batch=128 if bounded else 256, max_prefill_tokens=episode_tokens if bounded else None,
+        )
+        engines.append(VlmEngine(es, rec, k))
+    return engines
+
+
+class VlmSimulation:
+    """One run's event loop: arrivals, engine activities (versioned) and embedding deliveries."""
+
+    def __init__(self, spec: VlmRunSpec, trace: Trace, engines: list[VlmEngine], rec: Recorder) -> None:
+        self.spec, self.trace, self.engines, self.rec = spec, trace, engines, rec
+        self.language: Policy = build_policy(spec.policy)
+        self.vision: Policy = build_policy(spec.vision_policy)
+        self.index = {e.id: e.index for e in engines}
+        self.heap: list[tuple[float, int, int, int, int]] = []   # (time, tie, kind, engine, payload)
+        self.tie = itertools.count()
+        self.bytes_moved = 0
+
+    def run(self) -> None:
+        for i, now in enumerate(self.trace.arrival_s.tolist()):
+            while self.heap and self.heap[0][0] <= now:
+                self._fire()
+            self._dispatch(i, now)
+        while self.heap:
+            self._fire()
+
+    def _schedule(self, k: int, t: float | None) -> None:
+        if t is not None:
+            heapq.heappush(self.heap, (t, next(self.tie), 0, k, self.engines[k].version))
+
+    def _fire(self) -> None:
+        now, _, kind, k, payload = heapq.heappop(self.heap)
+        engine = self.engines[k]
+        if kind == 1:                                   # an embedding arrived at language engine k
+            self._schedule(k, engine.submit(payload, now))
+            return
+        if payload != engine.version:                   # superseded wake-up
+            return
+        deliveries, nxt = engine.on_event_deliveries(now)
+        self._schedule(k, nxt)
+        for d in deliveries:
+            self._deliver(d, now)
+
+    def _deliver(self, d: Delivery, now: float) -> None:
+        if d.target == d.source:
+            self._schedule(d.target, self.engines[d.target].submit(d.request, now))
+            return
+        size = perf_model.embedding_bytes(self.engines[d.target].model, int(self.trace.lengths.image_tokens[d.request]))
+        self.bytes_moved += size
+        heapq.heappush(self.heap, (now + size / PCIE_BYTES_S, next(self.tie), 1, d.target, d.request))
+
+    def _dispatch(self, i: int, now: float) -> None:
+        lengths = self.trace.lengths
+        profile = RequestProfile(
+            str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.image_tokens[i])
+        )
+        vision = [e.snapshot() for e in self.engines if e.vision]
+        candidates = [e.snapshot() for e in self.engines if e.role != "vision"]
+        backlog = sum(len(e.batcher.waiting) for e in self.engines if e.role != "vision")
+        candidates += stealers(vision, backlog, self.spec.steal_threshold)
+        k = self.index[self.language.choose(profile, candidates, now).backend.id]
+        target = self.engines[k]
+        target.acquire()
+        self.rec.backend[i] = k
+        if not profile.image_tokens:
+            self._schedule(k, target.submit(i, now))
+            return
+        v = k if target.role == "both" else self.index[self.vision.choose(profile, vision, now).backend.id]
+        job = EncodeJob(i, int(lengths.images[i]), profile.image_tokens, k, now)
+        self._schedule(v, self.engines[v].encode(job, now))
+
+
+def run_vlm(spec: VlmRunSpec, catalog: Catalog | None = None) -> dict[str, Any]:
+    catalog = catalog or load_catalog()
+    started, cpu = time.perf_counter(), time.process_time()
+    trace = make_trace(spec.workload, "poisson", spec.rate, spec.n_requests, spec.seed)
+    rec = Recorder.for_lengths(trace.lengths)
+    engines = build(spec, catalog, rec)
+    sim = VlmSimulation(spec, trace, engines, rec)
+    sim.run()
+    out = summarize(trace, rec, np.array([e.gpu.name for e in engines]), [e.gpu.price_per_hour for e in engines])
+    out.update(_cost_and_transfer(spec, catalog, trace, rec, engines, sim.bytes_moved))
+    out.update(wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu, rate_rps=spec.rate)
+    return out
+
+
+def _cost_and_transfer(
+    spec: VlmRunSpec, catalog: Catalog, trace: Trace, rec: Recorder, engines: list[VlmEngine], moved: int
+) -> dict[str, Any]:
+    model = catalog.model(spec.model)
+    hardware = float(sum(e.gpu.purchase_usd or 0.0 for e in engines))
+    images = trace.lengths.image_tokens > 0
+    stage_kv = float(sum(perf_model.kv_bytes(model, int(t)) for t in trace.lengths.input_tokens[images]))
+    stolen = np.isin(rec.backend, [e.index for e in engines if e.role == "vision"])
+    vision_busy = [e.encode_busy_s for e in engines if e.vision]
+    return {
+        "hardware_usd": hardware,
+        "cer_tok_s_per_k_usd": out_rate(rec, trace) / (hardware / 1000.0) if hardware else float("nan"),
+        "embedding_mb_per_request": moved / 1e6 / max(1, int(images.sum())),
+        "stage_kv_mb_per_request": stage_kv / 1e6 / max(1, int(images.sum())),
+        "stolen_share": float(stolen.mean()),
+        "vision_busy_share": float(np.mean(vision_busy)) / float(np.nanmax(rec.finish) - trace.arrival_s[0]),
+    }
+
+
+def out_rate(rec: Recorder, trace: Trace) -> float:
+    done = ~np.isnan(rec.finish)
+    return float(trace.lengths.output_tokens[done].sum()) / float(np.nanmax(rec.finish) - trace.arrival_s[0])
