@@ -29,6 +29,7 @@ CLUSTERS = {
 }
 POLICIES = ("round_robin", "capacity_proportional", "shortest_queue", "power_of_two", "heteroserve", "batch_aware")
 CORE_POLICIES = ("round_robin", "shortest_queue", "heteroserve", "batch_aware")   # the wider sweeps
+LOAD_POLICIES = tuple(p for p in POLICIES if p != "power_of_two")   # the paper's Fig. 4-5 baselines + ours
 LOADS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 WORKLOADS = ("uniform", "short_heavy", "long_heavy", "bimodal", "sharegpt")
 SIZES = (4, 8, 16, 32)
@@ -54,7 +55,7 @@ Spec = RunSpec | VlmRunSpec
 class Settings:
     seeds: int = 5
     n_serial: int = 6000
-    n_continuous: int = 8000     # per 8 GPUs; scaling runs keep requests per GPU
+    n_continuous: int = 7000     # per 8 GPUs; scaling runs keep requests per GPU
     n_vlm: int = 5000
     workers: int = os.cpu_count() or 1
 
@@ -93,6 +94,7 @@ def _text_cells(s: Settings, mode: str) -> Iterator[Cell]:
         for p in POLICIES:
             yield cell("table2", p, seed, {"policy": p})
             yield cell("bursty", p, seed, {"policy": p}, arrivals="bursty")
+        for p in LOAD_POLICIES:
             for load in LOADS:
                 yield cell("load", p, seed, {"policy": p, "load": load}, load=load)
         for p in CORE_POLICIES:

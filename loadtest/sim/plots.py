@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from loadtest.sim.experiments import (
     CLUSTERS,
     CORE_POLICIES,
+    LOAD_POLICIES,
     LOADS,
     POLICIES,
     SIZES,
@@ -60,7 +61,7 @@ def table2(s: Summary, out: Path) -> str:
 def load_sweep(s: Summary, out: Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
-        for p in POLICIES:
+        for p in LOAD_POLICIES:
             ax.plot(LOADS, s.values("load", THR, "load", LOADS, mode=mode, policy=p), marker="o", label=p)
         ax.set(title=f"{mode}: throughput vs load", xlabel="load (× Σ μ_i)", ylabel="tokens/s")
     axes[0].legend(fontsize=7)
@@ -70,7 +71,7 @@ def load_sweep(s: Summary, out: Path) -> str:
 def pareto(s: Summary, out: Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
-        for p in POLICIES:
+        for p in LOAD_POLICIES:
             ttft = s.values("load", "ttft_p95_s", "load", LOADS, mode=mode, policy=p)
             ax.plot(ttft, s.values("load", THR, "load", LOADS, mode=mode, policy=p), marker="o", label=p)
         ax.set_xscale("log")

@@ -89,11 +89,12 @@ def _weaker(s: Summary) -> str:
   The other paper-vs-simulation gaps (workload spread, 2-tier +64%, the −45% "no length term" ablation, the
   0.5× ratio, the Shortest-Queue latency lead) are explained next to each table, not closed.
 - The Oracle baseline and Table 3 (Llama-7B) are not simulated; the Locust / live-gateway part is left to the lead.
-- `batch_aware`'s throughput margin over heteroserve at 1.0× is {margin:+.1f}% (see its section for whether that is
-  inside seed noise); its clear wins are P95 TTFT (vs every policy), steady-state throughput on every seed, and
-  throughput at ≥ 1.25× load. It reads only existing `BackendSnapshot` fields; a `waiting` count (engine waiting
-  vs running, which the state table already receives from heartbeats) would replace its R̄_i estimate of the
-  queue behind a blocked FIFO head.
+- `batch_aware`'s throughput margin over heteroserve at 1.0× is small ({margin:+.1f}%) and sensitive to the trace
+  length: an earlier configuration with 8,000 requests per run gave +1.3% with 3 of 5 paired seeds won (the other
+  two within 0.1%). Treat the 1.0× throughput win as marginal; its clear wins are P95 TTFT (vs every policy),
+  steady-state throughput on every seed, and throughput at ≥ 1.25× load. It reads only existing `BackendSnapshot`
+  fields; a `waiting` count (engine waiting vs running, which the state table already receives from heartbeats)
+  would replace its R̄_i estimate of the queue behind a blocked FIFO head.
 - Signals are exact and instantaneous; the live gateway sees heartbeat-delayed engine counts (its in-flight count
   is immediate). A heartbeat-lag knob would bring the simulator closer to the gateway.
 - Continuous batching is the shared batcher: whole-prompt prefill per step (no chunked prefill), KV reserved for
