@@ -38,12 +38,12 @@ from backends.metric_tables import TABLES, EngineMetrics, EngineTable, parse
 from gateway.catalog import GpuProfile, ModelProfile, load_catalog
 from gateway.errors import ConfigError, HeteroGateError
 from gateway.logs import configure_logging
+from gateway.state_table import SATURATED_QUEUE
 from gateway.wire import control_pb2
 
 log = structlog.get_logger("agent")
 
 STALE_INTERVALS = 3
-SATURATED_QUEUE = 1_000_000
 
 
 class ScrapeError(HeteroGateError):

@@ -57,7 +57,7 @@ def cluster_config(engine: EngineKind, addresses: list[str]) -> dict[str, Any]:
     return {"model": MODEL, "gateway": {"routing": {"policy": "heteroserve"}}, "backends": backends}
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -89,7 +89,7 @@ def launch(config: Path, command: list[str]) -> Iterator[Gateway]:
         gw.wait_until(up, timeout=60, interval=0.2)
         yield gw
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @contextmanager
@@ -117,7 +117,7 @@ def running_cluster(
                      "--gateway", f"127.0.0.1:{gw.grpc_port}", *where, *stub_args],
                     cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                 )
-                stack.callback(_stop, proc)
+                stack.callback(stop_process, proc)
         infos = gw.wait_until(
             lambda: (bs := gw.backends()) and all(b["healthy"] for b in bs) and bs, timeout=30)
         yield Cluster(engine, gw, [b["address"] for b in infos], [int(b["pid"]) for b in infos])

@@ -34,7 +34,6 @@ import asyncio
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from backends import perf_model  # noqa: E402
+from benchmarks.bench_cluster import stop_process  # noqa: E402
 from benchmarks.loadgen import percentile  # noqa: E402
 from gateway.catalog import Catalog, ModelProfile, load_catalog  # noqa: E402
 from gateway.cli import run  # noqa: E402
@@ -118,16 +118,6 @@ def start_engine(backend_id: str, role: str, gpu: str, model: str, control: str)
            "--model", model, "--gateway", control, "--time-scale", "0", "--vision-batch", "1",
            "--heartbeat-ms", "200", "--log-level", "warning"]
     return subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
-
-
-def stop_engine(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def wait_registered(table: StateTable, ids: tuple[str, ...], timeout_s: float) -> dict[str, str]:
@@ -261,7 +251,7 @@ async def measure_model(catalog: Catalog, name: str, cases: list[Sizes], request
                  "bare_transfer": await bare_transfer(s.embedding_bytes, requests)} for s in cases]
     finally:
         for p in procs:
-            stop_engine(p)
+            stop_process(p)
         await server.stop(grace=0.5)
 
 
