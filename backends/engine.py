@@ -80,8 +80,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         vision = self._engine.vision
         if vision is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no vision encoder")
-        if not request.images or not request.deliver_to:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs images and deliver_to")
+        if not request.images:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs images")
         try:
             return await vision.encode(request)
         except grpc.aio.AioRpcError as exc:
@@ -178,7 +178,8 @@ class Engine:
         return msg
 
     async def serve(self) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
+                                          ("grpc.max_send_message_length", 256 << 20)])
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(self), server)
         port = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
         self.address = f"{self.args.host}:{port}"

@@ -4,7 +4,7 @@ Images queue until a batch is ready: `max_images` images, or the oldest has wait
 `batch_timeout_s` (the modality paper's aligned batch, §5.2). Encoding a batch takes
 encode(Σ image tokens) on this GPU; each image then becomes a real embedding of
 tokens × hidden × dtype bytes, which is delivered straight to the language engine the gateway
-chose, before the Encode call returns.
+chose before the Encode call returns, or, when the request names no engine, returned in the reply.
 """
 
 from __future__ import annotations
@@ -112,29 +112,31 @@ class VisionExecutor:
     async def _finish(self, job: EncodeJob, encode_s: float) -> None:
         req = job.request
         t0 = time.monotonic()
-        sent = 0
+        reply = engine_pb2.EncodeReply(image_tokens=job.tokens, encode_s=encode_s)
         try:
             for i, img in enumerate(req.images):
                 emb = self.embedding(req.request_id, req.image_index_offset + i, img.tokens)
-                await self._deliver(req.deliver_to, emb)
-                sent += len(emb.data)
+                if req.deliver_to:
+                    await self._deliver(req.deliver_to, emb)
+                else:
+                    reply.embeddings.append(emb)
+                reply.embedding_bytes += len(emb.data)
         except Exception as exc:
             if not job.done.done():
                 job.done.set_exception(exc)
             return
-        self.embedding_bytes_sent += sent
+        self.embedding_bytes_sent += reply.embedding_bytes
         self._on_change()
-        reply = engine_pb2.EncodeReply(
-            image_tokens=job.tokens, embedding_bytes=sent, encode_s=encode_s, deliver_s=time.monotonic() - t0
-        )
+        reply.deliver_s = time.monotonic() - t0
         if not job.done.done():
             job.done.set_result(reply)
 
     def embedding(self, request_id: str, index: int, tokens: int) -> engine_pb2.Embedding:
-        nbytes = perf_model.embedding_bytes(self.model, tokens)
+        """Random 16-bit values with the top exponent bit cleared: finite (|x| < 2) in float16 and bfloat16."""
+        words = np.frombuffer(self._rng.bytes(perf_model.embedding_bytes(self.model, tokens)), dtype=np.uint16)
         return engine_pb2.Embedding(
             request_id=request_id, image_index=index, tokens=tokens, hidden=self.model.hidden,
-            dtype=self.model.dtype, data=self._rng.bytes(nbytes),
+            dtype=self.model.dtype, data=(words & 0xBFFF).tobytes(),
         )
 
     def _drop_cancelled(self) -> None:

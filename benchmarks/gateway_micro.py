@@ -57,7 +57,7 @@ ASGI = Callable[[dict[str, Any], Callable[[], Any], Callable[[dict[str, Any]], A
 class FakeEngineClient:
     """Stands in for gateway.engine_client.EngineClient: the chunks a fast engine sends, no I/O."""
 
-    accepts_embeddings = False
+    handoff = "none"
 
     def __init__(self, backend_id: str, tokens_per_chunk: int = 1) -> None:
         self.backend_id = backend_id

@@ -43,6 +43,7 @@ class VisionProfile(StrictModel):
     mode: Literal["fixed", "dynamic"]
     tokens_per_image: PositiveInt | None = None
     pixels_per_token_side: PositiveInt = 28
+    patch_size: PositiveInt = 14          # ViT patch side; tokens merge (side / patch)² patches (Qwen: 2×2)
     min_pixels: PositiveInt = 3136
     max_pixels: PositiveInt = 12845056
     encoder_params: PositiveFloat
@@ -85,11 +86,21 @@ class ModelProfile(StrictModel):
         if v.mode == "fixed":
             assert v.tokens_per_image is not None
             return v.tokens_per_image
-        return _dynamic_tokens(width, height, v)
+        rows, cols = _dynamic_grid(width, height, v)
+        return rows * cols
+
+    def image_grid_thw(self, width: int, height: int) -> tuple[int, int, int] | None:
+        """Qwen2-VL's `image_grid_thw` (frames, patch rows, patch columns); None for fixed-size encoders."""
+        v = self.vision
+        if v is None or v.mode == "fixed":
+            return None
+        rows, cols = _dynamic_grid(width, height, v)
+        merge = v.pixels_per_token_side // v.patch_size
+        return 1, rows * merge, cols * merge
 
 
-def _dynamic_tokens(width: int, height: int, v: VisionProfile) -> int:
-    """Qwen2-VL `smart_resize`: sides to multiples of the factor, area clamped to [min, max] pixels."""
+def _dynamic_grid(width: int, height: int, v: VisionProfile) -> tuple[int, int]:
+    """Qwen2-VL `smart_resize` as token rows × columns: sides to multiples of the factor, area in [min, max]."""
     f = v.pixels_per_token_side
     h = max(f, round(height / f) * f)
     w = max(f, round(width / f) * f)
@@ -101,7 +112,7 @@ def _dynamic_tokens(width: int, height: int, v: VisionProfile) -> int:
         beta = math.sqrt(v.min_pixels / (height * width))
         h = math.ceil(height * beta / f) * f
         w = math.ceil(width * beta / f) * f
-    return (h // f) * (w // f)
+    return h // f, w // f
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from gateway.auth import AuthConfig
 from gateway.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
 from gateway.circuit_breaker import BreakerConfig
 from gateway.errors import ConfigError
+from gateway.image_embeds import require_torch
 from gateway.images import ImageLimits
 from gateway.policies import build_policy
 from gateway.policies.stealing import DEFAULT_THRESHOLD
@@ -52,6 +53,9 @@ class BackendSpec(StrictModel):
     steal: bool = False
     upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
     scrape: ScrapeSpec | None = None
+    # openai: the upstream takes vLLM `image_embeds` parts (vllm serve --enable-mm-embeds), so a vision
+    # backend encodes the images and the upstream runs only the language model
+    image_embeds: bool = False
 
     @model_validator(mode="after")
     def _managed_or_external(self) -> BackendSpec:
@@ -64,8 +68,8 @@ class BackendSpec(StrictModel):
                 raise ValueError("kind: openai backends are external language backends (no launch, role language)")
             if not (self.address or "").startswith(("http://", "https://")):
                 raise ValueError("kind: openai needs `address` as a base URL, e.g. http://10.0.0.5:8000")
-        elif self.upstream_model is not None or self.scrape is not None:
-            raise ValueError("`upstream_model` and `scrape` apply to kind: openai backends only")
+        elif self.upstream_model is not None or self.scrape is not None or self.image_embeds:
+            raise ValueError("`upstream_model`, `scrape` and `image_embeds` apply to kind: openai backends only")
         return self
 
 
@@ -140,10 +144,12 @@ class ClusterConfig:
         routing = raw.gateway.routing
         for key, name in (("policy", routing.policy), ("vision_policy", routing.vision_policy)):
             _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))  # type: ignore[misc]
-        if self.model.vision is None:
-            for i, b in enumerate(raw.backends):
-                if b.role != "language":
-                    raise ConfigError(f"{path}: backends.{i}.role: model {raw.model!r} has no vision encoder")
+        for i, b in enumerate(raw.backends):
+            if self.model.vision is None and (b.role != "language" or b.image_embeds):
+                field = "role" if b.role != "language" else "image_embeds"
+                raise ConfigError(f"{path}: backends.{i}.{field}: model {raw.model!r} has no vision encoder")
+            if b.image_embeds:
+                _resolve(path, f"backends.{i}.image_embeds", require_torch)
         for name, params in routing.params.items():
             _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))  # type: ignore[misc]
 

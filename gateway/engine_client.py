@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Literal, Protocol
 
 import grpc
 import httpx
 
+from gateway.catalog import ModelProfile
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
 from gateway.generation_job import GenerationJob
 from gateway.openai_upstream import OpenAIUpstreamClient
@@ -24,7 +25,7 @@ HANDOFF_TIMEOUT = "handoff_timeout"
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),   # inline embeddings of large images
     ("grpc.max_send_message_length", 64 << 20),
 ]
 
@@ -41,8 +42,11 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool
     return BackendFailure(detail, backend_id=backend_id, retryable=retryable)
 
 
+Handoff = Literal["direct", "inline", "none"]
+
+
 class EngineClient:
-    accepts_embeddings = True
+    handoff: Handoff = "direct"   # a vision engine delivers embeddings to this engine by DeliverEmbedding
 
     def __init__(self, backend_id: str, address: str) -> None:
         self.backend_id = backend_id
@@ -93,9 +97,12 @@ class EngineClient:
 
 
 class BackendClient(Protocol):
+    """How a backend gets image embeddings (`handoff`): direct from the vision engine, inline in the
+    request once encoded (`job.embeddings`), or none (it encodes its own images)."""
+
     backend_id: str
     address: str
-    accepts_embeddings: bool
+    handoff: Handoff
 
     def generate(
         self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
@@ -105,16 +112,20 @@ class BackendClient(Protocol):
     async def close(self) -> None: ...
 
 
+# kind: openai backends: (upstream model name or None, the model whose embeddings it takes inline or None)
+Upstream = tuple[str | None, ModelProfile | None]
+
+
 class EngineClients:
     """The pool: one client per backend, replaced when a backend reports a new address.
 
     `kind: engine` backends get a gRPC client; `kind: openai` backends share one pooled httpx client.
     """
 
-    def __init__(self, upstreams: dict[str, str | None] | None = None) -> None:
+    def __init__(self, upstreams: dict[str, Upstream] | None = None) -> None:
         self._clients: dict[str, BackendClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
-        self._upstreams = upstreams or {}   # openai backend id -> upstream model name (or None)
+        self._upstreams = upstreams or {}   # openai backend id -> how to talk to it
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
     def get(self, backend_id: str) -> BackendClient | None:
@@ -130,9 +141,9 @@ class EngineClients:
         current = self._clients.get(backend_id)
         if current is not None and current.address == address.rstrip("/"):
             return
-        if backend_id in self._upstreams:
-            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, self._http,
-                                                             self._upstreams[backend_id])
+        upstream = self._upstreams.get(backend_id)
+        if upstream is not None:
+            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, self._http, *upstream)
         else:
             self._clients[backend_id] = EngineClient(backend_id, address)
         if current is not None:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from gateway.images import ImageInput
 from gateway.policies.contracts import RequestProfile
+from gateway.wire import engine_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,8 @@ class GenerationJob:
     kind: Literal["chat", "text"] = "chat"
     # The client's OpenAI body (validated), forwarded as-is to OpenAI-compatible upstream engines.
     body: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The images' embeddings, for a backend that takes them in its request (handoff "inline").
+    embeddings: tuple[engine_pb2.Embedding, ...] = field(default=(), compare=False)
 
     @property
     def image_tokens(self) -> int:

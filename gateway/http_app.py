@@ -154,10 +154,10 @@ def create_app(runtime: Runtime) -> FastAPI:
     async def sse(dispatch: Dispatch, w: ChunkWriter, include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
         status = "error"
         try:
-            if w.kind == "chat":
+            if w.kind == "chat" and not dispatch.first.relay:   # an upstream sends its own role event
                 yield w.role()
             async for chunk in dispatch.rest():
-                yield w.token(chunk.text, chunk.finish_reason or None)
+                yield chunk.relay or w.token(chunk.text, chunk.finish_reason or None)
                 last = chunk
             if include_usage:
                 yield w.usage(usage(last.usage.prompt_tokens, last.usage.completion_tokens))

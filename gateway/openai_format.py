@@ -21,6 +21,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def completion_id(kind: Kind, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+
+
 def completion_body(
     kind: Kind, request_id: str, model: str, text: str, finish_reason: str, usage_: dict[str, int]
 ) -> dict[str, Any]:
@@ -36,7 +40,7 @@ def completion_body(
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
         obj = "text_completion"
     return {
-        "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}",
+        "id": completion_id(kind, request_id),
         "object": obj,
         "created": int(time.time()),
         "model": model,
@@ -51,7 +55,7 @@ class ChunkWriter:
     def __init__(self, kind: Kind, request_id: str, model: str) -> None:
         self.kind = kind
         self._head = {
-            "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}",
+            "id": completion_id(kind, request_id),
             "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": int(time.time()),
             "model": model,

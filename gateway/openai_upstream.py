@@ -5,18 +5,27 @@ forced on with usage) and the upstream SSE is read back as the same chunk stream
 give, so retries, breakers, metrics and both front doors work unchanged. httpx errors are mapped at
 this boundary: connection errors, timeouts, 5xx and 429 are backend failures (retryable before the
 first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
+
+With `image_embeds: true` the backend is the language side of the modality split: the pipeline has a
+vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
+`image_embeds` content parts (see `gateway.image_embeds`). The overall request deadline bounds every
+read, not only the first.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
 
+from gateway.catalog import ModelProfile
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
 from gateway.generation_job import GenerationJob
+from gateway.image_embeds import with_image_embeds
+from gateway.openai_format import completion_id
 from gateway.wire import engine_pb2
 
 
@@ -27,17 +36,49 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
-class OpenAIUpstreamClient:
-    accepts_embeddings = False   # the upstream encodes its own images
+class _Relay:
+    """An upstream SSE event as the client will see it: the gateway's completion id and model name.
 
-    def __init__(self, backend_id: str, base_url: str, http: httpx.AsyncClient, upstream_model: str | None) -> None:
+    The two values are swapped in the bytes (compact JSON, as vLLM and SGLang write it); only an event
+    written some other way is re-encoded. Everything else the upstream sent passes through untouched.
+    """
+
+    def __init__(self, completion_id: str, served_model: str) -> None:
+        self._id = b'"id":' + orjson.dumps(completion_id)
+        self._model = b'"model":' + orjson.dumps(served_model) if served_model else b""
+        self._served = (completion_id, served_model)
+
+    def event(self, data: str, event: dict[str, Any]) -> bytes:
+        raw = data.encode()
+        swaps = [(b'"id":' + orjson.dumps(event.get("id")), self._id)]
+        if self._model:
+            swaps.append((b'"model":' + orjson.dumps(event.get("model")), self._model))
+        if all(old in raw for old, _ in swaps):
+            for old, new in swaps:
+                raw = raw.replace(old, new, 1)
+        else:
+            served_id, served_model = self._served
+            raw = orjson.dumps({**event, "id": served_id, **({"model": served_model} if self._model else {})})
+        return b"data: " + raw + b"\n\n"
+
+
+class OpenAIUpstreamClient:
+    def __init__(
+        self, backend_id: str, base_url: str, http: httpx.AsyncClient, upstream_model: str | None,
+        embeds_model: ModelProfile | None = None,
+    ) -> None:
         self.backend_id = backend_id
         self.address = base_url.rstrip("/")
         self._http = http
         self._model = upstream_model
+        self._embeds_model = embeds_model
+        # inline: takes embeddings in the request body; none: the upstream encodes its own images
+        self.handoff: Literal["inline", "none"] = "inline" if embeds_model is not None else "none"
 
-    def _body(self, job: GenerationJob) -> dict[str, Any]:
+    async def _body(self, job: GenerationJob) -> dict[str, Any]:
         body = dict(job.body)
+        if job.embeddings and self._embeds_model is not None:
+            body = await asyncio.to_thread(with_image_embeds, body, self._embeds_model, job.images, job.embeddings)
         if self._model:
             body["model"] = self._model
         body.update(stream=True, stream_options={"include_usage": True}, max_tokens=job.max_tokens)
@@ -49,14 +90,16 @@ class OpenAIUpstreamClient:
         timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
+        deadline = asyncio.get_running_loop().time() + timeout_s
         timeout = httpx.Timeout(connect=min(5.0, timeout_s), read=first_token_timeout_s, write=10.0, pool=5.0)
         started = False
         try:
             request = self._http.build_request(
-                "POST", self.address + path, content=orjson.dumps(self._body(job)), timeout=timeout,
+                "POST", self.address + path, content=orjson.dumps(await self._body(job)), timeout=timeout,
                 headers={"content-type": "application/json", "x-request-id": job.request_id},
             )
-            resp = await self._http.send(request, stream=True)
+            async with asyncio.timeout_at(deadline):
+                resp = await self._http.send(request, stream=True)
             try:
                 if resp.status_code != 200:
                     message = _error_message(await resp.aread())
@@ -64,43 +107,61 @@ class OpenAIUpstreamClient:
                         raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status_code}: {message}",
                                              backend_id=self.backend_id)
                     raise InvalidRequest(f"upstream rejected the request: {message}")
-                async for chunk in self._chunks(resp):
+                async for chunk in self._chunks(resp, deadline, job):
                     started = True
                     yield chunk
             finally:
                 await resp.aclose()
-        except httpx.TimeoutException as exc:
-            raise BackendTimeout(f"backend {self.backend_id}: {type(exc).__name__}", backend_id=self.backend_id,
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            what = "request deadline exceeded" if isinstance(exc, TimeoutError) else type(exc).__name__
+            raise BackendTimeout(f"backend {self.backend_id}: {what}", backend_id=self.backend_id,
                                  retryable=not started) from None
         except httpx.HTTPError as exc:
             raise BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                                  backend_id=self.backend_id, retryable=not started) from None
 
-    async def _chunks(self, resp: httpx.Response) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        """SSE → chunks; the chunk with the finish reason is held back until usage arrives."""
+    async def _chunks(
+        self, resp: httpx.Response, deadline: float, job: GenerationJob
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """SSE → chunks, each carrying its upstream event for verbatim relay; the chunk with the finish
+        reason is held back until usage arrives."""
         index, held = 0, None
-        async for line in resp.aiter_lines():
+        relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
+        lines = aiter(resp.aiter_lines())
+        while True:
+            async with asyncio.timeout_at(deadline):   # around the read only: never across a yield
+                line = await anext(lines, None)
+            if line is None:
+                break
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
                 break
-            event = orjson.loads(data)
-            if "error" in event:
-                raise BackendFailure(f"backend {self.backend_id}: {event['error'].get('message', 'error')}",
-                                     backend_id=self.backend_id, retryable=index == 0)
-            for choice in event.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                chunk = engine_pb2.GenerateChunk(text=text, index=index)
+            try:
+                event = orjson.loads(data)
+                if "error" in event:
+                    message = event["error"].get("message", "error")
+                    raise BackendFailure(f"backend {self.backend_id}: {message}", backend_id=self.backend_id,
+                                         retryable=index == 0)
+                choices = event.get("choices") or ()
+                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+                finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
+                usage = event.get("usage") or {}
+            except (orjson.JSONDecodeError, AttributeError, TypeError) as exc:
+                raise BackendFailure(f"backend {self.backend_id}: malformed event: {exc}",
+                                     backend_id=self.backend_id, retryable=index == 0) from None
+            if choices:
+                chunk = engine_pb2.GenerateChunk(text=text, index=index, finish_reason=finish,
+                                                 relay=relay.event(data, event))
                 index += 1
-                if choice.get("finish_reason"):
-                    chunk.finish_reason = choice["finish_reason"]
+                if finish:
                     held = chunk
                 else:
                     yield chunk
-            if event.get("usage") and held is not None:
-                held.usage.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-                held.usage.completion_tokens = event["usage"].get("completion_tokens", 0)
+            if usage and held is not None:
+                held.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+                held.usage.completion_tokens = usage.get("completion_tokens", 0)
         if held is None:
             raise BackendFailure(f"backend {self.backend_id}: stream ended without a finish reason",
                                  backend_id=self.backend_id, retryable=index == 0)

@@ -3,8 +3,10 @@
 Text-only: route the language pool (heteroserve with L_r = text tokens) and call Generate.
 With images: route the language pool first (L_r = text + image tokens), then the vision pool; the
 vision engine encodes and delivers the embedding straight to the chosen language engine while that
-engine's Generate waits for it. The gateway carries control, not tensors. A vision failure before
-delivery re-encodes on another vision backend; a `both` (monolithic) backend encodes its own images.
+engine's Generate waits for it. The gateway carries control, not tensors, with one exception: an
+OpenAI-compatible upstream that takes embeddings in its request (vLLM `image_embeds`) gets them from
+the gateway, so there the encode comes first. A vision failure before delivery re-encodes on another
+vision backend; a `both` (monolithic) backend encodes its own images.
 
 `start()` returns only once the first token is in hand, so every failure that can still be retried
 is retried (up to `max_attempts` per pool) and the HTTP door can still answer with a proper status.
@@ -20,7 +22,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -223,32 +225,41 @@ class Pipeline:
         self.table.acquire(backend_id)
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()
+        key = uuid.uuid4().hex if job.images else ""   # never the client's id: no cross-request pick-up
+        vision_id = None
+        if job.images and client.handoff == "inline":   # encode first: the embeddings go in the request
+            try:
+                vision_id, reply = await self._encode(job, key, decision.backend, deliver_to="")
+            except BaseException:
+                self._abandon(backend_id)
+                raise
+            job = replace(job, embeddings=tuple(reply.embeddings))
+        direct = bool(job.images) and client.handoff == "direct"
         remaining = max(0.001, deadline - time.monotonic())
         # The language engine waits long enough for every vision attempt (a re-encode must still land).
-        handoff_s = self.settings.handoff_timeout_s * self.settings.max_attempts if job.images else 0.0
-        handoff_key = uuid.uuid4().hex if job.images else ""   # never the client's id: no cross-request pick-up
+        handoff_s = self.settings.handoff_timeout_s * self.settings.max_attempts if direct else 0.0
         stream = client.generate(
-            job, handoff_key=handoff_key, handoff_timeout_s=handoff_s,
+            job, handoff_key=key if direct else "", handoff_timeout_s=handoff_s,
             first_token_timeout_s=min(self.settings.first_token_timeout_s + handoff_s, remaining), timeout_s=remaining,
         )
         first_read = asyncio.ensure_future(anext(stream))
         encoding = None
-        if job.images and client.accepts_embeddings:
-            encoding = asyncio.ensure_future(self._encode(job, handoff_key, decision.backend, client.address))
+        if direct:
+            encoding = asyncio.ensure_future(self._encode(job, key, decision.backend, deliver_to=client.address))
         try:
             if encoding is not None:
                 await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
                 if encoding.done() and encoding.exception() is not None:
                     raise encoding.exception()  # type: ignore[misc]
             first = await first_read
-            vision_id = await encoding if encoding is not None else None
+            if encoding is not None:
+                vision_id, _ = await encoding
         except BaseException as exc:
             pending = [t for t in (first_read, encoding) if t is not None]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)   # the stream must be idle to close it
-            self.table.release(backend_id, None)
-            self.admission.notify()
+            self._abandon(backend_id)
             await stream.aclose()  # type: ignore[attr-defined]
             if isinstance(exc, StopAsyncIteration):
                 raise BackendFailure(f"backend {backend_id}: empty stream", backend_id=backend_id) from None
@@ -259,8 +270,16 @@ class Pipeline:
         self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
         return dispatch
 
-    async def _encode(self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str) -> str:
-        """Encode the job's images and deliver them to `language` under `key`; returns the vision backend id."""
+    def _abandon(self, backend_id: str) -> None:
+        """An attempt that never reached its first token gives its slot back."""
+        self.table.release(backend_id, None)
+        self.admission.notify()
+
+    async def _encode(
+        self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str
+    ) -> tuple[str, engine_pb2.EncodeReply]:
+        """Encode the job's images for `language` under `key`: delivered to `deliver_to`, or returned in
+        the reply when it is empty. Returns the vision backend that did it, and its reply."""
         request = engine_pb2.EncodeRequest(
             request_id=key, deliver_to=deliver_to,
             images=[engine_pb2.Image(data=i.data, width=i.width, height=i.height, tokens=i.tokens)
@@ -268,8 +287,7 @@ class Pipeline:
         )
         own = self.clients.engine(language.id)
         if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images
-            await self._encode_on(language.id, own, request, job.image_tokens)
-            return language.id
+            return language.id, await self._encode_on(language.id, own, request, job.image_tokens)
         profile = job.profile()
         tried: list[str] = []
         last_error: BackendFailure | None = None
@@ -285,9 +303,9 @@ class Pipeline:
                 break
             self.breakers.on_dispatch(vision_id)
             try:
-                await self._encode_on(vision_id, client, request, job.image_tokens)
+                reply = await self._encode_on(vision_id, client, request, job.image_tokens)
                 self.breakers.on_success(vision_id)
-                return vision_id
+                return vision_id, reply
             except BackendFailure as exc:
                 last_error = exc
                 self.breakers.on_failure(vision_id)
@@ -299,7 +317,7 @@ class Pipeline:
 
     async def _encode_on(
         self, backend_id: str, client: EngineClient, request: engine_pb2.EncodeRequest, tokens: int
-    ) -> None:
+    ) -> engine_pb2.EncodeReply:
         self.table.acquire_vision(backend_id, tokens)
         t0 = time.monotonic()
         try:
@@ -308,6 +326,7 @@ class Pipeline:
             self.table.release_vision(backend_id, tokens)
         self.metrics.encode_seconds.labels(backend_id).observe(time.monotonic() - t0)
         self.metrics.embedding_bytes.labels(backend_id).inc(reply.embedding_bytes)
+        return reply
 
     def finish(self, dispatch: Dispatch, service_s: float | None) -> None:
         self.table.release(dispatch.backend_id, service_s)

@@ -83,7 +83,10 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
     name = policy_name or routing.policy
     policy = build_policy(name, routing.params.get(name))
     vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
-    clients = EngineClients({s.id: s.upstream_model for s in config.raw.backends if s.kind == "openai"})
+    clients = EngineClients({
+        s.id: (s.upstream_model, config.model if s.image_embeds else None)
+        for s in config.raw.backends if s.kind == "openai"
+    })
     for spec in config.raw.backends:
         if spec.address is not None:
             clients.ensure(spec.id, spec.address)

@@ -4,12 +4,18 @@
 
 `POST /control {"waiting": 40, "fail": 0}` sets what /metrics reports and how many of the next
 completions fail with HTTP 503. Completions stream `tokens` words (the request's max_tokens).
+
+`--embeds-only` acts as `vllm serve --enable-mm-embeds --limit-mm-per-prompt '{"image":0}'`: image_url
+parts are refused with 400, and image_embeds parts are decoded as vLLM does (base64 → torch.load with
+weights_only) and their shapes recorded in `GET /stats` under "image_embeds".
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,12 +46,37 @@ METRICS = {
 }
 
 
-def create_app(engine: str) -> FastAPI:
+def _load_tensor(b64: str) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(base64.b64decode(b64)), weights_only=True)
+
+
+def image_embeds(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Shapes of the request's image_embeds parts; ValueError for an image_url part (images disabled)."""
+    seen = []
+    for message in body.get("messages") or ():
+        for part in message.get("content") if isinstance(message.get("content"), list) else ():
+            if part.get("type") == "image_url":
+                raise ValueError("At most 0 image(s) may be provided in one prompt.")
+            if part.get("type") == "image_embeds":
+                embeds = part["image_embeds"]
+                grid = None
+                if isinstance(embeds, dict):
+                    grid = _load_tensor(embeds["image_grid_thw"]).tolist()
+                    embeds = embeds["image_embeds"]
+                tensor = _load_tensor(embeds)
+                seen.append({"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                             "finite": bool(tensor.isfinite().all()), "grid": grid})
+    return seen
+
+
+def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
     app = FastAPI()
-    state: dict[str, int] = {"waiting": 0, "running": 0, "fail": 0, "served": 0}
+    state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": []}
 
     @app.post("/control")
-    async def control(request: Request) -> dict[str, int]:
+    async def control(request: Request) -> dict[str, Any]:
         state.update(orjson.loads(await request.body()))
         return state
 
@@ -54,17 +85,25 @@ def create_app(engine: str) -> FastAPI:
         return Response(METRICS[engine].format(**state), media_type="text/plain")
 
     async def stream(body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+        """Compact JSON events as vLLM writes them, with an extra field a relay must keep."""
         n = int(body.get("max_tokens") or 8)
+        head = {"id": f"upstream-{state['served']}", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1, "model": body.get("model", "")}
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return b"data: " + orjson.dumps({**head, "choices": choices, "engine_marker": 7, **extra}) + b"\n\n"
+
+        if chat:
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         for i in range(n):
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
             if chat:
                 choice["delta"] = {"content": f"w{i} "}
             else:
                 choice["text"] = f"w{i} "
-            yield b"data: " + orjson.dumps({"id": "x", "choices": [choice]}) + b"\n\n"
+            yield event([choice])
             await asyncio.sleep(0.001)
-        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
-        yield b"data: " + orjson.dumps({"id": "x", "choices": [], "usage": usage}) + b"\n\n"
+        yield event([], usage={"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3})
         yield b"data: [DONE]\n\n"
 
     async def complete(request: Request, chat: bool) -> Response:
@@ -72,6 +111,11 @@ def create_app(engine: str) -> FastAPI:
         if state["fail"] > 0:
             state["fail"] -= 1
             return Response(orjson.dumps({"error": {"message": "overloaded"}}), status_code=503)
+        if embeds_only:
+            try:
+                state["image_embeds"] += image_embeds(body)
+            except ValueError as exc:
+                return Response(orjson.dumps({"error": {"message": str(exc)}}), status_code=400)
         state["served"] += 1
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
 
@@ -84,7 +128,7 @@ def create_app(engine: str) -> FastAPI:
         return await complete(request, False)
 
     @app.get("/stats")
-    async def stats() -> dict[str, int]:
+    async def stats() -> dict[str, Any]:
         return state
 
     return app
@@ -94,8 +138,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--engine", choices=sorted(METRICS), default="vllm")
+    p.add_argument("--embeds-only", action="store_true")
     args = p.parse_args()
-    uvicorn.run(create_app(args.engine), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(create_app(args.engine, args.embeds_only), host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -177,6 +177,15 @@ def test_field_errors_name_file_and_field(tmp_path: Path, body: str, expected: s
     assert re.search(re.escape(f"{path}: ") + expected, config_error(path))
 
 
+def test_image_embeds_only_on_openai_backends_of_a_vision_model(tmp_path: Path) -> None:
+    engine = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}, image_embeds: true}\n")
+    assert "`image_embeds` apply to kind: openai backends only" in config_error(engine)
+    text_model = tmp_path / "text.yaml"
+    text_model.write_text("model: llama-2-7b\nbackends:\n"
+                          "  - {id: v, kind: openai, gpu: H100, address: 'http://10.0.0.5:8000', image_embeds: true}\n")
+    assert config_error(text_model).startswith(f"{text_model}: backends.0.image_embeds: model 'llama-2-7b' has no")
+
+
 def test_unknown_model(tmp_path: Path) -> None:
     path = tmp_path / "backends.yaml"
     path.write_text("model: llava-9\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n")

@@ -37,18 +37,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "index", "finish_reason", "usage", "embedding_wait_s")
+    __slots__ = ("text", "index", "finish_reason", "usage", "embedding_wait_s", "relay")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     finish_reason: str
     usage: Usage
     embedding_wait_s: float
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., embedding_wait_s: _Optional[float] = ...) -> None: ...
+    relay: bytes
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., embedding_wait_s: _Optional[float] = ..., relay: _Optional[bytes] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "width", "height", "tokens")
@@ -75,16 +77,18 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., deliver_to: _Optional[str] = ..., image_index_offset: _Optional[int] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s")
+    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s", "embeddings")
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     DELIVER_S_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     image_tokens: int
     embedding_bytes: int
     encode_s: float
     deliver_s: float
-    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ...) -> None: ...
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("request_id", "image_index", "tokens", "hidden", "dtype", "data")

@@ -62,7 +62,8 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Encode(self, request, context):
-        """Vision engines: encode the request's images and deliver the embedding to `deliver_to`.
+        """Vision engines: encode the request's images and deliver the embedding to `deliver_to`, or, with no
+        `deliver_to`, return it in the reply (for language engines that take embeddings in their own API).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,11 +12,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
+UPSTREAM_MODEL = "llava-hf/llava-1.5-7b-hf"   # what ext-vllm serves under
 Agent = subprocess.Popen[bytes]
 Cluster = tuple[Gateway, dict[str, str], list[Agent]]
 
@@ -43,8 +45,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
         "model": MODEL,
         "gateway": {"heartbeat_interval_ms": 100, "routing": {"policy": "shortest_queue"},
                     "retry_backoff_s": 0.001},
-        "backends": [{"id": bid, "kind": "openai", "role": "language", "gpu": "A100-80GB", "address": urls[bid]}
-                     for bid in engines],
+        "backends": [{"id": bid, "kind": "openai", "role": "language", "gpu": "A100-80GB", "address": urls[bid],
+                      **({"upstream_model": UPSTREAM_MODEL} if bid == "ext-vllm" else {})} for bid in engines],
     })
     with ExitStack() as stack:
         for engine, port in engines.values():
@@ -94,6 +96,31 @@ def test_streaming_and_usage_pass_through(cluster: Cluster) -> None:
     assert plain.json()["usage"]["completion_tokens"] == 4
     events = [ln for ln in chat(gw, stream=True).text.splitlines() if ln.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 6
+
+
+@pytest.mark.parametrize("upstream", ["ext-vllm", "ext-sglang"])
+def test_streamed_events_are_relayed_with_the_gateways_id_and_model(cluster: Cluster, upstream: str) -> None:
+    """The upstream's events pass through as they came (its extra fields too), one role event, our id."""
+    gw, urls, _ = cluster
+    other = "ext-sglang" if upstream == "ext-vllm" else "ext-vllm"
+    control(urls[other], waiting=50)
+    control(urls[upstream], waiting=0)
+    gw.wait_until(lambda: gw.backend(other)["queue_depth"] >= 50 and gw.backend(upstream)["queue_depth"] < 50)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "relay-1"}, timeout=30)
+    assert resp.headers["x-heterogate-backend"] == upstream
+    payloads = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    events = [orjson.loads(p) for p in payloads[:-1]]
+    assert {e["id"] for e in events} == {"chatcmpl-relay-1"}
+    assert {e["model"] for e in events} == {MODEL}   # never the upstream's own name
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and sum("role" in d for d in deltas) == 1
+    assert "".join(d.get("content", "") for d in deltas) == "w0 w1 w2 "
+    assert all(e.get("engine_marker") == 7 for e in events if e["choices"])   # relayed, not rebuilt
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    control(urls[other], waiting=0)
 
 
 def test_upstream_5xx_is_retried_once_elsewhere_without_duplicates(cluster: Cluster) -> None:
