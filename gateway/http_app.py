@@ -43,6 +43,14 @@ class ClientDisconnected(Exception):
     pass
 
 
+# The `endpoint` label of the request counters: the same name on the success and the error paths.
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+def endpoint_of(request: Request) -> str:
+    return ENDPOINTS.get(request.url.path, request.url.path)
+
+
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
@@ -117,10 +125,18 @@ def create_app(runtime: Runtime) -> FastAPI:
     jobs = JobBuilder(runtime)
     model_name = jobs.model_name
 
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        """Not an error of anyone's: counted (as nginx's 499) and logged quietly; nobody reads the reply."""
+        runtime.metrics.requests.labels(endpoint_of(request), runtime.pipeline.policy.name, "none", "499").inc()
+        log.info("client_disconnected", request_id=request_id_of(request))
+        return Response(status_code=499)
+
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> Response:
         backend = getattr(exc, "backend_id", "none")
-        runtime.metrics.requests.labels(request.url.path, runtime.pipeline.policy.name, backend, str(exc.status)).inc()
+        runtime.metrics.requests.labels(endpoint_of(request), runtime.pipeline.policy.name, backend,
+                                        str(exc.status)).inc()
         return error_response(exc, request_id_of(request))
 
     @app.exception_handler(StarletteHTTPException)

@@ -2,8 +2,9 @@
 
     python -m tests.fake_openai_server --port 8101 --engine vllm
 
-`POST /control {"waiting": 40, "fail": 0}` sets what /metrics reports and how many of the next
-completions fail with HTTP 503. Completions stream `tokens` words (the request's max_tokens).
+`POST /control {"waiting": 40, "fail": 0, "token_delay_ms": 0}` sets what /metrics reports, how many
+of the next completions fail with HTTP 503, and the pause between streamed tokens. Completions
+stream `tokens` words (the request's max_tokens).
 
 `--embeds-only` acts as `vllm serve --enable-mm-embeds --limit-mm-per-prompt '{"image":0}'`: image_url
 parts are refused with 400, and image_embeds parts are decoded as vLLM does (base64 → torch.load with
@@ -73,7 +74,8 @@ def image_embeds(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
     app = FastAPI()
-    state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": []}
+    state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": [],
+                             "token_delay_ms": 1}
 
     @app.post("/control")
     async def control(request: Request) -> dict[str, Any]:
@@ -102,7 +104,7 @@ def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
             else:
                 choice["text"] = f"w{i} "
             yield event([choice])
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(state["token_delay_ms"] / 1000)
         yield event([], usage={"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3})
         yield b"data: [DONE]\n\n"
 

@@ -441,6 +441,7 @@ def test_client_disconnect_while_waiting_for_a_completion_cancels_the_generation
     gw = limits_gw
     tokens_before = _idle_engine(gw)["tokens_generated"]
     rid = long_request_id(LONG_TOKENS, prefix="disconnect-plain")
+    gone_before = metric_total(gw, "heterogate_requests_total", endpoint="chat", status="499")
     raw = json.dumps(chat(max_tokens=MAX_TOKENS)).encode()
     host, port = gw.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -450,6 +451,8 @@ def test_client_disconnect_while_waiting_for_a_completion_cancels_the_generation
         )
         gw.wait_until(lambda: (b := _engine(gw))["running"] == 1 and b["in_flight"] == 1, timeout=5)
     _assert_cancelled(gw, tokens_before)
+    gw.wait_until(lambda: metric_total(gw, "heterogate_requests_total", endpoint="chat", status="499") > gone_before)
+    assert "Traceback" not in gw.log_path.read_text()   # a client leaving is not an error of the gateway's
 
 
 def _engine(gw: Gateway) -> dict[str, Any]:

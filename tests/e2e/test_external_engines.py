@@ -123,6 +123,28 @@ def test_streamed_events_are_relayed_with_the_gateways_id_and_model(cluster: Clu
     control(urls[other], waiting=0)
 
 
+def test_request_deadline_bounds_a_stream_that_stalls_after_its_first_token(cluster: Cluster) -> None:
+    """The upstream keeps sending, slowly: each read is quick, the whole would take 20 s; the client
+    gave 1.5 s. The stream must end with an error event at the deadline, and the gateway keeps serving."""
+    gw, urls, _ = cluster
+    for url in urls.values():
+        control(url, token_delay_ms=500)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=30,
+                          headers={"x-request-timeout": "1.5"}) as resp:
+            assert resp.status_code == 200
+            payloads = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    finally:
+        for url in urls.values():
+            control(url, token_delay_ms=1)
+    assert payloads[-1] == "[DONE]"
+    error = orjson.loads(payloads[-2])["error"]
+    assert error["code"] == "backend_timeout" and "deadline" in error["message"]
+    assert sum(1 for p in payloads if '"w' in p) < 10
+    assert chat(gw).status_code == 200
+
+
 def test_upstream_5xx_is_retried_once_elsewhere_without_duplicates(cluster: Cluster) -> None:
     gw, urls, _ = cluster
     control(urls["ext-vllm"], waiting=0, fail=1)

@@ -1,0 +1,27 @@
+"""The Locust file drives the live demo cluster headless: text, image and streamed requests, no failures."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness import ROOT, Gateway
+
+
+def test_locust_headless_run(demo_gateway: Gateway, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "6", "-r", "6",
+           "-t", "6s", "--host", demo_gateway.url, "--csv", str(tmp_path / "run"), "--only-summary",
+           "--workload", "mm_mixed", "--stream-fraction", "0.5", "--seed", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+
+    with open(tmp_path / "run_stats.csv", newline="") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    count = {key: int(r["Request Count"]) for key, r in rows.items()}
+    for name in ("text", "image", "text stream", "image stream"):
+        assert count.get(("POST", name), 0) > 0, f"no {name!r} requests:\n{output}"
+    assert count[("TTFT", "text stream")] > 0 and count[("TTFT", "image stream")] > 0, output
+    assert int(rows[("", "Aggregated")]["Failure Count"]) == 0, output
