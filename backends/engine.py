@@ -60,10 +60,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             wait_s = time.monotonic() - t0
         prompt_tokens = request.prompt_tokens + request.image_tokens
         try:
-            count = 0
+            count, texts = 0, []
             async for token in executor.generate(request.request_id, max(1, prompt_tokens), request.max_tokens):
                 count += 1
-                chunk = engine_pb2.GenerateChunk(text=token.text, index=token.index)
+                # whole: the first token (it proves the engine alive), then the rest in one message
+                if request.whole and count > 1:
+                    texts.append(token.text)
+                    if token.finish_reason is None:
+                        continue
+                chunk = engine_pb2.GenerateChunk(text="".join(texts) if texts else token.text, index=token.index)
                 if count == 1:
                     chunk.embedding_wait_s = wait_s
                 if token.finish_reason is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import signal
 import sys
@@ -61,8 +62,8 @@ class StubEngine(engine_pb2_grpc.EngineServicer):
         self._poke()
         try:
             n, per = request.max_tokens, self.tokens_per_chunk or request.max_tokens
-            for start in range(0, n, per):
-                end = min(n, start + per)
+            starts = [0, 1] if request.whole and n > 1 else list(range(0, n, per))   # whole: first token, rest
+            for start, end in itertools.pairwise([*starts, n]):
                 text = "".join(_WORDS[i % len(_WORDS)] + " " for i in range(start, end))
                 chunk = engine_pb2.GenerateChunk(text=text, index=end - 1)
                 if end == n:

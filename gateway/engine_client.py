@@ -63,7 +63,7 @@ class EngineClient:
             request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
             image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
             embedding_count=len(job.images), embedding_timeout_ms=int(handoff_timeout_s * 1000),
-            handoff_key=handoff_key,
+            handoff_key=handoff_key, whole=job.whole,
         )
         call = self._stub.Generate(request, timeout=timeout_s)
         started = False

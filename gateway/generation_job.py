@@ -22,6 +22,8 @@ class GenerationJob:
     kind: Literal["chat", "text"] = "chat"
     # The client's OpenAI body (validated), forwarded as-is to OpenAI-compatible upstream engines.
     body: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The client wants one reply, not a stream: an engine may send everything after the first token at once.
+    whole: bool = False
     # The images' embeddings, for a backend that takes them in its request (handoff "inline").
     embeddings: tuple[engine_pb2.Embedding, ...] = field(default=(), compare=False)
 

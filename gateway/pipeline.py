@@ -196,7 +196,9 @@ class Pipeline:
 
         Nothing has reached the client yet, so a backend that dies mid-generation is not fatal: the
         request starts over on another backend (within max_attempts), and the client gets one answer.
+        Engines send it in two messages (`whole`): the first token, then the rest.
         """
+        job = replace(job, whole=True)
         for attempt in range(1, self.settings.max_attempts + 1):
             dispatch = await self.start(job)
             try:

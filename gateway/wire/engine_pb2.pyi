@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GenerateRequest(_message.Message):
     EMBEDDING_COUNT_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_tokens: int
@@ -26,7 +27,8 @@ class GenerateRequest(_message.Message):
     embedding_count: int
     embedding_timeout_ms: int
     handoff_key: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ...) -> None: ...
+    whole: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from gateway.wire import engine_pb2, engine_pb2_grpc
@@ -182,3 +183,28 @@ def test_engine_roles_are_enforced(cluster: Cluster) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(cluster.vision.Generate(generate_request("role-2", 0), timeout=10))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_encode_without_deliver_to_returns_the_embeddings_in_the_reply(cluster: Cluster) -> None:
+    """The path for language backends that take embeddings in their own request (vLLM image_embeds)."""
+    delivered = len(cluster.recorder.received)
+    reply = cluster.vision.Encode(encode_request("inline-1", "", 2), timeout=20)
+    assert reply.embedding_bytes == 2 * EMBEDDING_BYTES
+    assert [(e.request_id, e.image_index, e.tokens, e.hidden, e.dtype, len(e.data)) for e in reply.embeddings] == [
+        ("inline-1", i, LLAVA_TOKENS, LLAVA_HIDDEN, "float16", EMBEDDING_BYTES) for i in range(2)]
+    values = np.frombuffer(reply.embeddings[0].data, dtype=np.float16)
+    assert np.isfinite(values).all() and values.std() > 0   # real numbers, not NaN bit patterns or zeros
+    assert len(cluster.recorder.received) == delivered
+
+
+def test_whole_generate_sends_the_first_token_then_the_rest_in_one_message(cluster: Cluster) -> None:
+    def request(request_id: str, whole: bool) -> engine_pb2.GenerateRequest:
+        return engine_pb2.GenerateRequest(request_id=request_id, prompt="user: hi", prompt_tokens=5,
+                                          max_tokens=12, whole=whole)
+
+    streamed = list(cluster.language.Generate(request("same-id", False), timeout=30))
+    whole = list(cluster.language.Generate(request("same-id", True), timeout=30))
+    assert len(whole) == 2 and whole[0].index == 0 and not whole[0].finish_reason
+    assert "".join(c.text for c in whole) == "".join(c.text for c in streamed)
+    assert (whole[-1].finish_reason, whole[-1].index) == (streamed[-1].finish_reason, streamed[-1].index)
+    assert whole[-1].usage == streamed[-1].usage
