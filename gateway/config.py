@@ -16,7 +16,7 @@ from gateway.errors import ConfigError
 from gateway.image_embeds import require_torch
 from gateway.images import ImageLimits
 from gateway.policies import build_policy
-from gateway.policies.stealing import DEFAULT_THRESHOLD
+from gateway.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
 from gateway.yaml_files import StrictModel
 
 DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
@@ -93,6 +93,7 @@ class RoutingConfig(StrictModel):
 class StealingConfig(StrictModel):
     enabled: bool = True
     threshold: PositiveInt = DEFAULT_THRESHOLD   # τ: language backlog that lets vision GPUs steal
+    max_batch: PositiveInt = DEFAULT_MAX_BATCH   # language requests a stealing GPU holds at most
 
 
 class GatewaySettings(StrictModel):

@@ -51,6 +51,7 @@ class PipelineSettings:
     handoff_timeout_s: float
     stealing: bool
     steal_threshold: int
+    steal_max_batch: int
     retry_backoff_s: float = 0.02
     retry_backoff_max_s: float = 1.0
 
@@ -150,7 +151,8 @@ class Pipeline:
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
         if self.settings.stealing:
             vision = self.table.candidates(VISION_ROLES, now, exclude)
-            candidates += stealers(vision, self.table.language_backlog(), self.settings.steal_threshold)
+            candidates += stealers(vision, self.table.language_backlog(), self.settings.steal_threshold,
+                                   self.settings.steal_max_batch)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
     async def start(self, job: GenerationJob) -> Dispatch:

@@ -99,6 +99,7 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
         handoff_timeout_s=settings.handoff_timeout_s,
         stealing=settings.stealing.enabled,
         steal_threshold=settings.stealing.threshold,
+        steal_max_batch=settings.stealing.max_batch,
         retry_backoff_s=settings.retry_backoff_s,
         retry_backoff_max_s=settings.retry_backoff_max_s,
     ), Breakers(settings.breaker), AdmissionQueue(settings.admission))
