@@ -19,6 +19,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import struct
 import subprocess
 import sys
@@ -78,6 +79,8 @@ def _children_cpu_s() -> float:
 
 def _run(cmd: list[str], timeout_s: float) -> tuple[str, float]:
     """Run a generator to completion; returns (stdout, its CPU seconds)."""
+    if shutil.which(cmd[0]) is None:
+        raise SystemExit(f"{cmd[0]} is not installed (Debian/Ubuntu: apt-get install wrk nghttp2-client)")
     before = _children_cpu_s()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     cpu = _children_cpu_s() - before
