@@ -127,6 +127,9 @@ class SerialEngine(Engine):
         self.current = -1
         self.prefill_per_token = perf_model.prefill_seconds_per_token(self.model, self.gpu)
         self.decode_per_token = perf_model.serial_decode_seconds_per_token(self.model, self.gpu)
+        # When the GPU will have finished everything it holds: FIFO and work-conserving, so this is
+        # exact (and bit-identical to the event times the engine later reports).
+        self.backlog_end_s = 0.0
 
     def queue_depth(self) -> int:
         return len(self.queue) + (self.current >= 0)
@@ -141,8 +144,15 @@ class SerialEngine(Engine):
     def submit(self, i: int, now: float) -> float | None:
         self.in_flight += 1
         self.queue.append(i)
+        self.backlog_end_s = self.finish_s(max(self.backlog_end_s, now), i)
         self._snap = None
         return self._start(now) if self.current < 0 else None
+
+    def finish_s(self, start: float, i: int) -> float:
+        """When request i ends if it starts at `start`: prefill 2·P·L/F, then 2·P/B per output token."""
+        lengths = self.rec.lengths
+        prefill = int(lengths.input_tokens[i]) * self.prefill_per_token
+        return start + prefill + int(lengths.output_tokens[i]) * self.decode_per_token
 
     def on_event(self, now: float) -> tuple[list[int], float | None]:
         done = self.current
@@ -153,11 +163,9 @@ class SerialEngine(Engine):
 
     def _start(self, now: float) -> float:
         i = self.current = self.queue.popleft()
-        lengths = self.rec.lengths
-        prefill = int(lengths.input_tokens[i]) * self.prefill_per_token
         self.rec.admitted[i] = now
-        self.rec.first_token[i] = now + prefill
-        return now + prefill + int(lengths.output_tokens[i]) * self.decode_per_token
+        self.rec.first_token[i] = now + int(self.rec.lengths.input_tokens[i]) * self.prefill_per_token
+        return self.finish_s(now, i)
 
 
 class BatchEngine(Engine):
@@ -170,6 +178,7 @@ class BatchEngine(Engine):
         )
         self.stepping = False
         self._step_start = 0.0
+        self.step_end_s = 0.0          # end of the running step, whose effects the batcher already holds
         self._result_prefilled: list[Sequence] = []
         self._result_finished: list[Sequence] = []
 
@@ -211,9 +220,10 @@ class BatchEngine(Engine):
             return None                    # only cancelled sequences were left
         self.stepping = True
         self._step_start = now
+        self.step_end_s = now + result.duration_s
         self._result_prefilled, self._result_finished = result.prefilled, result.finished
         self._snap = None
-        return now + result.duration_s
+        return self.step_end_s
 
     def _end_step(self, now: float) -> list[int]:
         """Stamp the step's first tokens and completions at its end; returns the finished requests."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gateway.catalog import load_catalog
-from loadtest.sim import capacity
+from loadtest.sim import capacity, oracle
 from loadtest.sim.modality import DEPLOYMENTS, VlmRunSpec, a100_rate, run_vlm
 from loadtest.sim.simulator import MODES, RunSpec, run
 
@@ -28,6 +28,9 @@ CLUSTERS = {
     "3-tier 2×H100+3×A100+3×L40S": THREE_TIER,
 }
 POLICIES = ("round_robin", "capacity_proportional", "shortest_queue", "power_of_two", "heteroserve", "batch_aware")
+TABLE2_POLICIES = (*POLICIES, oracle.NAME)     # + the simulator-only clairvoyant baseline
+MODELS = ("llama-2-7b", "llama-2-70b")         # Table 3: model size
+TABLE3_POLICIES = ("round_robin", "shortest_queue", "heteroserve", "batch_aware", oracle.NAME)
 CORE_POLICIES = ("round_robin", "shortest_queue", "heteroserve", "batch_aware")   # the wider sweeps
 LOAD_POLICIES = tuple(p for p in POLICIES if p != "power_of_two")   # the paper's Fig. 4-5 baselines + ours
 LOADS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -91,9 +94,13 @@ def _text_cells(s: Settings, mode: str) -> Iterator[Cell]:
         return Cell(experiment, (("mode", mode), *labels.items()), spec)
 
     for seed in range(s.seeds):
-        for p in POLICIES:
+        for p in TABLE2_POLICIES:
             yield cell("table2", p, seed, {"policy": p})
+        for p in POLICIES:
             yield cell("bursty", p, seed, {"policy": p}, arrivals="bursty")
+        for p in TABLE3_POLICIES:
+            for model in MODELS:
+                yield cell("model_size", p, seed, {"policy": p, "model": model}, model=model)
         for p in LOAD_POLICIES:
             for load in LOADS:
                 yield cell("load", p, seed, {"policy": p, "load": load}, load=load)
@@ -170,10 +177,13 @@ def _rates(specs: list[Spec], pool: Any) -> dict[Spec, float]:
 
 
 def _cost(spec: Spec) -> float:
-    """Rough relative run time, to start the longest runs first and keep both cores busy to the end."""
+    """Rough relative run time, to start the longest runs first and keep both cores busy to the end
+    (the oracle replays each continuous-batching GPU per arrival: several times a plain run)."""
     if isinstance(spec, VlmRunSpec):
         return spec.n_requests * 0.3
-    return spec.n_requests * (0.15 if spec.mode == "serial" else 1.0)
+    if spec.mode == "serial":
+        return spec.n_requests * 0.15
+    return spec.n_requests * (6.0 if spec.policy == oracle.NAME else 1.0)
 
 
 def run_all(
@@ -197,7 +207,8 @@ def run_all(
 
 
 def aggregate(rows: list[dict[str, Any]], metrics: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Mean and std over seeds of each (experiment, labels) group, in first-seen order."""
+    """Mean and std over seeds of each (experiment, labels) group, in first-seen order: `metrics`, plus the
+    share of requests routed to each GPU type (share_<GPU>), whose names depend on the cluster."""
     groups: dict[tuple[tuple[str, Any], ...], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[tuple((k, v) for k, v in r.items() if _is_label(k))].append(r)
@@ -205,7 +216,8 @@ def aggregate(rows: list[dict[str, Any]], metrics: tuple[str, ...]) -> list[dict
     for key, members in groups.items():
         agg: dict[str, Any] = dict(key)
         agg["seeds"] = len(members)
-        for m in metrics:
+        shares = sorted({k for r in members for k in r if k.startswith("share_")})
+        for m in (*metrics, *shares):
             values = np.array([r[m] for r in members if m in r], dtype=float)
             if len(values):
                 agg[m], agg[f"{m}_std"] = float(values.mean()), float(values.std())
@@ -218,8 +230,8 @@ def _is_label(key: str) -> bool:
 
 
 NON_LABEL_KEYS = frozenset({
-    "n", "completed", "rejected", "throughput_tok_s", "steady_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s",
-    "e2e_p99_s", "queue_mean_s", "makespan_s", "cost_per_hour", "tok_s_per_dollar_hour", "events", "wall_s",
-    "hardware_usd", "cer_tok_s_per_k_usd", "embedding_mb_per_request", "stage_kv_mb_per_request",
-    "stolen_share", "vision_busy_share", "rate_rps", "cpu_s",
+    "n", "completed", "rejected", "throughput_tok_s", "steady_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_mean_s",
+    "e2e_p50_s", "e2e_p99_s", "queue_mean_s", "makespan_s", "cost_per_hour", "tok_s_per_dollar_hour", "events",
+    "wall_s", "hardware_usd", "cer_tok_s_per_k_usd", "embedding_mb_per_request", "stage_kv_mb_per_request",
+    "stolen_share", "vision_busy_share", "rate_rps", "cpu_s", "oracle_realized_over_predicted",
 })

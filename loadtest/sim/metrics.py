@@ -4,7 +4,7 @@ throughput_tok_s   generated tokens / (first arrival → last completion): the p
                    finite trace it also charges the drain after the last arrival.
 steady_tok_s       tokens emitted while requests were still arriving / that window: capacity without
                    the drain (a request's tokens are taken as spread evenly from its first to its last).
-ttft / e2e         percentiles over completed requests.
+ttft / e2e         percentiles (and the mean E2E, the paper Oracle's objective) over completed requests.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def summarize(trace: Trace, rec: Recorder, gpu_names: np.ndarray, prices: list[f
         "steady_tok_s": _steady_tokens(trace, rec, done),
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p95_s": float(np.percentile(ttft, 95)),
+        "e2e_mean_s": float(np.mean(e2e)),
         "e2e_p50_s": float(np.percentile(e2e, 50)),
         "e2e_p99_s": float(np.percentile(e2e, 99)),
         "queue_mean_s": float(np.mean(rec.admitted[done] - arrival[done])),

@@ -11,6 +11,14 @@ TABLE2 = {
     "capacity_proportional": (2200.0, 11.4, 190.1),
     "shortest_queue": (2256.0, 3.4, 182.8),
     "heteroserve": (6190.0, 14.6, 124.0),
+    "oracle": (4828.0, 15.7, 133.6),
+}
+# Table 3 (8 GPUs, ShareGPT, 1.0×): tok/s mean and std per model
+TABLE3 = {
+    "round_robin": {"llama-2-7b": (22166.0, 2428.0), "llama-2-70b": (2222.0, 245.0)},
+    "shortest_queue": {"llama-2-7b": (25773.0, 9281.0), "llama-2-70b": (2256.0, 117.0)},
+    "heteroserve": {"llama-2-7b": (46447.0, 3583.0), "llama-2-70b": (6190.0, 484.0)},
+    "oracle": {"llama-2-7b": (24304.0, 4289.0), "llama-2-70b": (4828.0, 872.0)},
 }
 RATIO = 2.8                                                    # HeteroServe / Uniform at 1.0×
 LOAD = {0.5: {"round_robin": 2147.0, "heteroserve": 4805.0}, 1.0: {"round_robin": 2222.0, "heteroserve": 6190.0},

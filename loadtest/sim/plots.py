@@ -17,8 +17,10 @@ from loadtest.sim.experiments import (
     CORE_POLICIES,
     LOAD_POLICIES,
     LOADS,
-    POLICIES,
+    MODELS,
     SIZES,
+    TABLE2_POLICIES,
+    TABLE3_POLICIES,
     VLM_LOADS,
     VLM_POLICIES,
     W2_SWEEP,
@@ -49,13 +51,28 @@ def _grouped_bars(ax: Axes, groups: list[str], series: dict[str, tuple[list[floa
 def table2(s: Summary, out: Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
-        rows = [s.one("table2", mode=mode, policy=p) for p in POLICIES]
-        ax.bar(POLICIES, [r[THR] for r in rows], yerr=[r[f"{THR}_std"] for r in rows], capsize=3,
-               color=["#999"] * 4 + ["#d62728", "#2ca02c"])
+        rows = [s.one("table2", mode=mode, policy=p) for p in TABLE2_POLICIES]
+        ax.bar(TABLE2_POLICIES, [r[THR] for r in rows], yerr=[r[f"{THR}_std"] for r in rows], capsize=3,
+               color=["#999"] * 4 + ["#d62728", "#2ca02c", "#1f77b4"])
         ax.set_title(f"{mode}: 8 GPUs, Llama-2-70B, ShareGPT, 1.0× load")
         ax.set_ylabel("tokens/s")
         ax.tick_params(axis="x", rotation=25, labelsize=8)
     return _save(fig, out, "table2_throughput.png")
+
+
+def model_size(s: Summary, out: Path) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, mode in zip(axes, MODES, strict=True):
+        series = {}
+        for p in TABLE3_POLICIES:
+            rows = [(s.one("model_size", mode=mode, policy=p, model=m),
+                     s.value("model_size", THR, mode=mode, policy="round_robin", model=m)) for m in MODELS]
+            series[p] = ([r[THR] / rr for r, rr in rows], [r[f"{THR}_std"] / rr for r, rr in rows])
+        _grouped_bars(ax, list(MODELS), series)
+        ax.margins(y=0.3)                         # headroom for the legend above the bars
+        ax.set(title=f"{mode}: Table 3, throughput / round robin", ylabel="× round_robin")
+    axes[0].legend(fontsize=7, ncol=3, loc="upper left")
+    return _save(fig, out, "model_size.png")
 
 
 def load_sweep(s: Summary, out: Path) -> str:
@@ -160,4 +177,4 @@ def modality(s: Summary, out: Path) -> str:
     return _save(fig, out, "modality.png")
 
 
-FIGURES = (table2, load_sweep, pareto, heterogeneity, workloads, scaling, ablations, modality)
+FIGURES = (table2, model_size, load_sweep, pareto, heterogeneity, workloads, scaling, ablations, modality)

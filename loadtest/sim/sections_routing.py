@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from gateway.catalog import Catalog
 from loadtest.sim import paper
 from loadtest.sim.experiments import (
@@ -9,8 +12,11 @@ from loadtest.sim.experiments import (
     CORE_POLICIES,
     LOAD_POLICIES,
     LOADS,
+    MODELS,
     POLICIES,
     SIZES,
+    TABLE2_POLICIES,
+    TABLE3_POLICIES,
     THREE_TIER,
     W2_SWEEP,
     WORKLOADS,
@@ -26,25 +32,86 @@ def _pct(a: float, b: float) -> str:
 
 
 def table2(s: Summary, catalog: Catalog) -> str:
-    parts = ["## Table 2: 8 GPUs (2×H100, 3×A100, 3×L40S), Llama-2-70B, ShareGPT, 1.0× load\n"]
+    parts = ["## Table 2: 8 GPUs (2×H100, 3×A100, 3×L40S), Llama-2-70B, ShareGPT, 1.0× load\n",
+             "'routed H100/A100/L40S' = share of requests sent to each GPU type; `oracle` is the clairvoyant "
+             "baseline (below).\n"]
     for mode in MODES:
         rr = s.value("table2", THR, mode=mode, policy="round_robin")
         rows = []
-        for p in POLICIES:
+        for p in TABLE2_POLICIES:
             r = s.one("table2", mode=mode, policy=p)
-            row = [p, cell(r, THR), cell(r, "steady_tok_s"), cell(r, "ttft_p95_s", 1), cell(r, "e2e_p99_s", 1),
-                   f"{r[THR] / rr:.2f}×"]
+            row = [p, cell(r, THR), cell(r, "steady_tok_s"), cell(r, "ttft_p95_s", 1), cell(r, "e2e_mean_s", 1),
+                   cell(r, "e2e_p99_s", 1), f"{r[THR] / rr:.2f}×", _shares(r)]
             if mode == "serial":
                 ref = paper.TABLE2.get(p)
                 row += [fmt(ref[0]), fmt(ref[1], digits=1), fmt(ref[2], digits=1)] if ref else ["–"] * 3
             rows.append(row)
-        header = ["policy", "tok/s", "steady tok/s", "P95 TTFT s", "P99 E2E s", "× round_robin"]
+        header = ["policy", "tok/s", "steady tok/s", "P95 TTFT s", "mean E2E s", "P99 E2E s", "× round_robin",
+                  "routed H100/A100/L40S"]
         if mode == "serial":
             header += ["paper tok/s", "paper P95 TTFT", "paper P99 E2E"]
         parts.append(f"### {mode} engines\n\n" + table(header, rows) + "\n")
     parts.append(_ratio_note(s, catalog))
+    parts.append(_oracle_note(s))
     parts.append("![Table 2](results/table2_throughput.png)\n")
     return "\n".join(parts)
+
+
+def _shares(r: dict[str, Any]) -> str:
+    return " / ".join(f"{r.get(f'share_{g}', 0.0) * 100:.0f}%" for g in ("H100", "A100-80GB", "L40S"))
+
+
+def _oracle_note(s: Summary) -> str:
+    def get(mode: str, policy: str, metric: str = THR) -> float:
+        return s.value("table2", metric, mode=mode, policy=policy)
+
+    def rank(mode: str, metric: str) -> str:
+        """Where the oracle's `metric` stands among the gateway's policies."""
+        others = [get(mode, p, metric) for p in POLICIES]
+        value = get(mode, "oracle", metric)
+        return "the lowest" if value < min(others) else "the highest" if value > max(others) else "in between"
+
+    def versus(mode: str, metric: str, digits: int = 1) -> str:
+        o, h = get(mode, "oracle", metric), get(mode, "heteroserve", metric)
+        return f"{o:,.{digits}f} vs heteroserve {h:,.{digits}f}"
+
+    def modes_where(better: Callable[[str], bool]) -> str:
+        return " and ".join(f"{m} mode" for m in MODES if better(m)) or "neither mode"
+
+    ref = paper.TABLE2
+    mean_holds = modes_where(lambda m: get(m, "heteroserve", "e2e_mean_s") < get(m, "oracle", "e2e_mean_s"))
+    thr_holds = modes_where(lambda m: get(m, "heteroserve") > get(m, "oracle"))
+    return (
+        "**Oracle** (`loadtest/sim/oracle.py`, simulator-only: it reads the engines). Each arrival goes to the GPU "
+        "where *its own* completion time is earliest, knowing every request's true output length and each GPU's "
+        "exact pending work. Serial engines: queue contents × the paper's formulas, exact (realized / predicted "
+        f"latency = {get('serial', 'oracle', 'oracle_realized_over_predicted'):.2f}). Continuous batching: the "
+        "GPU's batcher replayed forward from its present state with the newcomer at the tail of the queue, exact "
+        "if nothing else arrived; realized latency was on average "
+        f"**{get('continuous', 'oracle', 'oracle_realized_over_predicted'):.2f}×** the prediction, because later "
+        "arrivals join the batch and their whole-prompt prefills stall its decode steps. The paper's Oracle "
+        "minimises *mean* latency and also knows future arrivals; ours is its usual practical form, greedy per "
+        "arrival, which neither looks ahead nor counts the delay it causes others.\n\n"
+        f"Paper: Oracle {ref['oracle'][0]:,.0f} tok/s, {_pct(ref['oracle'][0], ref['heteroserve'][0])} vs "
+        f"HeteroServe. Here, serial: {versus('serial', THR, 0)} tok/s: at 1.0× = Σ_i μ_i every work-conserving "
+        "policy runs at the ceiling, and no routing choice raises it, so the paper's metric cannot separate them. "
+        f"Its P99 E2E ({versus('serial', 'e2e_p99_s', 0)} s) is {rank('serial', 'e2e_p99_s')} of all; its mean "
+        f"E2E ({versus('serial', 'e2e_mean_s')} s, shortest_queue {get('serial', 'shortest_queue', 'e2e_mean_s'):.1f}"
+        f" s) is {rank('serial', 'e2e_mean_s')}"
+        + (": greedy earliest completion is not the mean-optimal schedule, since it ignores how long its choice "
+           "holds the GPU for later arrivals — it sends more requests to the L40S "
+           f"({get('serial', 'oracle', 'share_L40S'):.0%} of them vs {get('serial', 'heteroserve', 'share_L40S'):.0%} "
+           "for heteroserve), where each holds the GPU several times longer than on an H100, and the requests "
+           "behind pay for it (hence the paper's mean objective)"
+           if rank("serial", "e2e_mean_s") != "the lowest" else "")
+        + f". Continuous: {versus('continuous', THR, 0)} tok/s, {rank('continuous', THR)} on the "
+        "paper's metric, which charges the drain after the last arrival (the oracle finishes the last requests "
+        f"early); steady tok/s {versus('continuous', 'steady_tok_s', 0)}, mean E2E "
+        f"{versus('continuous', 'e2e_mean_s')} s. It accepts a wait for admission (mean "
+        f"{versus('continuous', 'queue_mean_s')} s) whenever the replay says a faster GPU's decode makes up for it; "
+        "later arrivals then stretch that decode and queue behind it. The paper's ordering (HeteroServe above its "
+        f"Oracle) holds here for mean latency in {mean_holds} and for end-to-end tok/s in {thr_holds}.\n"
+    )
 
 
 def _ratio_note(s: Summary, catalog: Catalog) -> str:
@@ -209,4 +276,80 @@ def _ablation_note(s: Summary) -> str:
         "w1 = 0 is shortest queue weighted by T̄_service, which here is as "
         "good as the full cost (decode dominates service time), unlike the paper's −45%. w3 = 0 changes nothing "
         "under serial engines, as in the paper (+1.5%)."
+    )
+
+
+def table3(s: Summary, catalog: Catalog) -> str:
+    parts = ["## Table 3: model size, Llama-2-7B vs Llama-2-70B (8-GPU three-tier, ShareGPT, 1.0× load)\n",
+             "Paper columns: its Table 3 (Uniform = round_robin). Δ = ours / paper − 1; '× RR' = tok/s over round "
+             "robin, ours (paper). The paper has one (serial) simulator; its numbers stand beside both modes. "
+             "Llama-2-7B's weights fit on every GPU, so its KV cache is the engine default (90% of HBM minus "
+             "weights).\n"]
+    for mode in MODES:
+        rr = {m: s.value("model_size", THR, mode=mode, policy="round_robin", model=m) for m in MODELS}
+        rows = []
+        for p in TABLE3_POLICIES:
+            row, ratios = [p], []
+            for m in MODELS:
+                r, ref = s.one("model_size", mode=mode, policy=p, model=m), paper.TABLE3.get(p, {}).get(m)
+                row += [cell(r, THR), fmt(*ref) if ref else "–", _pct(r[THR], ref[0]) if ref else "–"]
+                paper_rr = paper.TABLE3["round_robin"][m][0]
+                ratios.append(f"{r[THR] / rr[m]:.2f}×" + (f" ({ref[0] / paper_rr:.2f}×)" if ref else ""))
+            rows.append(row + ratios)
+        header = ["policy", "7B tok/s", "paper 7B", "Δ", "70B tok/s", "paper 70B", "Δ", "7B × RR", "70B × RR"]
+        parts.append(f"### {mode} engines\n\n" + table(header, rows) + "\n")
+    parts.append(_table3_note(s, catalog))
+    parts.append("![Table 3](results/model_size.png)\n")
+    return "\n".join(parts)
+
+
+def _table3_note(s: Summary, catalog: Catalog) -> str:
+    def ratio(mode: str, model: str, policy: str = "heteroserve") -> float:
+        return s.value("model_size", THR, mode=mode, policy=policy, model=model) / s.value(
+            "model_size", THR, mode=mode, policy="round_robin", model=model)
+
+    def paper_ratio(model: str, policy: str = "heteroserve") -> float:
+        return paper.TABLE3[policy][model][0] / paper.TABLE3["round_robin"][model][0]
+
+    def both(mode: str, policy: str = "heteroserve") -> str:
+        return " / ".join(f"{ratio(mode, m, policy):.2f}×" for m in MODELS)
+
+    def paper_both(policy: str = "heteroserve") -> str:
+        return " / ".join(f"{paper_ratio(m, policy):.2f}×" for m in MODELS)
+
+    gap = {m: (ratio("serial", m) / paper_ratio(m) - 1) * 100 for m in MODELS}
+    limit = {m: paper.serial_max_output_tok_s(catalog, THREE_TIER, m) for m in MODELS}
+    bound = {mode: " / ".join(f"{paper.uniform_bound(catalog, THREE_TIER, m, 'sharegpt', mode):.2f}×"
+                              for m in MODELS) for mode in MODES}
+    hs7 = paper.TABLE3["heteroserve"]["llama-2-7b"][0]
+    direction = ("larger at 7B — the opposite direction to the paper's"
+                 if ratio("continuous", "llama-2-7b") > ratio("continuous", "llama-2-70b")
+                 else "larger at 70B, the paper's direction")
+    delta = {}
+    for mode in MODES:
+        gaps = [(s.value("model_size", THR, mode=mode, policy=p, model=m) / ref[0] - 1) * 100
+                for p, by_model in paper.TABLE3.items() for m, ref in by_model.items()]
+        delta[mode] = f"{min(gaps):+.0f}% … {max(gaps):+.0f}%"
+    return (
+        f"HeteroServe over round robin (7B / 70B): serial {both('serial')}, continuous {both('continuous')}; paper "
+        f"{paper_both()} (serial: {gap['llama-2-7b']:+.0f}% / {gap['llama-2-70b']:+.0f}%). Where it differs, and "
+        "why:\n\n"
+        "- **The 7B/70B gap.** In the paper's serial model every service time is P · (2L/F_i + 2n/B_i): the "
+        "parameter count scales every GPU's time alike and cancels from every ratio, so round robin's bottleneck "
+        f"and the Σ_i μ_i ceiling give the same gain for both sizes (ceiling {bound['serial']}), and the measured "
+        "serial ratios agree. The paper's larger gain at 70B ('longer per-request service times amplify the cost "
+        "of misrouting') cannot come from its stated model. Under continuous batching the size does move the "
+        "per-GPU rates (7B's weights fit with room for a larger KV cache; the weight, KV and prefill shares of a "
+        f"step change), but only slightly: ceilings {bound['continuous']}, and the measured gain is {direction}.\n"
+        "- **Absolute tok/s** are far below the paper's in serial mode for both sizes: eight GPUs decoding "
+        f"non-stop at 2·P/B per token emit at most {limit['llama-2-7b']:,.0f} (7B) and {limit['llama-2-70b']:,.0f} "
+        f"(70B) tok/s, while the paper reports {hs7:,.0f} for 7B HeteroServe ({hs7 / limit['llama-2-7b']:.0f}× "
+        "that). Continuous batching streams the weights once per step for the whole batch, which brings ours "
+        f"closer (Δ {delta['continuous']} under continuous batching, {delta['serial']} serial).\n"
+        f"- **Shortest-Queue** sits next to HeteroServe here ({both('serial', 'shortest_queue')} serial) rather "
+        f"than next to Uniform ({paper_both('shortest_queue')} in the paper): a work-conserving dispatcher keeps "
+        "every GPU busy while work waits (Table 2, point 3).\n"
+        f"- **Oracle**: the paper's is {paper_both('oracle')} round robin, below HeteroServe; ours "
+        f"{both('serial', 'oracle')} (serial) and {both('continuous', 'oracle')} (continuous), for the reasons "
+        "given under Table 2.\n"
     )

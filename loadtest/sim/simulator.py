@@ -4,12 +4,14 @@ Every arrival builds a `RequestProfile` and the candidates' `BackendSnapshot`s a
 object from `gateway.policies.build_policy` to choose, exactly as the live gateway does; the chosen
 engine's in-flight count rises at once (the paper's feedback loop). Engines report their next event
 time; a heap merges them with the arrival stream. Signals are exact and fresh here (no heartbeat lag).
+The one policy that is not the gateway's, `oracle` (oracle.py), reads the engines instead of snapshots.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ from backends import perf_model
 from gateway.catalog import Catalog, load_catalog
 from gateway.policies import build_policy
 from gateway.policies.contracts import Policy, RequestProfile
-from loadtest.sim import capacity
+from loadtest.sim import capacity, oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder, SerialEngine
 from loadtest.sim.metrics import summarize
 from loadtest.sim.workloads import Trace, make_trace, mean_lengths
@@ -64,7 +66,10 @@ def build_engines(spec: RunSpec, catalog: Catalog, rec: Recorder) -> list[Engine
     return engines
 
 
-def make_policy(spec: RunSpec) -> Policy:
+def make_policy(spec: RunSpec, engines: Sequence[Engine] = ()) -> Policy:
+    """The gateway's policy by name; the simulator-only `oracle` reads the engines it routes to."""
+    if spec.policy == oracle.NAME:
+        return oracle.Oracle(engines)
     params = dict(spec.params)
     if spec.policy == "power_of_two":
         params.setdefault("seed", spec.seed)
@@ -111,8 +116,11 @@ def run(spec: RunSpec, catalog: Catalog | None = None, rate: float | None = None
     trace = make_trace(spec.workload, spec.arrivals, rate, spec.n_requests, spec.seed)
     rec = Recorder.for_lengths(trace.lengths)
     engines = build_engines(spec, catalog, rec)
-    events = simulate(trace, engines, make_policy(spec), rec)
+    policy = make_policy(spec, engines)
+    events = simulate(trace, engines, policy, rec)
     gpu_names = np.array([e.gpu.name for e in engines])
     out = summarize(trace, rec, gpu_names, [e.gpu.price_per_hour for e in engines])
+    if isinstance(policy, oracle.Oracle):
+        out["oracle_realized_over_predicted"] = policy.realized_over_predicted(trace.arrival_s, rec.finish)
     out.update(events=events, wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu, rate_rps=rate)
     return out
