@@ -3,6 +3,10 @@
 The simulated engine calls `step()` and sleeps for the returned duration; the discrete-event
 simulator advances virtual time by it. Neither sleeps here, so both share one scheduler.
 
+The batcher keeps its own clock, `busy_s`: the performance-model seconds of the steps it has run.
+A sequence's service time (admission → last token) on that clock is what T̄_service averages, in
+the same unit whether the engine sleeps in real time, time-scaled, or in virtual time.
+
 Per step: admit waiting sequences in FIFO order while the batch has room and their KV reservation
 (prompt + max new tokens) fits; newly admitted sequences run prefill and emit their first token,
 running ones decode one token each. Step time = prefill(new prompt tokens) + decode step(old batch).
@@ -25,6 +29,7 @@ class Sequence:
     max_tokens: int              # KV is reserved for this many new tokens
     target_tokens: int           # tokens it will actually produce (≤ max_tokens; EOS in a real engine)
     arrival_s: float = 0.0
+    admitted_s: float = 0.0      # the batcher's busy clock when the sequence was admitted
     generated: int = 0
     kv_reserved: int = 0
     cancelled: bool = False
@@ -65,6 +70,7 @@ class ContinuousBatcher:
         # Bounds one step's prefill (work stealing keeps steps short); one sequence is always admitted.
         self.max_prefill_tokens = max_prefill_tokens
         self.kv_used_bytes = 0
+        self.busy_s = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -87,6 +93,10 @@ class ContinuousBatcher:
             )
         self.waiting.append(seq)
 
+    def service_s(self, seq: Sequence) -> float:
+        """Model seconds from admission to now: for a finished sequence, its service time."""
+        return self.busy_s - seq.admitted_s
+
     def cancel(self, seq: Sequence) -> None:
         """Mark for removal; it leaves (and frees its KV) at the next step."""
         seq.cancelled = True
@@ -101,6 +111,9 @@ class ContinuousBatcher:
         if old:
             ctx = sum(s.context_tokens for s in old)
             result.duration_s += perf_model.decode_step_seconds(self.model, self.gpu, len(old), ctx)
+        for s in new:
+            s.admitted_s = self.busy_s
+        self.busy_s += result.duration_s
         for s in self.running:
             s.generated += 1
         still: list[Sequence] = []

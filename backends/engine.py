@@ -173,7 +173,7 @@ class Engine:
             b = self.language.batcher
             msg.queue_depth, msg.running = len(b.waiting), len(b.running)
             msg.kv_free_bytes, msg.kv_total_bytes = b.kv_free_bytes, b.kv_capacity_bytes
-            msg.mean_service_s = self.language.mean_service_s
+            msg.mean_service_s = self.language.measured_service_s or 0.0   # 0: no sample yet
             msg.tokens_generated = self.language.tokens_generated
             msg.requests_completed = self.language.requests_completed
         if self.vision is not None:

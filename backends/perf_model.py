@@ -29,13 +29,22 @@ def prefill_seconds(model: ModelProfile, gpu: GpuProfile, tokens: int) -> float:
     return tokens * prefill_seconds_per_token(model, gpu)
 
 
+def roofline_step_seconds(
+    bytes_read: float, bandwidth_bytes_s: float, tokens: float, compute_s_per_token: float
+) -> float:
+    """One engine step: stream `bytes_read` from HBM or compute `tokens` tokens, whichever takes longer.
+
+    Takes plain numbers so that a routing policy can call it on a backend snapshot's figures.
+    """
+    return max(bytes_read / bandwidth_bytes_s, tokens * compute_s_per_token)
+
+
 def decode_step_seconds(model: ModelProfile, gpu: GpuProfile, batch: int, context_tokens: int) -> float:
     """One decode iteration for `batch` sequences holding `context_tokens` tokens of KV in total."""
     if batch <= 0:
         return 0.0
-    memory = (model.weight_bytes + context_tokens * model.kv_bytes_per_token) / gpu.bandwidth_bytes_s
-    compute = 2.0 * model.params * batch / gpu.flops
-    return max(memory, compute)
+    return roofline_step_seconds(model.weight_bytes + context_tokens * model.kv_bytes_per_token,
+                                 gpu.bandwidth_bytes_s, batch, prefill_seconds_per_token(model, gpu))
 
 
 def serial_decode_seconds_per_token(model: ModelProfile, gpu: GpuProfile) -> float:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from backends.batcher import ContinuousBatcher, Sequence
 from gateway.catalog import GpuProfile, ModelProfile
+from gateway.policies.contracts import updated_mean_service
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
 _WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
-_SERVICE_EWMA_ALPHA = 0.2
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ class SimulatedExecutor:
         self.time_scale = time_scale
         self._on_change = on_change
         self._queues: dict[int, asyncio.Queue[Token]] = {}
-        self.mean_service_s = 0.0
+        self.measured_service_s: float | None = None   # T̄_service in model seconds; None until a completion
         self.tokens_generated = 0
         self.requests_completed = 0
 
@@ -88,7 +88,7 @@ class SimulatedExecutor:
         self._publish(step.decoded)
         if step.prefilled or step.finished:
             for seq in step.finished:
-                self._record_service(time.monotonic() - seq.arrival_s)
+                self._record_service(self.batcher.service_s(seq))
             self._on_change()
         return len(step.prefilled) + len(step.decoded)
 
@@ -106,5 +106,4 @@ class SimulatedExecutor:
 
     def _record_service(self, seconds: float) -> None:
         self.requests_completed += 1
-        prev = self.mean_service_s
-        self.mean_service_s = seconds if prev == 0 else prev + _SERVICE_EWMA_ALPHA * (seconds - prev)
+        self.measured_service_s = updated_mean_service(self.measured_service_s, seconds)

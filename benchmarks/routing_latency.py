@@ -83,6 +83,7 @@ def synthetic_backends(catalog: Catalog, rng: random.Random, n: int) -> list[Bac
                 vision_backlog=0,
                 mean_service_s=perf_model.service_seconds(model, gpu, 512, 128) * rng.uniform(0.8, 1.5),
                 prefill_s_per_token=perf_model.prefill_seconds_per_token(model, gpu),
+                weight_bytes=model.weight_bytes,
                 encode_s_per_token=perf_model.encode_seconds(model, gpu, 1),
             )
         )

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field, replace
 
 from backends import perf_model
 from gateway.catalog import GpuProfile, ModelProfile
-from gateway.policies.contracts import BackendSnapshot, Role
+from gateway.policies.contracts import BackendSnapshot, Role, updated_mean_service
 
 # Queue depth that a backend with stale metrics is assumed to have.
 SATURATED_QUEUE = 1_000_000
 # Weight of a new sample in the gateway's service-time EWMA.
-SERVICE_EWMA_ALPHA = 0.2
 # Prior for T̄_service before any sample: prefill of a typical prompt plus a typical completion.
 PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS = 512, 128
 
@@ -116,8 +115,7 @@ class StateTable:
         entry = self._entries[backend_id]
         entry.in_flight = max(0, entry.in_flight - 1)
         if service_s is not None:
-            prev = entry.service_ewma_s
-            entry.service_ewma_s = service_s if prev is None else prev + SERVICE_EWMA_ALPHA * (service_s - prev)
+            entry.service_ewma_s = updated_mean_service(entry.service_ewma_s, service_s)
         entry.snapshot = None
 
     def acquire_vision(self, backend_id: str, image_tokens: int) -> None:
@@ -215,6 +213,7 @@ class StateTable:
             vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens),
             mean_service_s=self.mean_service_s(e),
             prefill_s_per_token=perf_model.prefill_seconds_per_token(self.model, e.gpu),
+            weight_bytes=self.model.weight_bytes,
             encode_s_per_token=perf_model.encode_seconds(self.model, e.gpu, 1),
             steal=e.steal,
         )

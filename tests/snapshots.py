@@ -53,6 +53,7 @@ def snapshot(
         vision_backlog=vision_backlog,
         mean_service_s=mean_service_s,
         prefill_s_per_token=perf_model.prefill_seconds_per_token(m, g),
+        weight_bytes=m.weight_bytes,
         encode_s_per_token=perf_model.encode_seconds(m, g, 1),
     )
 

@@ -14,9 +14,10 @@ Q_i whole services. For a request with L input and M max new tokens, on candidat
     cost     = w_wait · T_wait + w_step · T_step + w_prefill · L · p_i + w_decode · f · M · T_step
                + veto · 1[R > K_i]
 
-p_i = prefill_s_per_token = 2P/F_i; W = bytes_per_param · P, with P recovered as p_i · F_i / 2;
-B_i = bandwidth. T_step is the roofline time of the step that admits the request (weights + KV
-streamed vs batch compute), so the bandwidth tier enters every decision; w_wait · T_wait + T_step +
+p_i = prefill_s_per_token = 2P/F_i; W = the decoder's weight bytes; B_i = bandwidth. T_step is the
+roofline time of the step that admits the request (weights + KV streamed vs batch compute), computed
+by the performance model (`perf_model.roofline_step_seconds`, as the engines time their steps), so
+the bandwidth tier enters every decision; w_wait · T_wait + T_step +
 L · p_i is the TTFT estimate. R̄_i is an EWMA of the reservations this router sent to backend i:
 with A_i it counts the requests queued behind a blocked FIFO head (Q_i - running ≈ Q_i - used / R̄_i),
 which the free-KV signal alone cannot see. KV pressure is soft (through T_wait); the veto only
@@ -25,10 +26,10 @@ w_decode (default 0) adds the expected decode time f · M · T_step, i.e. turns 
 estimate; the simulator's ablation (docs/BENCHMARKS.md) shows it costs TTFT and buys no throughput.
 
 Reads: queue_depth, kv_free_bytes, kv_total_bytes, kv_bytes_per_token, mean_service_s,
-prefill_s_per_token, tflops, bandwidth_gbs. State: R̄_i per backend id. Parameters: w_wait, w_step,
+prefill_s_per_token, weight_bytes, bandwidth_gbs. State: R̄_i per backend id. Parameters: w_wait, w_step,
 w_prefill (1), w_decode (0), output_fraction f (0.5), max_batch (the engines' batch cap, 256; 1 is
-the paper's serial engine and turns T_wait into HeteroServe's Q_i · T̄_service), bytes_per_param
-(2: fp16 weights), size_ewma (0.02), veto (1e6 s).
+the paper's serial engine and turns T_wait into HeteroServe's Q_i · T̄_service), size_ewma (0.02),
+veto (1e6 s).
 Limits: reserved KV (prompt + max tokens) overstates the context a step reads; the turnover model
 assumes running requests finish evenly over T̄_service; no heartbeat lag is modelled.
 """
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
+from backends import perf_model
 from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
 from gateway.yaml_files import StrictModel
 
@@ -50,7 +52,6 @@ class BatchAwareParams(StrictModel):
     w_decode: float = Field(default=0.0, ge=0)
     output_fraction: float = Field(default=0.5, gt=0, le=1)
     max_batch: int = Field(default=256, ge=1)
-    bytes_per_param: float = Field(default=2.0, gt=0)
     size_ewma: float = Field(default=0.02, gt=0, le=1)
     veto: float = Field(default=1e6, ge=0)
 
@@ -84,9 +85,10 @@ class BatchAware:
         ahead = max(kv_tokens - b.kv_free_tokens, queue * self.mean_reserve.get(b.id, reserve))
         overflow = max((ahead + reserve) / kv_tokens, (queue + 1) / p.max_batch) - 1.0
         wait = p.w_wait * max(0.0, overflow) * b.mean_service_s
-        weight_bytes = b.prefill_s_per_token * b.tflops * 1e12 / 2.0 * p.bytes_per_param
-        memory = (weight_bytes + b.kv_total_bytes - b.kv_free_bytes) / (b.bandwidth_gbs * 1e9)
-        step = max(memory, b.prefill_s_per_token * min(queue + 1, kv_tokens / reserve, p.max_batch))
+        step = perf_model.roofline_step_seconds(
+            b.weight_bytes + b.kv_total_bytes - b.kv_free_bytes, b.bandwidth_gbs * 1e9,
+            min(queue + 1, kv_tokens / reserve, p.max_batch), b.prefill_s_per_token,
+        )
         first = p.w_step * step + p.w_prefill * length * b.prefill_s_per_token
         decode = p.w_decode * p.output_fraction * new_tokens * step
         return CostTerms(b.id, first, wait, 0.0, wait + first + decode)

@@ -31,6 +31,7 @@ class BackendSnapshot:
     vision_backlog: int           # image tokens waiting to be encoded
     mean_service_s: float         # T̄_service(i)
     prefill_s_per_token: float    # 2·P / F_i, from the performance model
+    weight_bytes: int             # decoder weights, streamed from HBM on every decode step
     encode_s_per_token: float = 0.0   # vision encoder seconds per image token, from the performance model
     steal: bool = False
 
@@ -45,6 +46,19 @@ class RequestProfile:
     input_tokens: int             # L_r: text tokens + image tokens
     max_output_tokens: int = 256
     image_tokens: int = 0
+
+
+SERVICE_EWMA_ALPHA = 0.2   # weight of the newest completion in T̄_service
+
+
+def updated_mean_service(mean_s: float | None, sample_s: float) -> float:
+    """T̄_service(i) after one more completed request; the first sample replaces the prior.
+
+    One definition for the engines, the gateway's fallback and the simulator. Engines measure a
+    request from its admission into the batch to its last token, in the performance model's seconds
+    (the same unit as the prefill term it is added to), so a time-scaled engine reports model time.
+    """
+    return sample_s if mean_s is None else mean_s + SERVICE_EWMA_ALPHA * (sample_s - mean_s)
 
 
 class CostTerms(NamedTuple):

@@ -17,10 +17,8 @@ import numpy as np
 from backends import perf_model
 from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
 from gateway.catalog import GpuProfile, ModelProfile
-from gateway.policies.contracts import BackendSnapshot, Role
+from gateway.policies.contracts import BackendSnapshot, Role, updated_mean_service
 from loadtest.sim.workloads import Lengths
-
-EWMA_ALPHA = 0.1    # weight of the newest completed service time in T̄_service
 
 
 @dataclass(slots=True)
@@ -67,7 +65,8 @@ class Engine:
         model, gpu = spec.model, spec.gpu
         self.id, self.model, self.gpu, self.rec, self.role = spec.backend_id, model, gpu, rec, spec.role
         self.kv_capacity = spec.kv_capacity
-        self.mean_service_s = spec.prior_service_s
+        self.prior_service_s = spec.prior_service_s
+        self.measured_service_s: float | None = None   # as the engines measure it (contracts.updated_mean_service)
         self.in_flight = 0
         self._snap: BackendSnapshot | None = None
         self._static = dict(
@@ -80,6 +79,7 @@ class Engine:
             kv_total_bytes=spec.kv_capacity,
             kv_bytes_per_token=model.kv_bytes_per_token,
             prefill_s_per_token=perf_model.prefill_seconds_per_token(model, gpu),
+            weight_bytes=model.weight_bytes,
             encode_s_per_token=perf_model.encode_seconds(model, gpu, 1),
             steal=spec.steal,
         )
@@ -107,14 +107,14 @@ class Engine:
                 in_flight=self.in_flight,
                 kv_free_bytes=self.kv_free_bytes(),
                 vision_backlog=self.vision_backlog(),
-                mean_service_s=self.mean_service_s,
+                mean_service_s=self.prior_service_s if self.measured_service_s is None else self.measured_service_s,
             )
         return self._snap
 
     def _finished(self, i: int, now: float) -> None:
         """Record a completion and feed its service time (admission → last token) into T̄_service."""
         self.rec.finish[i] = now
-        self.mean_service_s += EWMA_ALPHA * (now - self.rec.admitted[i] - self.mean_service_s)
+        self.measured_service_s = updated_mean_service(self.measured_service_s, now - self.rec.admitted[i])
         self.in_flight -= 1
 
 

@@ -23,6 +23,8 @@ import grpc
 import numpy as np
 import pytest
 
+from backends import perf_model
+from gateway.catalog import load_catalog
 from gateway.wire import engine_pb2, engine_pb2_grpc
 from tests.harness import StandaloneEngines, image_bytes, standalone_engines
 
@@ -208,3 +210,19 @@ def test_whole_generate_sends_the_first_token_then_the_rest_in_one_message(clust
     assert "".join(c.text for c in whole) == "".join(c.text for c in streamed)
     assert (whole[-1].finish_reason, whole[-1].index) == (streamed[-1].finish_reason, streamed[-1].index)
     assert whole[-1].usage == streamed[-1].usage
+
+
+def test_a_time_scaled_engine_reports_service_time_in_model_seconds(cluster: Cluster) -> None:
+    """T̄_service is added to the performance model's prefill term, so it must be in the same unit:
+    an engine that runs 4× slower than the model says still reports the model's seconds."""
+    cluster.engines.launch("slow-0", "language", "A100-80GB", "--time-scale", "4")
+    with grpc.insecure_channel(cluster.engines.address("slow-0")) as channel:
+        request = engine_pb2.GenerateRequest(request_id="timed-1", prompt="user: hi", prompt_tokens=9, max_tokens=8)
+        chunks = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=30))
+    assert len(chunks) == 8   # natural lengths are ≥ 16 tokens: max_tokens decides
+    catalog = load_catalog()
+    model, gpu = catalog.model(MODEL), catalog.gpu("A100-80GB")
+    expected = perf_model.prefill_seconds(model, gpu, 9) + sum(
+        perf_model.decode_step_seconds(model, gpu, 1, 9 + k) for k in range(1, 8))
+    reported = cluster.engines.wait_reported("slow-0", lambda r: r.mean_service_s > 0).mean_service_s
+    assert reported == pytest.approx(expected, rel=1e-6)
