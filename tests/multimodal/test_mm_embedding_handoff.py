@@ -194,7 +194,7 @@ def test_encode_without_deliver_to_returns_the_embeddings_in_the_reply(cluster: 
     assert reply.embedding_bytes == 2 * EMBEDDING_BYTES
     assert [(e.request_id, e.image_index, e.tokens, e.hidden, e.dtype, len(e.data)) for e in reply.embeddings] == [
         ("inline-1", i, LLAVA_TOKENS, LLAVA_HIDDEN, "float16", EMBEDDING_BYTES) for i in range(2)]
-    values = np.frombuffer(reply.embeddings[0].data, dtype=np.float16)
+    values = np.frombuffer(reply.embeddings[0].data, dtype=np.float16).astype(np.float32)
     assert np.isfinite(values).all() and values.std() > 0   # real numbers, not NaN bit patterns or zeros
     assert len(cluster.recorder.received) == delivered
 
