@@ -15,6 +15,8 @@ does not promise wall-clock times of a real engine.
 
 from __future__ import annotations
 
+import math
+
 from gateway.catalog import GpuProfile, ModelProfile
 
 # Share of HBM an engine may use (vLLM's gpu_memory_utilization default).
@@ -37,6 +39,23 @@ def roofline_step_seconds(
     Takes plain numbers so that a routing policy can call it on a backend snapshot's figures.
     """
     return max(bytes_read / bandwidth_bytes_s, tokens * compute_s_per_token)
+
+
+def roofline_run_seconds(
+    weights_s: float, kv_s_per_token: float, compute_s_per_token: float, batch: int, context_tokens: int, steps: int
+) -> float:
+    """`steps` decode steps of a fixed batch whose context grows by `batch` tokens a step, in closed form:
+    Σ_j roofline_step_seconds(weights + (context + j·batch)·KV bytes, B, batch, 2P/F).
+
+    The memory time rises linearly while the compute time is constant, so the first n steps are
+    compute-bound and the rest memory-bound, each part an arithmetic series. Takes per-GPU constants
+    (weight bytes / B, KV bytes per token / B, 2P/F) so that a caller can compute them once.
+    """
+    memory = weights_s + context_tokens * kv_s_per_token
+    slope = batch * kv_s_per_token
+    compute = batch * compute_s_per_token
+    n = 0 if memory >= compute else min(steps, math.ceil((compute - memory) / slope))
+    return n * compute + (steps - n) * memory + slope * ((steps - 1) * steps - (n - 1) * n) / 2
 
 
 def decode_step_seconds(model: ModelProfile, gpu: GpuProfile, batch: int, context_tokens: int) -> float:

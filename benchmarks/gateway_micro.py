@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 from benchmarks import gateway_variants  # noqa: E402
 from benchmarks.bench_cluster import cluster_config  # noqa: E402
-from benchmarks.gateway_overhead import CHAT, git_state  # noqa: E402
+from benchmarks.gateway_overhead import CHAT, git_state, save_report  # noqa: E402
 from gateway.config import load_cluster  # noqa: E402
 from gateway.generation_job import GenerationJob  # noqa: E402
 from gateway.http_app import create_app  # noqa: E402
@@ -186,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
               "git": git_state(), "requests": requests, "repeats": repeats, "cpu_us_per_request": cells,
               "note": "patches after chunk_all are cumulative: +telemetry_off, +no_watcher, +no_metrics, +gc_freeze",
               "wall_s": time.monotonic() - started}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(report, indent=1))
-    print(f"wrote {OUT} ({report['wall_s']:.0f} s)")
+    save_report(OUT, report)
     return 0
 
 

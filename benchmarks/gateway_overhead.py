@@ -192,6 +192,13 @@ def git_state() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(git("status", "--porcelain").splitlines())}
 
 
+def save_report(path: Path, report: dict[str, Any]) -> None:
+    """Every benchmark's results file: JSON beside the others, and one line saying where it went."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path} ({report['wall_s']:.0f} s)")
+
+
 def print_tables(results: list[dict[str, Any]]) -> None:
     print(f"\n{'scenario':9s} {'path':15s} {'c':>3s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>8s} "
           f"{'gw µs/req':>9s} {'eng µs/req':>10s} {'client µs/req':>13s} {'bg cpu':>6s}")
@@ -270,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": results,
         "wall_s": time.monotonic() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
+    save_report(args.out, report)
     return 0
 
 

@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 from benchmarks import loadgen  # noqa: E402
 from benchmarks.bench_cluster import Cluster, running_cluster  # noqa: E402
-from benchmarks.gateway_overhead import CHAT, git_state  # noqa: E402
+from benchmarks.gateway_overhead import CHAT, git_state, save_report  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gateway_variants.json"
 PER_TOKEN_VARIANTS = ("baseline", "chunk_all")   # also measured with max_tokens 64: gateway CPU per token
@@ -253,9 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['cpu_us_per_extra_token']:.1f} µs per extra token")
     report = {"benchmark": "gateway_variants", "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "git": git_state(), "wall_s": time.monotonic() - started, **result}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(report, indent=1))
-    print(f"wrote {OUT} ({report['wall_s']:.0f} s)")
+    save_report(OUT, report)
     return 0
 
 

@@ -31,12 +31,12 @@ Limits: engines with a per-step prefill bound (the modality simulator's stealers
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from backends import perf_model
 from gateway.catalog import GpuProfile, ModelProfile
 from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
 from loadtest.sim.engines import BatchEngine, Engine, SerialEngine
@@ -58,24 +58,16 @@ class Roofline:
     def of(cls, model: ModelProfile, gpu: GpuProfile) -> Roofline:
         bandwidth = gpu.bandwidth_bytes_s
         return cls(model.weight_bytes / bandwidth, model.kv_bytes_per_token / bandwidth,
-                   2.0 * model.params / gpu.flops, model.kv_bytes_per_token)
+                   perf_model.prefill_seconds_per_token(model, gpu), model.kv_bytes_per_token)
 
     def floor_s(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's shortest possible stay: its prefill, then one weights pass per further token."""
         return prompt_tokens * self.compute_s_per_seq + (output_tokens - 1) * self.weights_s
 
     def decode_run_s(self, batch: int, context_tokens: int, steps: int) -> float:
-        """Σ_{j<steps} perf_model.decode_step_seconds(batch, context_tokens + j·batch), in closed form.
-
-        A decode-only stretch keeps the batch and grows its context by `batch` tokens a step: the memory
-        time rises linearly while the compute time is constant, so the first n steps are compute-bound
-        and the rest memory-bound, each part an arithmetic series.
-        """
-        memory = self.weights_s + context_tokens * self.kv_s_per_token
-        slope = batch * self.kv_s_per_token
-        compute = batch * self.compute_s_per_seq
-        n = 0 if memory >= compute else min(steps, math.ceil((compute - memory) / slope))
-        return n * compute + (steps - n) * memory + slope * ((steps - 1) * steps - (n - 1) * n) / 2
+        """Σ_{j<steps} perf_model.decode_step_seconds(batch, context_tokens + j·batch), in closed form."""
+        return perf_model.roofline_run_seconds(self.weights_s, self.kv_s_per_token, self.compute_s_per_seq,
+                                               batch, context_tokens, steps)
 
 
 def batch_start_s(engine: BatchEngine, now: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from backends import perf_model
 from gateway.catalog import Catalog
 from loadtest.sim import capacity
 
@@ -49,4 +50,5 @@ def uniform_bound(catalog: Catalog, gpus: tuple[str, ...], model: str, workload:
 
 def serial_max_output_tok_s(catalog: Catalog, gpus: tuple[str, ...], model: str) -> float:
     """The paper's serial model at its limit: every GPU decoding all the time at B_i / (2·P) tokens/s."""
-    return sum(catalog.gpu(g).bandwidth_bytes_s for g in gpus) / (2.0 * catalog.model(model).params)
+    m = catalog.model(model)
+    return sum(1.0 / perf_model.serial_decode_seconds_per_token(m, catalog.gpu(g)) for g in gpus)
