@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from backends import perf_model
-from gateway.catalog import GpuProfile, ModelProfile
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile
 
 
 @dataclass(slots=True, eq=False)

@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from gateway.wire import engine_pb2
+from heterogate.wire import engine_pb2
 
 
 class EmbeddingTimeout(Exception):

@@ -19,17 +19,17 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from backends import perf_model
 from backends.batcher import SequenceTooLarge
 from backends.embedding_store import EmbeddingStore, EmbeddingTimeout
 from backends.gpu_scheduler import GpuScheduler
-from backends.heartbeat_sender import HeartbeatSender, gpu_message
 from backends.sim_executor import SimulatedExecutor
 from backends.vision_executor import VisionExecutor
-from gateway.catalog import GpuProfile, ModelProfile, load_catalog
-from gateway.cli import run
-from gateway.logs import configure_logging
-from gateway.wire import control_pb2, engine_pb2, engine_pb2_grpc
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile, load_catalog
+from heterogate.event_loop import run
+from heterogate.heartbeat_sender import HeartbeatSender, gpu_message
+from heterogate.logs import configure_logging
+from heterogate.wire import control_pb2, engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger("engine")
 
@@ -46,6 +46,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         executor = self._engine.language
         if executor is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no language model")
+            return
         if request.max_tokens == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
         wait_s = 0.0
@@ -85,6 +86,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         vision = self._engine.vision
         if vision is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no vision encoder")
+            raise AssertionError("abort raises")
         if not request.images:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs images")
         try:

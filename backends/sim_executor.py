@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from backends.batcher import ContinuousBatcher, Sequence
-from gateway.catalog import GpuProfile, ModelProfile
-from gateway.policies.contracts import updated_mean_service
+from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.service_time import updated_mean_service
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256

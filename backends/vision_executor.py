@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends import perf_model
-from gateway.catalog import GpuProfile, ModelProfile
-from gateway.wire import engine_pb2
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
 
@@ -87,7 +87,8 @@ class VisionExecutor:
         return max(0.0, self._queue[0].arrival + self.batch_timeout_s * self.time_scale - now)
 
     async def run_batch(self) -> None:
-        batch, images = [], 0
+        batch: list[EncodeJob] = []
+        images = 0
         while self._queue and (not batch or images + len(self._queue[0].request.images) <= self.max_images):
             job = self._queue.popleft()
             if job.done.done():

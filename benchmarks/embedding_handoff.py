@@ -2,7 +2,7 @@
 
     python benchmarks/embedding_handoff.py [--quick] [--requests 100] [--text-tokens 124]
 
-Sizes (backends.perf_model, configs/models.yaml), per model with a vision encoder and image size:
+Sizes (heterogate.perf_model, configs/models.yaml), per model with a vision encoder and image size:
     embedding bytes = image tokens · hidden · dtype bytes                (what the vision GPU sends)
     KV bytes        = (image tokens + text tokens) · 2 · layers · kv_heads · head_dim · dtype bytes
                       (what the language GPU would receive if the split were after prefill instead)
@@ -50,15 +50,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from backends import perf_model  # noqa: E402
 from benchmarks.bench_cluster import stop_process  # noqa: E402
 from benchmarks.loadgen import percentile  # noqa: E402
-from gateway.catalog import Catalog, ModelProfile, load_catalog  # noqa: E402
 from gateway.cli import run  # noqa: E402
 from gateway.heartbeat_service import ControlService  # noqa: E402
-from gateway.logs import configure_logging  # noqa: E402
 from gateway.state_table import StateTable  # noqa: E402
-from gateway.wire import control_pb2_grpc, engine_pb2, engine_pb2_grpc  # noqa: E402
+from heterogate import perf_model  # noqa: E402
+from heterogate.catalog import Catalog, ModelProfile, load_catalog  # noqa: E402
+from heterogate.logs import configure_logging  # noqa: E402
+from heterogate.wire import control_pb2_grpc, engine_pb2, engine_pb2_grpc  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "embedding_handoff.json"
 CASES: tuple[tuple[str, int, int], ...] = (

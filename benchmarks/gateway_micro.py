@@ -44,10 +44,10 @@ from benchmarks.gateway_overhead import CHAT, git_state, save_report  # noqa: E4
 from gateway.config import load_cluster  # noqa: E402
 from gateway.generation_job import GenerationJob  # noqa: E402
 from gateway.http_app import create_app  # noqa: E402
-from gateway.logs import configure_logging  # noqa: E402
 from gateway.runtime import Runtime, build_runtime  # noqa: E402
 from gateway.state_table import Reported  # noqa: E402
-from gateway.wire import engine_pb2  # noqa: E402
+from heterogate.logs import configure_logging  # noqa: E402
+from heterogate.wire import engine_pb2  # noqa: E402
 from tests.harness import write_config  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gateway_micro.json"

@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from backends import perf_model  # noqa: E402
-from gateway.catalog import Catalog, load_catalog  # noqa: E402
 from gateway.policies import REGISTRY, build_policy  # noqa: E402
 from gateway.policies.contracts import BackendSnapshot, Policy, RequestProfile  # noqa: E402
+from heterogate import perf_model  # noqa: E402
+from heterogate.catalog import Catalog, load_catalog  # noqa: E402
 
 MODEL = "llava-1.5-7b"
 SIZES = (8, 64, 1024)

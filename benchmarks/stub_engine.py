@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from backends.heartbeat_sender import HeartbeatSender  # noqa: E402
 from gateway.cli import run  # noqa: E402
-from gateway.wire import control_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
+from heterogate.heartbeat_sender import HeartbeatSender  # noqa: E402
+from heterogate.wire import control_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
 
 _WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
 KV_TOTAL_BYTES = 50 << 30

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pydantic import Field, NonNegativeInt, PositiveInt
 
 from gateway.errors import Overloaded
-from gateway.yaml_files import StrictModel
+from heterogate.yaml_files import StrictModel
 
 
 class AdmissionConfig(StrictModel):

@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.errors import ConfigError, Unauthorized
-from gateway.yaml_files import StrictModel
+from gateway.errors import Unauthorized
+from heterogate.errors import ConfigError
+from heterogate.yaml_files import StrictModel
 
 
 class AuthConfig(StrictModel):

@@ -17,7 +17,7 @@ from enum import Enum
 
 from pydantic import Field, PositiveInt
 
-from gateway.yaml_files import StrictModel
+from heterogate.yaml_files import StrictModel
 
 
 class BreakerConfig(StrictModel):

@@ -1,21 +1,30 @@
-"""`gateway --backends backends.yaml`: the command line."""
+"""`gateway --backends backends.yaml`: the command line.
+
+`gateway check-config FILE` validates a backends.yaml without starting anything, so a deployment can
+reject a bad file before it replaces a running gateway."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
-from gateway.config import DEFAULT_BACKENDS, load_cluster
-from gateway.errors import ConfigError
-from gateway.logs import configure_logging
+from gateway.config import DEFAULT_BACKENDS, ClusterConfig, load_cluster
 from gateway.policies import REGISTRY
 from gateway.server import ServeOptions, serve
+from heterogate import __version__
+from heterogate.errors import ConfigError
+from heterogate.event_loop import run
+from heterogate.logs import configure_logging
+
+CHECK_CONFIG = "check-config"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gateway", description="HeteroGate: the front door of a heterogeneous GPU cluster")
+    p = argparse.ArgumentParser(prog="gateway",
+                                description="HeteroGate: the front door of a heterogeneous GPU cluster",
+                                epilog=f"`gateway {CHECK_CONFIG} FILE` validates a backends.yaml and exits")
+    p.add_argument("--version", action="version", version=f"heterogate {__version__}")
     p.add_argument("--backends", type=Path, default=DEFAULT_BACKENDS,
                    help="backends.yaml (default: the embedded demo cluster, configs/backends.yaml)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
@@ -28,29 +37,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
+def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"gateway {CHECK_CONFIG}",
+                                description="validate a backends.yaml without starting the gateway")
+    p.add_argument("file", type=Path, help="the backends.yaml to validate")
+    return p.parse_args(argv)
+
+
+def load_or_exit(path: Path) -> ClusterConfig:
+    """Exit status 2 with the ConfigError (which names the file and field) on stderr: no traceback for a
+    configuration mistake."""
     try:
-        config = load_cluster(args.backends)
+        return load_cluster(path)
     except ConfigError as exc:
         print(f"gateway: invalid configuration\n{exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_config(argv: list[str]) -> None:
+    """Runs the same validation as start-up, so an OK here means the gateway will accept the file."""
+    config = load_or_exit(parse_check_config_args(argv).file)
+    print(f"{config.path}: OK (model {config.raw.model}, {len(config.raw.backends)} backends)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    # The subcommand is peeled off before argparse so that `gateway --backends X` keeps parsing exactly as before.
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [CHECK_CONFIG]:
+        check_config(argv[1:])
+        return
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    config = load_or_exit(args.backends)
     options = ServeOptions(
         host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
         policy=args.policy, log_level=args.log_level, engine_log_level=args.engine_log_level,
     )
     run(serve(config, options))
-
-
-def run(main_coro: object) -> None:
-    """asyncio.run on uvloop when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main_coro)  # type: ignore[arg-type]
-    else:
-        uvloop.run(main_coro)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -7,17 +7,17 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from gateway import yaml_files
 from gateway.admission import AdmissionConfig
 from gateway.auth import AuthConfig
-from gateway.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
 from gateway.circuit_breaker import BreakerConfig
-from gateway.errors import ConfigError
 from gateway.image_embeds import require_torch
 from gateway.images import ImageLimits
 from gateway.policies import build_policy
 from gateway.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
-from gateway.yaml_files import StrictModel
+from heterogate import yaml_files
+from heterogate.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
+from heterogate.errors import ConfigError
+from heterogate.yaml_files import StrictModel
 
 DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
 
@@ -84,6 +84,20 @@ class Limits(StrictModel):
     request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
 
 
+class KeepAliveConfig(StrictModel):
+    """Idle keep-alive on both sides of the gateway.
+
+    The front door keeps an idle client connection longer than common client pools do (aiohttp 15 s,
+    httpx 5 s), so the client always closes first and never writes into a connection the server is
+    closing. Towards upstreams the gateway is the client: its pool drops an idle connection before the
+    engine does (vLLM and SGLang close after 5 s), for the same reason.
+    """
+
+    client_idle_s: PositiveFloat = 75.0      # HTTP front door
+    upstream_idle_s: PositiveFloat = 4.0     # pooled connections to kind: openai backends
+    upstream_max_connections: PositiveInt = 1024
+
+
 class RoutingConfig(StrictModel):
     policy: str = "heteroserve"              # language pool
     vision_policy: str = "encode_cost"       # vision pool
@@ -111,6 +125,7 @@ class GatewaySettings(StrictModel):
     breaker: BreakerConfig = BreakerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
+    keep_alive: KeepAliveConfig = KeepAliveConfig()
 
 
 class ClusterFile(StrictModel):
@@ -139,12 +154,12 @@ class ClusterConfig:
         self.catalog = catalog
         self.model: ModelProfile = _resolve(path, "model", lambda: catalog.model(raw.model))
         self.gpus: dict[str, GpuProfile] = {
-            b.id: _resolve(path, f"backends.{i}.gpu", lambda b=b: catalog.gpu(b.gpu))  # type: ignore[misc]
+            b.id: _resolve(path, f"backends.{i}.gpu", lambda b=b: catalog.gpu(b.gpu))
             for i, b in enumerate(raw.backends)
         }
         routing = raw.gateway.routing
         for key, name in (("policy", routing.policy), ("vision_policy", routing.vision_policy)):
-            _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))  # type: ignore[misc]
+            _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))
         for i, b in enumerate(raw.backends):
             if self.model.vision is None and (b.role != "language" or b.image_embeds):
                 field = "role" if b.role != "language" else "image_embeds"
@@ -152,7 +167,7 @@ class ClusterConfig:
             if b.image_embeds:
                 _resolve(path, f"backends.{i}.image_embeds", require_torch)
         for name, params in routing.params.items():
-            _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))  # type: ignore[misc]
+            _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))
 
     @property
     def served_model_name(self) -> str:
@@ -175,5 +190,5 @@ def _resolve(path: Path, where: str, fn: Any) -> Any:
 
 
 def load_cluster(path: Path = DEFAULT_BACKENDS, catalog: Catalog | None = None) -> ClusterConfig:
-    raw = yaml_files.load(path, ClusterFile)
+    raw: ClusterFile = yaml_files.load(path, ClusterFile)
     return ClusterConfig(path, raw, catalog or load_catalog())

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Literal, Protocol
+from typing import Protocol
 
+import aiohttp
 import grpc
-import httpx
 
-from gateway.catalog import ModelProfile
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
-from gateway.generation_job import GenerationJob
+from gateway.generation_job import GenerationJob, Handoff
 from gateway.openai_upstream import OpenAIUpstreamClient
-from gateway.wire import engine_pb2, engine_pb2_grpc
+from heterogate.catalog import ModelProfile
+from heterogate.wire import engine_pb2, engine_pb2_grpc
 
 # Engine answers that mean "this request is wrong", not "this engine is broken": never retried.
 HANDOFF_TIMEOUT = "handoff_timeout"
@@ -42,7 +42,6 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool
     return BackendFailure(detail, backend_id=backend_id, retryable=retryable)
 
 
-Handoff = Literal["direct", "inline", "none"]
 
 
 class EngineClient:
@@ -119,14 +118,34 @@ Upstream = tuple[str | None, ModelProfile | None]
 class EngineClients:
     """The pool: one client per backend, replaced when a backend reports a new address.
 
-    `kind: engine` backends get a gRPC client; `kind: openai` backends share one pooled httpx client.
+    `kind: engine` backends get a gRPC client; `kind: openai` backends share one pooled aiohttp session
+    (created on first use: it belongs to the running event loop).
     """
 
-    def __init__(self, upstreams: dict[str, Upstream] | None = None) -> None:
+    def __init__(
+        self, upstreams: dict[str, Upstream] | None = None, *, upstream_idle_s: float = 4.0,
+        upstream_max_connections: int = 1024,
+    ) -> None:
         self._clients: dict[str, BackendClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._upstreams = upstreams or {}   # openai backend id -> how to talk to it
-        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self._upstream_idle_s = upstream_idle_s
+        self._upstream_max_connections = upstream_max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The pooled session of every `kind: openai` backend: each connection may stay pooled (a closed
+        loop of c requests needs c live connections; one dropped is a new handshake next time)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=self._upstream_max_connections, keepalive_timeout=self._upstream_idle_s,
+                    ttl_dns_cache=300,
+                ),
+                timeout=aiohttp.ClientTimeout(total=None), trust_env=False,
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
 
     def get(self, backend_id: str) -> BackendClient | None:
         return self._clients.get(backend_id)
@@ -153,5 +172,6 @@ class EngineClients:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients.values()), *self._closing)
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
         self._clients.clear()

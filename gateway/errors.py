@@ -20,13 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-class HeteroGateError(Exception):
-    """Base of every error the gateway raises on purpose."""
-
-
-class ConfigError(HeteroGateError):
-    """A configuration or catalog file is invalid."""
+from heterogate.errors import HeteroGateError
 
 
 class RequestError(HeteroGateError):

@@ -7,7 +7,11 @@ from typing import Any, Literal
 
 from gateway.images import ImageInput
 from gateway.policies.contracts import RequestProfile
-from gateway.wire import engine_pb2
+from heterogate.wire import engine_pb2
+
+# How a backend gets image embeddings: direct from the vision engine (DeliverEmbedding), inline in its
+# request body (vLLM image_embeds), or none (it encodes its own images).
+Handoff = Literal["direct", "inline", "none"]
 
 
 @dataclass(frozen=True, slots=True)

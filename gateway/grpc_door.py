@@ -22,7 +22,7 @@ from gateway.images import FORMATS
 from gateway.jobs import JobBuilder
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from gateway.runtime import Runtime
-from gateway.wire import control_pb2, inference_pb2, inference_pb2_grpc
+from heterogate.wire import control_pb2, inference_pb2, inference_pb2_grpc
 
 _SNIFF = {b"\x89PNG": "PNG", b"\xff\xd8\xff": "JPEG", b"RIFF": "WEBP"}
 

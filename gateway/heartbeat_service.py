@@ -8,7 +8,7 @@ import grpc
 import structlog
 
 from gateway.state_table import Reported, StateTable
-from gateway.wire import control_pb2, control_pb2_grpc
+from heterogate.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat")
 

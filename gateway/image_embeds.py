@@ -19,10 +19,11 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.catalog import DTYPE_BYTES, ModelProfile
-from gateway.errors import BackendFailure, ConfigError
+from gateway.errors import BackendFailure
 from gateway.images import ImageInput
-from gateway.wire import engine_pb2
+from heterogate.catalog import DTYPE_BYTES, ModelProfile
+from heterogate.errors import ConfigError
+from heterogate.wire import engine_pb2
 
 TORCH_DTYPES = ("float16", "bfloat16", "float32")
 

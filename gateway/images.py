@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 import httpx
 from PIL import Image, UnidentifiedImageError
 
-from gateway.catalog import ModelProfile
 from gateway.errors import InvalidRequest
-from gateway.yaml_files import StrictModel
+from heterogate.catalog import ModelProfile
+from heterogate.yaml_files import StrictModel
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 INLINE_INSPECT_BYTES = 256 << 10

@@ -88,7 +88,7 @@ def render_chat(messages: list[ChatMessage]) -> tuple[str, int]:
 
 def image_parts(messages: list[ChatMessage]) -> list[tuple[int, int, ImagePart]]:
     """Every image part as (message index, part index, part), in order."""
-    out = []
+    out: list[tuple[int, int, ImagePart]] = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             out.extend((i, j, p) for j, p in enumerate(m.content) if isinstance(p, ImagePart))

@@ -2,7 +2,7 @@
 
 The client's validated body goes upstream as-is (model name swapped for the upstream's, streaming
 forced on with usage) and the upstream SSE is read back as the same chunk stream the gRPC engines
-give, so retries, breakers, metrics and both front doors work unchanged. httpx errors are mapped at
+give, so retries, breakers, metrics and both front doors work unchanged. aiohttp errors are mapped at
 this boundary: connection errors, timeouts, 5xx and 429 are backend failures (retryable before the
 first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
 
@@ -10,23 +10,27 @@ With `image_embeds: true` the backend is the language side of the modality split
 vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
 `image_embeds` content parts (see `gateway.image_embeds`). The overall request deadline bounds every
 read, not only the first.
+
+aiohttp, not httpx: measured in front of a fast engine at 16-64 concurrent requests, httpx's pool
+(a scan of every pooled connection per request, anyio stream wrappers) took about half of the
+gateway's CPU per request (`benchmarks/front_door.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
-from gateway.catalog import ModelProfile
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
-from gateway.generation_job import GenerationJob
+from gateway.generation_job import GenerationJob, Handoff
 from gateway.image_embeds import with_image_embeds
 from gateway.openai_format import completion_id
-from gateway.wire import engine_pb2
+from heterogate.catalog import ModelProfile
+from heterogate.wire import engine_pb2
 
 
 def _error_message(body: bytes) -> str:
@@ -64,7 +68,7 @@ class _Relay:
 
 class OpenAIUpstreamClient:
     def __init__(
-        self, backend_id: str, base_url: str, http: httpx.AsyncClient, upstream_model: str | None,
+        self, backend_id: str, base_url: str, http: Callable[[], aiohttp.ClientSession], upstream_model: str | None,
         embeds_model: ModelProfile | None = None,
     ) -> None:
         self.backend_id = backend_id
@@ -73,7 +77,7 @@ class OpenAIUpstreamClient:
         self._model = upstream_model
         self._embeds_model = embeds_model
         # inline: takes embeddings in the request body; none: the upstream encodes its own images
-        self.handoff: Literal["inline", "none"] = "inline" if embeds_model is not None else "none"
+        self.handoff: Handoff = "inline" if embeds_model is not None else "none"
 
     async def _body(self, job: GenerationJob) -> dict[str, Any]:
         body = dict(job.body)
@@ -91,53 +95,58 @@ class OpenAIUpstreamClient:
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
         deadline = asyncio.get_running_loop().time() + timeout_s
-        timeout = httpx.Timeout(connect=min(5.0, timeout_s), read=first_token_timeout_s, write=10.0, pool=5.0)
+        timeout = aiohttp.ClientTimeout(connect=min(5.0, timeout_s), sock_read=first_token_timeout_s)
         started = False
         try:
-            request = self._http.build_request(
-                "POST", self.address + path, content=orjson.dumps(await self._body(job)), timeout=timeout,
-                headers={"content-type": "application/json", "x-request-id": job.request_id},
-            )
+            body = orjson.dumps(await self._body(job))
             async with asyncio.timeout_at(deadline):
-                resp = await self._http.send(request, stream=True)
+                resp = await self._http().post(
+                    self.address + path, data=body, timeout=timeout,
+                    headers={"content-type": "application/json", "x-request-id": job.request_id},
+                )
             try:
-                if resp.status_code != 200:
-                    message = _error_message(await resp.aread())
-                    if resp.status_code >= 500 or resp.status_code == 429:
-                        raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status_code}: {message}",
+                if resp.status != 200:
+                    async with asyncio.timeout_at(deadline):
+                        message = _error_message(await resp.read())
+                    if resp.status >= 500 or resp.status == 429:
+                        raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
                                              backend_id=self.backend_id)
                     raise InvalidRequest(f"upstream rejected the request: {message}")
                 async for chunk in self._chunks(resp, deadline, job):
                     started = True
                     yield chunk
             finally:
-                await resp.aclose()
-        except (httpx.TimeoutException, TimeoutError) as exc:
-            what = "request deadline exceeded" if isinstance(exc, TimeoutError) else type(exc).__name__
+                resp.release()   # back to the pool when the body was read to its end, else closed
+        except TimeoutError as exc:   # aiohttp's ServerTimeoutError is a TimeoutError too
+            what = "request deadline exceeded" if not isinstance(exc, aiohttp.ClientError) else type(exc).__name__
             raise BackendTimeout(f"backend {self.backend_id}: {what}", backend_id=self.backend_id,
                                  retryable=not started) from None
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             raise BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                                  backend_id=self.backend_id, retryable=not started) from None
 
     async def _chunks(
-        self, resp: httpx.Response, deadline: float, job: GenerationJob
+        self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """SSE → chunks, each carrying its upstream event for verbatim relay; the chunk with the finish
         reason is held back until usage arrives."""
         index, held = 0, None
         relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
-        lines = aiter(resp.aiter_lines())
+        content = resp.content
+        finished = False
         while True:
             async with asyncio.timeout_at(deadline):   # around the read only: never across a yield
-                line = await anext(lines, None)
-            if line is None:
+                raw = await content.readline()
+            if not raw:
                 break
-            if not line.startswith("data:"):
+            # After [DONE] the body is still read to its end: a response closed early takes its
+            # connection with it, and the next request pays a new TCP handshake.
+            if finished or not raw.startswith(b"data:"):
                 continue
-            data = line[5:].strip()
+            data = raw[5:].strip().decode()
             if data == "[DONE]":
-                break
+                finished = True
+                continue
             try:
                 event = orjson.loads(data)
                 if "error" in event:
@@ -170,4 +179,4 @@ class OpenAIUpstreamClient:
         yield held
 
     async def close(self) -> None:
-        """The shared httpx client is closed by the pool."""
+        """The shared session is closed by the pool."""

@@ -35,7 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.policies.stealing import stealers
 from gateway.state_table import StateTable
-from gateway.wire import engine_pb2
+from heterogate.wire import engine_pb2
 
 log = structlog.get_logger("pipeline")
 

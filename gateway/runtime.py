@@ -86,7 +86,8 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
     clients = EngineClients({
         s.id: (s.upstream_model, config.model if s.image_embeds else None)
         for s in config.raw.backends if s.kind == "openai"
-    })
+    }, upstream_idle_s=settings.keep_alive.upstream_idle_s,
+        upstream_max_connections=settings.keep_alive.upstream_max_connections)
     for spec in config.raw.backends:
         if spec.address is not None:
             clients.ensure(spec.id, spec.address)

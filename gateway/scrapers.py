@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from backends.agent import AgentConfig, MetricsAgent, make_client
-from backends.metric_tables import TABLES
 from gateway.config import ClusterConfig
+from heterogate.engine_scraper import AgentConfig, MetricsAgent, make_client
+from heterogate.metric_tables import TABLES
 
 
 async def run_scrapers(config: ClusterConfig, control_address: str, stop: asyncio.Event) -> None:

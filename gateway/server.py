@@ -18,7 +18,7 @@ from gateway.http_app import create_app
 from gateway.runtime import Runtime, build_runtime
 from gateway.scrapers import run_scrapers
 from gateway.supervisor import Supervisor
-from gateway.wire import control_pb2_grpc
+from heterogate.wire import control_pb2_grpc
 
 log = structlog.get_logger("gateway")
 
@@ -72,8 +72,9 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=False,
         lifespan="off", timeout_graceful_shutdown=int(config.settings.drain_timeout_s),
+        timeout_keep_alive=int(config.settings.keep_alive.client_idle_s),
     ))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

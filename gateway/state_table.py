@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from backends import perf_model
-from gateway.catalog import GpuProfile, ModelProfile
-from gateway.policies.contracts import BackendSnapshot, Role, updated_mean_service
+from gateway.policies.contracts import BackendSnapshot, Role
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.metric_tables import SATURATED_QUEUE
+from heterogate.service_time import updated_mean_service
 
-# Queue depth that a backend with stale metrics is assumed to have.
-SATURATED_QUEUE = 1_000_000
 # Weight of a new sample in the gateway's service-time EWMA.
 # Prior for T̄_service before any sample: prefill of a typical prompt plus a typical completion.
 PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS = 512, 128

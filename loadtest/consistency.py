@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from backends import perf_model
 from backends.sim_executor import NATURAL_MAX_TOKENS
-from gateway.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
 from gateway.policies import build_policy
 from gateway.state_table import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
+from heterogate import perf_model
+from heterogate.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
 from loadtest.live_replay import ReplayOutcome, ReplayRequest, replay, replay_client, request_id_for, warm_up
 from loadtest.sim import capacity, workloads
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder

@@ -286,7 +286,7 @@ class StandaloneEngines:
     """
 
     def __init__(self, model: str, log_dir: Path, heartbeat_ms: int = 100) -> None:
-        from gateway.catalog import load_catalog
+        from heterogate.catalog import load_catalog
 
         self.catalog = load_catalog()
         self.model = model
@@ -307,7 +307,7 @@ class StandaloneEngines:
 
         from gateway.heartbeat_service import ControlService
         from gateway.state_table import StateTable
-        from gateway.wire import control_pb2_grpc
+        from heterogate.wire import control_pb2_grpc
 
         started = threading.Event()
 

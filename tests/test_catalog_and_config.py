@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.catalog import CONFIG_DIR, load_catalog
 from gateway.config import DEFAULT_BACKENDS, load_cluster
-from gateway.errors import ConfigError
+from heterogate.catalog import CONFIG_DIR, load_catalog
+from heterogate.errors import ConfigError
 from tests.snapshots import catalog
 
 QWEN_MAX_TOKENS = 12845056 // (28 * 28)   # 16384

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends import perf_model
-from gateway.catalog import GpuProfile, ModelProfile
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile
 from tests.snapshots import catalog
 
 MiB = 1 << 20

@@ -12,7 +12,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.errors import ConfigError
 from gateway.policies.batch_aware import BatchAware
 from gateway.policies.capacity_proportional import CapacityProportional
 from gateway.policies.contracts import Policy
@@ -22,6 +21,7 @@ from gateway.policies.least_image_tokens import LeastImageTokens
 from gateway.policies.power_of_two import PowerOfTwo
 from gateway.policies.round_robin import RoundRobin
 from gateway.policies.shortest_queue import ShortestQueue
+from heterogate.errors import ConfigError
 
 REGISTRY: dict[str, Any] = {
     cls.name: cls

@@ -40,9 +40,9 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from backends import perf_model
 from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
-from gateway.yaml_files import StrictModel
+from heterogate import perf_model
+from heterogate.yaml_files import StrictModel
 
 
 class BatchAwareParams(StrictModel):

@@ -21,7 +21,7 @@ from operator import itemgetter
 from pydantic import Field
 
 from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
-from gateway.yaml_files import StrictModel
+from heterogate.yaml_files import StrictModel
 
 
 class HeteroServeParams(StrictModel):

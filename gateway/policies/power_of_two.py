@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
 from gateway.policies.shortest_queue import queue_costs
-from gateway.yaml_files import StrictModel
+from heterogate.yaml_files import StrictModel
 
 
 class PowerOfTwoParams(StrictModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
-from gateway.yaml_files import StrictModel
+from heterogate.yaml_files import StrictModel
 
 
 class RoundRobinParams(StrictModel):

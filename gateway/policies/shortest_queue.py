@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
-from gateway.yaml_files import StrictModel
+from heterogate.yaml_files import StrictModel
 
 
 class ShortestQueueParams(StrictModel):

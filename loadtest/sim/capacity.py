@@ -18,8 +18,8 @@ from functools import cache
 
 import numpy as np
 
-from backends import perf_model
-from gateway.catalog import GpuProfile, ModelProfile
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile
 from loadtest.sim import workloads
 from loadtest.sim.engines import BatchEngine, EngineSpec, Recorder
 

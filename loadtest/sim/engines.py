@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends import perf_model
 from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
-from gateway.catalog import GpuProfile, ModelProfile
-from gateway.policies.contracts import BackendSnapshot, Role, updated_mean_service
+from gateway.policies.contracts import BackendSnapshot, Role
+from heterogate import perf_model
+from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.service_time import updated_mean_service
 from loadtest.sim.workloads import Lengths
 
 
@@ -66,7 +67,7 @@ class Engine:
         self.id, self.model, self.gpu, self.rec, self.role = spec.backend_id, model, gpu, rec, spec.role
         self.kv_capacity = spec.kv_capacity
         self.prior_service_s = spec.prior_service_s
-        self.measured_service_s: float | None = None   # as the engines measure it (contracts.updated_mean_service)
+        self.measured_service_s: float | None = None   # as the engines measure it (heterogate.service_time)
         self.in_flight = 0
         self._snap: BackendSnapshot | None = None
         self._static = dict(

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from backends import perf_model
-from gateway.catalog import Catalog, load_catalog
 from gateway.policies import build_policy
 from gateway.policies.contracts import Policy, RequestProfile, Role
 from gateway.policies.stealing import DEFAULT_THRESHOLD, stealers
+from heterogate import perf_model
+from heterogate.catalog import Catalog, load_catalog
 from loadtest.sim import capacity
 from loadtest.sim.engines import EngineSpec, Recorder
 from loadtest.sim.metrics import summarize

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from backends import perf_model
-from gateway.catalog import Catalog
+from heterogate import perf_model
+from heterogate.catalog import Catalog
 from loadtest.sim import capacity
 
 # capability-weighted routing paper, Table 2 (8 GPUs, Llama-70B, ShareGPT, 1.0×): tok/s, P95 TTFT, P99 E2E

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from backends import perf_model
-from gateway.catalog import Catalog, load_catalog
 from gateway.policies import build_policy
 from gateway.policies.contracts import Policy, RequestProfile
+from heterogate import perf_model
+from heterogate.catalog import Catalog, load_catalog
 from loadtest.sim import capacity, oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder, SerialEngine
 from loadtest.sim.metrics import summarize

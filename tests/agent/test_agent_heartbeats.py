@@ -20,11 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from backends.agent import SATURATED_QUEUE, STALE_INTERVALS
-from gateway.catalog import load_catalog
 from gateway.heartbeat_service import ControlService
 from gateway.state_table import BackendEntry, StateTable
-from gateway.wire import control_pb2_grpc
+from heterogate.catalog import load_catalog
+from heterogate.engine_scraper import STALE_INTERVALS
+from heterogate.metric_tables import SATURATED_QUEUE
+from heterogate.wire import control_pb2_grpc
 from tests.harness import ROOT
 
 pytestmark = pytest.mark.timeout(30)

@@ -6,11 +6,12 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from backends import perf_model
-from backends.agent import SATURATED_QUEUE, AgentConfig, MetricsAgent, config_from_args, make_client, parse_args
-from backends.metric_tables import TABLES
-from gateway.catalog import load_catalog
-from gateway.wire import control_pb2
+from backends.agent import config_from_args, parse_args
+from heterogate import perf_model
+from heterogate.catalog import load_catalog
+from heterogate.engine_scraper import AgentConfig, MetricsAgent, make_client
+from heterogate.metric_tables import SATURATED_QUEUE, TABLES
+from heterogate.wire import control_pb2
 
 CATALOG = load_catalog()
 MODEL, GPU = CATALOG.model("llava-1.5-7b"), CATALOG.gpu("H100")

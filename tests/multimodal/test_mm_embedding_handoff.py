@@ -23,9 +23,9 @@ import grpc
 import numpy as np
 import pytest
 
-from backends import perf_model
-from gateway.catalog import load_catalog
-from gateway.wire import engine_pb2, engine_pb2_grpc
+from heterogate import perf_model
+from heterogate.catalog import load_catalog
+from heterogate.wire import engine_pb2, engine_pb2_grpc
 from tests.harness import StandaloneEngines, image_bytes, standalone_engines
 
 MODEL = "llava-1.5-7b"

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from backends import perf_model
-from gateway.catalog import load_catalog
+from heterogate import perf_model
+from heterogate.catalog import load_catalog
 from tests.harness import (
     Gateway,
     data_url,

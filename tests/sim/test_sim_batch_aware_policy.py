@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import ConfigError
 from gateway.policies import REGISTRY, build_policy
 from gateway.policies.batch_aware import BatchAware, BatchAwareParams
 from gateway.policies.contracts import RequestProfile
 from gateway.policies.heteroserve import HeteroServe
+from heterogate.errors import ConfigError
 from tests.snapshots import cluster, snapshot
 
 REQ = RequestProfile("r", input_tokens=800, max_output_tokens=256)

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from backends import perf_model
-from gateway.catalog import load_catalog
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
+from heterogate import perf_model
+from heterogate.catalog import load_catalog
 from loadtest.sim import oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder, SerialEngine
 from loadtest.sim.experiments import THREE_TIER

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import gateway.policies as policies
-from gateway.catalog import load_catalog
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
 from gateway.policies.heteroserve import HeteroServe
+from heterogate.catalog import load_catalog
 from loadtest.sim import simulator
 from loadtest.sim.engines import Recorder
 from loadtest.sim.experiments import THREE_TIER

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backends import perf_model
 from backends.batcher import ContinuousBatcher, Sequence
-from gateway.policies.contracts import updated_mean_service
+from heterogate import perf_model
+from heterogate.service_time import updated_mean_service
 from tests.snapshots import catalog
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.catalog import load_catalog
 from gateway.errors import BackendFailure
 from gateway.image_embeds import with_image_embeds
 from gateway.images import ImageInput
-from gateway.wire import engine_pb2
+from heterogate.catalog import load_catalog
+from heterogate.wire import engine_pb2
 
 CATALOG = load_catalog()
 LLAVA, QWEN = CATALOG.model("llava-1.5-7b"), CATALOG.model("qwen2.5-vl-7b")

@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from gateway import yaml_files
-from gateway.errors import ConfigError
-from gateway.yaml_files import StrictModel
+from heterogate import yaml_files
+from heterogate.errors import ConfigError
+from heterogate.yaml_files import StrictModel
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
@@ -135,8 +135,8 @@ class Catalog:
 
 def load_catalog(config_dir: Path = CONFIG_DIR) -> Catalog:
     gpu_path, model_path = config_dir / "gpus.yaml", config_dir / "models.yaml"
-    gpus = yaml_files.load(gpu_path, dict[str, GpuProfile])
-    models = yaml_files.load(model_path, dict[str, ModelProfile])
+    gpus: dict[str, GpuProfile] = yaml_files.load(gpu_path, dict[str, GpuProfile])
+    models: dict[str, ModelProfile] = yaml_files.load(model_path, dict[str, ModelProfile])
     return Catalog(
         gpus={k: g.model_copy(update={"name": k}) for k, g in gpus.items()},
         models={k: m.model_copy(update={"name": k}) for k, m in models.items()},

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from gateway.errors import ConfigError
+from heterogate.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -41,4 +41,5 @@ def validate(path: Path, data: Any, target: type[T] | Any) -> T:
 
 
 def load(path: Path, target: type[T] | Any) -> T:
-    return validate(path, read_yaml(path), target)
+    loaded: T = validate(path, read_yaml(path), target)
+    return loaded

@@ -32,6 +32,9 @@ Labels = Mapping[str, str]
 Series = list[tuple[Labels, float]]
 LabelKey = tuple[tuple[str, str], ...]
 
+# Queue depth reported for, and assumed of, a backend whose metrics are stale: policies route around it.
+SATURATED_QUEUE = 1_000_000
+
 
 @dataclass(frozen=True, slots=True)
 class EngineTable:

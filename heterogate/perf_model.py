@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from gateway.catalog import GpuProfile, ModelProfile
+from heterogate.catalog import GpuProfile, ModelProfile
 
 # Share of HBM an engine may use (vLLM's gpu_memory_utilization default).
 DEFAULT_MEMORY_UTILIZATION = 0.9

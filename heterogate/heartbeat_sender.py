@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from gateway.catalog import GpuProfile
-from gateway.wire import control_pb2, control_pb2_grpc
+from heterogate.catalog import GpuProfile
+from heterogate.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat_sender")
 

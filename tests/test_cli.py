@@ -1,0 +1,81 @@
+"""The real `gateway` console script in a subprocess: what an operator or a deploy script sees (output, exit
+status), not what main() returns in-process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import heterogate
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 60
+
+
+def gateway(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs in its own session so the test can prove nothing it started (an engine, a server) outlives it;
+    a hung command is killed with its whole group and fails the test."""
+    exe = shutil.which("gateway", path=str(Path(sys.executable).parent))
+    assert exe is not None, "the gateway console script is not installed next to this interpreter"
+    proc = subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert not group_alive(proc.pid), f"gateway {' '.join(args)} left processes running"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_version_matches_package_and_pyproject() -> None:
+    result = gateway("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"heterogate {heterogate.__version__}"
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == heterogate.__version__
+
+
+def test_check_config_accepts_the_demo_cluster() -> None:
+    result = gateway("check-config", "configs/backends.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+    assert "llava-1.5-7b" in result.stdout
+    assert "10 backends" in result.stdout
+
+
+@pytest.mark.parametrize(("backend", "field"), [
+    ("{id: bad-0, role: language, gpu: NO-SUCH-GPU, launch: {}}", "backends.0.gpu"),
+    ("{id: bad-0, role: language, gpu: H100, launch: {}, colour: blue}", "colour"),
+])
+def test_check_config_rejects_a_broken_file(tmp_path: Path, backend: str, field: str) -> None:
+    bad = tmp_path / "backends.yaml"
+    bad.write_text(f"model: llava-1.5-7b\nbackends:\n  - {backend}\n")
+    result = gateway("check-config", str(bad))
+    assert result.returncode == 2
+    assert str(bad) in result.stderr
+    assert field in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_check_config_requires_a_file() -> None:
+    result = gateway("check-config")
+    assert result.returncode == 2
+    assert "file" in result.stderr
