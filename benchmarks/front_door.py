@@ -1,0 +1,228 @@
+"""The front door side by side with the Rust routers, in front of the same fast engines, in one run.
+
+    python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers]
+
+Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
+
+    direct              wrk straight to one mock engine (the floor)
+    vllm-router         vllm-router --policy round_robin      (PyPI, in its own venv)
+    sglang-router       sglang_router.launch_router --policy round_robin (PyPI, same venv)
+    heterogate-openai   the gateway with the two engines as `kind: openai` backends
+    heterogate-managed  the gateway with two managed simulated engines (gRPC, `time_scale: 0`)
+
+The routers are installed on first use into benchmarks/.peers-venv (`pip install vllm-router
+sglang-router`); `--no-peers` leaves them out. Cells, each the median over rounds (targets alternate
+within a round, so background load hits them alike):
+
+    rps64     req/s at c=64, non-streamed, max_tokens 4          (wrk)
+    rps64s    req/s at c=64, streamed, 32 chunks                 (wrk)
+    p50/p99   latency at c=1 and c=16, non-streamed; "added" = target − direct
+    ttft      streaming time to the first event at c=1, p50      (aiohttp client)
+    cpu/req   CPU µs of the router process per non-streamed request at c=64 (/proc)
+    errors    socket errors + non-2xx over every run
+
+Writes benchmarks/results/front_door.json and prints the table that docs/FRONT_DOOR.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp  # noqa: E402
+import httpx  # noqa: E402
+
+from benchmarks import loadgen  # noqa: E402
+from benchmarks.bench_cluster import running_cluster, stop_process  # noqa: E402
+from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
+from tests.harness import free_port, run_gateway, write_config  # noqa: E402
+
+PEERS_VENV = ROOT / "benchmarks" / ".peers-venv"
+RESULTS = ROOT / "benchmarks" / "results" / "front_door.json"
+MODEL = "mock"
+PROMPT = [{"role": "user", "content": "Hello there, how are you today?"}]
+
+
+def body(max_tokens: int, stream: bool, model: str = MODEL) -> bytes:
+    return json.dumps({"model": model, "messages": PROMPT, "max_tokens": max_tokens, "stream": stream}).encode()
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        try:
+            httpx.post(url, content=body(1, False), headers={"content-type": "application/json"}, timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+def ensure_peers() -> Path:
+    bin_dir = PEERS_VENV / "bin"
+    if not (bin_dir / "vllm-router").exists():
+        print("installing vllm-router and sglang-router into", PEERS_VENV)
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        subprocess.run([str(bin_dir / "pip"), "install", "-q", "vllm-router", "sglang-router"], check=True)
+    return bin_dir
+
+
+@contextmanager
+def process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        yield proc
+    finally:
+        stop_process(proc)
+
+
+class Target:
+    def __init__(self, name: str, url: str, pid: int, model: str = MODEL) -> None:
+        self.name, self.url, self.pid, self.model = name, url, pid, model
+
+
+def start_targets(stack: ExitStack, tmp: Path, peers: bool) -> list[Target]:
+    engines = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in engines]
+    for port in engines:
+        proc = stack.enter_context(process(
+            [sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
+            tmp / f"mock-{port}.log"))
+        wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+    targets = [Target("direct", urls[0], 0)]
+    if peers:
+        bin_dir = ensure_peers()
+        for name, cmd in (
+            ("vllm-router", [str(bin_dir / "vllm-router"), "--policy", "round_robin", "--log-level", "warning"]),
+            ("sglang-router", [str(bin_dir / "python"), "-m", "sglang_router.launch_router",
+                               "--policy", "round_robin", "--log-level", "warn"]),
+        ):
+            port = free_port()
+            proc = stack.enter_context(process(
+                [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+                 "--worker-urls", *urls], tmp / f"{name}.log"))
+            wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+            targets.append(Target(name, f"http://127.0.0.1:{port}", proc.pid))
+    (tmp / "openai").mkdir()
+    config = write_config(tmp / "openai", {
+        "model": "llava-1.5-7b", "served_model_name": MODEL,
+        "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
+                     for i, u in enumerate(urls)],
+    })
+    gw = stack.enter_context(run_gateway(config, healthy=0))
+    targets.append(Target("heterogate-openai", gw.url, gw.process.pid))
+    managed_dir = tmp / "managed"
+    managed_dir.mkdir()
+    cluster = stack.enter_context(running_cluster("sim", 2, managed_dir))
+    targets.append(Target("heterogate-managed", cluster.url, cluster.gateway_pid, "llava-1.5-7b"))
+    return targets
+
+
+async def _ttft(url: str, model: str, n: int) -> list[float]:
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/chat/completions", data=body(32, True, model),
+                                    headers={"content-type": "application/json"}) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data:"):
+                        out.append(time.perf_counter() - t0)
+                        break
+                await resp.read()
+    return sorted(out)
+
+
+def measure(t: Target, duration_s: float, ttft_n: int) -> dict[str, Any]:
+    url = t.url + "/v1/chat/completions"
+    row: dict[str, Any] = {}
+    errors = 0
+    before = loadgen.cpu_ticks(t.pid) if t.pid else 0
+    r = loadgen.wrk(url, 64, duration_s, body(4, False, t.model))
+    if t.pid:
+        row["cpu_us_per_req"] = (loadgen.cpu_ticks(t.pid) - before) / loadgen.CLK_TCK / max(1, r.requests) * 1e6
+    row["rps64"], errors = r.rps, errors + r.errors
+    r = loadgen.wrk(url, 64, duration_s, body(32, True, t.model))
+    row["rps64s"], errors = r.rps, errors + r.errors
+    for c in (1, 16):
+        r = loadgen.wrk(url, c, duration_s, body(4, False, t.model))
+        row[f"p50_c{c}_ms"], row[f"p99_c{c}_ms"] = r.p50_us / 1000, r.p99_us / 1000
+        errors += r.errors
+    ttft = asyncio.run(_ttft(t.url, t.model, ttft_n))
+    row["ttft_p50_ms"] = loadgen.percentile(ttft, 50) * 1000
+    row["errors"] = errors
+    return row
+
+
+def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name in rounds[0]:
+        keys = rounds[0][name].keys()
+        out[name] = {k: (sum if k == "errors" else statistics.median)([r[name][k] for r in rounds]) for k in keys}
+    direct = out["direct"]
+    for name, row in out.items():
+        for c in (1, 16):
+            row[f"added_p50_c{c}_ms"] = row[f"p50_c{c}_ms"] - direct[f"p50_c{c}_ms"]
+            row[f"added_p99_c{c}_ms"] = row[f"p99_c{c}_ms"] - direct[f"p99_c{c}_ms"]
+    return out
+
+
+def print_table(summary: dict[str, dict[str, float]], say: Callable[[str], None] = print) -> None:
+    cols = [("req/s c=64", "rps64", "{:,.0f}"), ("req/s c=64 stream", "rps64s", "{:,.0f}"),
+            ("added p50 c=1 ms", "added_p50_c1_ms", "{:.2f}"), ("added p99 c=1 ms", "added_p99_c1_ms", "{:.2f}"),
+            ("added p50 c=16 ms", "added_p50_c16_ms", "{:.2f}"), ("added p99 c=16 ms", "added_p99_c16_ms", "{:.2f}"),
+            ("TTFT p50 ms", "ttft_p50_ms", "{:.2f}"), ("CPU µs/req", "cpu_us_per_req", "{:,.0f}"),
+            ("errors", "errors", "{:.0f}")]
+    say("| target | " + " | ".join(c[0] for c in cols) + " |")
+    say("|---|" + "---:|" * len(cols))
+    for name, row in summary.items():
+        cells = [fmt.format(row[key]) if key in row else "—" for _, key, fmt in cols]
+        say(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    p.add_argument("--quick", action="store_true", help="1 round of 2 s runs")
+    p.add_argument("--no-peers", action="store_true", help="leave vllm-router and sglang-router out")
+    args = p.parse_args(argv)
+    rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        targets = start_targets(stack, Path(tmp), not args.no_peers)
+        runs: list[dict[str, dict[str, Any]]] = []
+        for i in range(rounds):
+            order = targets if i % 2 == 0 else targets[::-1]
+            run = {}
+            for t in order:
+                print(f"round {i + 1}/{rounds}: {t.name}", flush=True)
+                run[t.name] = measure(t, duration, 50 if args.quick else 200)
+            runs.append({t.name: run[t.name] for t in targets})
+    summary = summarise(runs)
+    print_table(summary)
+    save_report(RESULTS, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
+                          "cpus": os.cpu_count(), "git": git_state(), "summary": summary, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
