@@ -178,7 +178,7 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, fl
         keys = rounds[0][name].keys()
         out[name] = {k: (sum if k == "errors" else statistics.median)([r[name][k] for r in rounds]) for k in keys}
     direct = out["direct"]
-    for name, row in out.items():
+    for row in out.values():
         for c in (1, 16):
             row[f"added_p50_c{c}_ms"] = row[f"p50_c{c}_ms"] - direct[f"p50_c{c}_ms"]
             row[f"added_p99_c{c}_ms"] = row[f"p99_c{c}_ms"] - direct[f"p99_c{c}_ms"]

@@ -157,6 +157,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         dispatch, chunks = await unless_disconnected(request, runtime.pipeline.complete(job))
         done(dispatch, endpoint, "ok")
         last = chunks[-1]
+        if len(chunks) == 1 and last.relay:   # an upstream's whole reply, already in the client's shape
+            return Response(last.relay, media_type="application/json", headers=backend_headers(dispatch))
         use = usage(last.usage.prompt_tokens, last.usage.completion_tokens)
         body = completion_body(kind, rid, model_name, "".join(c.text for c in chunks), last.finish_reason, use)
         return json_response(body, headers=backend_headers(dispatch))

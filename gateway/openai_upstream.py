@@ -1,10 +1,13 @@
 """Client of an existing OpenAI-compatible engine (vLLM, SGLang, ...): `kind: openai` backends.
 
-The client's validated body goes upstream as-is (model name swapped for the upstream's, streaming
-forced on with usage) and the upstream SSE is read back as the same chunk stream the gRPC engines
-give, so retries, breakers, metrics and both front doors work unchanged. aiohttp errors are mapped at
-this boundary: connection errors, timeouts, 5xx and 429 are backend failures (retryable before the
-first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
+The client's validated body goes upstream as-is (model name swapped for the upstream's). A streamed
+request is read back from the upstream SSE as the same chunk stream the gRPC engines give; a
+non-streamed one is asked of the upstream non-streamed and its reply comes back whole, as one chunk
+whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
+every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
+and both front doors work unchanged. aiohttp errors are mapped at this boundary: connection errors,
+timeouts, 5xx and 429 are backend failures (retryable before the first token); other 4xx are the
+client's fault and come back as 400 with the upstream's message.
 
 With `image_embeds: true` the backend is the language side of the modality split: the pipeline has a
 vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
@@ -85,7 +88,9 @@ class OpenAIUpstreamClient:
             body = await asyncio.to_thread(with_image_embeds, body, self._embeds_model, job.images, job.embeddings)
         if self._model:
             body["model"] = self._model
-        body.update(stream=True, stream_options={"include_usage": True}, max_tokens=job.max_tokens)
+        body.update(stream=not job.whole, max_tokens=job.max_tokens)
+        if not job.whole:
+            body["stream_options"] = {"include_usage": True}
         body.pop("max_completion_tokens", None)
         return body
 
@@ -112,7 +117,8 @@ class OpenAIUpstreamClient:
                         raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
                                              backend_id=self.backend_id)
                     raise InvalidRequest(f"upstream rejected the request: {message}")
-                async for chunk in self._chunks(resp, deadline, job):
+                chunks = self._whole(resp, deadline, job) if job.whole else self._chunks(resp, deadline, job)
+                async for chunk in chunks:
                     started = True
                     yield chunk
             finally:
@@ -124,6 +130,30 @@ class OpenAIUpstreamClient:
         except (aiohttp.ClientError, OSError) as exc:
             raise BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                                  backend_id=self.backend_id, retryable=not started) from None
+
+    async def _whole(
+        self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """A non-streamed reply → one chunk carrying the upstream's body, with the gateway's id and model."""
+        async with asyncio.timeout_at(deadline):
+            raw = await resp.read()
+        try:
+            reply = orjson.loads(raw)
+            choices = reply["choices"]
+            first = choices[0]
+            text = (first.get("message") or {}).get("content") or first.get("text") or ""
+            finish = first.get("finish_reason") or "stop"
+            usage = reply.get("usage") or {}
+        except (orjson.JSONDecodeError, KeyError, IndexError, AttributeError, TypeError) as exc:
+            raise BackendFailure(f"backend {self.backend_id}: malformed reply: {exc!r}",
+                                 backend_id=self.backend_id) from None
+        reply["id"] = completion_id(job.kind, job.request_id)
+        if self._model:
+            reply["model"] = job.body.get("model", reply.get("model"))
+        chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=orjson.dumps(reply))
+        chunk.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+        chunk.usage.completion_tokens = usage.get("completion_tokens", 0)
+        yield chunk
 
     async def _chunks(
         self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob

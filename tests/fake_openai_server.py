@@ -72,6 +72,10 @@ def image_embeds(body: dict[str, Any]) -> list[dict[str, Any]]:
     return seen
 
 
+def n_tokens(body: dict[str, Any]) -> int:
+    return int(body.get("max_tokens") or 8)
+
+
 def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": [],
@@ -88,7 +92,7 @@ def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
 
     async def stream(body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
         """Compact JSON events as vLLM writes them, with an extra field a relay must keep."""
-        n = int(body.get("max_tokens") or 8)
+        n = n_tokens(body)
         head = {"id": f"upstream-{state['served']}", "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": 1, "model": body.get("model", "")}
 
@@ -108,6 +112,21 @@ def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
         yield event([], usage={"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3})
         yield b"data: [DONE]\n\n"
 
+    def whole(body: dict[str, Any], chat: bool) -> bytes:
+        """A non-streamed reply as vLLM writes it, with the same extra field."""
+        n = n_tokens(body)
+        text = "".join(f"w{i} " for i in range(n))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        return orjson.dumps({
+            "id": f"upstream-{state['served']}", "object": "chat.completion" if chat else "text_completion",
+            "created": 1, "model": body.get("model", ""), "choices": [choice], "engine_marker": 7,
+            "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+        })
+
     async def complete(request: Request, chat: bool) -> Response:
         body = orjson.loads(await request.body())
         if state["fail"] > 0:
@@ -119,6 +138,9 @@ def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
             except ValueError as exc:
                 return Response(orjson.dumps({"error": {"message": str(exc)}}), status_code=400)
         state["served"] += 1
+        if not body.get("stream"):
+            await asyncio.sleep(n_tokens(body) * state["token_delay_ms"] / 1000)
+            return Response(whole(body, chat), media_type="application/json")
         return StreamingResponse(stream(body, chat), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")

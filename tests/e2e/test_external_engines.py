@@ -123,6 +123,26 @@ def test_streamed_events_are_relayed_with_the_gateways_id_and_model(cluster: Clu
     control(urls[other], waiting=0)
 
 
+@pytest.mark.parametrize("upstream", ["ext-vllm", "ext-sglang"])
+def test_non_streamed_reply_is_the_upstreams_own(cluster: Cluster, upstream: str) -> None:
+    """A non-streamed request is asked of the upstream non-streamed: its reply comes back whole (its extra
+    fields, tool_calls and logprobs keys too), with the gateway's id and model."""
+    gw, urls, _ = cluster
+    other = "ext-sglang" if upstream == "ext-vllm" else "ext-vllm"
+    control(urls[other], waiting=50)
+    control(urls[upstream], waiting=0)
+    gw.wait_until(lambda: gw.backend(other)["queue_depth"] >= 50 and gw.backend(upstream)["queue_depth"] < 50)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "whole-1"}, timeout=30)
+    assert resp.status_code == 200 and resp.headers["x-heterogate-backend"] == upstream
+    reply = resp.json()
+    assert (reply["id"], reply["model"], reply["engine_marker"]) == ("chatcmpl-whole-1", MODEL, 7)
+    choice = reply["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "w0 w1 w2 ", "tool_calls": []}
+    assert "logprobs" in choice and reply["usage"]["completion_tokens"] == 3
+    control(urls[other], waiting=0)
+
+
 def test_request_deadline_bounds_a_stream_that_stalls_after_its_first_token(cluster: Cluster) -> None:
     """The upstream keeps sending, slowly: each read is quick, the whole would take 20 s; the client
     gave 1.5 s. The stream must end with an error event at the deadline, and the gateway keeps serving."""
@@ -168,3 +188,4 @@ def test_all_stale_fails_open_and_says_so(cluster: Cluster) -> None:
     metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
     assert "heterogate_routing_failing_open 1.0" in metrics
     assert sum(served(url) for url in urls.values()) > 0
+
