@@ -42,8 +42,6 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool
     return BackendFailure(detail, backend_id=backend_id, retryable=retryable)
 
 
-
-
 class EngineClient:
     handoff: Handoff = "direct"   # a vision engine delivers embeddings to this engine by DeliverEmbedding
 

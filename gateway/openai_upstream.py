@@ -14,9 +14,9 @@ vision backend encode the images first and passes the embeddings in, which go up
 `image_embeds` content parts (see `gateway.image_embeds`). The overall request deadline bounds every
 read, not only the first.
 
-aiohttp, not httpx: measured in front of a fast engine at 16-64 concurrent requests, httpx's pool
-(a scan of every pooled connection per request, anyio stream wrappers) took about half of the
-gateway's CPU per request (`benchmarks/front_door.py`).
+aiohttp, not httpx: profiled (py-spy) in front of a fast engine at 16 concurrent requests, httpx's
+pool (a scan of every pooled connection per request, anyio stream wrappers) took about half of the
+gateway's CPU per request; with aiohttp the gateway served 3x the requests (`benchmarks/front_door.py`).
 """
 
 from __future__ import annotations
@@ -100,7 +100,10 @@ class OpenAIUpstreamClient:
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
         deadline = asyncio.get_running_loop().time() + timeout_s
-        timeout = aiohttp.ClientTimeout(connect=min(5.0, timeout_s), sock_read=first_token_timeout_s)
+        # A non-streamed reply arrives only after its last token: the first-token timeout does not
+        # apply to it, the overall deadline does.
+        timeout = aiohttp.ClientTimeout(connect=min(5.0, timeout_s),
+                                        sock_read=None if job.whole else first_token_timeout_s)
         started = False
         try:
             body = orjson.dumps(await self._body(job))
