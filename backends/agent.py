@@ -4,8 +4,9 @@
         --gpu H100 --model llava-1.5-7b --gateway 127.0.0.1:50061 [--metrics-url URL] [--interval-ms 200]
 
 Polls the engine's Prometheus endpoint every interval and pushes the result on the gateway's Control
-stream (`heterogate.engine_scraper`). The heartbeat's `address` is the engine's base URL (scheme
-included): the gateway forwards OpenAI HTTP there.
+stream (`heterogate.engine_scraper`), with the context length the engine lists in `GET /v1/models`.
+The heartbeat's `address` is the engine's base URL (scheme included): the gateway forwards OpenAI HTTP
+there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway", required=True, help="host:port of the gateway's control (gRPC) service")
     p.add_argument("--role", choices=["language", "vision", "both"], default="language")
     p.add_argument("--interval-ms", type=int, default=200, help="scrape interval (the gateway sets the heartbeat's)")
-    p.add_argument("--kv-total-tokens", type=int, help="KV capacity in tokens, over the engine's own metrics")
+    p.add_argument("--kv-total-tokens", type=int,
+                   help="KV capacity in tokens where the engine's metrics give none (else a model estimate)")
+    p.add_argument("--upstream-model", help="model whose max_model_len in /v1/models counts (default: the first)")
     p.add_argument("--scrape-timeout-s", type=float, default=2.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
@@ -66,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         interval_s=args.interval_ms / 1000,
         kv_total_tokens=args.kv_total_tokens,
         scrape_timeout_s=args.scrape_timeout_s,
+        upstream_model=args.upstream_model,
     )
 
 

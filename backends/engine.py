@@ -175,6 +175,8 @@ class Engine:
             b = self.language.batcher
             msg.queue_depth, msg.running = len(b.waiting), len(b.running)
             msg.kv_free_bytes, msg.kv_total_bytes = b.kv_free_bytes, b.kv_capacity_bytes
+            msg.kv_capacity_source = control_pb2.KV_CAPACITY_SOURCE_ENGINE   # its own block pool, not a guess
+            msg.max_model_len = self.model.max_context
             msg.mean_service_s = self.language.measured_service_s or 0.0   # 0: no sample yet
             msg.tokens_generated = self.language.tokens_generated
             msg.requests_completed = self.language.requests_completed

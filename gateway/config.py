@@ -56,6 +56,11 @@ class BackendSpec(StrictModel):
     # openai: the upstream takes vLLM `image_embeds` parts (vllm serve --enable-mm-embeds), so a vision
     # backend encodes the images and the upstream runs only the language model
     image_embeds: bool = False
+    # Where the engine does not report them (see README "Honest limits"): context (prompt + completion
+    # tokens) and KV capacity in tokens. The engine's own figures win; without either, the catalog
+    # model's context and the performance model's KV estimate.
+    max_model_len: PositiveInt | None = None
+    kv_capacity_tokens: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _managed_or_external(self) -> BackendSpec:
@@ -74,7 +79,7 @@ class BackendSpec(StrictModel):
 
 
 class Limits(StrictModel):
-    max_prompt_tokens: PositiveInt | None = None   # default: the model's max_context
+    max_prompt_tokens: PositiveInt | None = None   # default: no cap beyond the backends' contexts
     max_tokens: PositiveInt = 4096                 # upper bound a client may ask for
     default_max_tokens: PositiveInt = 256
     max_body_bytes: PositiveInt = 32 << 20         # images arrive base64-encoded inside the body
@@ -176,10 +181,6 @@ class ClusterConfig:
     @property
     def settings(self) -> GatewaySettings:
         return self.raw.gateway
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.settings.limits.max_prompt_tokens or self.model.max_context
 
 
 def _resolve(path: Path, where: str, fn: Any) -> Any:

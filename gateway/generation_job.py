@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from gateway.images import ImageInput
@@ -30,10 +30,26 @@ class GenerationJob:
     whole: bool = False
     # The images' embeddings, for a backend that takes them in its request (handoff "inline").
     embeddings: tuple[engine_pb2.Embedding, ...] = field(default=(), compare=False)
+    # The client gave max_tokens: the request needs prompt + max_tokens of context. Otherwise max_tokens
+    # is the gateway's default, shortened to the room the chosen backend has (as vLLM does).
+    max_tokens_asked: bool = True
 
     @property
     def image_tokens(self) -> int:
         return sum(img.tokens for img in self.images)
+
+    @property
+    def context_tokens(self) -> int:
+        """Context a backend must serve for this request: prompt (text + image tokens) + max_tokens,
+        or + 1 when the client left max_tokens to the gateway."""
+        return self.prompt_tokens + self.image_tokens + (self.max_tokens if self.max_tokens_asked else 1)
+
+    def for_context(self, max_context: int) -> GenerationJob:
+        """This job as sent to a backend of `max_context`: an unasked max_tokens fits the room left."""
+        room = max_context - self.prompt_tokens - self.image_tokens
+        if self.max_tokens_asked or not max_context or self.max_tokens <= room:
+            return self
+        return replace(self, max_tokens=max(1, room))
 
     def profile(self) -> RequestProfile:
         return RequestProfile(

@@ -8,9 +8,14 @@ import grpc
 import structlog
 
 from gateway.state_table import Reported, StateTable
+from heterogate.engine_scraper import KV_SOURCES
+from heterogate.metric_tables import KvSource
 from heterogate.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat")
+
+KV_SOURCE_NAMES: dict[int, KvSource] = {wire: name for name, wire in KV_SOURCES.items()}
+
 
 def reported_from(msg: control_pb2.BackendState) -> Reported:
     return Reported(
@@ -28,6 +33,8 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         steal_episodes=msg.steal_episodes,
         tokens_stolen=msg.tokens_stolen,
         embedding_bytes_sent=msg.embedding_bytes_sent,
+        max_model_len=msg.max_model_len,
+        kv_source=KV_SOURCE_NAMES.get(msg.kv_capacity_source),
     )
 
 

@@ -29,20 +29,33 @@ class JobBuilder:
             )
 
     def max_tokens(self, prompt_tokens: int, asked: int | None, prompt_param: str = "messages") -> int:
-        """Check the prompt and max_tokens against the limits; return the max_tokens to use."""
-        limit, context = self._config.max_prompt_tokens, self._config.model.max_context
-        if prompt_tokens > limit:
+        """Check the prompt and max_tokens against the limits; return the max_tokens to use.
+
+        Context as vLLM counts it: prompt + max_tokens ≤ max_model_len. The request is refused (400)
+        only when no backend serves a context it fits in; which of them can take it is the router's
+        business (`Pipeline.route_language`).
+        """
+        limit = self._limits.max_prompt_tokens
+        if limit is not None and prompt_tokens > limit:
             raise InvalidRequest(f"prompt is {prompt_tokens} tokens; the limit is {limit}",
                                  param=prompt_param, code="context_length_exceeded")
         if asked is not None and asked > self._limits.max_tokens:
             raise InvalidRequest(f"max_tokens is {asked}; the limit is {self._limits.max_tokens}", param="max_tokens")
+        context = self._runtime.table.largest_context()
         room = context - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(
+                f"this model's maximum context length is {context} tokens (the longest any backend serves); "
+                f"the prompt is {prompt_tokens} tokens",
+                param=prompt_param, code="context_length_exceeded",
+            )
         if asked is not None and asked > room:
             raise InvalidRequest(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({asked}) exceeds the model's context of {context}",
+                f"this model's maximum context length is {context} tokens (the longest any backend serves); "
+                f"the request needs {prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} in max_tokens)",
                 param="max_tokens", code="context_length_exceeded",
             )
-        return asked if asked is not None else max(1, min(self._limits.default_max_tokens, room))
+        return asked if asked is not None else min(self._limits.default_max_tokens, room)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
         if len(req.messages) > self._limits.max_messages:
@@ -52,10 +65,12 @@ class JobBuilder:
         self.check_model(req.model)
         images = await self._images(req)
         prompt, tokens = render_chat(req.messages)
-        max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), req.requested_max_tokens())
+        asked = req.requested_max_tokens()
+        max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), asked)
         temperature = 1.0 if req.temperature is None else req.temperature
         body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
-        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat", body)
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat", body,
+                             max_tokens_asked=asked is not None)
 
     def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
         self.check_model(req.model)
@@ -68,10 +83,12 @@ class JobBuilder:
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = count_text_tokens(prompt)
-        max_tokens = self.max_tokens(tokens, req.requested_max_tokens(), prompt_param="prompt")
+        asked = req.requested_max_tokens()
+        max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
         temperature = 1.0 if req.temperature is None else req.temperature
         body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
-        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text", body)
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text", body,
+                             max_tokens_asked=asked is not None)
 
     async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
         parts = image_parts(req.messages)

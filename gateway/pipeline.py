@@ -145,7 +145,10 @@ class Pipeline:
         candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
 
-    def route_language(self, profile: RequestProfile, exclude: list[str]) -> Decision | None:
+    def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0) -> (
+        Decision | None
+    ):
+        """Route among healthy language candidates whose context holds `context_tokens` (prompt + max_tokens)."""
         now = time.monotonic()
         exclude = exclude + self.breakers.blocked()
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
@@ -153,6 +156,7 @@ class Pipeline:
             vision = self.table.candidates(VISION_ROLES, now, exclude)
             candidates += stealers(vision, self.table.language_backlog(), self.settings.steal_threshold,
                                    self.settings.steal_max_batch)
+        candidates = [c for c in candidates if c.fits(context_tokens)]
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
     async def start(self, job: GenerationJob) -> Dispatch:
@@ -167,7 +171,7 @@ class Pipeline:
         for attempt in range(self.settings.max_attempts):
             if attempt and not await self._backoff(attempt, deadline):
                 break
-            decision = self.route_language(profile, tried)
+            decision = self.route_language(profile, tried, job.context_tokens)
             if decision is None:
                 break
             backend_id = decision.backend.id
@@ -191,7 +195,9 @@ class Pipeline:
             return dispatch
         if last_error is not None:
             raise last_error
-        raise NoBackendAvailable("no healthy language backend is available; retry later")
+        raise NoBackendAvailable(
+            f"no healthy language backend with a context of {job.context_tokens} tokens is available; retry later"
+        )
 
     async def complete(self, job: GenerationJob) -> tuple[Dispatch, list[engine_pb2.GenerateChunk]]:
         """A whole completion for a non-streamed response.
@@ -226,6 +232,7 @@ class Pipeline:
         self, job: GenerationJob, decision: Decision, client: BackendClient, started: float, deadline: float
     ) -> Dispatch:
         backend_id = decision.backend.id
+        job = job.for_context(decision.backend.max_context)
         self.table.acquire(backend_id)
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()

@@ -43,6 +43,7 @@ class Runtime:
         out = []
         for e in self.table.entries():
             snap = self.table.snapshot(e)
+            context, context_source = self.table.context(e)
             out.append({
                 "id": e.id,
                 "role": e.role,
@@ -58,6 +59,9 @@ class Runtime:
                 "in_flight": e.in_flight,
                 "kv_free_bytes": snap.kv_free_bytes,
                 "kv_total_bytes": snap.kv_total_bytes,
+                "kv_capacity_source": self.table.kv_capacity(e)[2],
+                "max_model_len": context,
+                "context_source": context_source,
                 "vision_backlog": snap.vision_backlog,
                 "images_encoded": e.reported.images_encoded,
                 "embedding_bytes_sent": e.reported.embedding_bytes_sent,
@@ -77,7 +81,8 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
     for spec in config.raw.backends:
         table.register(
             spec.id, spec.role, config.gpus[spec.id], address=spec.address, managed=spec.launch is not None,
-            steal=spec.steal, external=spec.kind == "openai",
+            steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
+            kv_capacity_tokens=spec.kv_capacity_tokens,
         )
     routing = settings.routing
     name = policy_name or routing.policy

@@ -28,6 +28,7 @@ async def run_scrapers(config: ClusterConfig, control_address: str, stop: asynci
             backend_id=spec.id, table=table, address=address,
             metrics_url=spec.scrape.metrics_url or address + table.metrics_path,
             gateway=control_address, interval_s=spec.scrape.interval_ms / 1000,
+            kv_total_tokens=spec.kv_capacity_tokens, upstream_model=spec.upstream_model or config.served_model_name,
         )
         client = make_client(agent_config.scrape_timeout_s)
         clients.append(client)

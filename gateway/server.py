@@ -35,7 +35,9 @@ class ServeOptions:
 
 
 async def start_control(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+    # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
+    max_bytes = runtime.limits.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes)])
     service = ControlService(runtime.table, on_heartbeat=runtime.clients.ensure)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
     await add_front_door(server, runtime)

@@ -8,6 +8,11 @@ attribute reads and no allocation per candidate.
 Q_i (queue_depth) = max(in-flight from this gateway, engine-reported waiting + running): the
 gateway's count moves the instant a request is dispatched, the heartbeat corrects it with what the
 engine really holds (including work from other gateway replicas).
+
+Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
+    context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model
+    KV capacity  the engine's (heartbeat) · configured (agent flag, or the entry's `kv_capacity_tokens`)
+                 · the performance-model estimate
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
-from heterogate.metric_tables import SATURATED_QUEUE
+from heterogate.metric_tables import SATURATED_QUEUE, KvSource
 from heterogate.service_time import updated_mean_service
 
 # Weight of a new sample in the gateway's service-time EWMA.
@@ -45,6 +50,8 @@ class Reported:
     steal_episodes: int = 0
     tokens_stolen: int = 0
     embedding_bytes_sent: int = 0
+    max_model_len: int = 0                    # 0: the engine does not say
+    kv_source: KvSource | None = None         # None: the sender does not say
 
 
 @dataclass(slots=True)
@@ -61,6 +68,8 @@ class BackendEntry:
     in_flight: int = 0
     vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded
     service_ewma_s: float | None = None
+    max_model_len: int | None = None          # configured: where the engine does not say
+    kv_capacity_tokens: int | None = None     # configured: where the engine does not say
     snapshot: BackendSnapshot | None = None   # None = stale, rebuild on next read
 
 
@@ -84,9 +93,11 @@ class StateTable:
 
     def register(
         self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool,
-        steal: bool = False, external: bool = False,
+        steal: bool = False, external: bool = False, max_model_len: int | None = None,
+        kv_capacity_tokens: int | None = None,
     ) -> BackendEntry:
-        entry = BackendEntry(backend_id, role, gpu, address, managed, steal, external)
+        entry = BackendEntry(backend_id, role, gpu, address, managed, steal, external,
+                             max_model_len=max_model_len, kv_capacity_tokens=kv_capacity_tokens)
         self._entries[backend_id] = entry
         return entry
 
@@ -173,9 +184,34 @@ class StateTable:
         return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight), kv_free_bytes=0)
 
     def _blind(self, e: BackendEntry) -> BackendSnapshot:
-        """What the gateway knows without metrics: its own in-flight count and the GPU's nominal KV."""
-        kv = perf_model.kv_capacity_bytes(self.model, e.gpu)
+        """What the gateway knows without metrics: its own in-flight count and the configured or nominal KV."""
+        if e.kv_capacity_tokens is not None:
+            kv = e.kv_capacity_tokens * self.model.kv_bytes_per_token
+        else:
+            kv = perf_model.kv_capacity_bytes(self.model, e.gpu)
         return replace(self.snapshot(e), queue_depth=e.in_flight, kv_free_bytes=kv, kv_total_bytes=kv)
+
+    def context(self, e: BackendEntry) -> tuple[int, str]:
+        """(tokens, source): the context length a backend serves, prompt + completion."""
+        if e.reported.max_model_len > 0:
+            return e.reported.max_model_len, "engine"
+        if e.max_model_len is not None:
+            return e.max_model_len, "config"
+        return self.model.max_context, "catalog"
+
+    def kv_capacity(self, e: BackendEntry) -> tuple[int, int, str]:
+        """(free bytes, total bytes, source). A reported estimate gives way to the entry's configured
+        capacity (free scaled by the reported fraction free)."""
+        r = e.reported
+        if r.kv_source == "estimate" and e.kv_capacity_tokens is not None:
+            total = e.kv_capacity_tokens * self.model.kv_bytes_per_token
+            free = int(total * r.kv_free_bytes / r.kv_total_bytes) if r.kv_total_bytes else total
+            return free, total, "config"
+        return r.kv_free_bytes, r.kv_total_bytes, r.kv_source or "unreported"
+
+    def largest_context(self) -> int:
+        """The longest context any backend that can take language work serves (0: none)."""
+        return max((self.context(e)[0] for e in self._entries.values() if e.role != "vision" or e.steal), default=0)
 
     def language_backlog(self) -> int:
         """Requests waiting (admitted, not yet running) across the language pool, as last reported."""
@@ -198,6 +234,7 @@ class StateTable:
 
     def _rebuild(self, e: BackendEntry) -> BackendSnapshot:
         r = e.reported
+        kv_free, kv_total, _ = self.kv_capacity(e)
         snap = BackendSnapshot(
             id=e.id,
             role=e.role,
@@ -207,8 +244,8 @@ class StateTable:
             price_per_hour=e.gpu.price_per_hour,
             queue_depth=max(e.in_flight, r.waiting + r.running),
             in_flight=e.in_flight,
-            kv_free_bytes=r.kv_free_bytes,
-            kv_total_bytes=r.kv_total_bytes,
+            kv_free_bytes=kv_free,
+            kv_total_bytes=kv_total,
             kv_bytes_per_token=self.model.kv_bytes_per_token,
             vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens),
             mean_service_s=self.mean_service_s(e),
@@ -216,6 +253,7 @@ class StateTable:
             weight_bytes=self.model.weight_bytes,
             encode_s_per_token=perf_model.encode_seconds(self.model, e.gpu, 1),
             steal=e.steal,
+            max_context=self.context(e)[0],
         )
         e.snapshot = snap
         return snap

@@ -10,8 +10,12 @@ STALE_INTERVALS intervals, the backend is reported saturated (queue_depth = SATU
 KV) so that policies route around it while heartbeats, and so its health, go on. Nothing is sent
 before the first good scrape: an engine never seen is no candidate.
 
-KV capacity, first found: the configured capacity; the engine's metrics; the performance model's
-estimate for this GPU and model.
+KV capacity, first found: the engine's metrics; the configured capacity; the performance model's
+estimate for this GPU and model. The heartbeat says which (`kv_capacity_source`).
+
+Context length: read from the engine's `GET /v1/models` (`max_model_len`) after the first good scrape
+and again after the metrics recover from staleness (the engine may have restarted with other flags);
+0 in the heartbeat when the engine does not say, so the gateway applies its own configuration.
 """
 
 from __future__ import annotations
@@ -29,12 +33,19 @@ from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
 from heterogate.errors import HeteroGateError
 from heterogate.heartbeat_sender import HeartbeatSender, gpu_message
-from heterogate.metric_tables import SATURATED_QUEUE, EngineMetrics, EngineTable, parse
+from heterogate.metric_tables import SATURATED_QUEUE, EngineMetrics, EngineTable, KvSource, parse
+from heterogate.upstream_models import ModelsUnavailable, fetch_max_model_len
 from heterogate.wire import control_pb2
 
 log = structlog.get_logger("agent")
 
 STALE_INTERVALS = 3
+
+KV_SOURCES: dict[KvSource, control_pb2.KvCapacitySource] = {
+    "engine": control_pb2.KV_CAPACITY_SOURCE_ENGINE,
+    "config": control_pb2.KV_CAPACITY_SOURCE_CONFIG,
+    "estimate": control_pb2.KV_CAPACITY_SOURCE_ESTIMATE,
+}
 
 
 class ScrapeError(HeteroGateError):
@@ -50,8 +61,10 @@ class AgentConfig:
     gateway: str                   # host:port of the gateway's Control service
     role: str = "language"
     interval_s: float = 0.2
-    kv_total_tokens: int | None = None
+    kv_total_tokens: int | None = None   # used where the engine's metrics give no capacity
     scrape_timeout_s: float = 2.0
+    read_context: bool = True            # ask GET <address>/v1/models for max_model_len
+    upstream_model: str | None = None    # the model whose max_model_len counts (default: the first listed)
 
 
 def make_client(timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -84,6 +97,8 @@ class MetricsAgent:
         self.saturated = False
         self._logged_missing: frozenset[str] = frozenset()
         self._warned_unscraped = False
+        self.max_model_len: int | None = None   # from the engine's /v1/models
+        self._context_read = not config.read_context
         self.first_scrape = asyncio.Event()
         self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.interval_s)
 
@@ -127,9 +142,26 @@ class MetricsAgent:
                             names=sorted(metrics.missing))
         changed = self.metrics is None or _load(metrics) != _load(self.metrics)
         self.metrics, self.last_ok = metrics, self._clock()
+        if not self._context_read:
+            changed = await self.read_context() or changed
         if self.update_staleness() or changed:
             self.heartbeats.poke()
         self.first_scrape.set()
+        return True
+
+    async def read_context(self) -> bool:
+        """Read max_model_len from the engine's /v1/models; True when it changed. A network or server
+        error leaves it to the next scrape; an answer without the field is final until a restart."""
+        try:
+            value = await fetch_max_model_len(self._client, self.config.address, self.config.upstream_model)
+        except ModelsUnavailable as exc:
+            log.debug("models_read_failed", backend=self.config.backend_id, error=str(exc))
+            return False
+        self._context_read = True
+        if value == self.max_model_len:
+            return False
+        self.max_model_len = value
+        log.info("engine_context", backend=self.config.backend_id, max_model_len=value)
         return True
 
     def update_staleness(self, now: float | None = None) -> bool:
@@ -142,6 +174,7 @@ class MetricsAgent:
         if stale != self.saturated:
             self.saturated = stale
             if stale:
+                self._context_read = not self.config.read_context   # read it again once it is back
                 log.warning("engine_metrics_stale", backend=self.config.backend_id, age_s=round(age, 3),
                             error=self.last_error, reported="saturated")
             else:
@@ -166,7 +199,7 @@ class MetricsAgent:
         self.update_staleness()
         saturated = self.saturated
         m = self.metrics or EngineMetrics()
-        free, total = m.kv_tokens(self.config.kv_total_tokens, self._kv_estimate)
+        free, total, source = m.kv_tokens(self.config.kv_total_tokens, self._kv_estimate)
         bpt = self.model.kv_bytes_per_token
         return control_pb2.BackendState(
             backend_id=self.config.backend_id,
@@ -182,6 +215,8 @@ class MetricsAgent:
             tokens_generated=m.generation_tokens,
             requests_completed=int(m.latency_count),
             pid=os.getpid(),   # the agent's: the engine's own pid is not in its metrics
+            max_model_len=self.max_model_len or 0,
+            kv_capacity_source=KV_SOURCES[source],
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -189,7 +224,10 @@ class MetricsAgent:
 
         async def send() -> None:
             await self.first_scrape.wait()
-            log.info("engine_metrics_first_scrape", backend=self.config.backend_id, kv_capacity=self._kv_source())
+            m = self.metrics or EngineMetrics()
+            log.info("engine_metrics_first_scrape", backend=self.config.backend_id,
+                     kv_capacity=m.kv_tokens(self.config.kv_total_tokens, self._kv_estimate)[2],
+                     max_model_len=self.max_model_len)
             await self.heartbeats.run()
 
         tasks = [asyncio.create_task(c) for c in (self.run_scraper(), send(), stop.wait())]
@@ -203,13 +241,6 @@ class MetricsAgent:
             exc = None if t.cancelled() else t.exception()
             if exc is not None:
                 raise exc
-
-    def _kv_source(self) -> str:
-        if self.config.kv_total_tokens is not None:
-            return "--kv-total-tokens"
-        if self.metrics is not None and self.metrics.kv_total_tokens is not None:
-            return "engine metrics"
-        return "performance-model estimate"
 
 
 def _load(m: EngineMetrics) -> tuple[object, ...]:

@@ -25,12 +25,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
 Labels = Mapping[str, str]
 Series = list[tuple[Labels, float]]
 LabelKey = tuple[tuple[str, str], ...]
+
+# Where a KV capacity figure comes from: the engine's own, the operator's configuration, the performance model.
+KvSource = Literal["engine", "config", "estimate"]
 
 # Queue depth reported for, and assumed of, a backend whose metrics are stale: policies route around it.
 SATURATED_QUEUE = 1_000_000
@@ -121,14 +125,16 @@ class EngineMetrics:
     generation_tokens: int = 0
     missing: frozenset[str] = frozenset()  # metrics of the table absent from the text
 
-    def kv_tokens(self, total_override: int | None = None, fallback_total: int = 0) -> tuple[int, int]:
-        """(free, total) KV tokens. Capacity: `total_override`, else the engine's, else `fallback_total`;
+    def kv_tokens(self, configured: int | None = None, estimate: int = 0) -> tuple[int, int, KvSource]:
+        """(free, total, source) KV tokens. Capacity: the engine's, else `configured`, else `estimate`;
         free from the engine's per-rank figures when its capacity is used, else total · (1 − usage)."""
-        if total_override is None and self.kv_total_tokens is not None:
+        if self.kv_total_tokens is not None:
             free = self.kv_total_tokens if self.kv_free_tokens is None else self.kv_free_tokens
-            return free, self.kv_total_tokens
-        total = fallback_total if total_override is None else total_override
-        return int(total * (1.0 - (self.kv_usage or 0.0))), total
+            return free, self.kv_total_tokens, "engine"
+        free_share = 1.0 - (self.kv_usage or 0.0)
+        if configured is not None:
+            return int(configured * free_share), configured, "config"
+        return int(estimate * free_share), estimate, "estimate"
 
 
 def parse(engine: str | EngineTable, text: str, previous: EngineMetrics | None = None) -> EngineMetrics:

@@ -6,6 +6,10 @@
 of the next completions fail with HTTP 503, and the pause between streamed tokens. Completions
 stream `tokens` words (the request's max_tokens).
 
+`GET /v1/models` lists the model with `max_model_len` when `--max-model-len` is given (as vLLM and
+SGLang do), without it otherwise (as TensorRT-LLM does); the max_tokens of every completion request is
+recorded in `GET /stats` under "max_tokens". `--no-cache-info` leaves the KV capacity out of /metrics.
+
 `--embeds-only` acts as `vllm serve --enable-mm-embeds --limit-mm-per-prompt '{"image":0}'`: image_url
 parts are refused with 400, and image_embeds parts are decoded as vLLM does (base64 → torch.load with
 weights_only) and their shapes recorded in `GET /stats` under "image_embeds".
@@ -76,10 +80,14 @@ def n_tokens(body: dict[str, Any]) -> int:
     return int(body.get("max_tokens") or 8)
 
 
-def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
+def create_app(
+    engine: str, embeds_only: bool = False, max_model_len: int | None = None, cache_info: bool = True
+) -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": [],
-                             "token_delay_ms": 1}
+                             "token_delay_ms": 1, "max_tokens": []}
+    metrics_text = "".join(line for line in METRICS[engine].splitlines(keepends=True)
+                           if cache_info or "cache_config_info" not in line)
 
     @app.post("/control")
     async def control(request: Request) -> dict[str, Any]:
@@ -88,7 +96,14 @@ def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(METRICS[engine].format(**state), media_type="text/plain")
+        return Response(metrics_text.format(**state), media_type="text/plain")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card: dict[str, Any] = {"id": "served-model", "object": "model", "created": 1, "owned_by": engine}
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        return {"object": "list", "data": [card]}
 
     async def stream(body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
         """Compact JSON events as vLLM writes them, with an extra field a relay must keep."""
@@ -138,6 +153,7 @@ def create_app(engine: str, embeds_only: bool = False) -> FastAPI:
             except ValueError as exc:
                 return Response(orjson.dumps({"error": {"message": str(exc)}}), status_code=400)
         state["served"] += 1
+        state["max_tokens"].append(body.get("max_tokens"))
         if not body.get("stream"):
             await asyncio.sleep(n_tokens(body) * state["token_delay_ms"] / 1000)
             return Response(whole(body, chat), media_type="application/json")
@@ -163,8 +179,11 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--engine", choices=sorted(METRICS), default="vllm")
     p.add_argument("--embeds-only", action="store_true")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--no-cache-info", action="store_true")
     args = p.parse_args()
-    uvicorn.run(create_app(args.engine, args.embeds_only), host="127.0.0.1", port=args.port, log_level="warning")
+    app = create_app(args.engine, args.embeds_only, args.max_model_len, cache_info=not args.no_cache_info)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ class BackendSnapshot:
     weight_bytes: int             # decoder weights, streamed from HBM on every decode step
     encode_s_per_token: float = 0.0   # vision encoder seconds per image token, from the performance model
     steal: bool = False
+    max_context: int = 0          # prompt + completion tokens it serves (0: unknown, no limit applied)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request needing `tokens` of context (prompt + max_tokens) fits this backend."""
+        return not self.max_context or tokens <= self.max_context
 
     @property
     def kv_free_tokens(self) -> int:

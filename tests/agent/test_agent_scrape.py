@@ -126,11 +126,20 @@ async def test_kv_capacity_from_the_command_line_or_the_performance_model_when_t
     await agent.scrape_once()
     s = agent.state()
     assert (s.kv_total_bytes, s.kv_free_bytes) == (40_000 * BPT, 30_000 * BPT)
+    assert s.kv_capacity_source == control_pb2.KV_CAPACITY_SOURCE_CONFIG
     agent = make_agent(Engine(text), Clock())
     await agent.scrape_once()
     estimate = perf_model.kv_capacity_bytes(MODEL, GPU) // BPT
     assert agent.state().kv_total_bytes == estimate * BPT
-    assert agent._kv_source() == "performance-model estimate"
+    assert agent.state().kv_capacity_source == control_pb2.KV_CAPACITY_SOURCE_ESTIMATE
+
+
+async def test_the_engines_kv_capacity_wins_over_the_command_line() -> None:
+    agent = make_agent(Engine(), Clock(), kv_total_tokens=40_000)
+    await agent.scrape_once()
+    s = agent.state()
+    assert (s.kv_total_bytes, s.kv_free_bytes) == (16_000 * BPT, 12_000 * BPT)
+    assert s.kv_capacity_source == control_pb2.KV_CAPACITY_SOURCE_ENGINE
 
 
 async def test_trtllm_prometheus_route_redirect_is_followed() -> None:

@@ -99,7 +99,7 @@ def test_unprofiled_cache_config_leaves_capacity_unknown_and_usage_is_clamped() 
     m = parse("vllm", text)
     assert m.kv_total_tokens is None and m.kv_free_tokens is None
     assert m.kv_usage == 1.0
-    assert m.kv_tokens(fallback_total=1000) == (0, 1000)
+    assert m.kv_tokens(estimate=1000) == (0, 1000, "estimate")
 
 
 def test_latency_histogram_deltas_give_the_mean_service_time_of_the_requests_finished_between_scrapes() -> None:
@@ -176,7 +176,7 @@ def test_sglang_dp_ranks_are_summed_and_tp_copies_counted_once() -> None:
     assert m.missing == frozenset()
 
 
-def test_sglang_capacity_from_cache_config_info_or_from_the_command_line() -> None:
+def test_sglang_capacity_from_cache_config_info_else_configured_else_estimated() -> None:
     text = """\
 sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 2
 sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 1
@@ -187,9 +187,9 @@ sglang:token_usage{model_name="qwen",tp_rank="0"} 0.4
     assert (m.kv_total_tokens, m.kv_free_tokens) == (80_000, 48_000)
     bare = parse("sglang", text)
     assert bare.kv_total_tokens is None and bare.kv_usage == pytest.approx(0.4)
-    assert bare.kv_tokens(total_override=50_000) == (30_000, 50_000)
-    assert m.kv_tokens(total_override=50_000) == (30_000, 50_000)    # the operator's figure wins
-    assert bare.kv_tokens(fallback_total=10_000) == (6_000, 10_000)
+    assert bare.kv_tokens(configured=50_000) == (30_000, 50_000, "config")
+    assert m.kv_tokens(configured=50_000) == (48_000, 80_000, "engine")    # the engine's own figure wins
+    assert bare.kv_tokens(estimate=10_000) == (6_000, 10_000, "estimate")
     assert "sglang:e2e_request_latency_seconds" in bare.missing
 
 
