@@ -230,7 +230,8 @@ def create_app(runtime: Runtime) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request)
-        item = {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate"}
+        item = {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate",
+                "max_model_len": runtime.table.largest_context()}   # as vLLM lists it: the longest any backend serves
         return json_response({"object": "list", "data": [item]})
 
     @app.get("/health")

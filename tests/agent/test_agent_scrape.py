@@ -37,16 +37,19 @@ class Clock:
 
 
 class Engine:
-    """What the fake engine answers: text, a status, or a connection error."""
+    """What the fake engine answers: text, a status, or a connection error; `models` at /v1/models."""
 
-    def __init__(self, text: str = VLLM) -> None:
+    def __init__(self, text: str = VLLM, models: object = None) -> None:
         self.text, self.status, self.down = text, 200, False
+        self.models, self.models_status = models, 200
         self.paths: list[str] = []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         self.paths.append(request.url.path)
         if self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(self.models_status if self.models is not None else 404, json=self.models)
         return httpx.Response(self.status, text=self.text)
 
 
@@ -140,6 +143,48 @@ async def test_the_engines_kv_capacity_wins_over_the_command_line() -> None:
     s = agent.state()
     assert (s.kv_total_bytes, s.kv_free_bytes) == (16_000 * BPT, 12_000 * BPT)
     assert s.kv_capacity_source == control_pb2.KV_CAPACITY_SOURCE_ENGINE
+
+
+def models(*cards: tuple[str, int]) -> dict[str, object]:
+    return {"object": "list", "data": [{"id": i, "object": "model", "max_model_len": n} for i, n in cards]}
+
+
+async def test_context_from_v1_models_is_read_once_and_carried_in_every_heartbeat() -> None:
+    engine = Engine(models=models(("other", 8192), ("served", 32768)))
+    agent = make_agent(engine, Clock(), upstream_model="served")
+    assert await agent.scrape_once() and await agent.scrape_once()
+    assert agent.state().max_model_len == 32768
+    assert engine.paths == ["/metrics", "/v1/models", "/metrics"]
+
+
+async def test_context_is_asked_again_after_a_server_error_and_after_the_engine_was_stale() -> None:
+    clock, engine = Clock(), Engine(models=models(("m", 4096)))
+    engine.models_status = 503
+    agent = make_agent(engine, clock)
+    assert await agent.scrape_once()
+    assert agent.state().max_model_len == 0           # not known yet: the gateway uses its own figure
+    engine.models_status = 200
+    assert await agent.scrape_once()
+    assert agent.state().max_model_len == 4096
+    engine.down = True                                 # the engine goes away, comes back with other flags
+    clock.now = 0.5
+    assert not await agent.scrape_once() and agent.saturated
+    engine.down, engine.models = False, models(("m", 16384))
+    assert await agent.scrape_once()
+    assert agent.state().max_model_len == 16384
+    assert engine.paths.count("/v1/models") == 3
+
+
+async def test_an_engine_that_lists_no_context_is_not_asked_again() -> None:
+    engine = Engine(models={"object": "list", "data": [{"id": "m", "object": "model"}]})
+    agent = make_agent(engine, Clock())
+    for _ in range(3):
+        assert await agent.scrape_once()
+    assert agent.state().max_model_len == 0 and engine.paths.count("/v1/models") == 1
+    engine = Engine()   # no /v1/models at all (404)
+    agent = make_agent(engine, Clock())
+    assert await agent.scrape_once() and await agent.scrape_once()
+    assert agent.state().max_model_len == 0 and engine.paths.count("/v1/models") == 1
 
 
 async def test_trtllm_prometheus_route_redirect_is_followed() -> None:

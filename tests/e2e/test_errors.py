@@ -20,9 +20,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
+from heterogate.wire import inference_pb2, inference_pb2_grpc
 from tests.harness import (
     Gateway,
     engine_pid,
@@ -228,6 +230,17 @@ def test_completions_prompt_over_the_limit_is_400_naming_prompt(limits_gw: Gatew
 def test_body_over_max_body_bytes_is_413(limits_gw: Gateway) -> None:
     r = post(limits_gw, CHAT, json=chat("y" * (MAX_BODY_BYTES + 100)))
     assert_openai_error(r, 413, type_="invalid_request_error", code="payload_too_large")
+
+
+def test_grpc_door_honours_max_body_bytes_and_max_prompt_tokens(limits_gw: Gateway) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{limits_gw.grpc_port}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for size, code in ((MAX_BODY_BYTES + 100, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                           (4 * MAX_PROMPT_TOKENS + 40, grpc.StatusCode.INVALID_ARGUMENT)):
+            request = inference_pb2.GenerateRequest(model=MODEL, prompt="x" * size, max_tokens=2)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert info.value.code() == code, (size, info.value)
 
 
 def test_chunked_body_over_max_body_bytes_is_413(limits_gw: Gateway) -> None:

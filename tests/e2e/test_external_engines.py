@@ -15,10 +15,12 @@ import httpx
 import orjson
 import pytest
 
+from heterogate.catalog import load_catalog
 from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 UPSTREAM_MODEL = "llava-hf/llava-1.5-7b-hf"   # what ext-vllm serves under
+VLLM_CONTEXT = 32768                          # what ext-vllm lists in /v1/models
 Agent = subprocess.Popen[bytes]
 Cluster = tuple[Gateway, dict[str, str], list[Agent]]
 
@@ -50,7 +52,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
     })
     with ExitStack() as stack:
         for engine, port in engines.values():
-            proc = spawn("tests.fake_openai_server", "--port", str(port), "--engine", engine)
+            context = ("--max-model-len", str(VLLM_CONTEXT)) if engine == "vllm" else ()
+            proc = spawn("tests.fake_openai_server", "--port", str(port), "--engine", engine, *context)
             stack.callback(stop, proc)
         gw = stack.enter_context(run_gateway(config, healthy=0))
         agents = []
@@ -86,6 +89,21 @@ def test_agent_metrics_move_routing(cluster: Cluster) -> None:
         picks = {chat(gw).headers["x-heterogate-backend"] for _ in range(5)}
         assert picks == {idle}
     control(urls["ext-sglang"], waiting=0)
+
+
+def test_agents_report_context_and_kv_capacity_with_their_sources(cluster: Cluster) -> None:
+    gw, _, _ = cluster
+    b = {x["id"]: x for x in gw.backends()}
+    assert (b["ext-vllm"]["max_model_len"], b["ext-vllm"]["context_source"]) == (VLLM_CONTEXT, "engine")
+    assert (b["ext-sglang"]["max_model_len"], b["ext-sglang"]["context_source"]) == (4096, "catalog")
+    # --kv-total-tokens 100000 fills in only where the engine's metrics give no capacity
+    bpt = load_catalog().model(MODEL).kv_bytes_per_token
+    assert b["ext-vllm"]["kv_total_bytes"] == 4096 * 16 * bpt
+    assert (b["ext-vllm"]["kv_capacity_source"], b["ext-sglang"]["kv_capacity_source"]) == ("engine", "config")
+    assert b["ext-sglang"]["kv_total_bytes"] == 100_000 * bpt
+    r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x" * 4 * 8000, "max_tokens": 4},
+                   timeout=30)
+    assert r.status_code == 200 and r.headers["x-heterogate-backend"] == "ext-vllm", r.text
 
 
 def test_streaming_and_usage_pass_through(cluster: Cluster) -> None:

@@ -76,6 +76,12 @@ def test_admin_backends_shows_each_limit_and_where_it_comes_from(cluster: Cluste
     assert b["plain"]["kv_total_bytes"] == perf_model.kv_capacity_bytes(model, load_catalog().gpu("L40S")) // bpt * bpt
 
 
+def test_the_gateways_own_model_listing_gives_the_longest_context(cluster: Cluster) -> None:
+    gw, _ = cluster
+    (card,) = httpx.get(f"{gw.url}/v1/models", timeout=5).json()["data"]
+    assert (card["id"], card["max_model_len"]) == (MODEL, 40_000)
+
+
 def test_a_long_prompt_goes_only_to_backends_whose_context_fits(cluster: Cluster) -> None:
     gw, urls = cluster
     before = served(urls)

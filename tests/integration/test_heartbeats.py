@@ -63,6 +63,12 @@ def served_by(gw: Gateway, n: int) -> list[str]:
     return out
 
 
+def test_managed_engines_report_their_own_kv_capacity_and_context(gw: Gateway) -> None:
+    for b in wait_all_healthy(gw):
+        assert (b["kv_capacity_source"], b["context_source"], b["max_model_len"]) == ("engine", "engine", 4096), b
+        assert b["kv_total_bytes"] > 0
+
+
 def test_stopped_engine_leaves_the_candidate_set_and_returns_after_sigcont(gw: Gateway) -> None:
     wait_all_healthy(gw)
     victim = "a100-0"
