@@ -12,8 +12,9 @@ Aggregation, for an engine that runs several data-parallel ranks behind one /met
     T̄_service  = Δ latency_sum / Δ latency_count between two scrapes; the previous mean when no
                  request finished; the lifetime mean on the first scrape or after a counter reset
 
-Capacity, first found: a token-count gauge; an info-style gauge whose labels carry block size and
-block count (vLLM's `cache_config_info`); block-size and block-count gauges (TensorRT-LLM).
+Capacity, first found: a token-count gauge; an info-style gauge whose labels carry the capacity in
+tokens (newer vLLM's `kv_cache_size_tokens`) or block size and block count (vLLM's and SGLang's
+`cache_config_info`); block-size and block-count gauges (TensorRT-LLM).
 Usage is a fraction in [0, 1] for all three engines (vLLM's "perc" included) and is clamped to it.
 
 Limits: series of a model other than the served one are summed in too; usage is matched to capacity
@@ -53,6 +54,7 @@ class EngineTable:
     cache_info: str | None = None         # info-style gauge: block size and count as labels
     block_size_label: str = "block_size"
     num_blocks_label: str = "num_gpu_blocks"
+    tokens_label: str | None = None       # capacity in tokens as a label of `cache_info`, over blocks × size
     block_size_gauge: str | None = None   # tokens per KV block, as a gauge
     num_blocks_gauge: str | None = None   # KV blocks, as a gauge
     latency_histogram: str | None = None  # end-to-end request latency, seconds
@@ -79,6 +81,7 @@ TABLES: dict[str, EngineTable] = {
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),  # the second: before 0.10
         rank_label="engine",
         cache_info="vllm:cache_config_info",
+        tokens_label="kv_cache_size_tokens",   # newer vLLM; right for hybrid models where blocks × size is not
         latency_histogram="vllm:e2e_request_latency_seconds",
         generation_tokens="vllm:generation_tokens_total",
     ),
@@ -213,9 +216,12 @@ def _capacity(samples: Mapping[str, Series], table: EngineTable) -> dict[str, in
         out: dict[str, int] = {}
         for labels, _ in samples[table.cache_info]:
             size, count = _int(labels.get(table.block_size_label)), _int(labels.get(table.num_blocks_label))
-            if size is not None and count is not None:
+            tokens = _int(labels.get(table.tokens_label)) if table.tokens_label else None
+            if tokens is None and size is not None and count is not None:
+                tokens = size * count
+            if tokens is not None:
                 rank = labels.get(table.rank_label, "") if table.rank_label else ""
-                out[rank] = max(out.get(rank, 0), size * count)
+                out[rank] = max(out.get(rank, 0), tokens)
         if out:
             return out
     if table.block_size_gauge and table.num_blocks_gauge:

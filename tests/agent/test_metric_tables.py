@@ -86,6 +86,15 @@ def test_vllm_prefers_kv_cache_usage_perc_and_falls_back_to_gpu_cache_usage_perc
     assert old.missing == {"vllm:e2e_request_latency_seconds"}
 
 
+def test_vllm_kv_cache_size_tokens_label_wins_over_blocks_times_block_size() -> None:
+    """Hybrid models: blocks × the smallest group's block size is not the capacity; newer vLLM says it."""
+    text = VLLM_OLD.replace('num_gpu_blocks="2375"', 'kv_cache_size_tokens="150000",num_gpu_blocks="2375"')
+    m = parse("vllm", text)
+    assert m.kv_total_tokens == 150_000 and m.kv_free_tokens == 150_000 // 4
+    unprofiled = parse("vllm", text.replace('"150000"', '"None"'))
+    assert unprofiled.kv_total_tokens == 16 * 2375
+
+
 def test_capacity_without_rank_labels_uses_the_mean_usage_of_the_ranks() -> None:
     text = VLLM_OLD.replace('{model_name="m"} 0.75', '{engine="0",model_name="m"} 0.5') + (
         'vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 1.0\n'
