@@ -196,7 +196,7 @@ class Pipeline:
         if last_error is not None:
             raise last_error
         raise NoBackendAvailable(
-            f"no healthy language backend with a context of {job.context_tokens} tokens is available; retry later"
+            f"no healthy language backend is available for a context of {job.context_tokens} tokens; retry later"
         )
 
     async def complete(self, job: GenerationJob) -> tuple[Dispatch, list[engine_pb2.GenerateChunk]]:

@@ -13,9 +13,10 @@ before the first good scrape: an engine never seen is no candidate.
 KV capacity, first found: the engine's metrics; the configured capacity; the performance model's
 estimate for this GPU and model. The heartbeat says which (`kv_capacity_source`).
 
-Context length: read from the engine's `GET /v1/models` (`max_model_len`) after the first good scrape
-and again after the metrics recover from staleness (the engine may have restarted with other flags);
-0 in the heartbeat when the engine does not say, so the gateway applies its own configuration.
+Context length: read from the engine's `GET /v1/models` (`max_model_len`) after the first good scrape,
+and again after the metrics recover from staleness or a counter goes back (the engine may have
+restarted with other flags); 0 in the heartbeat when the engine does not say, so the gateway applies
+its own configuration.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ class AgentConfig:
     interval_s: float = 0.2
     kv_total_tokens: int | None = None   # used where the engine's metrics give no capacity
     scrape_timeout_s: float = 2.0
-    read_context: bool = True            # ask GET <address>/v1/models for max_model_len
     upstream_model: str | None = None    # the model whose max_model_len counts (default: the first listed)
 
 
@@ -98,7 +98,7 @@ class MetricsAgent:
         self._logged_missing: frozenset[str] = frozenset()
         self._warned_unscraped = False
         self.max_model_len: int | None = None   # from the engine's /v1/models
-        self._context_read = not config.read_context
+        self._context_read = False               # asked again after a restart or a stale spell
         self.first_scrape = asyncio.Event()
         self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.interval_s)
 
@@ -141,6 +141,8 @@ class MetricsAgent:
                 log.warning("engine_metrics_missing", backend=self.config.backend_id, engine=table.name,
                             names=sorted(metrics.missing))
         changed = self.metrics is None or _load(metrics) != _load(self.metrics)
+        if self.metrics is not None and metrics.latency_count < self.metrics.latency_count:
+            self._context_read = False    # a counter went back: the engine restarted, perhaps with other flags
         self.metrics, self.last_ok = metrics, self._clock()
         if not self._context_read:
             changed = await self.read_context() or changed
@@ -174,7 +176,7 @@ class MetricsAgent:
         if stale != self.saturated:
             self.saturated = stale
             if stale:
-                self._context_read = not self.config.read_context   # read it again once it is back
+                self._context_read = False   # read it again once it is back
                 log.warning("engine_metrics_stale", backend=self.config.backend_id, age_s=round(age, 3),
                             error=self.last_error, reported="saturated")
             else:

@@ -175,6 +175,17 @@ async def test_context_is_asked_again_after_a_server_error_and_after_the_engine_
     assert engine.paths.count("/v1/models") == 3
 
 
+async def test_context_is_asked_again_when_the_engines_counters_go_back() -> None:
+    engine = Engine(models=models(("m", 4096)))
+    agent = make_agent(engine, Clock())
+    assert await agent.scrape_once() and await agent.scrape_once()
+    engine.models = models(("m", 8192))
+    engine.text = VLLM.replace("_count{engine=\"0\",model_name=\"m\"} 3", "_count{engine=\"0\",model_name=\"m\"} 1")
+    assert await agent.scrape_once()                  # restarted between two scrapes
+    assert agent.state().max_model_len == 8192
+    assert engine.paths.count("/v1/models") == 2
+
+
 async def test_an_engine_that_lists_no_context_is_not_asked_again() -> None:
     engine = Engine(models={"object": "list", "data": [{"id": "m", "object": "model"}]})
     agent = make_agent(engine, Clock())
