@@ -29,6 +29,9 @@ class BackendCollector(Collector):
             "in_flight": GaugeMetricFamily("heterogate_backend_in_flight", "Requests in flight", labels=labels),
             "kv_free": GaugeMetricFamily("heterogate_backend_kv_free_bytes", "Free KV cache bytes", labels=labels),
             "kv_total": GaugeMetricFamily("heterogate_backend_kv_total_bytes", "KV cache bytes", labels=labels),
+            "context": GaugeMetricFamily(
+                "heterogate_backend_max_model_len", "Context routed on, prompt + completion tokens", labels=labels
+            ),
             "vision": GaugeMetricFamily(
                 "heterogate_backend_vision_backlog_tokens", "Image tokens waiting to be encoded", labels=labels
             ),
@@ -50,6 +53,7 @@ class BackendCollector(Collector):
             families["in_flight"].add_metric(values, e.in_flight)
             families["kv_free"].add_metric(values, snap.kv_free_bytes)
             families["kv_total"].add_metric(values, snap.kv_total_bytes)
+            families["context"].add_metric(values, snap.max_context)
             families["vision"].add_metric(values, snap.vision_backlog)
             families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
             families["service"].add_metric(values, snap.mean_service_s)

@@ -21,7 +21,7 @@ from heterogate import perf_model
 from heterogate.catalog import load_catalog
 from tests.e2e.test_errors import assert_openai_error
 from tests.e2e.test_external_engines import MODEL, spawn, stop
-from tests.harness import Gateway, free_port, run_gateway, write_config
+from tests.harness import Gateway, free_port, metric_total, run_gateway, write_config
 
 ENGINES: dict[str, tuple[str, ...]] = {
     "long": ("--engine", "vllm", "--max-model-len", "32768"),
@@ -74,6 +74,7 @@ def test_admin_backends_shows_each_limit_and_where_it_comes_from(cluster: Cluste
     assert b["short"]["kv_total_bytes"] == 60_000 * bpt
     assert b["short"]["kv_free_bytes"] == 45_000 * bpt              # 25% in use
     assert b["plain"]["kv_total_bytes"] == perf_model.kv_capacity_bytes(model, load_catalog().gpu("L40S")) // bpt * bpt
+    assert metric_total(gw, "heterogate_backend_max_model_len", backend="plain") == 40_000
 
 
 def test_the_gateways_own_model_listing_gives_the_longest_context(cluster: Cluster) -> None:
