@@ -47,6 +47,10 @@ class PayloadTooLarge(InvalidRequest):
     code = "payload_too_large"
 
 
+class MethodNotAllowed(InvalidRequest):
+    status = 405
+
+
 class ModelNotFound(RequestError):
     status = 404
     type = "invalid_request_error"
