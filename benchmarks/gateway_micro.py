@@ -2,19 +2,18 @@
 
     python benchmarks/gateway_micro.py [--quick] [--requests 3000] [--repeats 5]
 
-The real FastAPI app (`gateway.http_app.create_app` over `gateway.runtime.build_runtime`, one
+The real HTTP app (`gateway.http_app.create_app` over `gateway.runtime.build_runtime`, one
 backend) is called as an ASGI callable, on uvloop, with a fake engine client in place of the gRPC
 one (it yields max_tokens GenerateChunks at once). What is left is everything the gateway does in
-Python for a request: FastAPI/Starlette, body parsing and validation, job building, admission,
+Python for a request: the ASGI door, body parsing and validation, job building, admission,
 routing, metrics, logging calls, the disconnect watcher, response rendering. Subtracting it from the
 gateway's CPU per request under wrk (gateway_overhead.py) leaves uvicorn's HTTP I/O and the grpc.aio
 client with its threads.
 
 Each cell: `requests` sequential requests, CPU time of this process (time.process_time) divided by
 the count; the minimum over `repeats` (the least disturbed by other processes). Cells: GET /health;
-POST /v1/chat/completions non-streaming and streaming; then the non-streaming request with each
-in-process change of gateway_variants.py (telemetry_off, gc_freeze, no_watcher, no_metrics) and
-with one GenerateChunk for the whole completion (chunk_all). Writes
+POST /v1/chat/completions non-streaming and streaming; then the non-streaming request with one
+GenerateChunk for the whole completion (chunk_all). Writes
 benchmarks/results/gateway_micro.json.
 """
 
@@ -38,7 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import gateway_variants  # noqa: E402
 from benchmarks.bench_cluster import cluster_config  # noqa: E402
 from benchmarks.gateway_overhead import CHAT, git_state, save_report  # noqa: E402
 from gateway.config import load_cluster  # noqa: E402
@@ -65,7 +63,8 @@ class FakeEngineClient:
         self.tokens_per_chunk = tokens_per_chunk
 
     async def generate(
-        self, job: GenerationJob, *, handoff_timeout_s: float, first_token_timeout_s: float, timeout_s: float
+        self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
+        timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         n = job.max_tokens
         per = self.tokens_per_chunk or n
@@ -156,13 +155,6 @@ async def measure(requests: int, repeats: int) -> dict[str, float]:
         runtime = make_runtime(Path(tmp), 0)
         out["chat, chunk_all"] = await cell(runtime, create_app(runtime), "POST", "/v1/chat/completions", body,
                                             requests, repeats)
-        for patch in ("telemetry_off", "no_watcher", "no_metrics", "gc_freeze"):   # cumulative, in this order
-            gateway_variants.PATCHES[patch]()
-            runtime = make_runtime(Path(tmp), 1)
-            app = create_app(runtime)
-            if patch == "gc_freeze":
-                gateway_variants.PATCHES["gc_freeze"]()   # again, after the app exists
-            out[f"chat, +{patch}"] = await cell(runtime, app, "POST", "/v1/chat/completions", body, requests, repeats)
     gc.unfreeze()
     return out
 
@@ -184,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:52s} {us:10.1f} {us / base - 1:+8.1%}")
     report = {"benchmark": "gateway_micro", "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "git": git_state(), "requests": requests, "repeats": repeats, "cpu_us_per_request": cells,
-              "note": "patches after chunk_all are cumulative: +telemetry_off, +no_watcher, +no_metrics, +gc_freeze",
               "wall_s": time.monotonic() - started}
     save_report(OUT, report)
     return 0

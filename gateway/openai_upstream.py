@@ -161,49 +161,52 @@ class OpenAIUpstreamClient:
     async def _chunks(
         self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        """SSE → chunks, each carrying its upstream event for verbatim relay; the chunk with the finish
-        reason is held back until usage arrives."""
+        """SSE → chunks, each carrying its upstream events for verbatim relay; the chunk with the finish
+        reason is held back until usage arrives.
+
+        Events that arrive in one read leave as one chunk (their relays and texts joined): under load a
+        fast engine's events come in bursts, and every chunk costs a trip through the pipeline, the
+        door and a socket write.
+        """
         index, held = 0, None
         relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
         content = resp.content
         finished = False
+        pending = b""
         while True:
             async with asyncio.timeout_at(deadline):   # around the read only: never across a yield
-                raw = await content.readline()
-            if not raw:
+                data = await content.readany()
+            if not data:
                 break
             # After [DONE] the body is still read to its end: a response closed early takes its
             # connection with it, and the next request pays a new TCP handshake.
-            if finished or not raw.startswith(b"data:"):
+            if finished:
                 continue
-            data = raw[5:].strip().decode()
-            if data == "[DONE]":
-                finished = True
-                continue
-            try:
-                event = orjson.loads(data)
-                if "error" in event:
-                    message = event["error"].get("message", "error")
-                    raise BackendFailure(f"backend {self.backend_id}: {message}", backend_id=self.backend_id,
-                                         retryable=index == 0)
-                choices = event.get("choices") or ()
-                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
-                finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
-                usage = event.get("usage") or {}
-            except (orjson.JSONDecodeError, AttributeError, TypeError) as exc:
-                raise BackendFailure(f"backend {self.backend_id}: malformed event: {exc}",
-                                     backend_id=self.backend_id, retryable=index == 0) from None
-            if choices:
-                chunk = engine_pb2.GenerateChunk(text=text, index=index, finish_reason=finish,
-                                                 relay=relay.event(data, event))
-                index += 1
-                if finish:
-                    held = chunk
-                else:
-                    yield chunk
-            if usage and held is not None:
-                held.usage.prompt_tokens = usage.get("prompt_tokens", 0)
-                held.usage.completion_tokens = usage.get("completion_tokens", 0)
+            *lines, pending = (pending + data).split(b"\n")
+            batch: list[tuple[str, bytes]] = []
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip().decode()
+                if payload == "[DONE]":
+                    finished = True
+                    break
+                text, finish, usage, event = self._event(payload, index == 0)
+                if event is not None:
+                    index += 1
+                    if finish:
+                        if batch:
+                            yield _joined(batch, index - 1)
+                            batch = []
+                        held = engine_pb2.GenerateChunk(text=text, index=index - 1, finish_reason=finish,
+                                                        relay=relay.event(payload, event))
+                    else:
+                        batch.append((text, relay.event(payload, event)))
+                if usage and held is not None:
+                    held.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+                    held.usage.completion_tokens = usage.get("completion_tokens", 0)
+            if batch:
+                yield _joined(batch, index - 1)
         if held is None:
             raise BackendFailure(f"backend {self.backend_id}: stream ended without a finish reason",
                                  backend_id=self.backend_id, retryable=index == 0)
@@ -211,5 +214,30 @@ class OpenAIUpstreamClient:
             held.usage.completion_tokens = index
         yield held
 
+    def _event(self, payload: str, first: bool) -> tuple[str, str, dict[str, Any], dict[str, Any] | None]:
+        """One SSE payload → (text, finish reason, usage, the event when it has choices)."""
+        try:
+            event = orjson.loads(payload)
+            if "error" in event:
+                message = event["error"].get("message", "error")
+                raise BackendFailure(f"backend {self.backend_id}: {message}", backend_id=self.backend_id,
+                                     retryable=first)
+            choices = event.get("choices") or ()
+            text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+            finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
+            usage = event.get("usage") or {}
+        except (orjson.JSONDecodeError, AttributeError, TypeError) as exc:
+            raise BackendFailure(f"backend {self.backend_id}: malformed event: {exc}",
+                                 backend_id=self.backend_id, retryable=first) from None
+        return text, finish, usage, event if choices else None
+
     async def close(self) -> None:
         """The shared session is closed by the pool."""
+
+
+def _joined(batch: list[tuple[str, bytes]], last_index: int) -> engine_pb2.GenerateChunk:
+    if len(batch) == 1:
+        text, relay = batch[0]
+    else:
+        text, relay = "".join(t for t, _ in batch), b"".join(r for _, r in batch)
+    return engine_pb2.GenerateChunk(text=text, index=last_index, relay=relay)

@@ -1,0 +1,110 @@
+"""The upstream SSE reader against a real HTTP server on loopback that writes its stream in awkward pieces.
+
+An event split across TCP writes, several events in one write, CRLF line ends, comments and a
+usage-only event after the finish: the client must relay every event once, in order, with the
+gateway's id and model, hold the finish until usage arrives, and reuse the connection afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.errors import BackendFailure
+from gateway.generation_job import GenerationJob
+from gateway.openai_upstream import OpenAIUpstreamClient
+from heterogate.wire import engine_pb2
+
+
+def event(i: int, text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+    body = {"id": "up-123", "object": "chat.completion.chunk", "model": "upstream-model", "choices": [choice]}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+USAGE = (b'data: {"id":"up-123","model":"upstream-model","choices":[],'
+         b'"usage":{"prompt_tokens":7,"completion_tokens":4}}\n\n')
+# What the server writes, one element per write (with a pause between writes so they arrive apart).
+PIECES = [
+    b": keep-alive comment\n\n",
+    event(0, "He")[:20],                                     # an event cut mid-line
+    event(0, "He")[20:] + event(1, "llo"),                   # its tail plus a whole event in one write
+    event(2, " wor").replace(b"\n\n", b"\r\n\r\n"),          # CRLF line ends
+    event(3, "ld", "stop") + USAGE[:30],
+    USAGE[30:] + b"data: [DONE]\n\n",
+]
+
+
+async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connections: list[int]) -> None:
+    connections.append(1)
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):   # the client closed its connection
+            return
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for piece in PIECES:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[str, list[int]]]:
+    connections: list[int] = []
+    server = await asyncio.start_server(lambda r, w: serve(r, w, connections), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", connections
+    server.close()
+
+
+async def relay(client: OpenAIUpstreamClient, rid: str) -> list[engine_pb2.GenerateChunk]:
+    job = GenerationJob(rid, "hi", 2, 16, kind="chat", body={"model": "served", "messages": []})
+    stream = client.generate(job, handoff_timeout_s=0, first_token_timeout_s=5, timeout_s=10)
+    return [chunk async for chunk in stream]
+
+
+async def test_events_in_awkward_pieces_are_relayed_once_in_order(upstream: tuple[str, list[int]]) -> None:
+    url, connections = upstream
+    async with aiohttp.ClientSession() as session:
+        client = OpenAIUpstreamClient("up", url, lambda: session, "upstream-model")
+        for rid in ("r1", "r2"):
+            chunks = await relay(client, rid)
+            assert "".join(c.text for c in chunks) == "Hello world"
+            events = b"".join(c.relay for c in chunks).split(b"\n\n")[:-1]
+            assert len(events) == 4   # the usage-only event is folded into the held finish chunk
+            bodies = [orjson.loads(e.removeprefix(b"data: ")) for e in events]
+            assert [b["id"] for b in bodies] == [f"chatcmpl-{rid}"] * 4
+            assert [b["model"] for b in bodies] == ["served"] * 4
+            assert [b["choices"][0]["delta"]["content"] for b in bodies] == ["He", "llo", " wor", "ld"]
+            last = chunks[-1]
+            assert last.finish_reason == "stop" and not any(c.finish_reason for c in chunks[:-1])
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (7, 4)
+    assert len(connections) == 1, "the second request should reuse the first one's connection"
+
+
+async def test_a_stream_without_a_finish_reason_is_a_backend_failure() -> None:
+    async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + event(0, "x"))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(truncated, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = OpenAIUpstreamClient("up", url, lambda: session, None)
+            with pytest.raises(BackendFailure, match="without a finish reason"):
+                await relay(client, "r3")
+    finally:
+        server.close()
