@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gateway.config import DEFAULT_BACKENDS, ClusterConfig, load_cluster
 from gateway.policies import REGISTRY
-from gateway.server import ServeOptions, serve
+from gateway.server import PortUnavailable, ServeOptions, serve
 from heterogate import __version__
 from heterogate.errors import ConfigError
 from heterogate.event_loop import run
@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
         policy=args.policy, log_level=args.log_level, engine_log_level=args.engine_log_level,
     )
-    run(serve(config, options))
+    try:
+        run(serve(config, options))
+    except PortUnavailable as exc:   # nothing was launched: the ports are bound first
+        print(f"gateway: cannot start: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, field_validator, model_validator
 
 from gateway.admission import AdmissionConfig
 from gateway.auth import AuthConfig
@@ -35,6 +37,40 @@ class LaunchSpec(StrictModel):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class CommandLaunchSpec(StrictModel):
+    """How the gateway starts an OpenAI-compatible engine of a `kind: openai` entry (`vllm serve ...`).
+
+    `{port}` in the command is replaced by `port` (a free loopback port picked at start-up when not
+    given); `devices` become CUDA_VISIBLE_DEVICES. The backend is `starting` until `GET ready_path`
+    answers 200, for at most `start_timeout_s` (then the process group is killed and started again).
+    """
+
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    devices: list[Annotated[int, Field(ge=0)]] | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    ready_path: str = Field(default="/health", pattern=r"^/")
+    start_timeout_s: PositiveFloat = 900.0     # model loads take minutes
+    probe_interval_s: PositiveFloat = 0.5
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        """A string is split as a shell would (no shell runs it)."""
+        return shlex.split(value) if isinstance(value, str) else value
+
+
+def _launch_kind(value: Any) -> str:
+    command = isinstance(value, CommandLaunchSpec) or (isinstance(value, dict) and "command" in value)
+    return "command" if command else "engine"
+
+
+Launch = Annotated[
+    Annotated[LaunchSpec, Tag("engine")] | Annotated[CommandLaunchSpec, Tag("command")],
+    Discriminator(_launch_kind),
+]
+
+
 class ScrapeSpec(StrictModel):
     """Gateway-side scraping of an engine's Prometheus /metrics (for engines without an agent)."""
 
@@ -49,7 +85,7 @@ class BackendSpec(StrictModel):
     role: Literal["language", "vision", "both"] = "language"
     gpu: str
     address: str | None = None      # engine: host:port; openai: base URL. Managed engines report theirs.
-    launch: LaunchSpec | None = None
+    launch: Launch | None = None
     steal: bool = False
     upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
     scrape: ScrapeSpec | None = None
@@ -61,6 +97,9 @@ class BackendSpec(StrictModel):
     # model's context and the performance model's KV estimate.
     max_model_len: PositiveInt | None = None
     kv_capacity_tokens: PositiveInt | None = None
+    # openai: sent upstream as `Authorization: Bearer ...` (vllm serve --api-key); the env var is read at start-up
+    api_key: str | None = Field(default=None, min_length=1)
+    api_key_env: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _managed_or_external(self) -> BackendSpec:
@@ -69,13 +108,33 @@ class BackendSpec(StrictModel):
         if self.steal and self.role != "vision":
             raise ValueError("`steal` applies to vision backends only")
         if self.kind == "openai":
-            if self.launch is not None or self.role != "language":
-                raise ValueError("kind: openai backends are external language backends (no launch, role language)")
-            if not (self.address or "").startswith(("http://", "https://")):
+            if self.role != "language":
+                raise ValueError("kind: openai backends are language backends (role language)")
+            if self.launch is not None and not isinstance(self.launch, CommandLaunchSpec):
+                raise ValueError("a kind: openai `launch` needs `command` (e.g. vllm serve ... --port {port})")
+            if self.launch is None and not (self.address or "").startswith(("http://", "https://")):
                 raise ValueError("kind: openai needs `address` as a base URL, e.g. http://10.0.0.5:8000")
-        elif self.upstream_model is not None or self.scrape is not None or self.image_embeds:
-            raise ValueError("`upstream_model`, `scrape` and `image_embeds` apply to kind: openai backends only")
+            if self.launch is not None and self.address is not None:
+                raise ValueError("a managed kind: openai entry gets its address from `launch.port`; drop `address`")
+            if self.api_key is not None and self.api_key_env is not None:
+                raise ValueError("give `api_key` or `api_key_env`, not both")
+        else:
+            if isinstance(self.launch, CommandLaunchSpec):
+                raise ValueError("`launch.command` applies to kind: openai backends only")
+            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env")
+            given = [f"`{name}`" for name in openai_only if getattr(self, name) not in (None, False)]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to kind: openai backends only")
         return self
+
+    def upstream_api_key(self) -> str | None:
+        """The key sent upstream; an `api_key_env` naming an unset variable is a ConfigError."""
+        if self.api_key_env is None:
+            return self.api_key
+        value = os.environ.get(self.api_key_env)
+        if not value:
+            raise ConfigError(f"environment variable {self.api_key_env} is not set (api_key_env)")
+        return value
 
 
 class Limits(StrictModel):
@@ -84,6 +143,7 @@ class Limits(StrictModel):
     default_max_tokens: PositiveInt = 256
     max_body_bytes: PositiveInt = 32 << 20         # images arrive base64-encoded inside the body
     max_messages: PositiveInt = 256
+    max_choices: PositiveInt = 8                   # `n`: kind: openai backends only (engines give one choice)
     max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
     first_token_timeout_s: PositiveFloat = 60.0
     request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
@@ -118,7 +178,8 @@ class StealingConfig(StrictModel):
 class GatewaySettings(StrictModel):
     heartbeat_interval_ms: PositiveInt = 200
     heartbeat_miss_limit: PositiveInt = 3
-    engine_start_timeout_s: PositiveFloat = 60.0
+    engine_start_timeout_s: PositiveFloat = 60.0     # kind: engine; kind: openai has launch.start_timeout_s
+    engine_stop_timeout_s: PositiveFloat = 10.0      # managed engines: SIGTERM, SIGKILL after half of it
     handoff_timeout_s: PositiveFloat = 10.0   # a language engine waits this long for embeddings
     drain_timeout_s: PositiveFloat = 30.0     # on SIGTERM: finish in-flight requests for up to this long
     retry_backoff_s: PositiveFloat = 0.02     # first retry waits U(0.5, 1) × this; doubles per retry
@@ -171,6 +232,10 @@ class ClusterConfig:
                 raise ConfigError(f"{path}: backends.{i}.{field}: model {raw.model!r} has no vision encoder")
             if b.image_embeds:
                 _resolve(path, f"backends.{i}.image_embeds", require_torch)
+        self.api_keys: dict[str, str | None] = {
+            b.id: _resolve(path, f"backends.{i} ({b.id}).api_key_env", b.upstream_api_key)
+            for i, b in enumerate(raw.backends) if b.kind == "openai"
+        }
         for name, params in routing.params.items():
             _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))
 

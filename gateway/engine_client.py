@@ -14,10 +14,10 @@ from typing import Protocol
 import aiohttp
 import grpc
 
+from gateway.engine_fields import check_engine_can_honour
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
 from gateway.generation_job import GenerationJob, Handoff
-from gateway.openai_upstream import OpenAIUpstreamClient
-from heterogate.catalog import ModelProfile
+from gateway.openai_upstream import OpenAIUpstreamClient, Upstream
 from heterogate.wire import engine_pb2, engine_pb2_grpc
 
 # Engine answers that mean "this request is wrong", not "this engine is broken": never retried.
@@ -56,6 +56,7 @@ class EngineClient:
         timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """Stream chunks. Failures before the first chunk are retryable; closing early cancels the RPC."""
+        check_engine_can_honour(job.body)
         request = engine_pb2.GenerateRequest(
             request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
             image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
@@ -109,10 +110,6 @@ class BackendClient(Protocol):
     async def close(self) -> None: ...
 
 
-# kind: openai backends: (upstream model name or None, the model whose embeddings it takes inline or None)
-Upstream = tuple[str | None, ModelProfile | None]
-
-
 class EngineClients:
     """The pool: one client per backend, replaced when a backend reports a new address.
 
@@ -160,7 +157,7 @@ class EngineClients:
             return
         upstream = self._upstreams.get(backend_id)
         if upstream is not None:
-            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, self._http, *upstream)
+            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, self._http, upstream)
         else:
             self._clients[backend_id] = EngineClient(backend_id, address)
         if current is not None:

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.completions_door import ASGIApp, CompletionsDoor, new_request_id
 from gateway.errors import RequestError, openai_error_body
+from gateway.jobs import JobBuilder
 from gateway.runtime import Runtime
 
 
@@ -41,6 +42,7 @@ def create_app(runtime: Runtime) -> ASGIApp:
     app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     model_name = runtime.config.served_model_name
+    jobs = JobBuilder(runtime)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> Response:
@@ -55,12 +57,21 @@ def create_app(runtime: Runtime) -> ASGIApp:
     def authorize(request: Request, *, admin: bool = False) -> None:
         runtime.keys.check(request.headers.get("authorization"), admin=admin)
 
+    def model_item() -> dict[str, Any]:
+        # as vLLM lists it: max_model_len, here the longest context any backend serves
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate",
+                "max_model_len": runtime.table.largest_context()}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request)
-        item = {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate",
-                "max_model_len": runtime.table.largest_context()}   # as vLLM lists it: the longest any backend serves
-        return json_response({"object": "list", "data": [item]})
+        return json_response({"object": "list", "data": [model_item()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        authorize(request)
+        jobs.check_model(model_id)
+        return json_response(model_item())
 
     @app.get("/health")
     async def health() -> Response:

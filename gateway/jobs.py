@@ -6,6 +6,7 @@ Shared by the HTTP and gRPC front doors so that both enforce the very same rules
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.generation_job import GenerationJob
@@ -68,9 +69,8 @@ class JobBuilder:
         asked = req.requested_max_tokens()
         max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), asked)
         temperature = 1.0 if req.temperature is None else req.temperature
-        body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
-        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat", body,
-                             max_tokens_asked=asked is not None)
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
+                             self._body(req), max_tokens_asked=asked is not None)
 
     def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
         self.check_model(req.model)
@@ -86,9 +86,16 @@ class JobBuilder:
         asked = req.requested_max_tokens()
         max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
         temperature = 1.0 if req.temperature is None else req.temperature
-        body = req.model_dump(exclude_none=True, exclude={"stream", "stream_options"})
-        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text", body,
-                             max_tokens_asked=asked is not None)
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
+                             self._body(req), max_tokens_asked=asked is not None)
+
+    def _body(self, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        """The client's own body for upstreams, less `stream` (the gateway decides how it asks)."""
+        if req.n is not None and req.n > self._limits.max_choices:
+            raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
+        body = dict(req.client_body())
+        body.pop("stream", None)
+        return body
 
     async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
         parts = image_parts(req.messages)

@@ -1,15 +1,17 @@
 """OpenAI request bodies as pydantic models, and their translation into a prompt.
 
-Types are strict (a string where a number belongs is a 400, not a coercion); fields the gateway
-does not act on (`user`, `seed`, `logit_bias`, ...) are accepted and ignored, as OpenAI-compatible
-servers do, so that unmodified clients work.
+Types are strict (a string where a number belongs is a 400, not a coercion) for the fields the
+gateway acts on. Every other field (`tools`, `logprobs`, `seed`, vendor fields such as `top_k`,
+`tool_calls` in messages, ...) is accepted: a request keeps the client's body as sent
+(`client_body()`), which goes to kind: openai upstreams unchanged; the gateway's own engines refuse
+what they cannot honour (`gateway.engine_fields`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from gateway.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
 
@@ -51,10 +53,23 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1)   # bounded by limits.max_choices
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    _client_body: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_client_body(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        request = handler(data)
+        if isinstance(data, dict):
+            request._client_body = data
+        return request
+
+    def client_body(self) -> dict[str, Any]:
+        """The body exactly as the client sent it (validated by this model, not rewritten by it)."""
+        return self._client_body
 
 
 class ChatCompletionRequest(_Sampling):

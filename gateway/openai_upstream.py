@@ -1,6 +1,11 @@
 """Client of an existing OpenAI-compatible engine (vLLM, SGLang, ...): `kind: openai` backends.
 
-The client's validated body goes upstream as-is (model name swapped for the upstream's). A streamed
+The client's body goes upstream with every field it sent (tools, tool_choice, tool_calls and
+tool_call_id in messages, response_format, logprobs, seed, n, penalties, logit_bias, vendor fields
+such as top_k or chat_template_kwargs); the gateway changes only what it must: the model name (to
+the upstream's), `stream`, `max_tokens` (the gateway's bound; `max_completion_tokens` folded in),
+`stream_options.include_usage` (the gateway counts tokens) and, with `image_embeds`, image parts
+replaced by their embeddings. An `api_key` of the backend goes as `Authorization: Bearer`. A streamed
 request is read back from the upstream SSE as the same chunk stream the gRPC engines give; a
 non-streamed one is asked of the upstream non-streamed and its reply comes back whole, as one chunk
 whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,6 +40,15 @@ from gateway.image_embeds import with_image_embeds
 from gateway.openai_format import completion_id
 from heterogate.catalog import ModelProfile
 from heterogate.wire import engine_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """How to talk to one kind: openai backend."""
+
+    model: str | None = None                  # the model name it serves under (default: the client's)
+    embeds_model: ModelProfile | None = None  # it takes this model's image embeddings inline
+    api_key: str | None = None                # sent as Authorization: Bearer
 
 
 def _error_message(body: bytes) -> str:
@@ -71,16 +86,18 @@ class _Relay:
 
 class OpenAIUpstreamClient:
     def __init__(
-        self, backend_id: str, base_url: str, http: Callable[[], aiohttp.ClientSession], upstream_model: str | None,
-        embeds_model: ModelProfile | None = None,
+        self, backend_id: str, base_url: str, http: Callable[[], aiohttp.ClientSession], upstream: Upstream,
     ) -> None:
         self.backend_id = backend_id
         self.address = base_url.rstrip("/")
         self._http = http
-        self._model = upstream_model
-        self._embeds_model = embeds_model
+        self._model = upstream.model
+        self._embeds_model = upstream.embeds_model
+        self._headers = {"content-type": "application/json"}
+        if upstream.api_key:
+            self._headers["authorization"] = f"Bearer {upstream.api_key}"
         # inline: takes embeddings in the request body; none: the upstream encodes its own images
-        self.handoff: Handoff = "inline" if embeds_model is not None else "none"
+        self.handoff: Handoff = "inline" if upstream.embeds_model is not None else "none"
 
     async def _body(self, job: GenerationJob) -> dict[str, Any]:
         body = dict(job.body)
@@ -89,8 +106,9 @@ class OpenAIUpstreamClient:
         if self._model:
             body["model"] = self._model
         body.update(stream=not job.whole, max_tokens=job.max_tokens)
+        options = body.pop("stream_options", None)
         if not job.whole:
-            body["stream_options"] = {"include_usage": True}
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         body.pop("max_completion_tokens", None)
         return body
 
@@ -110,7 +128,7 @@ class OpenAIUpstreamClient:
             async with asyncio.timeout_at(deadline):
                 resp = await self._http().post(
                     self.address + path, data=body, timeout=timeout,
-                    headers={"content-type": "application/json", "x-request-id": job.request_id},
+                    headers={**self._headers, "x-request-id": job.request_id},
                 )
             try:
                 if resp.status != 200:
@@ -161,8 +179,9 @@ class OpenAIUpstreamClient:
     async def _chunks(
         self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        """SSE → chunks, each carrying its upstream events for verbatim relay; the chunk with the finish
-        reason is held back until usage arrives.
+        """SSE → chunks, each carrying its upstream events for verbatim relay; the last chunk with a finish
+        reason is held back until usage arrives. With several choices (`n`) only that last one ends the
+        stream: the finish event of an earlier choice is relayed as is, in a chunk without a finish.
 
         Events that arrive in one read leave as one chunk (their relays and texts joined): under load a
         fast engine's events come in bursts, and every chunk costs a trip through the pipeline, the
@@ -195,6 +214,8 @@ class OpenAIUpstreamClient:
                 if event is not None:
                     index += 1
                     if finish:
+                        if held is not None:   # an earlier choice's end, not the stream's
+                            batch.append((held.text, held.relay))
                         if batch:
                             yield _joined(batch, index - 1)
                             batch = []

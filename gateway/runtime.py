@@ -13,9 +13,10 @@ from gateway.circuit_breaker import Breakers
 from gateway.config import ClusterConfig, Limits
 from gateway.engine_client import EngineClients
 from gateway.metrics import GatewayMetrics
+from gateway.openai_upstream import Upstream
 from gateway.pipeline import LANGUAGE_ROLES, Pipeline, PipelineSettings
 from gateway.policies import build_policy
-from gateway.state_table import StateTable
+from gateway.state_table import SERVING, StateTable
 
 
 @dataclass
@@ -50,6 +51,9 @@ class Runtime:
                 "gpu": e.gpu.name,
                 "address": e.address,
                 "managed": e.managed,
+                # starting / restarting / stopped (managed, by the supervisor), else healthy / unhealthy
+                "state": e.lifecycle if e.lifecycle not in SERVING else
+                ("healthy" if self.table.is_healthy(e) else "unhealthy"),
                 "pid": e.reported.pid or None,
                 "healthy": self.table.is_healthy(e),
                 "breaker": self.pipeline.breakers.state(e.id).value,
@@ -75,12 +79,15 @@ class Runtime:
         return out
 
 
-def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runtime:
+def build_runtime(config: ClusterConfig, policy_name: str | None = None,
+                  addresses: dict[str, str] | None = None) -> Runtime:
+    """`addresses`: where managed kind: openai backends will listen (their ports are picked at start-up)."""
     settings = config.settings
     table = StateTable(config.model, settings.heartbeat_interval_ms / 1000, settings.heartbeat_miss_limit)
+    address_of = {s.id: s.address for s in config.raw.backends} | (addresses or {})
     for spec in config.raw.backends:
         table.register(
-            spec.id, spec.role, config.gpus[spec.id], address=spec.address, managed=spec.launch is not None,
+            spec.id, spec.role, config.gpus[spec.id], address=address_of[spec.id], managed=spec.launch is not None,
             steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
             kv_capacity_tokens=spec.kv_capacity_tokens,
         )
@@ -89,13 +96,13 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None) -> Runt
     policy = build_policy(name, routing.params.get(name))
     vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
     clients = EngineClients({
-        s.id: (s.upstream_model, config.model if s.image_embeds else None)
+        s.id: Upstream(s.upstream_model, config.model if s.image_embeds else None, config.api_keys[s.id])
         for s in config.raw.backends if s.kind == "openai"
     }, upstream_idle_s=settings.keep_alive.upstream_idle_s,
         upstream_max_connections=settings.keep_alive.upstream_max_connections)
     for spec in config.raw.backends:
-        if spec.address is not None:
-            clients.ensure(spec.id, spec.address)
+        if (address := address_of[spec.id]) is not None:
+            clients.ensure(spec.id, address)
     metrics = GatewayMetrics(table)
     limits = settings.limits
     pipeline = Pipeline(table, policy, vision_policy, clients, metrics, PipelineSettings(

@@ -1,13 +1,20 @@
-"""Runs one gateway process: gRPC server (control + front door), managed engines, HTTP door; stops them in order."""
+"""Runs one gateway process: gRPC server (control + front door), managed engines, HTTP door; stops them in order.
+
+Both ports are bound before any engine is launched, and neither is shared (no SO_REUSEPORT): a
+second gateway pointed at a taken port exits with an error naming it, launches nothing, and leaves
+the first one serving.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import signal
+import socket
 from dataclasses import dataclass
 
 import grpc
+import httpx
 import structlog
 import uvicorn
 
@@ -15,9 +22,11 @@ from gateway.config import ClusterConfig
 from gateway.grpc_door import add_front_door
 from gateway.heartbeat_service import ControlService
 from gateway.http_app import create_app
+from gateway.launchers import build_launchers, managed_address, managed_ports
 from gateway.runtime import Runtime, build_runtime
-from gateway.scrapers import run_scrapers
 from gateway.supervisor import Supervisor
+from gateway.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
+from heterogate.errors import HeteroGateError
 from heterogate.wire import control_pb2_grpc
 
 log = structlog.get_logger("gateway")
@@ -34,39 +43,55 @@ class ServeOptions:
     engine_log_level: str = "warning"
 
 
+class PortUnavailable(HeteroGateError):
+    """A port the gateway must listen on cannot be bound (taken, or not allowed)."""
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=2048)
+    except OSError as exc:
+        raise PortUnavailable(f"cannot bind the HTTP port {host}:{port}: {exc.strerror or exc}") from None
+
+
 async def start_control(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
+    # No SO_REUSEPORT: with it, a second gateway would bind the same port and take half the heartbeats.
     max_bytes = runtime.limits.max_body_bytes
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes), ("grpc.so_reuseport", 0)])
     service = ControlService(runtime.table, on_heartbeat=runtime.clients.ensure)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
     await add_front_door(server, runtime)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:   # grpcio ≥ 1.60 raises instead of returning 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the control gRPC port {host}:{port}")
+        await server.stop(None)
+        raise PortUnavailable(f"cannot bind the control gRPC port {host}:{port}: address in use or not allowed")
     await server.start()
     return server, bound
 
 
-async def wait_for_engines(runtime: Runtime, supervisor: Supervisor, timeout_s: float) -> None:
-    """Log when every managed engine has sent its first heartbeat (or which have not, at the timeout)."""
-    ids = [c.spec.id for c in supervisor.children]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        missing = [i for i in ids if (e := runtime.table.get(i)) is None or e.last_heartbeat is None]
-        if not missing:
-            log.info("engines_ready", count=len(ids))
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            log.error("engines_not_ready", missing=missing, timeout_s=timeout_s)
-            return
-        await asyncio.sleep(0.05)
-
-
 async def serve(config: ClusterConfig, options: ServeOptions) -> None:
-    runtime = build_runtime(config, options.policy)
-    control, grpc_port = await start_control(runtime, options.grpc_host, options.grpc_port)
-    supervisor = Supervisor(config, f"{options.grpc_host}:{grpc_port}", log_level=options.engine_log_level)
+    ports = managed_ports(config)
+    addresses = {backend_id: managed_address(port) for backend_id, port in ports.items()}
+    runtime = build_runtime(config, options.policy, addresses)
+    try:
+        http_socket = bind_http(options.host, options.port)
+        try:
+            control, grpc_port = await start_control(runtime, options.grpc_host, options.grpc_port)
+        except BaseException:
+            http_socket.close()
+            raise
+    except BaseException:
+        await runtime.close()
+        raise
+    probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
+    launchers = build_launchers(config, ports, f"{options.grpc_host}:{grpc_port}", runtime.table,
+                                make_probe(probes), options.engine_log_level)
+    supervisor = Supervisor(launchers, on_state=runtime.table.set_lifecycle,
+                            stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s))
     supervisor.start()
     app = create_app(runtime)
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
@@ -83,20 +108,19 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
              policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name)
-    http = asyncio.create_task(server.serve())
-    scrapers = asyncio.create_task(run_scrapers(config, f"{options.grpc_host}:{grpc_port}", stop))
-    ready = asyncio.create_task(wait_for_engines(runtime, supervisor, config.settings.engine_start_timeout_s))
+    http = asyncio.create_task(server.serve(sockets=[http_socket]))
+    monitor = asyncio.create_task(UpstreamMonitor(config, runtime.table, addresses, probes).run(stop))
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({http, stopper}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         log.info("gateway_stopping")
-        ready.cancel()
         stop.set()
         server.should_exit = True
         await http
-        await scrapers
+        await monitor
         await supervisor.stop()
+        await probes.aclose()
         await control.stop(grace=1.0)
         await runtime.close()
         stopper.cancel()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
@@ -30,6 +31,10 @@ from heterogate.service_time import updated_mean_service
 # Weight of a new sample in the gateway's service-time EWMA.
 # Prior for T̄_service before any sample: prefill of a typical prompt plus a typical completion.
 PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS = 512, 128
+
+# Set by the supervisor for the backends it launched; None for the others. Only `ready` ones serve.
+Lifecycle = Literal["starting", "ready", "restarting", "stopped"]
+SERVING: tuple[Lifecycle | None, ...] = (None, "ready")
 
 
 @dataclass(slots=True)
@@ -71,6 +76,7 @@ class BackendEntry:
     max_model_len: int | None = None          # configured: where the engine does not say
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
     snapshot: BackendSnapshot | None = None   # None = stale, rebuild on next read
+    lifecycle: Lifecycle | None = None
 
 
 class StateTable:
@@ -104,17 +110,28 @@ class StateTable:
     def apply_heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
         """Record one heartbeat; returns None for an unknown backend or an out-of-order message.
 
-        Engines start their sequence numbers at their start time in µs, so a restarted engine's
-        numbers are still larger than its predecessor's.
+        Sequence numbers order the messages of one sender (engines start theirs at their start time
+        in µs, so a restarted engine's are larger than its predecessor's). A message from another
+        sender (another pid or address) is always taken: a backend whose heartbeats were taken over by
+        some other process recovers as soon as its own engine heartbeats again.
         """
         entry = self._entries.get(backend_id)
-        if entry is None or seq <= entry.reported.seq:
+        if entry is None:
+            return None
+        same_sender = reported.pid == entry.reported.pid and (not address or address == entry.address)
+        if same_sender and seq <= entry.reported.seq:
             return None
         entry.reported = reported
         entry.address = address or entry.address
         entry.last_heartbeat = self.clock()
         entry.snapshot = None
         return entry
+
+    def set_lifecycle(self, backend_id: str, state: Lifecycle) -> None:
+        entry = self._entries[backend_id]
+        entry.lifecycle = state
+        if state != "ready":
+            entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
 
     def acquire(self, backend_id: str) -> None:
         entry = self._entries[backend_id]
@@ -148,7 +165,7 @@ class StateTable:
         return self._entries.values()
 
     def is_healthy(self, entry: BackendEntry, now: float | None = None) -> bool:
-        if entry.last_heartbeat is None:
+        if entry.last_heartbeat is None or entry.lifecycle not in SERVING:
             return False
         now = self.clock() if now is None else now
         return now - entry.last_heartbeat <= self.miss_limit * self.heartbeat_interval_s
@@ -167,7 +184,7 @@ class StateTable:
         skip = set(exclude)
         fresh, stale = [], []
         for e in self._entries.values():
-            if e.role not in roles or e.id in skip:
+            if e.role not in roles or e.id in skip or e.lifecycle not in SERVING:
                 continue
             if e.last_heartbeat is not None and now - e.last_heartbeat <= limit:
                 fresh.append(e.snapshot or self._rebuild(e))
