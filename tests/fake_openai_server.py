@@ -10,6 +10,15 @@ stream `tokens` words (the request's max_tokens).
 SGLang do), without it otherwise (as TensorRT-LLM does); the max_tokens of every completion request is
 recorded in `GET /stats` under "max_tokens". `--no-cache-info` leaves the KV capacity out of /metrics.
 
+Pass-through checks: the last request body and Authorization header are in `GET /stats`
+("last_body", "last_authorization"); a request with `tools` is answered with a call of its first
+tool, one with `logprobs` with per-token logprobs (streamed and not). `--api-key K` refuses /v1/*
+requests without `Authorization: Bearer K` (401), as `vllm serve --api-key` does.
+
+Managed-engine checks: `GET /health` is 200; `--start-delay S` waits S seconds before serving (a model
+load); `--children N` starts N child processes (as vLLM starts workers), their pids and this
+server's own in `GET /stats` ("children", "pid").
+
 `--embeds-only` acts as `vllm serve --enable-mm-embeds --limit-mm-per-prompt '{"image":0}'`: image_url
 parts are refused with 400, and image_embeds parts are decoded as vLLM does (base64 → torch.load with
 weights_only) and their shapes recorded in `GET /stats` under "image_embeds".
@@ -21,6 +30,10 @@ import argparse
 import asyncio
 import base64
 import io
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,14 +93,30 @@ def n_tokens(body: dict[str, Any]) -> int:
     return int(body.get("max_tokens") or 8)
 
 
+def tool_call(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["tools"][0]["function"]["name"]
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": '{"city": "Paris"}'}}
+
+
+def token_logprobs(token: str, i: int) -> dict[str, Any]:
+    return {"token": token, "logprob": -0.5 - i, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": token, "logprob": -0.5 - i, "bytes": list(token.encode())}]}
+
+
 def create_app(
-    engine: str, embeds_only: bool = False, max_model_len: int | None = None, cache_info: bool = True
+    engine: str, embeds_only: bool = False, max_model_len: int | None = None, cache_info: bool = True,
+    api_key: str | None = None, children: list[int] | None = None,
 ) -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": [],
-                             "token_delay_ms": 1, "max_tokens": []}
+                             "token_delay_ms": 1, "max_tokens": [], "last_body": None, "last_authorization": None,
+                             "pid": os.getpid(), "children": children or []}
     metrics_text = "".join(line for line in METRICS[engine].splitlines(keepends=True)
                            if cache_info or "cache_config_info" not in line)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b"", status_code=200)
 
     @app.post("/control")
     async def control(request: Request) -> dict[str, Any]:
@@ -116,10 +145,22 @@ def create_app(
 
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        if chat and body.get("tools"):
+            call = tool_call(body)
+            arguments = call["function"].pop("arguments")
+            yield event([{"index": 0, "delta": {"tool_calls": [{"index": 0, **call, "function": {
+                **call["function"], "arguments": ""}}]}, "finish_reason": None}])
+            yield event([{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+                          "finish_reason": "tool_calls"}])
+            yield event([], usage={"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8})
+            yield b"data: [DONE]\n\n"
+            return
         for i in range(n):
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
             if chat:
                 choice["delta"] = {"content": f"w{i} "}
+                if body.get("logprobs"):
+                    choice["logprobs"] = {"content": [token_logprobs(f"w{i} ", i)]}
             else:
                 choice["text"] = f"w{i} "
             yield event([choice])
@@ -132,8 +173,13 @@ def create_app(
         n = n_tokens(body)
         text = "".join(f"w{i} " for i in range(n))
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-        if chat:
+        if chat and body.get("tools"):
+            choice.update(finish_reason="tool_calls",
+                          message={"role": "assistant", "content": None, "tool_calls": [tool_call(body)]})
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": [token_logprobs(f"w{i} ", i) for i in range(n)]}
         else:
             choice["text"] = text
         return orjson.dumps({
@@ -144,6 +190,9 @@ def create_app(
 
     async def complete(request: Request, chat: bool) -> Response:
         body = orjson.loads(await request.body())
+        state["last_body"], state["last_authorization"] = body, request.headers.get("authorization")
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            return Response(orjson.dumps({"error": {"message": "Unauthorized"}}), status_code=401)
         if state["fail"] > 0:
             state["fail"] -= 1
             return Response(orjson.dumps({"error": {"message": "overloaded"}}), status_code=503)
@@ -181,8 +230,15 @@ def main() -> None:
     p.add_argument("--embeds-only", action="store_true")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--no-cache-info", action="store_true")
+    p.add_argument("--api-key")
+    p.add_argument("--start-delay", type=float, default=0.0, help="seconds before serving (a model load)")
+    p.add_argument("--children", type=int, default=0, help="child processes to start (as engine workers)")
     args = p.parse_args()
-    app = create_app(args.engine, args.embeds_only, args.max_model_len, cache_info=not args.no_cache_info)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    workers = [subprocess.Popen(sleeper).pid for _ in range(args.children)]
+    time.sleep(args.start_delay)
+    app = create_app(args.engine, args.embeds_only, args.max_model_len, cache_info=not args.no_cache_info,
+                     api_key=args.api_key, children=workers)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
