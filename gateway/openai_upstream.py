@@ -11,8 +11,8 @@ non-streamed one is asked of the upstream non-streamed and its reply comes back 
 whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
 every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
 and both front doors work unchanged. aiohttp errors are mapped at this boundary: connection errors,
-timeouts, 5xx and 429 are backend failures (retryable before the first token); other 4xx are the
-client's fault and come back as 400 with the upstream's message.
+timeouts, 5xx, 429 and 401/403 (the backend's api_key) are backend failures (retryable before the
+first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
 
 With `image_embeds: true` the backend is the language side of the modality split: the pipeline has a
 vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
@@ -134,7 +134,8 @@ class OpenAIUpstreamClient:
                 if resp.status != 200:
                     async with asyncio.timeout_at(deadline):
                         message = _error_message(await resp.read())
-                    if resp.status >= 500 or resp.status == 429:
+                    # 401/403: the gateway's credentials for this backend, not the client's request
+                    if resp.status >= 500 or resp.status in (401, 403, 429):
                         raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
                                              backend_id=self.backend_id)
                     raise InvalidRequest(f"upstream rejected the request: {message}")

@@ -10,9 +10,9 @@ stream `tokens` words (the request's max_tokens).
 SGLang do), without it otherwise (as TensorRT-LLM does); the max_tokens of every completion request is
 recorded in `GET /stats` under "max_tokens". `--no-cache-info` leaves the KV capacity out of /metrics.
 
-Pass-through checks: the last request body and Authorization header are in `GET /stats`
-("last_body", "last_authorization"); a request with `tools` is answered with a call of its first
-tool, one with `logprobs` with per-token logprobs (streamed and not). `--api-key K` refuses /v1/*
+Pass-through checks: streams give `n` choices; the last request body and Authorization header are
+in `GET /stats` ("last_body", "last_authorization"); a request with `tools` is answered with a call of
+its first tool, one with `logprobs` with per-token logprobs (streamed and not). `--api-key K` refuses /v1/*
 requests without `Authorization: Bearer K` (401), as `vllm serve --api-key` does.
 
 Managed-engine checks: `GET /health` is 200; `--start-delay S` waits S seconds before serving (a model
@@ -156,14 +156,15 @@ def create_app(
             yield b"data: [DONE]\n\n"
             return
         for i in range(n):
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
-            if chat:
-                choice["delta"] = {"content": f"w{i} "}
-                if body.get("logprobs"):
-                    choice["logprobs"] = {"content": [token_logprobs(f"w{i} ", i)]}
-            else:
-                choice["text"] = f"w{i} "
-            yield event([choice])
+            for c in range(int(body.get("n") or 1)):   # one event per choice, as vLLM sends them
+                choice: dict[str, Any] = {"index": c, "finish_reason": "length" if i == n - 1 else None}
+                if chat:
+                    choice["delta"] = {"content": f"w{i} "}
+                    if body.get("logprobs"):
+                        choice["logprobs"] = {"content": [token_logprobs(f"w{i} ", i)]}
+                else:
+                    choice["text"] = f"w{i} "
+                yield event([choice])
             await asyncio.sleep(state["token_delay_ms"] / 1000)
         yield event([], usage={"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3})
         yield b"data: [DONE]\n\n"
