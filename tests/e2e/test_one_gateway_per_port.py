@@ -1,0 +1,48 @@
+"""One gateway per port: a second gateway pointed at a taken HTTP or control port exits with an error
+naming the port, launches none of its engines, and the first one keeps serving."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_managed_engines import BACKEND, MODEL, chat, managed_config
+from tests.harness import ROOT, free_port, run_gateway, write_config
+
+
+def second_gateway(tmp: Path, port: int, grpc_port: int) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run a gateway whose one managed engine would leave `marker` behind if it were ever launched."""
+    marker = tmp / "launched"
+    touch = [sys.executable, "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()", str(marker)]
+    config = write_config(tmp, {"model": MODEL, "backends": [
+        {"id": "second", "kind": "openai", "gpu": "L40S", "launch": {"command": touch}}]})
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--backends", str(config), "--port", str(port),
+         "--grpc-port", str(grpc_port), "--log-level", "warning"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    return done, marker
+
+
+@pytest.mark.parametrize("taken", ["http", "control"])
+def test_a_second_gateway_on_a_taken_port_starts_nothing(tmp_path: Path, taken: str) -> None:
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    with run_gateway(managed_config(first_dir, start_delay_s=0.0), healthy=1, timeout=60) as gw:
+        address = gw.backend(BACKEND)["address"]
+        http_port = int(gw.url.rsplit(":", 1)[1])
+        port, grpc_port = (http_port, free_port()) if taken == "http" else (free_port(), gw.grpc_port)
+        done, marker = second_gateway(second_dir, port, grpc_port)
+        assert done.returncode == 1
+        what = "HTTP port" if taken == "http" else "control gRPC port"
+        assert f"cannot bind the {what} 127.0.0.1:{port if taken == 'http' else grpc_port}" in done.stderr
+        assert not marker.exists(), "no engine may be launched by a gateway that cannot serve"
+        assert chat(gw).status_code == 200
+        b = gw.backend(BACKEND)
+        assert b["state"] == "healthy" and b["address"] == address
+        assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 200
