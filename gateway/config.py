@@ -59,6 +59,12 @@ class CommandLaunchSpec(StrictModel):
         """A string is split as a shell would (no shell runs it)."""
         return shlex.split(value) if isinstance(value, str) else value
 
+    @model_validator(mode="after")
+    def _port_reaches_the_engine(self) -> CommandLaunchSpec:
+        if self.port is None and not any("{port}" in arg for arg in self.command):
+            raise ValueError("the command needs `{port}` where the engine takes its port (or give `port`)")
+        return self
+
 
 def _launch_kind(value: Any) -> str:
     command = isinstance(value, CommandLaunchSpec) or (isinstance(value, dict) and "command" in value)

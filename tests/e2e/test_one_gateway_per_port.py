@@ -17,7 +17,7 @@ from tests.harness import ROOT, free_port, run_gateway, write_config
 def second_gateway(tmp: Path, port: int, grpc_port: int) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Run a gateway whose one managed engine would leave `marker` behind if it were ever launched."""
     marker = tmp / "launched"
-    touch = [sys.executable, "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()", str(marker)]
+    touch = [sys.executable, "-c", "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()", str(marker), "{port}"]
     config = write_config(tmp, {"model": MODEL, "backends": [
         {"id": "second", "kind": "openai", "gpu": "L40S", "launch": {"command": touch}}]})
     done = subprocess.run(

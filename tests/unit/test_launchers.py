@@ -88,13 +88,16 @@ async def test_an_engine_launcher_is_ready_once_its_engine_heartbeats(tmp_path: 
 
 @pytest.mark.parametrize(("body", "message"), [
     ("backends:\n  - {id: a, kind: openai, gpu: H100, launch: {}}\n", "a kind: openai `launch` needs `command`"),
-    ("backends:\n  - {id: a, gpu: H100, launch: {command: [x]}}\n", "`launch.command` applies to kind: openai"),
-    ("backends:\n  - {id: a, kind: openai, gpu: H100, address: 'http://h:1', launch: {command: [x]}}\n",
+    ("backends:\n  - {id: a, gpu: H100, launch: {command: [x, '{port}']}}\n",
+     "`launch.command` applies to kind: openai"),
+    ("backends:\n  - {id: a, kind: openai, gpu: H100, address: 'http://h:1', launch: {command: [x, '{port}']}}\n",
      "drop `address`"),
-    ("backends:\n  - {id: a, kind: openai, gpu: H100, launch: {command: [x], devices: [-1]}}\n",
+    ("backends:\n  - {id: a, kind: openai, gpu: H100, launch: {command: [x, '{port}'], devices: [-1]}}\n",
      "launch.command.devices.0"),
-    ("backends:\n  - {id: a, kind: openai, gpu: H100, launch: {command: [x], startup: 3}}\n",
+    ("backends:\n  - {id: a, kind: openai, gpu: H100, launch: {command: [x, '{port}'], startup: 3}}\n",
      "launch.command.startup"),
+    ("backends:\n  - {id: a, kind: openai, gpu: H100, launch: {command: vllm serve m}}\n",
+     "the command needs `{port}`"),
     ("backends:\n  - {id: a, gpu: H100, launch: {}, api_key: k}\n", "`api_key` apply to kind: openai"),
 ])
 def test_launch_mistakes_are_config_errors(tmp_path: Path, body: str, message: str) -> None:
