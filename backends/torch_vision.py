@@ -53,7 +53,7 @@ class TorchEncoder:
         self._layer, self._strategy = config.vision_feature_layer, config.vision_feature_select_strategy
 
     async def encode_batch(self, images: Sequence[engine_pb2.Image]) -> tuple[list[EncodedImage], float]:
-        return await asyncio.to_thread(self._encode, images)
+        return await asyncio.to_thread(self.encode_now, images)
 
     def features(self, images: list[Image.Image]) -> list[torch.Tensor]:
         """Blocking: the projected features of each image, [tokens, hidden] in the model's dtype (on the CPU)."""
@@ -65,7 +65,7 @@ class TorchEncoder:
             )
         return [f.to("cpu") for f in out.pooler_output]
 
-    def _encode(self, images: Sequence[engine_pb2.Image]) -> tuple[list[EncodedImage], float]:
+    def encode_now(self, images: Sequence[engine_pb2.Image]) -> tuple[list[EncodedImage], float]:
         start = time.monotonic()
         pil = [Image.open(io.BytesIO(img.data)).convert("RGB") for img in images]
         feats = self.features(pil)

@@ -1,8 +1,10 @@
 """The central promise: a request split over a torch vision engine and a torch language engine (real
 processes, real gRPC) gives token for token the monolithic Hugging Face model's greedy answer.
 
-One gateway for the module: one vision engine, one language engine and one `both` engine, all loading
-the same saved random-weight tiny LLaVA-1.5. References come from `generate()` of the full model.
+One gateway for the module: one vision engine, one language engine and one `both` (monolithic) engine,
+all loading the same saved random-weight tiny LLaVA-1.5; round robin alternates the language requests
+between the split and the monolithic engine, and both must answer exactly. References come from
+`generate()` of the full model in the test process.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def split_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         "backends": [
             {"id": "vision-0", "role": "vision", "gpu": "RTX-4090", "launch": _launch(tiny_model_dir)},
             {"id": "lang-0", "role": "language", "gpu": "H100", "launch": _launch(tiny_model_dir)},
+            {"id": "both-0", "role": "both", "gpu": "A100-80GB", "launch": _launch(tiny_model_dir)},
         ],
     })
     with run_gateway(cfg, timeout=180) as gw:
@@ -58,18 +61,30 @@ def user_message(text: str, imgs: list[bytes]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*(image_part(data_url(b)) for b in imgs), text_part(text)]}]
 
 
-def ask(gw: Gateway, text: str, imgs: list[bytes], max_tokens: int) -> tuple[str, int, int]:
-    out = client(gw).chat.completions.create(model=TINY, messages=user_message(text, imgs),  # type: ignore[arg-type]
-                                             max_tokens=max_tokens, temperature=0)
+def ask_on(gw: Gateway, text: str, imgs: list[bytes], max_tokens: int) -> tuple[tuple[str, int, int], str]:
+    """(text, prompt tokens, completion tokens) of a greedy request, and the language backend that ran it."""
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model=TINY, messages=user_message(text, imgs), max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
+    )
+    out = raw.parse()
     assert out.usage is not None
-    return out.choices[0].message.content or "", out.usage.prompt_tokens, out.usage.completion_tokens
+    answer = (out.choices[0].message.content or "", out.usage.prompt_tokens, out.usage.completion_tokens)
+    return answer, raw.headers["x-heterogate-backend"]
+
+
+def ask(gw: Gateway, text: str, imgs: list[bytes], max_tokens: int) -> tuple[str, int, int]:
+    return ask_on(gw, text, imgs, max_tokens)[0]
 
 
 @pytest.mark.parametrize("n_images", [1, 3])
-def test_split_equals_monolithic_generate(split_gateway: Gateway, reference: Reference, n_images: int) -> None:
+def test_split_and_both_equal_monolithic_generate(split_gateway: Gateway, reference: Reference, n_images: int) -> (
+    None
+):
     imgs = images(n_images, seed=n_images)
     want = reference.generate("What is in the picture? ünïcödé ✓", imgs, 24)
-    assert ask(split_gateway, "What is in the picture? ünïcödé ✓", imgs, 24) == want
+    runs = [ask_on(split_gateway, "What is in the picture? ünïcödé ✓", imgs, 24) for _ in range(2)]
+    answers = {backend: answer for answer, backend in runs}
+    assert answers == {"lang-0": want, "both-0": want}   # round robin: once split, once monolithic
 
 
 def test_split_streamed_equals_generate(split_gateway: Gateway, reference: Reference) -> None:
