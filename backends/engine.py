@@ -145,6 +145,7 @@ def generate_input(
         request_id=request.request_id, prompt_tokens=max(1, prompt_tokens), max_tokens=request.max_tokens,
         prompt=request.prompt, token_ids=list(request.token_ids),
         image_spans=[(s.start, s.length) for s in request.image_spans], embeddings=embeddings, sampling=sampling,
+        image_grids=[(g[0], g[1], g[2]) for g in (s.grid_thw for s in request.image_spans) if len(g) == 3],
     )
 
 

@@ -50,7 +50,7 @@ def build_executors(
         loaded = load_model(model, model_path=config.model_path, seed=config.seed, dtype=config.dtype,
                             device=config.device, keep=keep)
         if wants_vision:
-            encoder = TorchEncoder(loaded)
+            encoder = TorchEncoder(loaded, model)
         if wants_language:
             language = TorchLanguageExecutor(
                 loaded, model, gpu, kv_budget=kv_budget_bytes(loaded, model, gpu, config.memory_utilization),

@@ -46,6 +46,7 @@ class GenerateInput:
     prompt: str = ""
     token_ids: list[int] = field(default_factory=list)              # the gateway's tokenisation, if any
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) per image, in order
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # Qwen2-VL family: (t, h, w) per image
     embeddings: list[engine_pb2.Embedding] = field(default_factory=list)
     sampling: Sampling = Sampling()
 

@@ -7,6 +7,10 @@ call `past_key_values.update(k, v, layer_idx)`, and a ready 4-D attention mask i
 duck-typed cache is enough: `update` writes the step's keys and values at each row's positions and returns
 the first `kv_len` positions of the rows' slots; the mask hides what lies beyond each row's length.
 
+Positions for the rotary embedding are the cache positions, or for the Qwen2-VL family 3-D M-RoPE positions
+(temporal, height, width): computed for the prompt from the image grids, then `length + rope_delta` on all
+three axes while decoding.
+
 Attention reads up to the longest live sequence for every row: cheap when lengths are close, wasteful
 when they are very uneven (a paged cache would not be).
 """
@@ -57,11 +61,11 @@ class DecoderRunner:
         self.embed: nn.Module = decoder.get_input_embeddings()   # type: ignore[operator]
         self.device = kv.k.device
 
-    def _forward(self, embeds: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, kv_len: int,
-                 mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, embeds: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, position_ids: torch.Tensor,
+                 kv_len: int, mask: torch.Tensor) -> torch.Tensor:
         self.kv.rows, self.kv.pos, self.kv.kv_len = rows, pos, kv_len
-        out = self.decoder(inputs_embeds=embeds, position_ids=pos, attention_mask=mask, past_key_values=self.kv,
-                           use_cache=True)
+        out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask,
+                           past_key_values=self.kv, use_cache=True)
         logits: torch.Tensor = self.head(out.last_hidden_state[:, -1]).float()
         return logits
 
@@ -73,20 +77,26 @@ class DecoderRunner:
         return embeds
 
     @torch.inference_mode()
-    def prefill(self, slot: int, embeds: torch.Tensor) -> torch.Tensor:
-        """embeds: [n, hidden] → logits [vocab] of the next token."""
+    def prefill(self, slot: int, embeds: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds: [n, hidden]; rope: [3, n] M-RoPE positions or None → logits [vocab] of the next token."""
         n = embeds.shape[0]
         pos = torch.arange(n, device=self.device)[None]
+        position_ids = pos if rope is None else rope.to(self.device)[:, None, :]
         mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None, None]
         rows = torch.tensor([slot], device=self.device)
-        return self._forward(embeds[None], rows, pos, n, mask)[0]
+        return self._forward(embeds[None], rows, pos, position_ids, n, mask)[0]
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], lengths: list[int], tokens: list[int]) -> torch.Tensor:
+    def decode(self, slots: list[int], lengths: list[int], tokens: list[int], rope_deltas: list[int] | None = None) -> (
+        torch.Tensor
+    ):
         """One token per slot, each appended at position `lengths[i]` → logits [batch, vocab]."""
         lens = torch.tensor(lengths, device=self.device)
         pos = lens[:, None]
+        position_ids = pos
+        if rope_deltas is not None:
+            position_ids = (pos + torch.tensor(rope_deltas, device=self.device)[:, None])[None].expand(3, -1, -1)
         kv_len = int(max(lengths)) + 1
         mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None, None]
         embeds = self.embed(torch.tensor(tokens, device=self.device)[:, None])
-        return self._forward(embeds, torch.tensor(slots, device=self.device), pos, kv_len, mask)
+        return self._forward(embeds, torch.tensor(slots, device=self.device), pos, position_ids, kv_len, mask)

@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ class _Live:
     sampling: Sampling
     gen: torch.Generator
     text: IncrementalText
+    rope: torch.Tensor | None = None    # Qwen2-VL family: the prompt's M-RoPE positions [3, n] ...
+    rope_delta: int = 0                 # ... and the offset of decode positions from cache positions
     slot: int | None = None
     length: int = 0                     # tokens in the slot's KV
     out: list[int] = field(default_factory=list)
@@ -53,6 +56,22 @@ def kv_budget_bytes(loaded: LoadedModel, model: ModelProfile, gpu: GpuProfile, m
         free, total = torch.cuda.mem_get_info(loaded.device)
         return max(0, int(total * memory_utilization) - (total - free))
     return perf_model.kv_capacity_bytes(model, gpu, memory_utilization=memory_utilization)
+
+
+def mrope_positions(config: Any, ids: list[int], grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+    """Qwen2.5-VL's 3-D positions of a prompt ([3, n]) and its rope delta, from the token ids and image grids
+    alone: the model's own `get_rope_index`, on a stand-in that carries only the config (no vision weights)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    def vision_positions(*args: Any, **kwargs: Any) -> Any:
+        return Qwen2_5_VLModel.get_vision_position_ids(None, *args, **kwargs)  # type: ignore[arg-type]
+
+    stub = SimpleNamespace(config=config, get_vision_position_ids=vision_positions)
+    tensor = torch.tensor([ids])
+    rope_index: Any = Qwen2_5_VLModel.get_rope_index
+    pos, delta = rope_index(stub, tensor, mm_token_type_ids=(tensor == config.image_token_id).int(),
+                            image_grid_thw=torch.tensor(grids) if grids else None)
+    return pos[:, 0], int(delta.flatten()[0])
 
 
 class TorchLanguageExecutor:
@@ -76,6 +95,7 @@ class TorchLanguageExecutor:
         eos = lm.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.hidden = int(text.hidden_size)
+        self.mrope = loaded.family == "qwen2_5_vl"
         self.batcher = ContinuousBatcher(profile, gpu, self.kv.nbytes, max_batch=slots, slot_tokens=max_len)
         self._streams = TokenStreams(self.batcher, on_change)
         self._on_change = on_change
@@ -124,8 +144,14 @@ class TorchLanguageExecutor:
             if not isinstance(dtype, torch.dtype) or len(emb.data) != emb.tokens * emb.hidden * dtype.itemsize:
                 raise InvalidInput(f"image {i}: {len(emb.data)} bytes are not {emb.tokens}x{emb.hidden} {emb.dtype}")
             images.append(torch.frombuffer(bytearray(emb.data), dtype=dtype).view(emb.tokens, emb.hidden))
-        return _Live(ids, list(request.image_spans), images, request.sampling, generator(request.sampling),
+        live = _Live(ids, list(request.image_spans), images, request.sampling, generator(request.sampling),
                      IncrementalText(tok, request.sampling.stop))
+        if self.mrope:
+            if len(request.image_grids) != len(images):
+                raise InvalidInput(f"{len(images)} images need {len(images)} grids (grid_thw); got "
+                                   f"{len(request.image_grids)}")
+            live.rope, live.rope_delta = mrope_positions(self.loaded.model.config, ids, request.image_grids)
+        return live
 
     async def run_step(self) -> int:
         """Run one batch step; returns the number of tokens it produced."""
@@ -151,13 +177,16 @@ class TorchLanguageExecutor:
         with torch.inference_mode():
             for _, live in fresh:
                 assert live.slot is not None
-                logits = self.runner.prefill(live.slot, self.runner.embed_prompt(live.ids, live.spans, live.images))
+                embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)
+                logits = self.runner.prefill(live.slot, embeds, live.rope)
                 live.images = []   # spliced into the KV: the features are no longer needed
                 live.length = len(live.ids)
                 chosen.append(choose(logits.cpu(), live.sampling, live.gen))
             if work:
+                deltas = [lv.rope_delta for _, lv in work] if self.mrope else None
                 logits = self.runner.decode([lv.slot for _, lv in work],   # type: ignore[misc]
-                                            [lv.length for _, lv in work], [lv.out[-1] for _, lv in work]).cpu()
+                                            [lv.length for _, lv in work], [lv.out[-1] for _, lv in work],
+                                            deltas).cpu()
                 for row, (_, live) in zip(logits, work, strict=True):
                     live.length += 1
                     chosen.append(choose(row, live.sampling, live.gen))

@@ -1,4 +1,5 @@
-"""Loading a vision-language model for the torch executors, from local files or random weights.
+"""Loading a vision-language model (LLaVA-1.5 or Qwen2.5-VL) for the torch executors, from local files or
+random weights.
 
 `model_path`: a local Hugging Face directory (config.json, *.safetensors, tokenizer); read with
 `local_files_only`, so a missing file is a `ConfigError` naming the path, never a download.
@@ -23,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlavaConfig, LlavaForConditionalGeneration, PreTrainedTokenizerBase
+from transformers import (
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
 
 from heterogate.catalog import HF_CONFIG_DIR, ModelProfile, load_catalog
 from heterogate.errors import ConfigError
@@ -32,31 +40,45 @@ from heterogate.tokenizer import load_tokenizer
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+@dataclass(frozen=True)
+class Family:
+    config: type[PretrainedConfig]
+    model: Any
+    vision_parts: tuple[str, ...]     # attributes of `model.model` that only the vision side runs
+
+
+FAMILIES = {
+    "llava": Family(LlavaConfig, LlavaForConditionalGeneration, ("vision_tower", "multi_modal_projector")),
+    "qwen2_5_vl": Family(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, ("visual",)),
+}
+
+
 @dataclass
 class LoadedModel:
-    model: LlavaForConditionalGeneration
+    model: Any                        # a *ForConditionalGeneration of one of FAMILIES
     tokenizer: PreTrainedTokenizerBase
     dtype: torch.dtype
     device: torch.device
+    family: str
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
 
-def hf_config(profile: ModelProfile) -> LlavaConfig:
+def hf_config(profile: ModelProfile) -> Any:
     if profile.hf_config is None:
         raise ConfigError(f"model {profile.name!r} has no Hugging Face config in the catalog (hf_config)")
     path = HF_CONFIG_DIR / profile.hf_config
     data: dict[str, Any] = json.loads(path.read_text())
-    return _checked(LlavaConfig.from_dict(data), str(path))
+    return family_of(data.get("model_type"), str(path)).config.from_dict(data)
 
 
-def _checked(config: Any, where: str) -> LlavaConfig:
-    if getattr(config, "model_type", None) != "llava":
-        raise ConfigError(f"{where}: the torch executor runs LLaVA-1.5 models; model_type is "
-                          f"{getattr(config, 'model_type', None)!r}")
-    return config  # type: ignore[no-any-return]
+def family_of(model_type: Any, where: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{where}: the torch executor runs {' and '.join(FAMILIES)} models; model_type is "
+                          f"{model_type!r}")
+    return FAMILIES[model_type]
 
 
 def resolve_dtype(name: str, profile: ModelProfile) -> torch.dtype:
@@ -79,24 +101,27 @@ def load_model(
                 raise ConfigError(f"{path / name}: missing (model_path must be a local Hugging Face directory)")
         if not any(path.glob("*.safetensors")):
             raise ConfigError(f"{path}: no *.safetensors weights in the model directory")
-        _checked(LlavaConfig.from_pretrained(str(path), local_files_only=True), str(path / "config.json"))
-        model: Any = LlavaForConditionalGeneration.from_pretrained(
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        family_name, family = model_type, family_of(model_type, str(path / "config.json"))
+        model: Any = family.model.from_pretrained(
             str(path), local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa"
         )
         model = model.to(dev)
     else:
+        config = hf_config(profile)
+        family_name, family = config.model_type, FAMILIES[config.model_type]
         torch.manual_seed(seed)
-        build: Any = LlavaForConditionalGeneration._from_config
-        model = build(hf_config(profile), dtype=torch_dtype, attn_implementation="sdpa").to(dev)
+        model = family.model._from_config(config, dtype=torch_dtype, attn_implementation="sdpa").to(dev)
     model.eval()
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, family_name)
     if model_path is None:
         _printable_head(model, tokenizer)
     if keep == "vision":
         del model.model.language_model, model.lm_head
     elif keep == "language":
-        del model.model.vision_tower, model.model.multi_modal_projector
-    return LoadedModel(model, tokenizer, torch_dtype, dev)
+        for part in family.vision_parts:
+            delattr(model.model, part)
+    return LoadedModel(model, tokenizer, torch_dtype, dev, family_name)
 
 
 def _printable_head(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -13,12 +13,19 @@ from typing import Any
 from gateway.errors import InvalidRequest
 from gateway.images import ImageInput
 from gateway.openai_types import ChatMessage, ImagePart, TextPart
-from heterogate.tokenizer import PromptIds, encode_chat, encode_text, load_tokenizer
+from heterogate.catalog import ModelProfile
+from heterogate.tokenizer import PromptIds, encode_chat, encode_text, load_tokenizer, model_family
 
 
 class ExactPrompts:
-    def __init__(self, model_path: str | None) -> None:
-        self._tok = load_tokenizer(model_path)   # blocking, once at start-up
+    def __init__(self, model: ModelProfile, model_path: str | None) -> None:
+        self._model = model
+        self._tok = load_tokenizer(model_path, model_family(model, model_path))   # blocking, once at start-up
+
+    def grids(self, images: tuple[ImageInput, ...]) -> tuple[tuple[int, int, int], ...]:
+        """Qwen2-VL family: each image's patch grid, for the language engine's M-RoPE positions; else ()."""
+        grids = [self._model.image_grid_thw(img.width, img.height) for img in images]
+        return tuple(g for g in grids if g is not None)
 
     def chat(self, messages: list[ChatMessage], images: tuple[ImageInput, ...]) -> PromptIds:
         rendered = [{"role": m.role, "content": _content(m)} for m in messages]
@@ -28,7 +35,7 @@ class ExactPrompts:
             raise InvalidRequest(str(exc), param="messages") from None
 
     def text(self, prompt: str) -> PromptIds:
-        bos = self._tok.bos_token or ""
+        bos = str(self._tok.bos_token or "")
         try:
             return encode_text(self._tok, bos + prompt, [])
         except ValueError as exc:

@@ -37,6 +37,7 @@ class GenerationJob:
     # image goes in them, and the sampling the engine applies.
     token_ids: tuple[int, ...] = field(default=(), compare=False)
     image_spans: tuple[tuple[int, int], ...] = ()
+    image_grids: tuple[tuple[int, int, int], ...] = ()   # Qwen2-VL family: (t, h, w) per image
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()

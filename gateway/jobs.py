@@ -77,6 +77,7 @@ class JobBuilder:
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
                              self._body(req), max_tokens_asked=asked is not None, token_ids=ids, image_spans=spans,
+                             image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
     def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:

@@ -121,5 +121,5 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )
-    exact = ExactPrompts(config.torch_weights[0]) if config.torch_weights is not None else None
+    exact = ExactPrompts(config.model, config.torch_weights[0]) if config.torch_weights is not None else None
     return Runtime(config, table, clients, metrics, pipeline, fetcher, KeyRing.load(settings.auth), exact)

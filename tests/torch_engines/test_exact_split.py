@@ -12,20 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from tests.harness import Gateway, data_url, image_bytes, image_part, run_gateway, text_part, write_config
+from tests.harness import Gateway, run_gateway, write_config
 from tests.torch_engines.conftest import TINY
 from tests.torch_engines.reference import Reference
-
-
-def _launch(model_dir: Path, **extra: Any) -> dict[str, Any]:
-    return {"executor": "torch", "model_path": str(model_dir), "max_batch": 8, "max_model_len": 256,
-            "vision_batch_timeout_ms": 5, **extra}
+from tests.torch_engines.split_client import ask_on, client, images, launch, user_message
 
 
 @pytest.fixture(scope="module")
@@ -39,41 +33,17 @@ def split_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         "model": TINY,
         "gateway": {"routing": {"policy": "round_robin"}, "stealing": {"enabled": False}},
         "backends": [
-            {"id": "vision-0", "role": "vision", "gpu": "RTX-4090", "launch": _launch(tiny_model_dir)},
-            {"id": "lang-0", "role": "language", "gpu": "H100", "launch": _launch(tiny_model_dir)},
-            {"id": "both-0", "role": "both", "gpu": "A100-80GB", "launch": _launch(tiny_model_dir)},
+            {"id": "vision-0", "role": "vision", "gpu": "RTX-4090", "launch": launch(tiny_model_dir)},
+            {"id": "lang-0", "role": "language", "gpu": "H100", "launch": launch(tiny_model_dir)},
+            {"id": "both-0", "role": "both", "gpu": "A100-80GB", "launch": launch(tiny_model_dir)},
         ],
     })
     with run_gateway(cfg, timeout=180) as gw:
         yield gw
 
 
-def client(gw: Gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def images(n: int, seed: int = 0) -> list[bytes]:
-    sizes = [(40, 30), (64, 64), (23, 57), (80, 48)]
-    return [image_bytes("PNG", sizes[(seed + i) % len(sizes)], noise=True, seed=seed + i) for i in range(n)]
-
-
-def user_message(text: str, imgs: list[bytes]) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [*(image_part(data_url(b)) for b in imgs), text_part(text)]}]
-
-
-def ask_on(gw: Gateway, text: str, imgs: list[bytes], max_tokens: int) -> tuple[tuple[str, int, int], str]:
-    """(text, prompt tokens, completion tokens) of a greedy request, and the language backend that ran it."""
-    raw = client(gw).chat.completions.with_raw_response.create(
-        model=TINY, messages=user_message(text, imgs), max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
-    )
-    out = raw.parse()
-    assert out.usage is not None
-    answer = (out.choices[0].message.content or "", out.usage.prompt_tokens, out.usage.completion_tokens)
-    return answer, raw.headers["x-heterogate-backend"]
-
-
 def ask(gw: Gateway, text: str, imgs: list[bytes], max_tokens: int) -> tuple[str, int, int]:
-    return ask_on(gw, text, imgs, max_tokens)[0]
+    return ask_on(gw, TINY, text, imgs, max_tokens)[0]
 
 
 @pytest.mark.parametrize("n_images", [1, 3])
@@ -82,7 +52,7 @@ def test_split_and_both_equal_monolithic_generate(split_gateway: Gateway, refere
 ):
     imgs = images(n_images, seed=n_images)
     want = reference.generate("What is in the picture? ünïcödé ✓", imgs, 24)
-    runs = [ask_on(split_gateway, "What is in the picture? ünïcödé ✓", imgs, 24) for _ in range(2)]
+    runs = [ask_on(split_gateway, TINY, "What is in the picture? ünïcödé ✓", imgs, 24) for _ in range(2)]
     answers = {backend: answer for answer, backend in runs}
     assert answers == {"lang-0": want, "both-0": want}   # round robin: once split, once monolithic
 

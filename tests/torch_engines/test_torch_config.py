@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlavaForConditionalGeneration
 
-from backends.torch_models import hf_config
+from backends.torch_models import FAMILIES, hf_config
 from gateway.config import load_cluster
 from gateway.supervisor import engine_argv
 from heterogate.catalog import load_catalog
@@ -58,7 +57,7 @@ def test_torch_launch_reaches_the_engine_command_line(tmp_path: Path) -> None:
     assert config.torch_weights == (None, 3)
 
 
-@pytest.mark.parametrize("name", ["llava-1.5-tiny", "llava-1.5-7b"])
+@pytest.mark.parametrize("name", ["llava-1.5-tiny", "llava-1.5-7b", "qwen2.5-vl-tiny"])
 def test_catalog_figures_match_the_hf_config(name: str) -> None:
     profile = load_catalog().model(name)
     config = hf_config(profile)
@@ -67,8 +66,13 @@ def test_catalog_figures_match_the_hf_config(name: str) -> None:
         text.num_hidden_layers, text.num_key_value_heads, text.hidden_size)
     assert profile.head_dim == text.hidden_size // text.num_attention_heads
     assert profile.vision is not None
-    assert profile.vision.tokens_per_image == (vision.image_size // vision.patch_size) ** 2
+    family = FAMILIES[config.model_type]
+    if profile.vision.mode == "fixed":
+        assert profile.vision.tokens_per_image == (vision.image_size // vision.patch_size) ** 2
+    else:
+        assert profile.vision.pixels_per_token_side == vision.patch_size * vision.spatial_merge_size
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
+        model = family.model(config)
     assert abs(sum(p.numel() for p in model.parameters()) / profile.params - 1) < 0.01
-    assert abs(sum(p.numel() for p in model.model.vision_tower.parameters()) / profile.vision.encoder_params - 1) < 0.01
+    encoder = sum(p.numel() for part in family.vision_parts[:1] for p in getattr(model.model, part).parameters())
+    assert abs(encoder / profile.vision.encoder_params - 1) < 0.01

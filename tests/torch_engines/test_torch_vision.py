@@ -15,7 +15,7 @@ from heterogate.catalog import load_catalog
 from heterogate.errors import ConfigError
 from heterogate.wire import engine_pb2
 from tests.harness import ROOT, image_bytes
-from tests.torch_engines.conftest import TINY
+from tests.torch_engines.conftest import TINY, TINY_QWEN
 from tests.torch_engines.reference import Reference
 
 
@@ -25,7 +25,7 @@ def test_embeddings_equal_the_monolithic_image_features(tiny_model_dir: Path, dt
     and the bytes on the wire decode back to the same tensor."""
     profile = load_catalog().model(TINY)
     vision = TorchEncoder(load_model(profile, model_path=str(tiny_model_dir), seed=0, dtype=dtype, device="cpu",
-                                     keep="vision"))
+                                     keep="vision"), profile)
     ref = Reference(tiny_model_dir)
     ref.model.to(getattr(torch, dtype))
     imgs = [image_bytes("PNG", size, noise=True, seed=i) for i, size in enumerate([(40, 30), (64, 64), (9, 70)])]
@@ -59,3 +59,22 @@ def test_engine_with_a_missing_model_path_exits_naming_it(tmp_path: Path) -> Non
     )
     assert proc.returncode != 0
     assert str(missing / "config.json") in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_qwen_embeddings_equal_the_monolithic_image_features(tiny_qwen_dir: Path) -> None:
+    """Qwen2.5-VL: variable token counts per image (the catalog's count is what the encoder makes)."""
+    profile = load_catalog().model(TINY_QWEN)
+    vision = TorchEncoder(load_model(profile, model_path=str(tiny_qwen_dir), seed=0, dtype="float32", device="cpu",
+                                     keep="vision"), profile)
+    ref = Reference(tiny_qwen_dir)
+    sizes = [(40, 30), (100, 48), (120, 120)]
+    imgs = [image_bytes("PNG", size, noise=True, seed=i) for i, size in enumerate(sizes)]
+    encoded, _ = vision.encode_now([engine_pb2.Image(data=b) for b in imgs])
+    inputs = ref.inputs("x", imgs)
+    with torch.inference_mode():
+        want = ref.model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                  image_grid_thw=inputs["image_grid_thw"]).pooler_output
+    assert [e.tokens for e in encoded] == [profile.image_tokens(*s) for s in sizes] == [f.shape[0] for f in want]
+    for enc, feats in zip(encoded, want, strict=True):
+        got = torch.frombuffer(bytearray(enc.payload()), dtype=torch.float32).view(enc.tokens, enc.hidden)
+        assert torch.equal(got, feats)
