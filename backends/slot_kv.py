@@ -35,6 +35,7 @@ class SlotKV:
         self.rows = torch.zeros(0, dtype=torch.long, device=device)
         self.pos = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.kv_len = 0
+        self.span: slice | None = None   # rows as a slice when they are consecutive: read a view, copy nothing
 
     @property
     def nbytes(self) -> int:
@@ -47,7 +48,8 @@ class SlotKV:
         keys, values = self.k[layer_idx], self.v[layer_idx]
         keys[self.rows[:, None], :, self.pos] = k.transpose(1, 2)
         values[self.rows[:, None], :, self.pos] = v.transpose(1, 2)
-        return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
+        rows = self.span if self.span is not None else self.rows
+        return keys[rows, :, : self.kv_len], values[rows, :, : self.kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
@@ -61,9 +63,11 @@ class DecoderRunner:
         self.embed: nn.Module = decoder.get_input_embeddings()   # type: ignore[operator]
         self.device = kv.k.device
 
-    def _forward(self, embeds: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, position_ids: torch.Tensor,
+    def _forward(self, embeds: torch.Tensor, slots: list[int], pos: torch.Tensor, position_ids: torch.Tensor,
                  kv_len: int, mask: torch.Tensor) -> torch.Tensor:
-        self.kv.rows, self.kv.pos, self.kv.kv_len = rows, pos, kv_len
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        self.kv.span = slice(slots[0], slots[-1] + 1) if consecutive else None
+        self.kv.rows, self.kv.pos, self.kv.kv_len = torch.tensor(slots, device=self.device), pos, kv_len
         out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask,
                            past_key_values=self.kv, use_cache=True)
         logits: torch.Tensor = self.head(out.last_hidden_state[:, -1]).float()
@@ -83,14 +87,14 @@ class DecoderRunner:
         pos = torch.arange(n, device=self.device)[None]
         position_ids = pos if rope is None else rope.to(self.device)[:, None, :]
         mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None, None]
-        rows = torch.tensor([slot], device=self.device)
-        return self._forward(embeds[None], rows, pos, position_ids, n, mask)[0]
+        return self._forward(embeds[None], [slot], pos, position_ids, n, mask)[0]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], lengths: list[int], tokens: list[int], rope_deltas: list[int] | None = None) -> (
         torch.Tensor
     ):
-        """One token per slot, each appended at position `lengths[i]` → logits [batch, vocab]."""
+        """One token per slot, each appended at position `lengths[i]` → logits [batch, vocab]. Pass the slots in
+        ascending order: consecutive slots are read in place."""
         lens = torch.tensor(lengths, device=self.device)
         pos = lens[:, None]
         position_ids = pos
@@ -99,4 +103,4 @@ class DecoderRunner:
         kv_len = int(max(lengths)) + 1
         mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None, None]
         embeds = self.embed(torch.tensor(tokens, device=self.device)[:, None])
-        return self._forward(embeds, torch.tensor(slots, device=self.device), pos, position_ids, kv_len, mask)
+        return self._forward(embeds, slots, pos, position_ids, kv_len, mask)

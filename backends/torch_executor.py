@@ -161,7 +161,7 @@ class TorchLanguageExecutor:
         for seq in plan.prefilled:
             live = self._live[seq]
             live.slot, live.admitted = self._free_slots.pop(), now
-        work = [(s, self._live[s]) for s in plan.decoded]
+        work = sorted(((s, self._live[s]) for s in plan.decoded), key=lambda w: w[1].slot or 0)
         fresh = [(s, self._live[s]) for s in plan.prefilled]
         if work or fresh:
             chosen = await asyncio.to_thread(self._compute, fresh, work)
