@@ -107,7 +107,7 @@ class TorchLanguageExecutor:
         return not self.batcher.idle
 
     def load(self) -> LoadReport:
-        return self._streams.load()
+        return self._streams.load(self.kv.max_len)
 
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         live = self._prepare(request)
