@@ -11,7 +11,7 @@ import torch
 
 from backends.torch_models import FAMILIES, hf_config
 from gateway.config import load_cluster
-from gateway.supervisor import engine_argv
+from gateway.launchers import engine_argv
 from heterogate.catalog import load_catalog
 from heterogate.errors import ConfigError
 from tests.harness import write_config
