@@ -11,6 +11,8 @@ Per step: admit waiting sequences in FIFO order while the batch has room and the
 (prompt + max new tokens) fits; newly admitted sequences run prefill and emit their first token,
 running ones decode one token each. Step time = prefill(new prompt tokens) + decode step(old batch).
 KV is reserved whole at admission, so the cache is never over capacity and admission simply waits.
+With `slot_tokens` (a slot-KV engine: one preallocated slot of that many tokens per sequence) every
+sequence reserves one whole slot, which is what it really holds.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class ContinuousBatcher:
         kv_capacity_bytes: int,
         max_batch: int = 256,
         max_prefill_tokens: int | None = None,
+        slot_tokens: int | None = None,
     ) -> None:
         self.model, self.gpu = model, gpu
+        self.slot_tokens = slot_tokens
         self.kv_capacity_bytes = kv_capacity_bytes
         self.max_batch = max_batch
         # Bounds one step's prefill (work stealing keeps steps short); one sequence is always admitted.
@@ -83,9 +87,14 @@ class ContinuousBatcher:
         return not self.waiting and not self.running
 
     def reservation(self, seq: Sequence) -> int:
-        return perf_model.kv_bytes(self.model, seq.prompt_tokens + seq.max_tokens)
+        return perf_model.kv_bytes(self.model, self.slot_tokens or seq.prompt_tokens + seq.max_tokens)
 
     def submit(self, seq: Sequence) -> None:
+        if self.slot_tokens is not None and seq.prompt_tokens + seq.max_tokens > self.slot_tokens:
+            raise SequenceTooLarge(
+                f"{seq.prompt_tokens} prompt tokens + max_tokens {seq.max_tokens} exceed the engine's "
+                f"{self.slot_tokens} tokens per sequence (max_model_len)"
+            )
         if self.reservation(seq) > self.kv_capacity_bytes:
             raise SequenceTooLarge(
                 f"{seq.prompt_tokens + seq.max_tokens} tokens need {self.reservation(seq)} KV bytes; "

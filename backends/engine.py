@@ -1,15 +1,15 @@
-"""Engine process: serves the Engine gRPC service for one (simulated) GPU and heartbeats the gateway.
+"""Engine process: serves the Engine gRPC service for one GPU and heartbeats the gateway.
 
     heterogate-engine --backend-id h100-0 --role language --gpu H100 --model llava-1.5-7b \
-        --gateway 127.0.0.1:50061 [--port 0] [--time-scale 1.0]
+        --gateway 127.0.0.1:50061 [--port 0] [--time-scale 1.0] [--executor torch ...]
 
+The executors (simulated or torch, see backends/executor_factory.py) come from an `EngineConfig`.
 With --port 0 the engine binds an ephemeral port and reports its address in every heartbeat, so
 the gateway never has to guess free ports for the engines it launches.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -21,11 +21,13 @@ import structlog
 
 from backends.batcher import SequenceTooLarge
 from backends.embedding_store import EmbeddingStore, EmbeddingTimeout
+from backends.engine_config import EngineConfig, parse_args
+from backends.executor_factory import build_executors
+from backends.executors import GenerateInput, InvalidInput, Sampling
 from backends.gpu_scheduler import GpuScheduler
-from backends.sim_executor import SimulatedExecutor
-from backends.vision_executor import VisionExecutor
-from heterogate import perf_model
+from backends.vision_executor import TokenCountMismatch
 from heterogate.catalog import GpuProfile, ModelProfile, load_catalog
+from heterogate.errors import ConfigError
 from heterogate.event_loop import run
 from heterogate.heartbeat_sender import HeartbeatSender, gpu_message
 from heterogate.logs import configure_logging
@@ -50,19 +52,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if request.max_tokens == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
         wait_s = 0.0
+        embeddings: list[engine_pb2.Embedding] = []
         if request.embedding_count:
             t0 = time.monotonic()
             timeout_s = (request.embedding_timeout_ms or 10_000) / 1000
             try:
                 key = request.handoff_key or request.request_id
-                await self._engine.embeddings.wait(key, request.embedding_count, timeout_s)
+                embeddings = await self._engine.embeddings.wait(key, request.embedding_count, timeout_s)
             except EmbeddingTimeout as exc:
                 await context.abort(grpc.StatusCode.ABORTED, str(exc))
             wait_s = time.monotonic() - t0
-        prompt_tokens = request.prompt_tokens + request.image_tokens
+        prompt_tokens = len(request.token_ids) or request.prompt_tokens + request.image_tokens
         try:
             count, texts = 0, []
-            async for token in executor.generate(request.request_id, max(1, prompt_tokens), request.max_tokens):
+            async for token in executor.generate(generate_input(request, prompt_tokens, embeddings)):
                 count += 1
                 # whole: the first token (it proves the engine alive), then the rest in one message
                 if request.whole and count > 1:
@@ -79,6 +82,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 yield chunk
         except SequenceTooLarge as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except InvalidInput as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Encode(
         self, request: engine_pb2.EncodeRequest, context: grpc.aio.ServicerContext
@@ -94,6 +99,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except grpc.aio.AioRpcError as exc:
             detail = f"delivery to {request.deliver_to} failed: {exc.details()}"
             await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
+        except TokenCountMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except OSError as exc:   # Pillow could not decode an image the gateway let through
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image could not be decoded: {exc}")
         raise AssertionError("unreachable")
 
     async def DeliverEmbedding(
@@ -125,35 +134,31 @@ class EmbeddingSender:
         await asyncio.gather(*(c.close() for c in self._channels))
 
 
+def generate_input(
+    request: engine_pb2.GenerateRequest, prompt_tokens: int, embeddings: list[engine_pb2.Embedding]
+) -> GenerateInput:
+    sampling = Sampling(
+        temperature=request.temperature, top_p=request.top_p or 1.0,
+        seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop),
+    )
+    return GenerateInput(
+        request_id=request.request_id, prompt_tokens=max(1, prompt_tokens), max_tokens=request.max_tokens,
+        prompt=request.prompt, token_ids=list(request.token_ids),
+        image_spans=[(s.start, s.length) for s in request.image_spans], embeddings=embeddings, sampling=sampling,
+        image_grids=[(g[0], g[1], g[2]) for g in (s.grid_thw for s in request.image_spans) if len(g) == 3],
+    )
+
+
 class Engine:
-    def __init__(self, args: argparse.Namespace, model: ModelProfile, gpu: GpuProfile) -> None:
-        self.args = args
+    def __init__(self, config: EngineConfig, model: ModelProfile, gpu: GpuProfile) -> None:
+        self.config = config
         self.model, self.gpu = model, gpu
-        role, steal = args.role, args.steal
         self.embeddings = EmbeddingStore()
         self.sender = EmbeddingSender()
-        self.language: SimulatedExecutor | None = None
-        self.vision: VisionExecutor | None = None
-        if role in ("vision", "both"):
-            self.vision = VisionExecutor(
-                model, gpu, self.sender.deliver, time_scale=args.time_scale, max_images=args.vision_batch,
-                batch_timeout_s=args.vision_batch_timeout_ms / 1000, on_change=self._changed,
-            )
-        if role in ("language", "both") or steal:
-            kv = perf_model.kv_capacity_bytes(
-                model, gpu, memory_utilization=args.memory_utilization, encoder_loaded=self.vision is not None
-            )
-            max_batch, prefill_budget = args.max_batch, None
-            if role == "vision":   # stealing: half batch, each step's prefill within the episode bound
-                max_batch = max(1, args.max_batch // 2)
-                prefill_budget = int(args.steal_episode_ms / 1000 / perf_model.prefill_seconds_per_token(model, gpu))
-            self.language = SimulatedExecutor(
-                model, gpu, kv, time_scale=args.time_scale, max_batch=max_batch,
-                max_prefill_tokens=prefill_budget, on_change=self._changed,
-            )
-        self.scheduler = GpuScheduler(self.language, self.vision, stealing=role == "vision")
+        self.language, self.vision = build_executors(config, model, gpu, self.sender.deliver, self._changed)
+        self.scheduler = GpuScheduler(self.language, self.vision, stealing=config.role == "vision")
         self.address = ""
-        self.heartbeats = HeartbeatSender(args.gateway, self.state, interval_s=args.heartbeat_ms / 1000)
+        self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.heartbeat_ms / 1000)
 
     def _changed(self) -> None:
         self.scheduler.wake()
@@ -161,25 +166,25 @@ class Engine:
 
     def state(self) -> control_pb2.BackendState:
         msg = control_pb2.BackendState(
-            backend_id=self.args.backend_id,
-            role=ROLES[self.args.role],
+            backend_id=self.config.backend_id,
+            role=ROLES[self.config.role],
             address=self.address,
             model=self.model.name,
             gpu=gpu_message(self.gpu),
-            steal=self.args.steal,
+            steal=self.config.steal,
             pid=os.getpid(),
             steal_episodes=self.scheduler.steal_episodes,
             tokens_stolen=self.scheduler.tokens_stolen,
         )
         if self.language is not None:
-            b = self.language.batcher
-            msg.queue_depth, msg.running = len(b.waiting), len(b.running)
-            msg.kv_free_bytes, msg.kv_total_bytes = b.kv_free_bytes, b.kv_capacity_bytes
-            msg.kv_capacity_source = control_pb2.KV_CAPACITY_SOURCE_ENGINE   # its own block pool, not a guess
-            msg.max_model_len = self.model.max_context
-            msg.mean_service_s = self.language.measured_service_s or 0.0   # 0: no sample yet
-            msg.tokens_generated = self.language.tokens_generated
-            msg.requests_completed = self.language.requests_completed
+            load = self.language.load()
+            msg.queue_depth, msg.running = load.waiting, load.running
+            msg.kv_free_bytes, msg.kv_total_bytes = load.kv_free_bytes, load.kv_total_bytes
+            msg.kv_capacity_source = control_pb2.KV_CAPACITY_SOURCE_ENGINE   # its own KV pool, not a guess
+            msg.max_model_len = load.max_model_len
+            msg.mean_service_s = load.mean_service_s or 0.0   # 0: no sample yet
+            msg.tokens_generated = load.tokens_generated
+            msg.requests_completed = load.requests_completed
         if self.vision is not None:
             msg.vision_backlog = self.vision.backlog_tokens
             msg.images_encoded = self.vision.images_encoded
@@ -190,10 +195,11 @@ class Engine:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
                                           ("grpc.max_send_message_length", 256 << 20)])
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(self), server)
-        port = server.add_insecure_port(f"{self.args.host}:{self.args.port}")
-        self.address = f"{self.args.host}:{port}"
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.address = f"{self.config.host}:{port}"
         await server.start()
-        log.info("engine_started", backend=self.args.backend_id, address=self.address, gpu=self.gpu.name)
+        log.info("engine_started", backend=self.config.backend_id, executor=self.config.executor,
+                 address=self.address, gpu=self.gpu.name)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -214,32 +220,14 @@ async def _watch_parent(stop: asyncio.Event) -> None:
     stop.set()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="heterogate-engine", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--backend-id", required=True)
-    p.add_argument("--role", choices=sorted(ROLES), default="language")
-    p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
-    p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
-    p.add_argument("--gateway", required=True, help="host:port of the gateway's control (gRPC) service")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated step time by this")
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--memory-utilization", type=float, default=perf_model.DEFAULT_MEMORY_UTILIZATION)
-    p.add_argument("--heartbeat-ms", type=int, default=200)
-    p.add_argument("--steal", action="store_true", help="vision engine: load the decoder and steal language work")
-    p.add_argument("--steal-episode-ms", type=float, default=100.0, help="bound on one stealing step")
-    p.add_argument("--vision-batch", type=int, default=32, help="aligned encode batch: images")
-    p.add_argument("--vision-batch-timeout-ms", type=float, default=50.0, help="aligned encode batch: wait")
-    p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    configure_logging(args.log_level)
-    catalog = load_catalog()
-    engine = Engine(args, catalog.model(args.model), catalog.gpu(args.gpu))
+    config = parse_args(argv)
+    configure_logging(config.log_level)
+    try:
+        catalog = load_catalog()
+        engine = Engine(config, catalog.model(config.model), catalog.gpu(config.gpu))
+    except ConfigError as exc:   # a bad model path or catalog entry: one clear line, no traceback
+        raise SystemExit(f"heterogate-engine {config.backend_id}: {exc}") from None
     run(engine.serve())
 
 

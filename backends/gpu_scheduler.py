@@ -1,4 +1,4 @@
-"""One loop per simulated GPU: what runs next when a GPU holds a vision encoder, a decoder, or both.
+"""One loop per GPU (simulated or real): what runs next when a GPU holds a vision encoder, a decoder, or both.
 
 Vision first (work stealing P1, modality paper §5.3): whenever an encode batch is ready it runs
 before the next language step, so a vision burst waits at most one language step. Language steps on
@@ -13,12 +13,12 @@ import asyncio
 import contextlib
 import time
 
-from backends.sim_executor import SimulatedExecutor
+from backends.executors import LanguageExecutor
 from backends.vision_executor import VisionExecutor
 
 
 class GpuScheduler:
-    def __init__(self, language: SimulatedExecutor | None, vision: VisionExecutor | None, *, stealing: bool) -> None:
+    def __init__(self, language: LanguageExecutor | None, vision: VisionExecutor | None, *, stealing: bool) -> None:
         self.language, self.vision = language, vision
         self.stealing = stealing
         self._wake = asyncio.Event()

@@ -13,22 +13,15 @@ import asyncio
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from backends.batcher import ContinuousBatcher, Sequence
+from backends.executors import GenerateInput, LoadReport, Token
+from backends.token_streams import TokenStreams
 from heterogate.catalog import GpuProfile, ModelProfile
-from heterogate.service_time import updated_mean_service
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
 _WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
-
-
-@dataclass(slots=True)
-class Token:
-    text: str
-    index: int
-    finish_reason: str | None = None   # "stop" | "length" on the last token
 
 
 def natural_length(request_id: str) -> int:
@@ -50,34 +43,22 @@ class SimulatedExecutor:
     ) -> None:
         self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch, max_prefill_tokens)
         self.time_scale = time_scale
+        self._streams = TokenStreams(self.batcher, on_change)
         self._on_change = on_change
-        self._queues: dict[int, asyncio.Queue[Token]] = {}
-        self.measured_service_s: float | None = None   # T̄_service in model seconds; None until a completion
-        self.tokens_generated = 0
-        self.requests_completed = 0
 
-    async def generate(self, request_id: str, prompt_tokens: int, max_tokens: int) -> AsyncIterator[Token]:
+    def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         """Yield the request's tokens; closing the iterator early cancels the sequence."""
-        target = min(max_tokens, natural_length(request_id))
-        seq = Sequence(request_id, prompt_tokens, max_tokens, target, arrival_s=time.monotonic())
-        self.batcher.submit(seq)   # raises SequenceTooLarge before anything is queued
-        queue: asyncio.Queue[Token] = asyncio.Queue()
-        self._queues[id(seq)] = queue
-        self._on_change()
-        try:
-            while True:
-                token = await queue.get()
-                yield token
-                if token.finish_reason is not None:
-                    return
-        finally:
-            self._queues.pop(id(seq), None)
-            if not seq.done:
-                self.batcher.cancel(seq)
+        target = min(request.max_tokens, natural_length(request.request_id))
+        seq = Sequence(request.request_id, max(1, request.prompt_tokens), request.max_tokens, target,
+                       arrival_s=time.monotonic())
+        return self._streams.stream(seq)
 
     @property
     def has_work(self) -> bool:
         return not self.batcher.idle
+
+    def load(self) -> LoadReport:
+        return self._streams.load(self.batcher.model.max_context)
 
     async def run_step(self) -> int:
         """Run one batch step; returns the number of tokens it produced."""
@@ -88,22 +69,14 @@ class SimulatedExecutor:
         self._publish(step.decoded)
         if step.prefilled or step.finished:
             for seq in step.finished:
-                self._record_service(self.batcher.service_s(seq))
+                self._streams.completed(self.batcher.service_s(seq))
             self._on_change()
         return len(step.prefilled) + len(step.decoded)
 
     def _publish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            queue = self._queues.get(id(seq))
-            if queue is None:
-                continue
             index = seq.generated - 1
             finish = None
             if seq.done:
                 finish = "length" if seq.generated >= seq.max_tokens else "stop"
-            queue.put_nowait(Token(_WORDS[index % len(_WORDS)] + " ", index, finish))
-            self.tokens_generated += 1
-
-    def _record_service(self, seconds: float) -> None:
-        self.requests_completed += 1
-        self.measured_service_s = updated_mean_service(self.measured_service_s, seconds)
+            self._streams.publish(seq, Token(_WORDS[index % len(_WORDS)] + " ", index, finish))

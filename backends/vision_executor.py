@@ -1,10 +1,10 @@
-"""Simulated vision encoder: aligned batches of images, timed by the performance model.
+"""The vision side of an engine: aligned batches of images, an encoder, and the embedding hand-off.
 
 Images queue until a batch is ready: `max_images` images, or the oldest has waited
-`batch_timeout_s` (the modality paper's aligned batch, §5.2). Encoding a batch takes
-encode(Σ image tokens) on this GPU; each image then becomes a real embedding of
-tokens × hidden × dtype bytes, which is delivered straight to the language engine the gateway
-chose before the Encode call returns, or, when the request names no engine, returned in the reply.
+`batch_timeout_s` (the modality paper's aligned batch, §5.2). The encoder (simulated: the performance
+model's encode time and random values; torch: the real vision tower and projector) turns the batch into
+one embedding per image, which is delivered straight to the language engine the gateway chose before
+the Encode call returns, or, when the request names no engine, returned in the reply.
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from backends.executors import EncodedImage, VisionEncoder
 from heterogate.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
@@ -35,11 +32,14 @@ class EncodeJob:
         self.tokens = sum(img.tokens for img in self.request.images)
 
 
+class TokenCountMismatch(ValueError):
+    """The encoder made a different number of tokens than the gateway counted for an image."""
+
+
 class VisionExecutor:
     def __init__(
         self,
-        model: ModelProfile,
-        gpu: GpuProfile,
+        encoder: VisionEncoder,
         deliver: Deliver,
         *,
         time_scale: float = 1.0,
@@ -47,16 +47,13 @@ class VisionExecutor:
         batch_timeout_s: float = 0.05,
         on_change: Callable[[], None] = lambda: None,
     ) -> None:
-        if model.vision is None:
-            raise ValueError(f"model {model.name} has no vision encoder")
-        self.model, self.gpu = model, gpu
+        self.encoder = encoder
         self._deliver = deliver
         self.time_scale = time_scale
         self.max_images = max_images
         self.batch_timeout_s = batch_timeout_s
         self._on_change = on_change
         self._queue: deque[EncodeJob] = deque()
-        self._rng = np.random.default_rng(0)
         self._delivering: set[asyncio.Task[None]] = set()
         self.backlog_tokens = 0
         self.images_encoded = 0
@@ -100,23 +97,42 @@ class VisionExecutor:
             return
         tokens = sum(j.tokens for j in batch)
         start = time.monotonic()
-        await asyncio.sleep(perf_model.encode_seconds(self.model, self.gpu, tokens) * self.time_scale)
+        failure: Exception | None = None
+        try:
+            encoded, _ = await self.encoder.encode_batch([img for job in batch for img in job.request.images])
+        except Exception as exc:   # a bad image or a broken encoder fails this batch's requests, not the engine
+            encoded, failure = [], exc
         encode_s = time.monotonic() - start
         self.backlog_tokens -= tokens
-        self.images_encoded += images
+        self.images_encoded += len(encoded)
         self._on_change()
+        offset = 0
         for job in batch:   # hand-offs overlap the next batch, as the DMA does on a real GPU
-            task = asyncio.create_task(self._finish(job, encode_s))
+            n = len(job.request.images)
+            task = asyncio.create_task(self._finish(job, encoded[offset:offset + n], failure, encode_s))
+            offset += n
             self._delivering.add(task)
             task.add_done_callback(self._delivering.discard)
 
-    async def _finish(self, job: EncodeJob, encode_s: float) -> None:
+    async def _finish(
+        self, job: EncodeJob, encoded: list[EncodedImage], failure: Exception | None, encode_s: float
+    ) -> None:
         req = job.request
         t0 = time.monotonic()
         reply = engine_pb2.EncodeReply(image_tokens=job.tokens, encode_s=encode_s)
         try:
-            for i, img in enumerate(req.images):
-                emb = self.embedding(req.request_id, req.image_index_offset + i, img.tokens)
+            if failure is not None:
+                raise failure
+            for i, (img, enc) in enumerate(zip(req.images, encoded, strict=True)):
+                if enc.tokens != img.tokens:
+                    raise TokenCountMismatch(
+                        f"image {req.image_index_offset + i}: the encoder made {enc.tokens} tokens but the gateway "
+                        f"counted {img.tokens} (the gateway's model catalog does not match this engine's model)"
+                    )
+                emb = engine_pb2.Embedding(
+                    request_id=req.request_id, image_index=req.image_index_offset + i, tokens=enc.tokens,
+                    hidden=enc.hidden, dtype=enc.dtype, data=enc.payload(),
+                )
                 if req.deliver_to:
                     await self._deliver(req.deliver_to, emb)
                 else:
@@ -131,14 +147,6 @@ class VisionExecutor:
         reply.deliver_s = time.monotonic() - t0
         if not job.done.done():
             job.done.set_result(reply)
-
-    def embedding(self, request_id: str, index: int, tokens: int) -> engine_pb2.Embedding:
-        """Random 16-bit values with the top exponent bit cleared: finite (|x| < 2) in float16 and bfloat16."""
-        words = np.frombuffer(self._rng.bytes(perf_model.embedding_bytes(self.model, tokens)), dtype=np.uint16)
-        return engine_pb2.Embedding(
-            request_id=request_id, image_index=index, tokens=tokens, hidden=self.model.hidden,
-            dtype=self.model.dtype, data=(words & 0xBFFF).tobytes(),
-        )
 
     def _drop_cancelled(self) -> None:
         while self._queue and self._queue[0].done.done():

@@ -25,9 +25,19 @@ DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
 
 
 class LaunchSpec(StrictModel):
-    """How the gateway starts a managed engine (`python -m backends.engine ...`)."""
+    """How the gateway starts a managed engine (`python -m backends.engine ...`).
 
-    executor: Literal["simulated"] = "simulated"
+    `executor: torch` runs the real model: from `model_path` (a local Hugging Face directory) or with
+    `random_weights` built from the catalog's Hugging Face config (`seed` picks the weights).
+    """
+
+    executor: Literal["simulated", "torch"] = "simulated"
+    model_path: str | None = None
+    random_weights: bool = False
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    seed: int = 0
+    max_model_len: PositiveInt | None = None     # KV tokens per sequence slot (default: the model's context)
     time_scale: float = Field(default=1.0, ge=0)
     max_batch: PositiveInt = 256
     memory_utilization: float = Field(default=0.9, gt=0, le=1)
@@ -35,6 +45,19 @@ class LaunchSpec(StrictModel):
     vision_batch_timeout_ms: PositiveFloat = 50.0  # ... or this long after the first one
     steal_episode_ms: PositiveFloat = 100.0        # bound on one work-stealing step
     extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _weights(self) -> LaunchSpec:
+        if self.executor == "simulated":
+            if self.model_path is not None or self.random_weights:
+                raise ValueError("`model_path` and `random_weights` need `executor: torch`")
+            return self
+        if (self.model_path is None) == (not self.random_weights):
+            raise ValueError("`executor: torch` needs exactly one of `model_path` and `random_weights: true`")
+        if self.model_path is not None and not Path(self.model_path, "config.json").is_file():
+            raise ValueError(f"model_path {self.model_path}: no config.json there (a local Hugging Face directory "
+                             "is needed; nothing is downloaded)")
+        return self
 
 
 class CommandLaunchSpec(StrictModel):
@@ -238,10 +261,14 @@ class ClusterConfig:
                 raise ConfigError(f"{path}: backends.{i}.{field}: model {raw.model!r} has no vision encoder")
             if b.image_embeds:
                 _resolve(path, f"backends.{i}.image_embeds", require_torch)
+            if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and self.model.hf_config is None:
+                raise ConfigError(f"{path}: backends.{i}.launch.executor: model {raw.model!r} has no Hugging Face "
+                                  "config in the catalog (hf_config); it runs on simulated engines only")
         self.api_keys: dict[str, str | None] = {
             b.id: _resolve(path, f"backends.{i} ({b.id}).api_key_env", b.upstream_api_key)
             for i, b in enumerate(raw.backends) if b.kind == "openai"
         }
+        self.torch_weights = _torch_weights(path, raw.backends)
         for name, params in routing.params.items():
             _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))
 
@@ -252,6 +279,17 @@ class ClusterConfig:
     @property
     def settings(self) -> GatewaySettings:
         return self.raw.gateway
+
+
+def _torch_weights(path: Path, backends: list[BackendSpec]) -> tuple[str | None, int] | None:
+    """The weights every torch engine runs ((model_path or None for random weights, seed)); None without
+    torch engines. They must agree: a split's halves must be one model, and the gateway tokenises for it."""
+    found = {(b.launch.model_path, b.launch.seed if b.launch.random_weights else 0): b.id
+             for b in backends if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch"}
+    if len(found) > 1:
+        raise ConfigError(f"{path}: torch engines {', '.join(found.values())} run different weights "
+                          "(model_path / seed); a split needs one model")
+    return next(iter(found), None)
 
 
 def _resolve(path: Path, where: str, fn: Any) -> Any:

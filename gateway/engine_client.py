@@ -56,12 +56,16 @@ class EngineClient:
         timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """Stream chunks. Failures before the first chunk are retryable; closing early cancels the RPC."""
-        check_engine_can_honour(job.body)
+        check_engine_can_honour(job.body, exact=bool(job.token_ids))
         request = engine_pb2.GenerateRequest(
             request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
             image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
             embedding_count=len(job.images), embedding_timeout_ms=int(handoff_timeout_s * 1000),
-            handoff_key=handoff_key, whole=job.whole,
+            handoff_key=handoff_key, whole=job.whole, token_ids=job.token_ids,
+            image_spans=[engine_pb2.ImageSpan(start=a, length=n, grid_thw=g) for (a, n), g in
+                         zip(job.image_spans, job.image_grids or [()] * len(job.image_spans), strict=True)],
+            top_p=job.top_p,
+            seed=job.seed, stop=job.stop,
         )
         call = self._stub.Generate(request, timeout=timeout_s)
         started = False

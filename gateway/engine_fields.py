@@ -5,7 +5,8 @@ that asks for anything else (tools, logprobs, a response format, `n` > 1, a seed
 fields, tool calls in its messages) would get an answer that silently ignores it: an engine refuses
 it with a 400 that names the fields instead. A field sent with a value that asks nothing (null,
 false, 0, empty, `n: 1`, `tool_choice: "none"`, `response_format: {"type": "text"}`) is no request.
-`kind: openai` backends get every field (`gateway.openai_upstream`).
+`kind: openai` backends get every field (`gateway.openai_upstream`). Torch engines also honour `seed`:
+a request the gateway tokenised for them (an exact request) may carry one.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ def _asks_nothing(key: str, value: Any) -> bool:
     return not value or _NO_REQUEST.get(key) == value
 
 
-def refused_fields(body: dict[str, Any]) -> list[str]:
+EXACT_HONOURED = HONOURED | {"seed"}
+
+
+def refused_fields(body: dict[str, Any], *, exact: bool = False) -> list[str]:
     """The fields of `body` an engine cannot honour, as dotted paths (`messages.2.tool_calls`)."""
-    refused = [k for k, v in body.items() if k not in HONOURED and not _asks_nothing(k, v)]
+    honoured = EXACT_HONOURED if exact else HONOURED
+    refused = [k for k, v in body.items() if k not in honoured and not _asks_nothing(k, v)]
     messages = body.get("messages")
     if isinstance(messages, list):
         for i, message in enumerate(messages):
@@ -37,8 +42,8 @@ def refused_fields(body: dict[str, Any]) -> list[str]:
     return refused
 
 
-def check_engine_can_honour(body: dict[str, Any]) -> None:
-    refused = refused_fields(body)
+def check_engine_can_honour(body: dict[str, Any], *, exact: bool = False) -> None:
+    refused = refused_fields(body, exact=exact)
     if refused:
         raise InvalidRequest(
             f"this gateway's engines cannot honour {', '.join(refused)}; "

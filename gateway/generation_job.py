@@ -33,6 +33,14 @@ class GenerationJob:
     # The client gave max_tokens: the request needs prompt + max_tokens of context. Otherwise max_tokens
     # is the gateway's default, shortened to the room the chosen backend has (as vLLM does).
     max_tokens_asked: bool = True
+    # Exact requests (torch engines): the model's token ids with image placeholders expanded, where each
+    # image goes in them, and the sampling the engine applies.
+    token_ids: tuple[int, ...] = field(default=(), compare=False)
+    image_spans: tuple[tuple[int, int], ...] = ()
+    image_grids: tuple[tuple[int, int, int], ...] = ()   # Qwen2-VL family: (t, h, w) per image
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     @property
     def image_tokens(self) -> int:

@@ -66,11 +66,19 @@ class JobBuilder:
         self.check_model(req.model)
         images = await self._images(req)
         prompt, tokens = render_chat(req.messages)
+        exact = self._runtime.exact_prompts
+        ids: tuple[int, ...] = ()
+        spans: tuple[tuple[int, int], ...] = ()
+        if exact is not None:
+            prompt_ids = exact.chat(req.messages, images)
+            ids, spans, tokens = tuple(prompt_ids.ids), tuple(prompt_ids.image_spans), prompt_ids.text_tokens
         asked = req.requested_max_tokens()
         max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), asked)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
-                             self._body(req), max_tokens_asked=asked is not None)
+                             self._body(req), max_tokens_asked=asked is not None, token_ids=ids, image_spans=spans,
+                             image_grids=exact.grids(images) if exact else (),
+                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
     def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
         self.check_model(req.model)
@@ -83,11 +91,17 @@ class JobBuilder:
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = count_text_tokens(prompt)
+        exact = self._runtime.exact_prompts
+        ids: tuple[int, ...] = ()
+        if exact is not None:
+            ids = tuple(exact.text(prompt).ids)
+            tokens = len(ids)
         asked = req.requested_max_tokens()
         max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
-                             self._body(req), max_tokens_asked=asked is not None)
+                             self._body(req), max_tokens_asked=asked is not None, token_ids=ids,
+                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
         """The client's own body for upstreams, less `stream` (the gateway decides how it asks)."""

@@ -133,5 +133,16 @@ def engine_argv(config: ClusterConfig, spec: BackendSpec, control_address: str, 
         "--steal-episode-ms", str(launch.steal_episode_ms),
         "--log-level", log_level,
         *(["--steal"] if spec.steal else []),
+        *torch_argv(launch),
         *launch.extra_args,
+    ]
+
+
+def torch_argv(launch: LaunchSpec) -> list[str]:
+    if launch.executor != "torch":
+        return []
+    return [
+        "--executor", "torch", "--device", launch.device, "--dtype", launch.dtype, "--seed", str(launch.seed),
+        *(["--model-path", launch.model_path] if launch.model_path is not None else ["--random-weights"]),
+        *(["--max-model-len", str(launch.max_model_len)] if launch.max_model_len is not None else []),
     ]

@@ -57,6 +57,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    seed: int | None = None   # honoured by torch engines (see gateway.engine_fields)
     _client_body: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
@@ -70,6 +71,9 @@ class _Sampling(_Body):
     def client_body(self) -> dict[str, Any]:
         """The body exactly as the client sent it (validated by this model, not rewritten by it)."""
         return self._client_body
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class ChatCompletionRequest(_Sampling):

@@ -12,6 +12,7 @@ from gateway.auth import KeyRing
 from gateway.circuit_breaker import Breakers
 from gateway.config import ClusterConfig, Limits
 from gateway.engine_client import EngineClients
+from gateway.exact_prompt import ExactPrompts
 from gateway.metrics import GatewayMetrics
 from gateway.openai_upstream import Upstream
 from gateway.pipeline import LANGUAGE_ROLES, Pipeline, PipelineSettings
@@ -28,6 +29,7 @@ class Runtime:
     pipeline: Pipeline
     fetcher: httpx.AsyncClient    # remote image URLs (only when the config enables them)
     keys: KeyRing
+    exact_prompts: ExactPrompts | None = None   # the model's tokenizer, when torch engines run the model
 
     async def close(self) -> None:
         await self.clients.close()
@@ -119,4 +121,5 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )
-    return Runtime(config, table, clients, metrics, pipeline, fetcher, KeyRing.load(settings.auth))
+    exact = ExactPrompts(config.model, config.torch_weights[0]) if config.torch_weights is not None else None
+    return Runtime(config, table, clients, metrics, pipeline, fetcher, KeyRing.load(settings.auth), exact)

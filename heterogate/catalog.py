@@ -14,6 +14,7 @@ from heterogate.errors import ConfigError
 from heterogate.yaml_files import StrictModel
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+HF_CONFIG_DIR = CONFIG_DIR / "hf"
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
 
 
@@ -64,6 +65,9 @@ class ModelProfile(StrictModel):
     dtype: Literal["float16", "bfloat16", "float32", "fp8"] = "float16"
     max_context: PositiveInt = 4096
     vision: VisionProfile | None = None
+    # Hugging Face config (configs/hf/<file>): what a torch engine builds with random weights, and the
+    # architecture it expects in a `model_path`; None: the model runs on simulated engines only
+    hf_config: str | None = None
 
     @property
     def dtype_bytes(self) -> int:

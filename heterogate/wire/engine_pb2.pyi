@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "token_ids", "image_spans", "top_p", "seed", "stop")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,11 @@ class GenerateRequest(_message.Message):
     EMBEDDING_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SPANS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_tokens: int
@@ -28,7 +33,22 @@ class GenerateRequest(_message.Message):
     embedding_timeout_ms: int
     handoff_key: str
     whole: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    image_spans: _containers.RepeatedCompositeFieldContainer[ImageSpan]
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ImageSpan(_message.Message):
+    __slots__ = ("start", "length", "grid_thw")
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    length: int
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[int] = ..., length: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -1,0 +1,155 @@
+"""Loading a vision-language model (LLaVA-1.5 or Qwen2.5-VL) for the torch executors, from local files or
+random weights.
+
+`model_path`: a local Hugging Face directory (config.json, *.safetensors, tokenizer); read with
+`local_files_only`, so a missing file is a `ConfigError` naming the path, never a download.
+`random_weights`: the catalog's Hugging Face config (configs/hf/) built with seeded random weights; the
+same seed gives the same weights in every engine process, so a split vision + language pair matches the
+monolithic model. The LM head's rows of every token but printable ASCII are zeroed, so that a random model
+says legible text in which one character is one token (its answers compare token for token as text; it
+never says EOS). Each side then drops the half it does not run (the vision engine keeps the vision tower
+and projector, the language engine the decoder and LM head).
+
+    python -m backends.torch_models save DIR [--model llava-1.5-tiny] [--seed 0]
+
+writes a random-weight model with the byte tokenizer to DIR, for `model_path` and for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+
+from heterogate.catalog import HF_CONFIG_DIR, ModelProfile, load_catalog
+from heterogate.errors import ConfigError
+from heterogate.tokenizer import load_tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Family:
+    config: type[PretrainedConfig]
+    model: Any
+    vision_parts: tuple[str, ...]     # attributes of `model.model` that only the vision side runs
+
+
+FAMILIES = {
+    "llava": Family(LlavaConfig, LlavaForConditionalGeneration, ("vision_tower", "multi_modal_projector")),
+    "qwen2_5_vl": Family(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, ("visual",)),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Any                        # a *ForConditionalGeneration of one of FAMILIES
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
+    device: torch.device
+    family: str
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def hf_config(profile: ModelProfile) -> Any:
+    if profile.hf_config is None:
+        raise ConfigError(f"model {profile.name!r} has no Hugging Face config in the catalog (hf_config)")
+    path = HF_CONFIG_DIR / profile.hf_config
+    data: dict[str, Any] = json.loads(path.read_text())
+    return family_of(data.get("model_type"), str(path)).config.from_dict(data)
+
+
+def family_of(model_type: Any, where: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{where}: the torch executor runs {' and '.join(FAMILIES)} models; model_type is "
+                          f"{model_type!r}")
+    return FAMILIES[model_type]
+
+
+def resolve_dtype(name: str, profile: ModelProfile) -> torch.dtype:
+    key = profile.dtype if name == "auto" else name
+    if key not in DTYPES:
+        raise ConfigError(f"dtype {key!r} is not one torch runs ({', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+def load_model(
+    profile: ModelProfile, *, model_path: str | None, seed: int, dtype: str, device: str, keep: str
+) -> LoadedModel:
+    """`keep`: "vision" (tower + projector), "language" (decoder + head) or "both"."""
+    torch_dtype = resolve_dtype(dtype, profile)
+    dev = torch.device(device)
+    if model_path is not None:
+        path = Path(model_path)
+        for name in ("config.json", "tokenizer_config.json"):
+            if not (path / name).is_file():
+                raise ConfigError(f"{path / name}: missing (model_path must be a local Hugging Face directory)")
+        if not any(path.glob("*.safetensors")):
+            raise ConfigError(f"{path}: no *.safetensors weights in the model directory")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        family_name, family = model_type, family_of(model_type, str(path / "config.json"))
+        model: Any = family.model.from_pretrained(
+            str(path), local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa"
+        )
+        model = model.to(dev)
+    else:
+        config = hf_config(profile)
+        family_name, family = config.model_type, FAMILIES[config.model_type]
+        torch.manual_seed(seed)
+        model = family.model._from_config(config, dtype=torch_dtype, attn_implementation="sdpa").to(dev)
+    model.eval()
+    tokenizer = load_tokenizer(model_path, family_name)
+    if model_path is None:
+        _printable_head(model, tokenizer)
+    if keep == "vision":
+        del model.model.language_model, model.lm_head
+    elif keep == "language":
+        for part in family.vision_parts:
+            delattr(model.model, part)
+    return LoadedModel(model, tokenizer, torch_dtype, dev, family_name)
+
+
+def _printable_head(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    printable = {tokenizer.encode(chr(c), add_special_tokens=False)[0] for c in range(0x20, 0x7F)}
+    with torch.no_grad():
+        for row in range(model.lm_head.weight.shape[0]):
+            if row not in printable:
+                model.lm_head.weight[row] = 0
+
+
+def save_random_model(profile: ModelProfile, out: Path, seed: int = 0) -> None:
+    """A random-weight model with the byte tokenizer, as a local Hugging Face directory."""
+    loaded = load_model(profile, model_path=None, seed=seed, dtype="auto", device="cpu", keep="both")
+    loaded.model.save_pretrained(str(out))
+    loaded.tokenizer.save_pretrained(str(out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m backends.torch_models")
+    sub = p.add_subparsers(dest="command", required=True)
+    save = sub.add_parser("save", help="write a random-weight model and its tokenizer to DIR")
+    save.add_argument("dir", type=Path)
+    save.add_argument("--model", default="llava-1.5-tiny")
+    save.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    save_random_model(load_catalog().model(args.model), args.dir, args.seed)
+    print(args.dir)
+
+
+if __name__ == "__main__":
+    main()

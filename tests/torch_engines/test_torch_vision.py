@@ -1,0 +1,80 @@
+"""The vision engine's embeddings equal the monolithic model's image features; bad weights are clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.torch_models import load_model
+from backends.torch_vision import TorchEncoder
+from heterogate.catalog import load_catalog
+from heterogate.errors import ConfigError
+from heterogate.wire import engine_pb2
+from tests.harness import ROOT, image_bytes
+from tests.torch_engines.conftest import TINY, TINY_QWEN
+from tests.torch_engines.reference import Reference
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 0.0), ("bfloat16", 0.0)])
+def test_embeddings_equal_the_monolithic_image_features(tiny_model_dir: Path, dtype: str, atol: float) -> None:
+    """Same weights, same dtype, same preprocessing: bit-equal features (tolerance 0 in float32 and bfloat16),
+    and the bytes on the wire decode back to the same tensor."""
+    profile = load_catalog().model(TINY)
+    vision = TorchEncoder(load_model(profile, model_path=str(tiny_model_dir), seed=0, dtype=dtype, device="cpu",
+                                     keep="vision"), profile)
+    ref = Reference(tiny_model_dir)
+    ref.model.to(getattr(torch, dtype))
+    imgs = [image_bytes("PNG", size, noise=True, seed=i) for i, size in enumerate([(40, 30), (64, 64), (9, 70)])]
+    encoded, _ = vision.encode_now([engine_pb2.Image(data=b, tokens=16) for b in imgs])
+    pixels = ref.inputs("x", imgs)["pixel_values"].to(getattr(torch, dtype))
+    with torch.inference_mode():
+        want = ref.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=-2,
+                                                  vision_feature_select_strategy="default").pooler_output
+    for enc, feats in zip(encoded, want, strict=True):
+        assert (enc.tokens, enc.hidden, enc.dtype) == (16, 64, dtype)
+        got = torch.frombuffer(bytearray(enc.payload()), dtype=getattr(torch, dtype)).view(16, 64)
+        assert torch.allclose(got.float(), feats.float(), atol=atol, rtol=0)
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
+    profile = load_catalog().model(TINY)
+    with pytest.raises(ConfigError, match=str(tmp_path / "config.json")):
+        load_model(profile, model_path=str(tmp_path), seed=0, dtype="auto", device="cpu", keep="both")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"no \*\.safetensors"):
+        load_model(profile, model_path=str(tmp_path), seed=0, dtype="auto", device="cpu", keep="both")
+
+
+def test_engine_with_a_missing_model_path_exits_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run(
+        [sys.executable, "-m", "backends.engine", "--backend-id", "x", "--gpu", "H100", "--model", TINY,
+         "--gateway", "127.0.0.1:1", "--executor", "torch", "--model-path", str(missing)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert str(missing / "config.json") in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_qwen_embeddings_equal_the_monolithic_image_features(tiny_qwen_dir: Path) -> None:
+    """Qwen2.5-VL: variable token counts per image (the catalog's count is what the encoder makes)."""
+    profile = load_catalog().model(TINY_QWEN)
+    vision = TorchEncoder(load_model(profile, model_path=str(tiny_qwen_dir), seed=0, dtype="float32", device="cpu",
+                                     keep="vision"), profile)
+    ref = Reference(tiny_qwen_dir)
+    sizes = [(40, 30), (100, 48), (120, 120)]
+    imgs = [image_bytes("PNG", size, noise=True, seed=i) for i, size in enumerate(sizes)]
+    encoded, _ = vision.encode_now([engine_pb2.Image(data=b) for b in imgs])
+    inputs = ref.inputs("x", imgs)
+    with torch.inference_mode():
+        want = ref.model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                  image_grid_thw=inputs["image_grid_thw"]).pooler_output
+    assert [e.tokens for e in encoded] == [profile.image_tokens(*s) for s in sizes] == [f.shape[0] for f in want]
+    for enc, feats in zip(encoded, want, strict=True):
+        got = torch.frombuffer(bytearray(enc.payload()), dtype=torch.float32).view(enc.tokens, enc.hidden)
+        assert torch.equal(got, feats)
