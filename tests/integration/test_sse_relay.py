@@ -16,7 +16,7 @@ import pytest
 
 from gateway.errors import BackendFailure
 from gateway.generation_job import GenerationJob
-from gateway.openai_upstream import OpenAIUpstreamClient
+from gateway.openai_upstream import OpenAIUpstreamClient, Upstream
 from heterogate.wire import engine_pb2
 
 
@@ -76,7 +76,7 @@ async def relay(client: OpenAIUpstreamClient, rid: str) -> list[engine_pb2.Gener
 async def test_events_in_awkward_pieces_are_relayed_once_in_order(upstream: tuple[str, list[int]]) -> None:
     url, connections = upstream
     async with aiohttp.ClientSession() as session:
-        client = OpenAIUpstreamClient("up", url, lambda: session, "upstream-model")
+        client = OpenAIUpstreamClient("up", url, lambda: session, Upstream("upstream-model"))
         for rid in ("r1", "r2"):
             chunks = await relay(client, rid)
             assert "".join(c.text for c in chunks) == "Hello world"
@@ -103,7 +103,7 @@ async def test_a_stream_without_a_finish_reason_is_a_backend_failure() -> None:
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
         async with aiohttp.ClientSession() as session:
-            client = OpenAIUpstreamClient("up", url, lambda: session, None)
+            client = OpenAIUpstreamClient("up", url, lambda: session, Upstream())
             with pytest.raises(BackendFailure, match="without a finish reason"):
                 await relay(client, "r3")
     finally:
