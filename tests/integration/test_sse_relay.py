@@ -76,7 +76,7 @@ async def relay(client: OpenAIUpstreamClient, rid: str) -> list[engine_pb2.Gener
 async def test_events_in_awkward_pieces_are_relayed_once_in_order(upstream: tuple[str, list[int]]) -> None:
     url, connections = upstream
     async with aiohttp.ClientSession() as session:
-        client = OpenAIUpstreamClient("up", url, lambda: session, Upstream(model="upstream-model"))
+        client = OpenAIUpstreamClient("up", url, lambda: session, Upstream("upstream-model"))
         for rid in ("r1", "r2"):
             chunks = await relay(client, rid)
             assert "".join(c.text for c in chunks) == "Hello world"
