@@ -9,19 +9,20 @@ bodies and error shapes, `x-request-id`, `x-request-timeout`, API keys, 499 when
 
 A client that disconnects cancels its request: one watcher task per request waits on `receive()`
 for `http.disconnect` and cancels the handler, which cancels the engine call with it.
+
+Each request has a `RequestRecord` from its arrival: the pipeline fills in its deadline, attempts and
+backends, and `RequestLog.finish` counts it and writes its one log line, whatever the outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
-import structlog
 from pydantic import ValidationError
 
 from gateway.errors import InvalidRequest, MethodNotAllowed, PayloadTooLarge, RequestError, openai_error_body
@@ -30,9 +31,9 @@ from gateway.jobs import JobBuilder
 from gateway.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from gateway.pipeline import Dispatch
+from gateway.request_log import RequestLog, RequestRecord
 from gateway.runtime import Runtime
 
-log = structlog.get_logger("http")
 T = TypeVar("T")
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -130,6 +131,7 @@ class CompletionsDoor:
         self._jobs = JobBuilder(runtime)
         self._model_name = self._jobs.model_name
         self._max_body = runtime.limits.max_body_bytes
+        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         route = ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
@@ -139,6 +141,7 @@ class CompletionsDoor:
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _WANTED}
         rid = new_request_id(headers.get("x-request-id"))
         endpoint, kind = route
+        record = RequestRecord(rid, endpoint)
         watch: _DisconnectWatch | None = None
         try:
             if scope["method"] != "POST":
@@ -151,24 +154,23 @@ class CompletionsDoor:
             assert task is not None
             watch = _DisconnectWatch(receive, task)
             if stream:
-                await self._stream(send, watch, kind, job, include_usage, endpoint)
+                await self._stream(send, watch, kind, job, include_usage, record)
             else:
-                await self._complete(send, watch, kind, job, endpoint)
+                await self._complete(send, watch, kind, job, record)
         except RequestError as exc:
             if watch is not None:
                 watch.stop()
-            backend = getattr(exc, "backend_id", "none")
-            self._count(endpoint, backend, str(exc.status))
+            self._requests.finish(record, exc.status, error=exc.message)
             body = orjson.dumps(openai_error_body(exc))
             await send(json_message(exc.status, body, error_headers(exc, rid)))
             await send({"type": "http.response.body", "body": body})
         except _ClientGone:
-            self._gone(endpoint, "none", rid)
+            self._requests.finish(record, 499)   # not an error of anyone's (nginx's 499); nobody reads a reply
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            self._gone(endpoint, "none", rid)
+            self._requests.finish(record, 499)
 
     async def _read_body(self, receive: Receive, declared: str | None) -> bytes:
         limit = self._max_body
@@ -198,11 +200,12 @@ class CompletionsDoor:
         return job, req.stream, bool(req.stream_options and req.stream_options.include_usage)
 
     async def _complete(self, send: Send, watch: _DisconnectWatch, kind: Kind, job: GenerationJob,
-                        endpoint: str) -> None:
-        dispatch, chunks = await self._runtime.pipeline.complete(job)
+                        record: RequestRecord) -> None:
+        dispatch, chunks = await self._runtime.pipeline.complete(job, record)
         watch.stop()
-        self._done(dispatch, endpoint, "ok")
         last = chunks[-1]
+        self._requests.finish(record, 200, prompt_tokens=last.usage.prompt_tokens,
+                              completion_tokens=last.usage.completion_tokens)
         if len(chunks) == 1 and last.relay:   # an upstream's whole reply, already in the client's shape
             body = last.relay
         else:
@@ -213,11 +216,11 @@ class CompletionsDoor:
         await send({"type": "http.response.body", "body": body})
 
     async def _stream(self, send: Send, watch: _DisconnectWatch, kind: Kind, job: GenerationJob,
-                      include_usage: bool, endpoint: str) -> None:
-        dispatch = await self._runtime.pipeline.start(job)
+                      include_usage: bool, record: RequestRecord) -> None:
+        dispatch = await self._runtime.pipeline.start(job, record)
         await send({"type": "http.response.start", "status": 200, "headers": [*_SSE, *backend_headers(dispatch)]})
         w = ChunkWriter(kind, job.request_id, self._model_name)
-        status = "error"
+        status, error, last = 500, None, dispatch.first
         try:
             if kind == "chat" and not dispatch.first.relay:   # an upstream sends its own role event
                 await send({"type": "http.response.body", "body": w.role(), "more_body": True})
@@ -228,32 +231,18 @@ class CompletionsDoor:
             tail = DONE
             if include_usage:
                 tail = w.usage(usage(last.usage.prompt_tokens, last.usage.completion_tokens)) + DONE
-            status = "ok"
+            status = 200
         except RequestError as exc:   # after the first token the status is sent: the error goes in the stream
+            status, error = exc.status, exc.message
             tail = error_event(exc) + DONE
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            status = "499"   # mid-stream: the request log keeps its backend and latency
+            status = 499   # mid-stream: the request log keeps its backend and latency
             return
         finally:
-            self._done(dispatch, endpoint, status)
+            self._requests.finish(record, status, prompt_tokens=last.usage.prompt_tokens,
+                                  completion_tokens=last.usage.completion_tokens, error=error)
         watch.stop()
         await send({"type": "http.response.body", "body": tail})
-
-    def _count(self, endpoint: str, backend: str, status: str) -> None:
-        self._runtime.metrics.requests.labels(endpoint, self._runtime.pipeline.policy.name, backend, status).inc()
-
-    def _gone(self, endpoint: str, backend: str, rid: str) -> None:
-        """Not an error of anyone's: counted (as nginx's 499) and logged quietly; nobody reads a reply."""
-        self._count(endpoint, backend, "499")
-        log.info("client_disconnected", request_id=rid)
-
-    def _done(self, dispatch: Dispatch, endpoint: str, status: str) -> None:
-        policy = dispatch.decision.policy
-        self._runtime.metrics.requests.labels(endpoint, policy, dispatch.backend_id, status).inc()
-        log.info("request", request_id=dispatch.request_id, policy=policy,
-                 backend=dispatch.backend_id, cost=round(dispatch.decision.cost, 6),
-                 ttft_s=round(dispatch.ttft_s, 4), latency_s=round(time.monotonic() - dispatch.started, 4),
-                 status=status, endpoint=endpoint)

@@ -9,8 +9,9 @@
         ├── Unauthorized             401
         ├── Overloaded               429  admission queue full (Retry-After)
         ├── NoBackendAvailable       503  no healthy backend for the pool (Retry-After)
-        └── BackendFailure           502  the engine failed; `retryable` while no token was sent
-            └── BackendTimeout       504
+        ├── BackendFailure           502  the engine failed; `retryable` while no token was sent
+        │   └── BackendTimeout       504
+        └── DeadlineExceeded         504  the request's own deadline passed (retries included)
 
 Lower-layer errors (grpc.aio.AioRpcError, OSError) are mapped to these at the boundary in
 `engine_client.py`; the HTTP door renders them with `openai_error_body`.
@@ -91,6 +92,12 @@ class BackendFailure(RequestError):
 class BackendTimeout(BackendFailure):
     status = 504
     code = "backend_timeout"
+
+
+class DeadlineExceeded(RequestError):
+    status = 504
+    type = "timeout_error"
+    code = "deadline_exceeded"
 
 
 # HTTP status of a RequestError → the gRPC status code the gRPC door answers with.

@@ -21,6 +21,7 @@ from gateway.generation_job import GenerationJob
 from gateway.images import FORMATS
 from gateway.jobs import JobBuilder
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.request_log import RequestLog, RequestRecord
 from gateway.runtime import Runtime
 from heterogate.wire import control_pb2, inference_pb2, inference_pb2_grpc
 
@@ -57,11 +58,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
         self._jobs = JobBuilder(runtime)
+        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
 
-    async def _job(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationJob:
+    async def _job(
+        self, request: inference_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
+    ) -> GenerationJob:
         metadata = dict(context.invocation_metadata() or ())
         self._runtime.keys.check(metadata.get("authorization"), admin=False)
-        rid = request.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()
         body = _openai_body(request)
         try:
@@ -75,9 +78,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateReply]:
+        record = RequestRecord(request.request_id or uuid.uuid4().hex, "grpc")
+        status, error, usage = 499, None, None   # closed early: the client went away
         try:
-            job = await self._job(request, context)
-            dispatch = await self._runtime.pipeline.start(job)
+            job = await self._job(request, record.request_id, context)
+            dispatch = await self._runtime.pipeline.start(job, record)
             first = True
             async for chunk in dispatch.rest():
                 reply = inference_pb2.GenerateReply(text=chunk.text, finish_reason=chunk.finish_reason)
@@ -88,9 +93,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if chunk.finish_reason:
                     reply.prompt_tokens = chunk.usage.prompt_tokens
                     reply.completion_tokens = chunk.usage.completion_tokens
+                    usage = chunk.usage
                 yield reply
+            status = 200
         except RequestError as exc:
+            status, error = exc.status, exc.message
             await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), exc.message)
+        finally:
+            self._requests.finish(record, status, error=error,
+                                  prompt_tokens=usage.prompt_tokens if usage else 0,
+                                  completion_tokens=usage.completion_tokens if usage else 0)
 
 
 async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> None:

@@ -79,9 +79,8 @@ def create_app(runtime: Runtime) -> ASGIApp:
 
     @app.get("/ready")
     async def ready() -> Response:
-        healthy = runtime.healthy_language_backends()
-        status = 200 if healthy else 503
-        return json_response({"ready": bool(healthy), "healthy_language_backends": healthy}, status)
+        state = runtime.readiness()
+        return json_response(state, 200 if state["ready"] else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

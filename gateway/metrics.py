@@ -1,18 +1,31 @@
 """Prometheus metrics of one gateway process, on its own registry (no module globals).
 
 Per-backend gauges are not pushed on every change: a collector reads the state table at scrape
-time, so they are exact and cost nothing on the request path.
+time, so they are exact and cost nothing on the request path. Counters carry no `_created` series
+(one per label set, which doubles the scrape for nothing a rate() needs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import platform
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.state_table import StateTable
+from heterogate import __version__
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
@@ -21,6 +34,8 @@ _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
 class BackendCollector(Collector):
     def __init__(self, table: StateTable) -> None:
         self._table = table
+        # Restarts per managed backend, from the supervisor once it runs (a callable: read at scrape time).
+        self.restarts: Callable[[], Mapping[str, int]] = dict
 
     def collect(self) -> Iterator[Metric]:
         labels = ["backend", "role", "gpu"]
@@ -45,7 +60,16 @@ class BackendCollector(Collector):
             "stolen": CounterMetricFamily(
                 "heterogate_backend_tokens_stolen", "Tokens generated while stealing (engine-reported)", labels=labels
             ),
+            "age": GaugeMetricFamily(
+                "heterogate_backend_heartbeat_age_seconds", "Seconds since the last heartbeat (absent before the "
+                "first)", labels=labels,
+            ),
+            "restarts": CounterMetricFamily(
+                "heterogate_backend_restarts", "Times the gateway restarted this managed engine", labels=labels
+            ),
         }
+        now = self._table.clock()
+        restarts = self.restarts()
         for e in self._table.entries():
             values = [e.id, e.role, e.gpu.name]
             snap = self._table.snapshot(e)
@@ -59,6 +83,10 @@ class BackendCollector(Collector):
             families["service"].add_metric(values, snap.mean_service_s)
             families["episodes"].add_metric(values, e.reported.steal_episodes)
             families["stolen"].add_metric(values, e.reported.tokens_stolen)
+            if e.last_heartbeat is not None:
+                families["age"].add_metric(values, max(0.0, now - e.last_heartbeat))
+            if e.managed:
+                families["restarts"].add_metric(values, restarts.get(e.id, 0))
         yield from families.values()
         fail_open = GaugeMetricFamily(
             "heterogate_routing_failing_open", "1 when every candidate's metrics are stale and routing uses "
@@ -69,8 +97,23 @@ class BackendCollector(Collector):
 
 class GatewayMetrics:
     def __init__(self, table: StateTable) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide in prometheus_client; no registry of ours wants them
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        Info("heterogate_build", "Version of the running gateway", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
+        self.prompt_tokens = Counter(
+            "heterogate_prompt_tokens", "Prompt tokens of served requests (as the backend counted them)",
+            ["backend"], registry=r,
+        )
+        self.generation_tokens = Counter(
+            "heterogate_generation_tokens", "Tokens generated for served requests", ["backend"], registry=r
+        )
+        self.admission_waiting = Gauge(
+            "heterogate_admission_queue_waiting", "Requests waiting in the admission queue", registry=r
+        )
         self.requests = Counter(
             "heterogate_requests", "Requests by outcome", ["endpoint", "policy", "backend", "status"], registry=r
         )
@@ -106,7 +149,8 @@ class GatewayMetrics:
         self.e2e_seconds = Histogram(
             "heterogate_e2e_seconds", "End-to-end request latency", ["backend"], buckets=_LATENCY_BUCKETS, registry=r
         )
-        r.register(BackendCollector(table))
+        self.backends = BackendCollector(table)
+        r.register(self.backends)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

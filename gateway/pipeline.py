@@ -12,6 +12,11 @@ vision backend; a `both` (monolithic) backend encodes its own images.
 is retried (up to `max_attempts` per pool) and the HTTP door can still answer with a proper status.
 After the first token, failures surface from `Dispatch.rest()`: nothing is dispatched twice once a
 token has been sent.
+
+One deadline bounds the whole request (the client's `x-request-timeout` or gRPC deadline, capped by
+`request_timeout_s`), counted from its arrival and kept in its `RequestRecord`: the admission wait,
+every attempt, every encode, every backoff and the stream itself. No attempt starts after it; a
+request that runs out of time gets `DeadlineExceeded` (504).
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ import structlog
 from gateway.admission import AdmissionQueue
 from gateway.circuit_breaker import Breakers
 from gateway.engine_client import HANDOFF_TIMEOUT, BackendClient, EngineClient, EngineClients
-from gateway.errors import BackendFailure, NoBackendAvailable
+from gateway.errors import BackendFailure, DeadlineExceeded, NoBackendAvailable
 from gateway.generation_job import GenerationJob
 from gateway.metrics import GatewayMetrics
 from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.policies.stealing import stealers
+from gateway.request_log import RequestRecord
 from gateway.state_table import StateTable
 from heterogate.wire import engine_pb2
 
@@ -68,6 +74,7 @@ class Dispatch:
         first: engine_pb2.GenerateChunk,
         stream: AsyncIterator[engine_pb2.GenerateChunk],
         started: float,
+        record: RequestRecord,
     ) -> None:
         self._pipeline = pipeline
         self.request_id = job.request_id
@@ -77,7 +84,10 @@ class Dispatch:
         self.first = first
         self._stream = stream
         self.started = started
+        self.record = record
         self.ttft_s = time.monotonic() - started
+        record.ttft_s = time.monotonic() - record.started
+        record.policy = decision.policy
 
     async def rest(self) -> AsyncIterator[engine_pb2.GenerateChunk]:
         completed = False
@@ -159,17 +169,26 @@ class Pipeline:
         candidates = [c for c in candidates if c.fits(context_tokens)]
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
-    async def start(self, job: GenerationJob) -> Dispatch:
+    def deadline(self, job: GenerationJob, record: RequestRecord) -> float:
+        """The request's deadline, fixed on first use: restarts of the same request share it."""
+        if record.deadline is None:
+            limit = self.settings.request_timeout_s
+            record.deadline = record.started + min(job.timeout_s or limit, limit)
+        return record.deadline
+
+    async def start(self, job: GenerationJob, record: RequestRecord | None = None) -> Dispatch:
         """Admit, route, dispatch; retry (with backoff and jitter) until the first token or the deadline."""
         started = time.monotonic()
-        timeout_s = min(job.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
-        deadline = started + timeout_s
+        record = record or RequestRecord(job.request_id, job.kind)
+        deadline = self.deadline(job, record)
         await self.admission.wait_for_capacity(self.saturated, deadline)
         profile = job.profile()
         tried: list[str] = []
         last_error: BackendFailure | None = None
+        out_of_time = False
         for attempt in range(self.settings.max_attempts):
-            if attempt and not await self._backoff(attempt, deadline):
+            if (attempt and not await self._backoff(attempt, deadline)) or time.monotonic() >= deadline:
+                out_of_time = True
                 break
             decision = self.route_language(profile, tried, job.context_tokens)
             if decision is None:
@@ -179,9 +198,10 @@ class Pipeline:
             client = self.clients.get(backend_id)
             if client is None:
                 continue
+            record.attempt(backend_id)
             self.breakers.on_dispatch(backend_id)
             try:
-                dispatch = await self._attempt(job, decision, client, started, deadline)
+                dispatch = await self._attempt(job, decision, client, started, record)
             except BackendFailure as exc:
                 if exc.backend_id == backend_id and exc.code != HANDOFF_TIMEOUT:   # not the vision side's fault
                     self.breakers.on_failure(backend_id)
@@ -193,13 +213,24 @@ class Pipeline:
                 continue
             self.breakers.on_success(backend_id)
             return dispatch
+        if out_of_time or time.monotonic() >= deadline:
+            raise self._deadline_error(record, last_error)
         if last_error is not None:
             raise last_error
         raise NoBackendAvailable(
             f"no healthy language backend is available for a context of {job.context_tokens} tokens; retry later"
         )
 
-    async def complete(self, job: GenerationJob) -> tuple[Dispatch, list[engine_pb2.GenerateChunk]]:
+    @staticmethod
+    def _deadline_error(record: RequestRecord, last_error: BackendFailure | None) -> DeadlineExceeded:
+        assert record.deadline is not None
+        message = (f"the request's deadline of {record.deadline - record.started:.3g} s passed "
+                   f"after {record.attempts} attempt(s)")
+        return DeadlineExceeded(message + (f"; last error: {last_error.message}" if last_error else ""))
+
+    async def complete(
+        self, job: GenerationJob, record: RequestRecord | None = None
+    ) -> tuple[Dispatch, list[engine_pb2.GenerateChunk]]:
         """A whole completion for a non-streamed response.
 
         Nothing has reached the client yet, so a backend that dies mid-generation is not fatal: the
@@ -207,8 +238,9 @@ class Pipeline:
         Engines send it in two messages (`whole`): the first token, then the rest.
         """
         job = replace(job, whole=True)
+        record = record or RequestRecord(job.request_id, job.kind)
         for attempt in range(1, self.settings.max_attempts + 1):
-            dispatch = await self.start(job)
+            dispatch = await self.start(job, record)
             try:
                 return dispatch, [chunk async for chunk in dispatch.rest()]
             except BackendFailure as exc:
@@ -229,8 +261,10 @@ class Pipeline:
         return True
 
     async def _attempt(
-        self, job: GenerationJob, decision: Decision, client: BackendClient, started: float, deadline: float
+        self, job: GenerationJob, decision: Decision, client: BackendClient, started: float, record: RequestRecord
     ) -> Dispatch:
+        assert record.deadline is not None
+        deadline = record.deadline
         backend_id = decision.backend.id
         job = job.for_context(decision.backend.max_context)
         self.table.acquire(backend_id)
@@ -240,7 +274,7 @@ class Pipeline:
         vision_id = None
         if job.images and client.handoff == "inline":   # encode first: the embeddings go in the request
             try:
-                vision_id, reply = await self._encode(job, key, decision.backend, deliver_to="")
+                vision_id, reply = await self._encode(job, key, decision.backend, "", record)
             except BaseException:
                 self._abandon(backend_id)
                 raise
@@ -256,7 +290,7 @@ class Pipeline:
         first_read = asyncio.ensure_future(anext(stream))
         encoding = None
         if direct:
-            encoding = asyncio.ensure_future(self._encode(job, key, decision.backend, deliver_to=client.address))
+            encoding = asyncio.ensure_future(self._encode(job, key, decision.backend, client.address, record))
         try:
             if encoding is not None:
                 await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
@@ -277,7 +311,7 @@ class Pipeline:
             raise
         if first.embedding_wait_s:
             self.metrics.handoff_wait_seconds.labels(backend_id).observe(first.embedding_wait_s)
-        dispatch = Dispatch(self, job, decision, vision_id, first, stream, started)
+        dispatch = Dispatch(self, job, decision, vision_id, first, stream, started, record)
         self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
         return dispatch
 
@@ -287,10 +321,12 @@ class Pipeline:
         self.admission.notify()
 
     async def _encode(
-        self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str
+        self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str, record: RequestRecord
     ) -> tuple[str, engine_pb2.EncodeReply]:
         """Encode the job's images for `language` under `key`: delivered to `deliver_to`, or returned in
-        the reply when it is empty. Returns the vision backend that did it, and its reply."""
+        the reply when it is empty. Returns the vision backend that did it, and its reply. Each encode
+        is bounded by the request's deadline too."""
+        assert record.deadline is not None
         request = engine_pb2.EncodeRequest(
             request_id=key, deliver_to=deliver_to,
             images=[engine_pb2.Image(data=i.data, width=i.width, height=i.height, tokens=i.tokens)
@@ -298,12 +334,14 @@ class Pipeline:
         )
         own = self.clients.engine(language.id)
         if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images
-            return language.id, await self._encode_on(language.id, own, request, job.image_tokens)
+            return language.id, await self._encode_on(language.id, own, request, job.image_tokens, record.deadline)
         profile = job.profile()
         tried: list[str] = []
         last_error: BackendFailure | None = None
         for _ in range(self.settings.max_attempts):
             now = time.monotonic()
+            if now >= record.deadline:
+                break
             candidates = self.table.candidates(VISION_ROLES, now, tried + self.breakers.blocked())
             client = None
             if candidates:
@@ -312,9 +350,10 @@ class Pipeline:
                 client = self.clients.engine(vision_id)
             if client is None:
                 break
+            record.vision_backends.append(vision_id)
             self.breakers.on_dispatch(vision_id)
             try:
-                reply = await self._encode_on(vision_id, client, request, job.image_tokens)
+                reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline)
                 self.breakers.on_success(vision_id)
                 return vision_id, reply
             except BackendFailure as exc:
@@ -322,17 +361,20 @@ class Pipeline:
                 self.breakers.on_failure(vision_id)
                 self.metrics.retries.labels(vision_id).inc()
                 log.warning("encode_failed", request_id=job.request_id, backend=vision_id, error=str(exc))
+        if time.monotonic() >= record.deadline:
+            raise self._deadline_error(record, last_error)
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
             raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
         raise NoBackendAvailable("no healthy vision backend is available for the request's images; retry later")
 
     async def _encode_on(
-        self, backend_id: str, client: EngineClient, request: engine_pb2.EncodeRequest, tokens: int
+        self, backend_id: str, client: EngineClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float
     ) -> engine_pb2.EncodeReply:
         self.table.acquire_vision(backend_id, tokens)
         t0 = time.monotonic()
+        timeout_s = max(0.001, min(self.settings.handoff_timeout_s, deadline - t0))
         try:
-            reply = await client.encode(request, timeout_s=self.settings.handoff_timeout_s)
+            reply = await client.encode(request, timeout_s=timeout_s)
         finally:
             self.table.release_vision(backend_id, tokens)
         self.metrics.encode_seconds.labels(backend_id).observe(time.monotonic() - t0)

@@ -15,7 +15,7 @@ from gateway.engine_client import EngineClients
 from gateway.exact_prompt import ExactPrompts
 from gateway.metrics import GatewayMetrics
 from gateway.openai_upstream import Upstream
-from gateway.pipeline import LANGUAGE_ROLES, Pipeline, PipelineSettings
+from gateway.pipeline import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
 from gateway.policies import build_policy
 from gateway.state_table import SERVING, StateTable
 
@@ -41,6 +41,18 @@ class Runtime:
 
     def healthy_language_backends(self) -> int:
         return len(self.table.candidates(LANGUAGE_ROLES))
+
+    def readiness(self) -> dict[str, Any]:
+        """Ready when every pool a served request kind needs has a healthy backend: the language pool
+        always; the vision pool too when the model takes images and some language backend relies on
+        a separate encoder (a `both` backend or an upstream that reads images itself does not)."""
+        language = self.healthy_language_backends()
+        out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
+        if needs_vision_pool(self.config):
+            vision = len(self.table.candidates(VISION_ROLES))
+            out["healthy_vision_backends"] = vision
+            out["ready"] = language > 0 and vision > 0
+        return out
 
     def describe_backends(self) -> list[dict[str, Any]]:
         out = []
@@ -81,6 +93,12 @@ class Runtime:
         return out
 
 
+def needs_vision_pool(config: ClusterConfig) -> bool:
+    return config.model.vision is not None and any(
+        (s.kind == "engine" and s.role == "language") or s.image_embeds for s in config.raw.backends
+    )
+
+
 def build_runtime(config: ClusterConfig, policy_name: str | None = None,
                   addresses: dict[str, str] | None = None) -> Runtime:
     """`addresses`: where managed kind: openai backends will listen (their ports are picked at start-up)."""
@@ -118,6 +136,7 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
         retry_backoff_s=settings.retry_backoff_s,
         retry_backoff_max_s=settings.retry_backoff_max_s,
     ), Breakers(settings.breaker), AdmissionQueue(settings.admission))
+    metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )

@@ -2,9 +2,11 @@
 
     python -m tests.fake_openai_server --port 8101 --engine vllm
 
-`POST /control {"waiting": 40, "fail": 0, "token_delay_ms": 0}` sets what /metrics reports, how many
-of the next completions fail with HTTP 503, and the pause between streamed tokens. Completions
-stream `tokens` words (the request's max_tokens).
+`POST /control {"waiting": 40, "fail": 0, "fail_delay_ms": 0, "token_delay_ms": 0}` sets what /metrics
+reports, how many of the next completions fail with HTTP 503 (each after `fail_delay_ms`: an upstream
+that fails slowly), and the pause between streamed tokens. Completions stream `tokens` words (the
+request's max_tokens). `GET /stats` lists under "arrivals" when each completion request arrived
+(`time.monotonic()`, comparable across processes on one host).
 
 `GET /v1/models` lists the model with `max_model_len` when `--max-model-len` is given (as vLLM and
 SGLang do), without it otherwise (as TensorRT-LLM does); the max_tokens of every completion request is
@@ -108,9 +110,9 @@ def create_app(
     api_key: str | None = None, children: list[int] | None = None,
 ) -> FastAPI:
     app = FastAPI()
-    state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "served": 0, "image_embeds": [],
+    state: dict[str, Any] = {"waiting": 0, "running": 0, "fail": 0, "fail_delay_ms": 0, "served": 0, "image_embeds": [],
                              "token_delay_ms": 1, "max_tokens": [], "last_body": None, "last_authorization": None,
-                             "pid": os.getpid(), "children": children or []}
+                             "pid": os.getpid(), "children": children or [], "arrivals": []}
     metrics_text = "".join(line for line in METRICS[engine].splitlines(keepends=True)
                            if cache_info or "cache_config_info" not in line)
 
@@ -190,12 +192,14 @@ def create_app(
         })
 
     async def complete(request: Request, chat: bool) -> Response:
+        state["arrivals"].append(time.monotonic())
         body = orjson.loads(await request.body())
         state["last_body"], state["last_authorization"] = body, request.headers.get("authorization")
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             return Response(orjson.dumps({"error": {"message": "Unauthorized"}}), status_code=401)
         if state["fail"] > 0:
             state["fail"] -= 1
+            await asyncio.sleep(state["fail_delay_ms"] / 1000)
             return Response(orjson.dumps({"error": {"message": "overloaded"}}), status_code=503)
         if embeds_only:
             try:
