@@ -1,7 +1,11 @@
 """Heartbeat agent for an engine the gateway does not launch (vLLM, SGLang, TensorRT-LLM).
 
     heterogate-agent --engine vllm --address http://127.0.0.1:8001 --backend-id h100-ext-0 \
-        --gpu H100 --model llava-1.5-7b --gateway 127.0.0.1:50061 [--metrics-url URL] [--interval-ms 200]
+        --gpu H100 --model llava-1.5-7b --gateway 127.0.0.1:50061 [--metrics-url URL] [--interval-ms 200] \
+        [--token-file /etc/heterogate/cluster-token] [--ca-file /etc/heterogate/ca.crt]
+
+The cluster token comes from --token-file, else from $HETEROGATE_CLUSTER_TOKEN; --ca-file (or
+$HETEROGATE_CONTROL_CA) makes the control stream TLS, trusting that CA.
 
 Polls the engine's Prometheus endpoint every interval and pushes the result on the gateway's Control
 stream (`heterogate.engine_scraper`), with the context length the engine lists in `GET /v1/models`.
@@ -16,11 +20,13 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import httpx
 import structlog
 
 from heterogate.catalog import GpuProfile, ModelProfile, load_catalog
+from heterogate.control_credentials import ControlCredentials, read_secret_file
 from heterogate.engine_scraper import AgentConfig, MetricsAgent, make_client
 from heterogate.errors import ConfigError
 from heterogate.logs import configure_logging
@@ -47,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV capacity in tokens where the engine's metrics give none (else a model estimate)")
     p.add_argument("--upstream-model", help="model whose max_model_len in /v1/models counts (default: the first)")
     p.add_argument("--scrape-timeout-s", type=float, default=2.0)
+    p.add_argument("--token-file", type=Path, help="cluster token (default: $HETEROGATE_CLUSTER_TOKEN)")
+    p.add_argument("--ca-file", type=Path, help="CA of a TLS control port (default: $HETEROGATE_CONTROL_CA)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     if httpx.URL(args.address).scheme not in ("http", "https"):
@@ -56,7 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
+def credentials_from_args(args: argparse.Namespace) -> ControlCredentials:
+    """ConfigError (naming the flag or variable) for a token or CA file that cannot be read."""
+    env = ControlCredentials.from_env()
+    token = read_secret_file(args.token_file, "--token-file") if args.token_file else env.token
+    ca = env.ca_pem
+    if args.ca_file is not None:
+        try:
+            ca = args.ca_file.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"--ca-file: cannot read {args.ca_file}: {exc.strerror}") from None
+    return ControlCredentials(token=token, ca_pem=ca)
+
+
+def config_from_args(args: argparse.Namespace, credentials: ControlCredentials | None = None) -> AgentConfig:
     table = TABLES[args.engine]
     address = args.address.rstrip("/")
     return AgentConfig(
@@ -70,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         kv_total_tokens=args.kv_total_tokens,
         scrape_timeout_s=args.scrape_timeout_s,
         upstream_model=args.upstream_model,
+        credentials=credentials or ControlCredentials(),
     )
 
 
@@ -92,10 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         catalog = load_catalog()
         model, gpu = catalog.model(args.model), catalog.gpu(args.gpu)
+        credentials = credentials_from_args(args)
     except ConfigError as exc:
         print(f"heterogate-agent: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    asyncio.run(serve(config_from_args(args), model, gpu))
+    asyncio.run(serve(config_from_args(args, credentials), model, gpu))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from backends.executors import GenerateInput, InvalidInput, Sampling
 from backends.gpu_scheduler import GpuScheduler
 from backends.vision_executor import TokenCountMismatch
 from heterogate.catalog import GpuProfile, ModelProfile, load_catalog
+from heterogate.control_credentials import ControlCredentials
 from heterogate.errors import ConfigError
 from heterogate.event_loop import run
 from heterogate.heartbeat_sender import HeartbeatSender, gpu_message
@@ -158,7 +159,9 @@ class Engine:
         self.language, self.vision = build_executors(config, model, gpu, self.sender.deliver, self._changed)
         self.scheduler = GpuScheduler(self.language, self.vision, stealing=config.role == "vision")
         self.address = ""
-        self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.heartbeat_ms / 1000)
+        # Cluster token, the identity the launching gateway gave this engine, TLS: from the environment.
+        self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.heartbeat_ms / 1000,
+                                          credentials=ControlCredentials.from_env())
 
     def _changed(self) -> None:
         self.scheduler.wake()

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     except PortUnavailable as exc:   # nothing was launched: the ports are bound first
         print(f"gateway: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except ConfigError as exc:   # a secret or certificate the config names, read at start-up
+        print(f"gateway: invalid configuration\n{exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from gateway.image_embeds import require_torch
 from gateway.images import ImageLimits
 from gateway.policies import build_policy
 from gateway.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
+from gateway.tls import TlsConfig
 from heterogate import yaml_files
 from heterogate.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
 from heterogate.errors import ConfigError
@@ -220,6 +221,7 @@ class GatewaySettings(StrictModel):
     breaker: BreakerConfig = BreakerConfig()
     admission: AdmissionConfig = AdmissionConfig()
     auth: AuthConfig = AuthConfig()
+    tls: TlsConfig = TlsConfig()
     keep_alive: KeepAliveConfig = KeepAliveConfig()
 
 

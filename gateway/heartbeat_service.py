@@ -1,4 +1,8 @@
-"""gRPC Control service: backends push their state on one long-lived stream each."""
+"""gRPC Control service: backends push their state on one long-lived stream each.
+
+Every stream passes `ControlAuth` first (cluster token, engine identity, address moves); a refused
+stream ends with UNAUTHENTICATED or PERMISSION_DENIED and the reason, and changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
+from gateway.control_auth import ControlAuth
 from gateway.state_table import Reported, StateTable
 from heterogate.engine_scraper import KV_SOURCES
 from heterogate.metric_tables import KvSource
@@ -43,23 +48,38 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self,
         table: StateTable,
         on_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
+        auth: ControlAuth | None = None,
     ) -> None:
         self._table = table
         self._on_heartbeat = on_heartbeat
+        self._auth = auth or ControlAuth()
 
     async def Connect(
         self, request_iterator: AsyncIterator[control_pb2.BackendState], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[control_pb2.GatewayMessage]:
         interval_ms = int(self._table.heartbeat_interval_s * 1000)
-        backend_id = ""
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        refusal = self._auth.authenticate(metadata)
+        if refusal is not None:
+            log.warning("heartbeat_refused", peer=context.peer(), reason=refusal.message)
+            await context.abort(refusal.code, refusal.message)
+        backend_id, address = "", ""
         async for msg in request_iterator:
-            if msg.backend_id != backend_id:
-                backend_id = msg.backend_id
-                if self._table.get(backend_id) is None:
+            if msg.backend_id != backend_id or msg.address != address:
+                known = self._table.get(msg.backend_id)
+                if known is None:
                     await context.abort(
-                        grpc.StatusCode.NOT_FOUND, f"backend {backend_id!r} is not in the gateway's backends file"
+                        grpc.StatusCode.NOT_FOUND, f"backend {msg.backend_id!r} is not in the gateway's backends file"
                     )
-                log.info("backend_connected", backend=backend_id, address=msg.address)
+                    return
+                refusal = self._auth.admit(known, msg.address, metadata)
+                if refusal is not None:
+                    log.warning("heartbeat_refused", backend=msg.backend_id, peer=context.peer(),
+                                reason=refusal.message)
+                    await context.abort(refusal.code, refusal.message)
+                if msg.backend_id != backend_id:
+                    log.info("backend_connected", backend=msg.backend_id, address=msg.address)
+                backend_id, address = msg.backend_id, msg.address
             entry = self._table.apply_heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
             if entry is not None:
                 self._on_heartbeat(backend_id, msg.address)

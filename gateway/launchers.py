@@ -48,13 +48,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EngineLauncher:
     def __init__(
-        self, config: ClusterConfig, spec: BackendSpec, control_address: str, table: StateTable, log_level: str
+        self, config: ClusterConfig, spec: BackendSpec, control_address: str, table: StateTable, log_level: str,
+        env: dict[str, str] | None = None,
     ) -> None:
         assert isinstance(spec.launch, LaunchSpec)
         self.backend_id = spec.id
         self.start_timeout_s = config.settings.engine_start_timeout_s
         self.probe_interval_s = config.settings.heartbeat_interval_ms / 1000 / 4
-        self._plan = LaunchPlan(engine_argv(config, spec, control_address, log_level))
+        # env: the engine's identity towards the control port, the cluster token, the CA (gateway.control_auth)
+        self._plan = LaunchPlan(engine_argv(config, spec, control_address, log_level), env or {})
         self._table = table
 
     def plan(self) -> LaunchPlan:
@@ -103,14 +105,14 @@ def managed_ports(config: ClusterConfig) -> dict[str, int]:
 
 def build_launchers(
     config: ClusterConfig, ports: dict[str, int], control_address: str, table: StateTable, probe: Probe,
-    log_level: str,
+    log_level: str, engine_env: Callable[[str], dict[str, str]] = lambda backend_id: {},
 ) -> list[Launcher]:
     launchers: list[Launcher] = []
     for spec in config.raw.backends:
         if isinstance(spec.launch, CommandLaunchSpec):
             launchers.append(CommandLauncher(spec, ports[spec.id], probe))
         elif isinstance(spec.launch, LaunchSpec):
-            launchers.append(EngineLauncher(config, spec, control_address, table, log_level))
+            launchers.append(EngineLauncher(config, spec, control_address, table, log_level, engine_env(spec.id)))
     return launchers
 
 

@@ -19,12 +19,14 @@ import structlog
 import uvicorn
 
 from gateway.config import ClusterConfig
+from gateway.control_auth import ControlAuth
 from gateway.grpc_door import add_front_door
 from gateway.heartbeat_service import ControlService
 from gateway.http_app import create_app
 from gateway.launchers import build_launchers, managed_address, managed_ports
 from gateway.runtime import Runtime, build_runtime
 from gateway.supervisor import Supervisor
+from gateway.tls import GrpcTls, http_ssl_options, load_grpc_tls
 from gateway.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
 from heterogate.errors import HeteroGateError
 from heterogate.wire import control_pb2_grpc
@@ -54,16 +56,19 @@ def bind_http(host: str, port: int) -> socket.socket:
         raise PortUnavailable(f"cannot bind the HTTP port {host}:{port}: {exc.strerror or exc}") from None
 
 
-async def start_control(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_control(
+    runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None
+) -> tuple[grpc.aio.Server, int]:
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
     # No SO_REUSEPORT: with it, a second gateway would bind the same port and take half the heartbeats.
     max_bytes = runtime.limits.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes), ("grpc.so_reuseport", 0)])
-    service = ControlService(runtime.table, on_heartbeat=runtime.clients.ensure)
+    service = ControlService(runtime.table, on_heartbeat=runtime.clients.ensure, auth=auth)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
     await add_front_door(server, runtime)
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     except RuntimeError:   # grpcio ≥ 1.60 raises instead of returning 0
         bound = 0
     if bound == 0:
@@ -73,14 +78,27 @@ async def start_control(runtime: Runtime, host: str, port: int) -> tuple[grpc.ai
     return server, bound
 
 
+def local_control_host(grpc_host: str) -> str:
+    """Where engines on this host dial the control port: loopback when it listens on every interface."""
+    return "127.0.0.1" if grpc_host in ("0.0.0.0", "::", "[::]", "") else grpc_host
+
+
 async def serve(config: ClusterConfig, options: ServeOptions) -> None:
+    """Secrets and certificates are read, and both ports bound, before any engine is launched."""
     ports = managed_ports(config)
     addresses = {backend_id: managed_address(port) for backend_id, port in ports.items()}
     runtime = build_runtime(config, options.policy, addresses)
     try:
+        grpc_tls = load_grpc_tls(config.settings.tls)
+        ssl_options = http_ssl_options(config.settings.tls)
+        auth = ControlAuth.load(
+            config.settings.auth, managed=[s.id for s in config.raw.backends if s.launch is not None],
+            api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
+            ca_file=grpc_tls.ca_file if grpc_tls else None,
+        )
         http_socket = bind_http(options.host, options.port)
         try:
-            control, grpc_port = await start_control(runtime, options.grpc_host, options.grpc_port)
+            control, grpc_port = await start_control(runtime, options.grpc_host, options.grpc_port, auth, grpc_tls)
         except BaseException:
             http_socket.close()
             raise
@@ -88,19 +106,19 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         await runtime.close()
         raise
     probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
-    launchers = build_launchers(config, ports, f"{options.grpc_host}:{grpc_port}", runtime.table,
-                                make_probe(probes), options.engine_log_level)
+    launchers = build_launchers(config, ports, f"{local_control_host(options.grpc_host)}:{grpc_port}", runtime.table,
+                                make_probe(probes), options.engine_log_level, engine_env=auth.engine_env)
     supervisor = Supervisor(launchers, on_state=runtime.table.set_lifecycle,
                             stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s))
     supervisor.start()
-    runtime.metrics.backends.restarts = lambda: {c.spec.id: c.restarts for c in supervisor.children}
+    runtime.metrics.backends.restarts = lambda: {c.backend_id: c.restarts for c in supervisor.children}
     app = create_app(runtime)
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=False, log_config=None,
         lifespan="off", timeout_graceful_shutdown=int(config.settings.drain_timeout_s),
-        timeout_keep_alive=int(config.settings.keep_alive.client_idle_s),
+        timeout_keep_alive=int(config.settings.keep_alive.client_idle_s), **ssl_options,  # type: ignore[arg-type]
     ))
     server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     stop = asyncio.Event()

@@ -25,13 +25,14 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import structlog
 
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.control_credentials import ControlCredentials
 from heterogate.errors import HeteroGateError
 from heterogate.heartbeat_sender import HeartbeatSender, gpu_message
 from heterogate.metric_tables import SATURATED_QUEUE, EngineMetrics, EngineTable, KvSource, parse
@@ -65,6 +66,7 @@ class AgentConfig:
     kv_total_tokens: int | None = None   # used where the engine's metrics give no capacity
     scrape_timeout_s: float = 2.0
     upstream_model: str | None = None    # the model whose max_model_len counts (default: the first listed)
+    credentials: ControlCredentials = field(default_factory=ControlCredentials)   # towards the control port
 
 
 def make_client(timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -100,7 +102,8 @@ class MetricsAgent:
         self.max_model_len: int | None = None   # from the engine's /v1/models
         self._context_read = False               # asked again after a restart or a stale spell
         self.first_scrape = asyncio.Event()
-        self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.interval_s)
+        self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.interval_s,
+                                          credentials=config.credentials)
 
     # -- scraping ----------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 One message every interval, plus one soon after each admission/completion burst (`poke`), coalesced
 so a burst of 100 completions costs one message. Reconnects with capped exponential backoff when
 the gateway is away. Sequence numbers start at the process start time in µs, so a restarted engine
-never looks older than the one it replaced.
+never looks older than the one it replaced. The stream carries the sender's `ControlCredentials`
+(cluster token, engine identity, TLS); a gateway that refuses them answers UNAUTHENTICATED or
+PERMISSION_DENIED with the reason, logged as an error (and retried with backoff: a gateway restarted
+with the right token accepts the sender again).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import grpc
 import structlog
 
 from heterogate.catalog import GpuProfile
+from heterogate.control_credentials import ControlCredentials
 from heterogate.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat_sender")
+_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 # After a poke, wait this long for more changes before sending (coalescing window).
 POKE_COALESCE_S = 0.005
@@ -38,8 +43,10 @@ class HeartbeatSender:
         build_state: Callable[[], control_pb2.BackendState],
         interval_s: float = 0.2,
         reconnect_max_s: float = 2.0,
+        credentials: ControlCredentials | None = None,
     ) -> None:
         self._address = gateway_address
+        self._credentials = credentials or ControlCredentials()
         self._build_state = build_state
         self.interval_s = interval_s
         self._reconnect_max_s = reconnect_max_s
@@ -52,19 +59,20 @@ class HeartbeatSender:
 
     async def run(self) -> None:
         backoff = 0.05
-        async with grpc.aio.insecure_channel(self._address) as channel:
+        metadata = self._credentials.metadata()
+        async with self._credentials.channel(self._address) as channel:
             stub = control_pb2_grpc.ControlStub(channel)
             while True:
                 try:
-                    call = stub.Connect(self._messages())
+                    call = stub.Connect(self._messages(), metadata=metadata)
                     async for ack in call:
                         self.connected.set()
                         backoff = 0.05
                         if ack.heartbeat_interval_ms:
                             self.interval_s = ack.heartbeat_interval_ms / 1000
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.NOT_FOUND:
-                        log.error("gateway_rejected_backend", detail=exc.details())
+                    if exc.code() in _REFUSED:
+                        log.error("gateway_rejected_backend", code=exc.code().name, detail=exc.details())
                     else:
                         log.debug("gateway_unreachable", code=str(exc.code()))
                 self.connected.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -49,16 +50,17 @@ class Gateway:
     grpc_port: int
     log_path: Path
     admin_key: str | None = None
+    verify: Any = True   # an HTTPS door: an SSL context trusting its CA
 
     @property
     def admin_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
 
     def client(self, timeout: float = 30.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, verify=self.verify)
 
     def backends(self) -> list[dict[str, Any]]:
-        resp = httpx.get(f"{self.url}/admin/backends", headers=self.admin_headers, timeout=5)
+        resp = httpx.get(f"{self.url}/admin/backends", headers=self.admin_headers, timeout=5, verify=self.verify)
         return list(resp.json()["data"])
 
     def backend(self, backend_id: str) -> dict[str, Any]:
@@ -79,16 +81,20 @@ class Gateway:
 
 @contextmanager
 def run_gateway(
-    config: Path, *extra: str, healthy: int | None = None, timeout: float = 120.0, admin_key: str | None = None
+    config: Path, *extra: str, healthy: int | None = None, timeout: float = 120.0, admin_key: str | None = None,
+    https_ca: Path | None = None, env: dict[str, str] | None = None,
 ) -> Iterator[Gateway]:
-    """Run `gateway --backends config` until the block ends; wait until `healthy` backends heartbeat."""
+    """Run `gateway --backends config` until the block ends; wait until `healthy` backends heartbeat.
+    `https_ca`: the HTTP door speaks TLS with a certificate from this CA."""
     port, grpc_port = free_port(), free_port()
     log_path = config.parent / "gateway.log"
     cmd = [sys.executable, "-m", "gateway.cli", "--backends", str(config), "--port", str(port),
            "--grpc-port", str(grpc_port), "--log-level", "warning", *extra]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", grpc_port, log_path, admin_key)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    scheme = "https" if https_ca else "http"
+    verify = ssl.create_default_context(cafile=str(https_ca)) if https_ca else True
+    gw = Gateway(proc, f"{scheme}://127.0.0.1:{port}", grpc_port, log_path, admin_key, verify)
     try:
         want = healthy if healthy is not None else len(yaml.safe_load(config.read_text())["backends"])
 

@@ -22,9 +22,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp: Path = tmp_path_factory.mktemp("keys")
     (tmp / "user.keys").write_text(f"{USER}\n")
     (tmp / "admin.keys").write_text(f"{ADMIN}\n")
+    (tmp / "cluster.token").write_text("cluster-secret\n")   # required with API keys on
     config = write_config(tmp, {
         "model": MODEL,
-        "gateway": {"auth": {"api_keys_file": str(tmp / "user.keys"), "admin_keys_file": str(tmp / "admin.keys")}},
+        "gateway": {"auth": {"api_keys_file": str(tmp / "user.keys"), "admin_keys_file": str(tmp / "admin.keys"),
+                             "cluster_token_file": str(tmp / "cluster.token")}},
         "backends": [
             {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}},
             {"id": "l40s-0", "role": "language", "gpu": "L40S", "launch": {"time_scale": 0.1}},

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from gateway.auth import AuthConfig, KeyRing
+from gateway.control_auth import ControlAuth
 from gateway.errors import Unauthorized
+from heterogate.errors import ConfigError
 
 
 def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> KeyRing:
@@ -31,3 +33,30 @@ def test_user_and_admin_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     keys.check("Bearer admin-key", admin=True)
     with pytest.raises(Unauthorized, match="admin"):
         keys.check("Bearer user-key-1", admin=True)
+
+
+def test_missing_key_sources_stop_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_SUCH_KEYS", raising=False)
+    with pytest.raises(ConfigError, match=r"gateway\.auth\.api_keys_env: environment variable NO_SUCH_KEYS"):
+        KeyRing.load(AuthConfig(api_keys_env="NO_SUCH_KEYS"))
+    with pytest.raises(ConfigError, match=r"gateway\.auth\.admin_keys_file: cannot read"):
+        KeyRing.load(AuthConfig(admin_keys_file=tmp_path / "absent"))
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match=r"gateway\.auth\.api_keys_file: .* holds no keys"):
+        KeyRing.load(AuthConfig(api_keys_file=tmp_path / "empty"))
+
+
+def test_cluster_token_required_with_keys_or_beyond_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_SUCH_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"gateway\.auth\.cluster_token_env: environment variable NO_SUCH_TOKEN"):
+        ControlAuth.load(AuthConfig(cluster_token_env="NO_SUCH_TOKEN"), managed=[], api_keys_on=False,
+                         control_host="127.0.0.1")
+    for keys_on, host in ((True, "127.0.0.1"), (False, "0.0.0.0"), (False, "10.1.2.3"), (False, "gw.example")):
+        with pytest.raises(ConfigError, match="cluster_token_file or cluster_token_env is required"):
+            ControlAuth.load(AuthConfig(), managed=[], api_keys_on=keys_on, control_host=host)
+    open_auth = ControlAuth.load(AuthConfig(), managed=["a", "b"], api_keys_on=False, control_host="::1")
+    assert open_auth.token is None and len(set(open_auth.identities.values())) == 2   # one secret per engine
+    monkeypatch.setenv("TOKEN", "t0k")
+    auth = ControlAuth.load(AuthConfig(cluster_token_env="TOKEN"), managed=["a"], api_keys_on=True,
+                            control_host="0.0.0.0")
+    assert auth.engine_env("a")["HETEROGATE_CLUSTER_TOKEN"] == "t0k"
