@@ -1,23 +1,23 @@
 # The default demo: the gateway and its 8 simulated GPU engines in one container.
-#   docker build -t heterogate . && docker run --rm -p 8000:8000 heterogate
+#   docker build -t heterogate . && docker run --rm -p 8000:8000 -p 50061:50061 heterogate
 # Validate a cluster file without starting anything:
 #   docker run --rm -v "$PWD/my.yaml:/tmp/my.yaml:ro" heterogate gateway check-config /tmp/my.yaml
+# The control port listens on all interfaces, so it needs a cluster token: pass the cluster's with
+#   -e HETEROGATE_CLUSTER_TOKEN=...   (external agents send the same one); without it, the container makes a
+# random one for this run, which its own engines get and nobody outside knows.
 FROM python:3.11-slim
-WORKDIR /app
-COPY pyproject.toml README.md LICENSE ./
-COPY gateway gateway
-COPY backends backends
-COPY heterogate heterogate
-COPY configs configs
-# A regular (non-editable) install: the image runs the installed package, not the build context. The catalogs
-# are looked up next to the installed packages (heterogate/catalog.py: CONFIG_DIR), so configs/ goes there too.
-RUN pip install --no-cache-dir . \
- && cp -r configs "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/configs" \
+COPY pyproject.toml README.md LICENSE /tmp/src/
+COPY gateway /tmp/src/gateway
+COPY backends /tmp/src/backends
+COPY heterogate /tmp/src/heterogate
+COPY configs /tmp/src/configs
+# A regular (non-editable) install; the catalogs and the demo cluster are package data.
+RUN pip install --no-cache-dir /tmp/src && rm -rf /tmp/src \
  && useradd --system --create-home --uid 10001 heterogate
 USER heterogate
-# HTTP door (OpenAI API, /health, /metrics) and the control gRPC port that external backends heartbeat to.
+WORKDIR /home/heterogate
+# HTTP door (OpenAI API, /health, /metrics) and the gRPC server: front door and the control port backends heartbeat to.
 EXPOSE 8000 50061
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["python", "-c", "import urllib.request, sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"]
-CMD ["gateway", "--backends", "configs/backends.yaml", "--host", "0.0.0.0", "--port", "8000", \
-     "--grpc-host", "0.0.0.0", "--grpc-port", "50061"]
+CMD ["sh", "-c", "export HETEROGATE_CLUSTER_TOKEN=\"${HETEROGATE_CLUSTER_TOKEN:-$(python -c 'import secrets; print(secrets.token_urlsafe(32))')}\" && exec gateway --host 0.0.0.0 --port 8000 --grpc-host 0.0.0.0 --grpc-port 50061"]

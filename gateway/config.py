@@ -251,7 +251,7 @@ class ClusterConfig:
         self.catalog = catalog
         self.model: ModelProfile = _resolve(path, "model", lambda: catalog.model(raw.model))
         self.gpus: dict[str, GpuProfile] = {
-            b.id: _resolve(path, f"backends.{i}.gpu", lambda b=b: catalog.gpu(b.gpu))
+            b.id: _resolve(path, f"backends.{i} ({b.id}).gpu", lambda b=b: catalog.gpu(b.gpu))
             for i, b in enumerate(raw.backends)
         }
         routing = raw.gateway.routing
@@ -260,12 +260,12 @@ class ClusterConfig:
         for i, b in enumerate(raw.backends):
             if self.model.vision is None and (b.role != "language" or b.image_embeds):
                 field = "role" if b.role != "language" else "image_embeds"
-                raise ConfigError(f"{path}: backends.{i}.{field}: model {raw.model!r} has no vision encoder")
+                raise ConfigError(f"{path}: backends.{i} ({b.id}).{field}: model {raw.model!r} has no vision encoder")
             if b.image_embeds:
-                _resolve(path, f"backends.{i}.image_embeds", require_torch)
+                _resolve(path, f"backends.{i} ({b.id}).image_embeds", require_torch)
             if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and self.model.hf_config is None:
-                raise ConfigError(f"{path}: backends.{i}.launch.executor: model {raw.model!r} has no Hugging Face "
-                                  "config in the catalog (hf_config); it runs on simulated engines only")
+                raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {raw.model!r} has no Hugging "
+                                  "Face config in the catalog (hf_config); it runs on simulated engines only")
         self.api_keys: dict[str, str | None] = {
             b.id: _resolve(path, f"backends.{i} ({b.id}).api_key_env", b.upstream_api_key)
             for i, b in enumerate(raw.backends) if b.kind == "openai"

@@ -3,10 +3,11 @@
 A heartbeat moves routing (load signals, and the address requests go to), so the control port trusts
 no one by default:
 
-- **Cluster token.** With `gateway.auth.cluster_token_file` / `cluster_token_env` set, every Connect
-  stream must carry `authorization: Bearer <token>` (else UNAUTHENTICATED). The token is required
-  whenever API keys are on or the control port listens beyond loopback: the gateway refuses to start
-  without one rather than run an open control port.
+- **Cluster token.** With `gateway.auth.cluster_token_file` / `cluster_token_env` set (or, when
+  neither is, `$HETEROGATE_CLUSTER_TOKEN` in the gateway's environment), every Connect stream must
+  carry `authorization: Bearer <token>` (else UNAUTHENTICATED). The token is required whenever API
+  keys are on or the control port listens beyond loopback: the gateway refuses to start without one
+  rather than run an open control port.
 - **Engine identity.** Each engine the gateway launches gets a random secret of its own in its
   environment; a heartbeat for a managed backend id must carry it (else PERMISSION_DENIED), token or
   not. Nobody else can take over a managed id, move it, or register as it with another gateway.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -57,7 +59,7 @@ def load_cluster_token(config: AuthConfig) -> str | None:
         return read_secret_file(config.cluster_token_file, "gateway.auth.cluster_token_file")
     if config.cluster_token_env is not None:
         return env_setting(config.cluster_token_env, "cluster_token_env")
-    return None
+    return os.environ.get(ENV_CLUSTER_TOKEN, "").strip() or None   # the conventional variable, when set
 
 
 @dataclass(frozen=True)

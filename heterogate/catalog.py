@@ -13,7 +13,9 @@ from heterogate import yaml_files
 from heterogate.errors import ConfigError
 from heterogate.yaml_files import StrictModel
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Package data: `heterogate/configs` links to the repository's top-level `configs/`, so a wheel carries the
+# catalogs and the demo cluster (pyproject: package-data) and a checkout reads the same files.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 HF_CONFIG_DIR = CONFIG_DIR / "hf"
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
 

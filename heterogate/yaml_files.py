@@ -28,6 +28,24 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
 
 
+def where(data: Any, loc: tuple[int | str, ...]) -> str:
+    """A field's path, naming list entries that have an `id` by it too: `backends.3 (h100-0).gpu`."""
+    parts: list[str] = []
+    node = data
+    for key in loc:
+        part = str(key)
+        if isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            node = node[key]
+            if isinstance(node, dict) and isinstance(node.get("id"), str):
+                part = f"{key} ({node['id']})"
+        elif isinstance(node, dict):
+            node = node.get(key)
+        else:
+            node = None
+        parts.append(part)
+    return ".".join(parts) or "(top level)"
+
+
 def validate(path: Path, data: Any, target: type[T] | Any) -> T:
     """Validate `data` (read from `path`) as `target`; raise ConfigError listing every bad field."""
     try:
@@ -35,8 +53,8 @@ def validate(path: Path, data: Any, target: type[T] | Any) -> T:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            lines.append(f"{path}: {where}: {err['msg']}")
+            where_ = where(data, err["loc"])
+            lines.append(f"{path}: {where_}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from None
 
 

@@ -133,13 +133,13 @@ def test_unknown_keys_name_file_and_key(tmp_path: Path) -> None:
     path = write(tmp_path, "colour: red\nbackends:\n  - {id: a, gpu: H100, launch: {}, weight: 2}\n")
     msg = config_error(path)
     assert f"{path}: colour: Extra inputs are not permitted" in msg
-    assert f"{path}: backends.0.weight: Extra inputs are not permitted" in msg
+    assert f"{path}: backends.0 (a).weight: Extra inputs are not permitted" in msg
 
 
 def test_bad_gpu_name_names_file_field_and_value(tmp_path: Path) -> None:
     path = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H900, launch: {}}\n")
     msg = config_error(path)
-    assert msg.startswith(f"{path}: backends.1.gpu: unknown GPU 'H900'")
+    assert msg.startswith(f"{path}: backends.1 (b).gpu: unknown GPU 'H900'")
     assert "H100" in msg   # lists the known ones
 
 
@@ -153,7 +153,7 @@ def test_duplicate_backend_id(tmp_path: Path) -> None:
 def test_entry_needs_launch_or_address(tmp_path: Path) -> None:
     path = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H100}\n")
     msg = config_error(path)
-    assert msg.startswith(f"{path}: backends.1: ")
+    assert msg.startswith(f"{path}: backends.1 (b): ")
     assert "`launch`" in msg and "`address`" in msg
 
 
@@ -161,8 +161,9 @@ def test_entry_needs_launch_or_address(tmp_path: Path) -> None:
     ("body", "expected"),
     [
         ("backends: []\n", "backends: List should have at least 1 item"),
-        ("backends:\n  - {id: 'a b', gpu: H100, launch: {}}\n", r"backends\.0\.id: String should match pattern"),
-        ("backends:\n  - {id: a, gpu: H100, role: decoder, launch: {}}\n", r"backends\.0\.role: Input should be"),
+        ("backends:\n  - {id: 'a b', gpu: H100, launch: {}}\n",
+         r"backends\.0 \(a b\)\.id: String should match pattern"),
+        ("backends:\n  - {id: a, gpu: H100, role: decoder, launch: {}}\n", r"backends\.0 \(a\)\.role: Input should be"),
         ("gateway: {heartbeat_interval_ms: 0}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
          r"gateway\.heartbeat_interval_ms: Input should be greater than 0"),
         ("gateway: {routing: {policy: fastest}}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
@@ -183,7 +184,7 @@ def test_image_embeds_only_on_openai_backends_of_a_vision_model(tmp_path: Path) 
     text_model = tmp_path / "text.yaml"
     text_model.write_text("model: llama-2-7b\nbackends:\n"
                           "  - {id: v, kind: openai, gpu: H100, address: 'http://10.0.0.5:8000', image_embeds: true}\n")
-    assert config_error(text_model).startswith(f"{text_model}: backends.0.image_embeds: model 'llama-2-7b' has no")
+    assert config_error(text_model).startswith(f"{text_model}: backends.0 (v).image_embeds: model 'llama-2-7b' has no")
 
 
 def test_unknown_model(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def test_check_config_accepts_the_demo_cluster() -> None:
 
 
 @pytest.mark.parametrize(("backend", "field"), [
-    ("{id: bad-0, role: language, gpu: NO-SUCH-GPU, launch: {}}", "backends.0.gpu"),
+    ("{id: bad-0, role: language, gpu: NO-SUCH-GPU, launch: {}}", "backends.0 (bad-0).gpu"),
     ("{id: bad-0, role: language, gpu: H100, launch: {}, colour: blue}", "colour"),
 ])
 def test_check_config_rejects_a_broken_file(tmp_path: Path, backend: str, field: str) -> None:

@@ -138,7 +138,7 @@ def start_up_error(tmp: Path, config: Path, *args: str, env: dict[str, str] | No
     """Run the gateway; it must exit 2 before serving. Returns its stderr."""
     cmd = [sys.executable, "-m", "gateway.cli", "--backends", str(config), "--port", str(free_port()),
            "--grpc-port", str(free_port()), *args]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("HG_TEST_")}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("HG_TEST_", "HETEROGATE_"))}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**environ, **(env or {})})
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "engine_launched" not in proc.stderr
