@@ -44,7 +44,7 @@ class Runtime:
 
     def readiness(self) -> dict[str, Any]:
         """Ready when every pool a served request kind needs has a healthy backend: the language pool
-        always; the vision pool too when the model takes images and some language backend relies on
+        always; the vision pool too when the cluster serves images and some language backend relies on
         a separate encoder (a `both` backend or an upstream that reads images itself does not)."""
         language = self.healthy_language_backends()
         out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
@@ -94,9 +94,11 @@ class Runtime:
 
 
 def needs_vision_pool(config: ClusterConfig) -> bool:
-    return config.model.vision is not None and any(
-        (s.kind == "engine" and s.role == "language") or s.image_embeds for s in config.raw.backends
-    )
+    """Image requests are served (the model takes images and the cluster has encoders), and some language
+    backend depends on a separate encoder for them."""
+    backends = config.raw.backends
+    return (config.model.vision is not None and any(s.role == "vision" for s in backends)
+            and any((s.kind == "engine" and s.role == "language") or s.image_embeds for s in backends))
 
 
 def build_runtime(config: ClusterConfig, policy_name: str | None = None,
