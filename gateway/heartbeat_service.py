@@ -59,13 +59,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> AsyncIterator[control_pb2.GatewayMessage]:
         interval_ms = int(self._table.heartbeat_interval_s * 1000)
         metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        refusal = self._auth.authenticate(metadata)
-        if refusal is not None:
-            log.warning("heartbeat_refused", peer=context.peer(), reason=refusal.message)
-            await context.abort(refusal.code, refusal.message)
         backend_id, address = "", ""
+        # Checked once the first message is in: a refusal sent before the client's first write lands
+        # reaches the client as a failed write (INTERNAL), not as the refusal.
         async for msg in request_iterator:
             if msg.backend_id != backend_id or msg.address != address:
+                refusal = self._auth.authenticate(metadata)
+                if refusal is not None:
+                    log.warning("heartbeat_refused", peer=context.peer(), reason=refusal.message)
+                    await context.abort(refusal.code, refusal.message)
                 known = self._table.get(msg.backend_id)
                 if known is None:
                     await context.abort(

@@ -98,6 +98,7 @@ async def _heartbeat(gw: Gateway, ca: bytes | None, credentials: ControlCredenti
     async def one() -> AsyncIterator[control_pb2.BackendState]:
         yield control_pb2.BackendState(backend_id=backend_id, address=address, seq=time.time_ns(),
                                        queue_depth=10_000, kv_free_bytes=0, kv_total_bytes=1)
+        await asyncio.Event().wait()   # the stream stays open, as a sender's does, until the gateway answers
 
     target = f"127.0.0.1:{gw.grpc_port}"
     channel = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(ca)) if ca

@@ -4,6 +4,7 @@ reason, and leaves the state table as it was."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -41,6 +42,7 @@ async def heartbeat(port: int, backend_id: str, address: str, credentials: Contr
     async def one() -> AsyncIterator[control_pb2.BackendState]:
         yield control_pb2.BackendState(backend_id=backend_id, address=address, seq=time.monotonic_ns(),
                                          queue_depth=queue)
+        await asyncio.Event().wait()   # the stream stays open, as a sender's does, until the gateway answers
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = control_pb2_grpc.ControlStub(channel).Connect(one(), metadata=credentials.metadata(), timeout=10)
