@@ -48,23 +48,26 @@ def test_a_second_gateway_on_a_taken_port_starts_nothing(tmp_path: Path, taken: 
         assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 200
 
 
-def test_a_gateway_whose_engine_was_replaced_recovers_when_its_own_engine_reports(tmp_path: Path) -> None:
+def test_an_engine_of_another_gateway_cannot_replace_this_gateways_engine(tmp_path: Path) -> None:
+    """A process that heartbeats under a managed id without the identity this gateway gave its own
+    engine (an engine of some other gateway, say) is refused; the backend stays with its own engine."""
     config = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
                                      "backends": [{"id": "e0", "gpu": "H100", "launch": {"time_scale": 0.05}}]})
     with run_gateway(config, healthy=1) as gw:
         own = gw.backend("e0")
-        # Another process (an engine of some other gateway, say) starts later, so with larger sequence
-        # numbers, and heartbeats here under the same id.
-        rogue = subprocess.Popen(
-            [sys.executable, "-m", "backends.engine", "--backend-id", "e0", "--gpu", "H100", "--model", MODEL,
-             "--gateway", f"127.0.0.1:{gw.grpc_port}", "--heartbeat-ms", "100", "--log-level", "warning"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        log = tmp_path / "rogue.log"
+        with open(log, "wb") as out:
+            rogue = subprocess.Popen(
+                [sys.executable, "-m", "backends.engine", "--backend-id", "e0", "--gpu", "H100", "--model", MODEL,
+                 "--gateway", f"127.0.0.1:{gw.grpc_port}", "--heartbeat-ms", "100", "--log-level", "warning"],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            )
         try:
-            gw.wait_until(lambda: gw.backend("e0")["pid"] == rogue.pid, timeout=30)
+            gw.wait_until(lambda: "PERMISSION_DENIED" in log.read_text(errors="replace"), timeout=30)
+            assert gw.backend("e0")["pid"] == own["pid"] and gw.backend("e0")["address"] == own["address"]
         finally:
             rogue.kill()
             rogue.wait()
-        gw.wait_until(lambda: gw.backend("e0")["pid"] == own["pid"] and gw.backend("e0")["healthy"], timeout=30)
-        assert gw.backend("e0")["address"] == own["address"]
+        gw.wait_until(lambda: gw.backend("e0")["healthy"], timeout=30)
+        assert gw.backend("e0")["pid"] == own["pid"]
         assert chat(gw).status_code == 200
