@@ -37,6 +37,7 @@ from gateway.engine_client import HANDOFF_TIMEOUT, BackendClient, EngineClient, 
 from gateway.errors import BackendFailure, DeadlineExceeded, NoBackendAvailable
 from gateway.generation_job import GenerationJob
 from gateway.metrics import GatewayMetrics
+from gateway.policies.candidates import Candidates
 from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.policies.stealing import stealers
 from gateway.request_log import RequestRecord
@@ -135,15 +136,13 @@ class Pipeline:
         self.metrics = metrics
         self.settings = settings
 
-    def _decide(self, policy: Policy, profile: RequestProfile, candidates: list[BackendSnapshot], now: float) -> (
-        Decision
-    ):
+    def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float) -> Decision:
         t0 = time.perf_counter()
         decision = policy.choose(profile, candidates, now)
-        self.metrics.decision_seconds.labels(policy.name).observe(time.perf_counter() - t0)
-        self.metrics.decisions.labels(policy.name, decision.backend.id).inc()
-        for vetoed in decision.vetoed:
-            self.metrics.oom_vetoes.labels(vetoed).inc()
+        m = self.metrics
+        m.child(m.decision_seconds, policy.name).observe(time.perf_counter() - t0)
+        m.child(m.decisions, policy.name, decision.backend.id).inc()
+        m.oom_vetoes.update(decision.vetoed)
         if self.debug:   # the cost table is O(N) to render: only when someone reads it
             log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
                       costs=[c._asdict() for c in decision.costs])
@@ -164,9 +163,9 @@ class Pipeline:
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
         if self.settings.stealing:
             vision = self.table.candidates(VISION_ROLES, now, exclude)
-            candidates += stealers(vision, self.table.language_backlog(), self.settings.steal_threshold,
-                                   self.settings.steal_max_batch)
-        candidates = [c for c in candidates if c.fits(context_tokens)]
+            candidates = candidates.extended(stealers(vision, self.table.language_backlog(),
+                                                      self.settings.steal_threshold, self.settings.steal_max_batch))
+        candidates = candidates.fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
     def deadline(self, job: GenerationJob, record: RequestRecord) -> float:

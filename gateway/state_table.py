@@ -2,8 +2,9 @@
 
 Signals have one producer each: heartbeats write what the engine reports; the pipeline writes the
 gateway's own in-flight counts (the paper's feedback loop) and measured service times. Policies only
-read immutable `BackendSnapshot`s, rebuilt when a signal changes so that a decision costs O(N)
-attribute reads and no allocation per candidate.
+read immutable `BackendSnapshot`s, rebuilt when a signal changes (a producer drops
+`entry.snapshot`); each pool of backends is also kept as columns (`CandidateColumns`) patched in
+the changed rows only, so that assembling a decision's candidates is array work, not a Python walk.
 
 Q_i (queue_depth) = max(in-flight from this gateway, engine-reported waiting + running): the
 gateway's count moves the instant a request is dispatched, the heartbeat corrects it with what the
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from gateway.candidate_columns import CandidateColumns
+from gateway.policies.candidates import Candidates
 from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
@@ -75,8 +78,25 @@ class BackendEntry:
     service_ewma_s: float | None = None
     max_model_len: int | None = None          # configured: where the engine does not say
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
-    snapshot: BackendSnapshot | None = None   # None = stale, rebuild on next read
     lifecycle: Lifecycle | None = None
+    cached: BackendSnapshot | None = field(default=None, repr=False)
+    changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots
+
+    @property
+    def snapshot(self) -> BackendSnapshot | None:
+        """None = stale, rebuilt on next read; dropping it tells the table's column pools too."""
+        return self.cached
+
+    @snapshot.setter
+    def snapshot(self, value: BackendSnapshot | None) -> None:
+        self.cached = value
+        if value is None and self.changes is not None:
+            self.changes.add(self.id)
+
+
+def serves(entry: BackendEntry) -> bool:
+    """Whether the entry may be routed to at all (a launched engine only once ready)."""
+    return entry.lifecycle in SERVING
 
 
 class StateTable:
@@ -93,6 +113,8 @@ class StateTable:
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
         self._prior_s: dict[str, float] = {}
+        self._changes: set[str] = set()
+        self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
         self.failing_open = False
 
     # -- producers ---------------------------------------------------------------------------
@@ -102,9 +124,10 @@ class StateTable:
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
         kv_capacity_tokens: int | None = None,
     ) -> BackendEntry:
-        entry = BackendEntry(backend_id, role, gpu, address, managed, steal, external,
-                             max_model_len=max_model_len, kv_capacity_tokens=kv_capacity_tokens)
+        entry = BackendEntry(backend_id, role, gpu, address, managed, steal, external, max_model_len=max_model_len,
+                             kv_capacity_tokens=kv_capacity_tokens, changes=self._changes)
         self._entries[backend_id] = entry
+        self._pools.clear()
         return entry
 
     def apply_heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
@@ -132,6 +155,7 @@ class StateTable:
         entry.lifecycle = state
         if state != "ready":
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
+        entry.snapshot = None   # the pools re-read its row
 
     def acquire(self, backend_id: str) -> None:
         entry = self._entries[backend_id]
@@ -170,32 +194,33 @@ class StateTable:
         now = self.clock() if now is None else now
         return now - entry.last_heartbeat <= self.miss_limit * self.heartbeat_interval_s
 
-    def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> list[
-        BackendSnapshot
-    ]:
-        """Healthy backends whose role is in `roles`, as snapshots.
+    def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> (
+        Candidates
+    ):
+        """Healthy backends whose role is in `roles`, as snapshots (and columns), in registration order.
 
         An external (kind: openai) backend whose metrics are stale stays a candidate but looks
         saturated; when every candidate is such a backend the table fails open and routes on the
         gateway's own in-flight counts (`failing_open` says so).
         """
         now = self.clock() if now is None else now
-        limit = self.miss_limit * self.heartbeat_interval_s
-        skip = set(exclude)
-        fresh, stale = [], []
-        for e in self._entries.values():
-            if e.role not in roles or e.id in skip or e.lifecycle not in SERVING:
-                continue
-            if e.last_heartbeat is not None and now - e.last_heartbeat <= limit:
-                fresh.append(e.snapshot or self._rebuild(e))
-            elif e.external:
-                stale.append(e)
+        fresh, stale = self._pool(roles).select(now, self.miss_limit * self.heartbeat_interval_s, exclude)
         failing_open = bool(stale) and not fresh
         if "language" in roles:   # the flag reports on the language pool
             self.failing_open = failing_open
         if failing_open:
-            return [self._blind(e) for e in stale]
-        return fresh + [self._saturated(e) for e in stale]
+            return Candidates([self._blind(e) for e in stale])
+        return fresh.extended([self._saturated(e) for e in stale])
+
+    def _pool(self, roles: tuple[Role, ...]) -> CandidateColumns:
+        if self._changes:
+            for pool in self._pools.values():
+                pool.changed(self._changes)
+            self._changes.clear()
+        if roles not in self._pools:
+            members = [e for e in self._entries.values() if e.role in roles]
+            self._pools[roles] = CandidateColumns(members, self.snapshot, serves)
+        return self._pools[roles]
 
     def _saturated(self, e: BackendEntry) -> BackendSnapshot:
         return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight), kv_free_bytes=0)
@@ -232,7 +257,7 @@ class StateTable:
 
     def language_backlog(self) -> int:
         """Requests waiting (admitted, not yet running) across the language pool, as last reported."""
-        return sum(e.reported.waiting for e in self._entries.values() if e.role != "vision")
+        return self._pool(("language", "both")).backlog()
 
     def snapshot(self, entry: BackendEntry) -> BackendSnapshot:
         return entry.snapshot or self._rebuild(entry)

@@ -1,7 +1,9 @@
 """The router's contracts: what a policy reads (snapshots, a request profile) and what it returns.
 
 Policies are synchronous and pure: they read immutable snapshots, take `now` as an argument, never
-await and never do I/O, so the live gateway and the simulator run the very same objects.
+await and never do I/O, so the live gateway and the simulator run the very same objects. The live
+gateway passes `gateway.policies.candidates.Candidates` (a tuple of snapshots that also carries them
+as columns); a policy may compute on those columns, and must accept any sequence of snapshots.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 Role = Literal["language", "vision", "both"]
 
@@ -63,14 +68,54 @@ class CostTerms(NamedTuple):
     total: float
 
 
-@dataclass(frozen=True, slots=True)
+class CostColumns(NamedTuple):
+    """A cost breakdown kept as arrays (one entry per candidate, in order), made into `CostTerms`
+    only when read: a decision over N candidates allocates nothing per candidate. `oom` None: all 0."""
+
+    candidates: Sequence[BackendSnapshot]
+    prefill: npt.NDArray[np.float64]
+    queue: npt.NDArray[np.float64]
+    oom: npt.NDArray[np.float64] | None
+    total: npt.NDArray[np.float64]
+    chosen: int
+
+    def terms(self) -> tuple[CostTerms, ...]:
+        oom = [0.0] * len(self.total) if self.oom is None else self.oom.tolist()
+        columns = (self.prefill.tolist(), self.queue.tolist(), oom, self.total.tolist())
+        return tuple(map(CostTerms._make, zip([b.id for b in self.candidates], *columns, strict=True)))
+
+    def vetoed(self) -> tuple[str, ...]:
+        if self.oom is None:
+            return ()
+        return tuple(self.candidates[i].id for i in (self.oom > 0).nonzero()[0].tolist())
+
+
 class Decision:
-    backend: BackendSnapshot
-    policy: str
-    costs: tuple[CostTerms, ...]
+    """The chosen backend, the policy's name and the cost of every candidate.
+
+    `costs` is given as a tuple of `CostTerms`, or as `CostColumns` that become that tuple on first
+    read (debug logs, admin, tests); `cost` and `vetoed` read the columns directly.
+    """
+
+    __slots__ = ("_columns", "_costs", "backend", "policy")
+
+    def __init__(self, backend: BackendSnapshot, policy: str, costs: tuple[CostTerms, ...] | CostColumns) -> None:
+        self.backend = backend
+        self.policy = policy
+        self._columns = costs if isinstance(costs, CostColumns) else None
+        self._costs = None if isinstance(costs, CostColumns) else costs
+
+    @property
+    def costs(self) -> tuple[CostTerms, ...]:
+        if self._costs is None:
+            assert self._columns is not None
+            self._costs = self._columns.terms()
+        return self._costs
 
     @property
     def cost(self) -> float:
+        if self._columns is not None:
+            return float(self._columns.total[self._columns.chosen])
         for c in self.costs:
             if c.backend_id == self.backend.id:
                 return c.total
@@ -78,7 +123,21 @@ class Decision:
 
     @property
     def vetoed(self) -> tuple[str, ...]:
+        if self._columns is not None:
+            return self._columns.vetoed()
         return tuple(c.backend_id for c in self.costs if c.oom > 0)
+
+    def _key(self) -> tuple[BackendSnapshot, str, tuple[CostTerms, ...]]:
+        return self.backend, self.policy, self.costs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Decision) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"Decision(backend={self.backend!r}, policy={self.policy!r}, costs={self.costs!r})"
 
 
 class Policy(Protocol):

@@ -1,0 +1,101 @@
+"""One pool of the state table (the backends of one role set) kept as columns, from which every
+decision's `Candidates` are cut.
+
+Walking every backend in Python per decision (health, exclusions, snapshot) costs about a
+microsecond a backend; here health and exclusions are array operations, and the snapshots and their
+columns are patched only in the rows whose signals changed since the last read. Patches copy
+(copy-on-write), so `Candidates` already handed out stay exactly as they were given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gateway.policies.candidates import Candidates, column_values
+from gateway.policies.contracts import BackendSnapshot
+
+if TYPE_CHECKING:
+    from gateway.state_table import BackendEntry
+
+_NEVER = float("-inf")   # no heartbeat yet: now - _NEVER is never within the limit
+_INF = float("inf")
+
+
+class CandidateColumns:
+    def __init__(
+        self, entries: Sequence[BackendEntry], snapshot: Callable[[BackendEntry], BackendSnapshot],
+        serves: Callable[[BackendEntry], bool],
+    ) -> None:
+        self._entries = list(entries)
+        self._snapshot = snapshot
+        self._serves = serves   # False: never a candidate, fresh or stale
+        self._serving = np.ones(len(self._entries), dtype=bool)
+        self._rows = {e.id: k for k, e in enumerate(self._entries)}
+        self._heartbeat = np.full(len(self._entries), _NEVER)
+        self._oldest: float | None = None   # min(self._heartbeat), None when to be recomputed
+        self._external = np.array([e.external for e in self._entries], dtype=bool)
+        self._has_external = bool(self._external.any())
+        self._waiting = [0] * len(self._entries)
+        self._backlog = 0
+        self._snapshots = [snapshot(e) for e in self._entries]
+        self._all = Candidates(self._snapshots)
+        for k, e in enumerate(self._entries):
+            self._note(k, e)
+        self._changed: set[int] = set()
+
+    def changed(self, backend_ids: Iterable[str]) -> None:
+        """These backends' snapshots were dropped: re-read their rows before the next selection."""
+        rows = self._rows
+        self._changed.update(rows[i] for i in backend_ids if i in rows)
+
+    def select(self, now: float, limit_s: float, exclude: Iterable[str]) -> tuple[Candidates, list[BackendEntry]]:
+        """The backends heard from within `limit_s`, and the external ones that were not, less `exclude`."""
+        if self._changed:
+            self._flush()
+        skip = [self._rows[i] for i in exclude if i in self._rows]
+        if self._oldest is None:
+            self._oldest = float(self._heartbeat.min()) if self._entries else _INF
+        if not skip and now - self._oldest <= limit_s:   # the oldest heartbeat is fresh, so all are
+            return self._all, []
+        fresh = (now - self._heartbeat) <= limit_s
+        if skip:
+            fresh[skip] = False
+        stale: list[BackendEntry] = []
+        if self._has_external:
+            unheard = self._external & self._serving & ~fresh
+            unheard[skip] = False
+            stale = [self._entries[k] for k in unheard.nonzero()[0].tolist()]
+        if fresh.all():
+            return self._all, stale
+        return self._all.take(fresh.nonzero()[0]), stale
+
+    def backlog(self) -> int:
+        """Requests waiting in this pool's engines, as last reported (healthy or not)."""
+        if self._changed:
+            self._flush()
+        return self._backlog
+
+    def _note(self, k: int, e: BackendEntry) -> None:
+        serving = self._serves(e)
+        self._serving[k] = serving
+        heartbeat = _NEVER if e.last_heartbeat is None or not serving else e.last_heartbeat
+        if heartbeat != self._heartbeat[k]:
+            self._heartbeat[k] = heartbeat
+            self._oldest = None
+        self._backlog += e.reported.waiting - self._waiting[k]
+        self._waiting[k] = e.reported.waiting
+
+    def _flush(self) -> None:
+        rows = list(self._changed)
+        self._changed.clear()
+        snapshots = self._snapshots
+        columns = self._all.columns.copy()
+        for k in rows:
+            e = self._entries[k]
+            snapshots[k] = b = self._snapshot(e)
+            columns[:, k] = column_values(b)
+            self._note(k, e)
+        self._all = Candidates(snapshots, columns)

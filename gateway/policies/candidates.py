@@ -1,0 +1,77 @@
+"""The candidates of one decision: their snapshots, and the numbers policies compute on as columns.
+
+`Candidates` is a tuple of `BackendSnapshot`s, so every policy that takes `Sequence[BackendSnapshot]`
+reads it unchanged; a policy may take the fast path and compute on `columns` instead, one array
+operation per term rather than one Python step per candidate. The state table hands out
+`Candidates` whose columns it keeps from one decision to the next and patches only the rows whose
+signals changed (`gateway/candidate_columns.py`); `Candidates(snapshots)` builds them from any
+sequence (the simulator, tests), reading each snapshot once.
+
+The columns are a read-only (len(COLUMNS), N) float64 array; row k holds field COLUMNS[k] of every
+candidate, in candidate order. `queue_s` is Q_i · T̄_service(i) (Eq. 3); `kv_fit_tokens` is Eq. 4's
+M_free_i / KV-per-token rounded down (+inf with no KV cost per token): for an integer L_r,
+L_r > M_free_i / kv ⇔ L_r > kv_fit_tokens, exact for caches below 2^53 tokens. `max_context` is
++inf where the snapshot's is 0 (unknown, no limit), as `BackendSnapshot.fits` reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.policies.contracts import BackendSnapshot
+
+FloatArray = npt.NDArray[np.float64]
+
+COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "kv_fit_tokens", "max_context")
+PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT = range(len(COLUMNS))
+_INF = float("inf")
+
+
+def column_values(b: BackendSnapshot) -> tuple[float, float, float, float, float, float]:
+    """One candidate's column entries, in COLUMNS order (the one place they are derived)."""
+    free, per_token, queue, service = b.kv_free_bytes, b.kv_bytes_per_token, b.queue_depth, b.mean_service_s
+    fit = free // per_token if per_token else (_INF if free >= 0 else -_INF)
+    return b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF
+
+
+def column_array(snapshots: Iterable[BackendSnapshot]) -> FloatArray:
+    rows = [column_values(b) for b in snapshots]
+    if not rows:
+        return np.empty((len(COLUMNS), 0))
+    return np.array(rows, dtype=np.float64).T
+
+
+class Candidates(tuple[BackendSnapshot, ...]):
+    """Snapshots in candidate order, with `columns` (see the module docstring); immutable like them."""
+
+    columns: FloatArray
+
+    def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None) -> Candidates:
+        self = super().__new__(cls, snapshots)
+        array = column_array(self) if columns is None else columns
+        array.flags.writeable = False
+        self.columns = array
+        return self
+
+    @classmethod
+    def of(cls, candidates: Sequence[BackendSnapshot]) -> Candidates:
+        """`candidates` itself when it already carries columns, else its columns built once."""
+        return candidates if isinstance(candidates, Candidates) else cls(candidates)
+
+    def take(self, rows: npt.NDArray[np.intp]) -> Candidates:
+        """The candidates at `rows` (ascending), in order."""
+        return Candidates([self[k] for k in rows.tolist()], self.columns[:, rows])
+
+    def fitting(self, context_tokens: int) -> Candidates:
+        """Those whose context holds `context_tokens` (prompt + max_tokens): `BackendSnapshot.fits`."""
+        fits = self.columns[MAX_CONTEXT] >= context_tokens
+        return self if fits.all() else self.take(fits.nonzero()[0])
+
+    def extended(self, more: Sequence[BackendSnapshot]) -> Candidates:
+        """These candidates followed by `more` (e.g. work stealers), columns joined, not rebuilt."""
+        if not more:
+            return self
+        return Candidates((*self, *more), np.concatenate((self.columns, column_array(more)), axis=1))

@@ -1,0 +1,126 @@
+"""The state table's candidates, kept as columns and patched per changed row, against a from-scratch
+walk of the table after every kind of signal change; and what they hand out never changes after."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+
+from gateway.policies.candidates import Candidates, column_array
+from gateway.policies.contracts import BackendSnapshot, Role
+from gateway.state_table import SERVING, Reported, StateTable
+from heterogate import perf_model
+from heterogate.metric_tables import SATURATED_QUEUE
+from tests.snapshots import MODEL, catalog
+
+LANGUAGE: tuple[Role, ...] = ("language", "both")
+VISION: tuple[Role, ...] = ("vision",)
+INTERVAL_S, MISS_LIMIT = 1.0, 3
+GPUS = ("H100", "A100-80GB", "L40S", "L4")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reference(table: StateTable, roles: tuple[Role, ...], now: float, exclude: set[str]) -> list[BackendSnapshot]:
+    """The table walked in Python, entry by entry, as the gateway did before it kept columns."""
+    fresh, stale = [], []
+    for e in table.entries():
+        if e.role not in roles or e.id in exclude or e.lifecycle not in SERVING:
+            continue
+        if e.last_heartbeat is not None and now - e.last_heartbeat <= MISS_LIMIT * INTERVAL_S:
+            fresh.append(table.snapshot(e))
+        elif e.external:
+            stale.append(table.snapshot(e))
+    if stale and not fresh:
+        kv = [perf_model.kv_capacity_bytes(table.model, table.get(b.id).gpu) for b in stale]   # type: ignore[union-attr]
+        return [dataclasses.replace(b, queue_depth=b.in_flight, kv_free_bytes=k, kv_total_bytes=k)
+                for b, k in zip(stale, kv, strict=True)]
+    return fresh + [dataclasses.replace(b, queue_depth=max(SATURATED_QUEUE, b.in_flight), kv_free_bytes=0)
+                    for b in stale]
+
+
+def register(table: StateTable, rng: random.Random, k: int) -> None:
+    role: Role = rng.choice(["language", "language", "both", "vision"])
+    table.register(f"b{k}", role, catalog().gpu(rng.choice(GPUS)), address=None, managed=True,
+                   external=rng.random() < 0.3, steal=role == "vision")
+
+
+def heartbeat(table: StateTable, rng: random.Random, backend_id: str, seq: int) -> None:
+    total = rng.randint(1, 1 << 34)
+    table.apply_heartbeat(backend_id, seq, "10.0.0.1:1", Reported(
+        seq=seq, waiting=rng.randint(0, 20), running=rng.randint(0, 20), kv_free_bytes=rng.randint(0, total),
+        kv_total_bytes=total, vision_backlog=rng.randint(0, 3) * 576,
+        mean_service_s=rng.choice([0.0, rng.uniform(0.1, 3.0)]),
+    ))
+
+
+def test_candidates_match_a_fresh_walk_after_every_change() -> None:
+    rng, clock = random.Random(7), Clock()
+    table = StateTable(catalog().model(MODEL), INTERVAL_S, MISS_LIMIT, clock=clock)
+    for k in range(12):
+        register(table, rng, k)
+    handed_out: list[tuple[Candidates, tuple[BackendSnapshot, ...], np.ndarray]] = []
+    seq = 0
+    for step in range(600):
+        ids = [e.id for e in table.entries()]
+        event = rng.randrange(8)
+        backend = rng.choice(ids)
+        if event <= 2:
+            seq += 1
+            heartbeat(table, rng, backend, seq)
+        elif event == 3:
+            table.acquire(backend)
+        elif event == 4:
+            table.release(backend, rng.choice([None, rng.uniform(0.1, 5.0)]))
+        elif event == 5:
+            table.acquire_vision(backend, 576)
+            if rng.random() < 0.5:
+                table.release_vision(backend, 576)
+        elif event == 6:
+            clock.now += rng.choice([0.1, 0.5, 1.5, 4.0])
+            if rng.random() < 0.3:   # a launched engine restarts, or is ready again
+                table.set_lifecycle(backend, rng.choice(["starting", "ready", "restarting", "stopped"]))
+        elif len(ids) < 24:
+            register(table, rng, len(ids))
+        if step % 100 == 99:   # everyone ready and reporting: the whole pool is handed out as it is
+            for backend in ids:
+                table.set_lifecycle(backend, "ready")
+                seq += 1
+                heartbeat(table, rng, backend, seq)
+        roles = rng.choice([LANGUAGE, VISION])
+        exclude = set(rng.sample(ids, rng.randint(0, 2)))
+        got = table.candidates(roles, exclude=exclude)
+        want = reference(table, roles, clock.now, exclude)
+        assert list(got) == want, step
+        np.testing.assert_array_equal(got.columns, column_array(want), err_msg=str(step))
+        assert table.language_backlog() == sum(e.reported.waiting for e in table.entries() if e.role != "vision")
+        if step % 50 == 0:
+            handed_out.append((got, tuple(got), got.columns.copy()))
+    for candidates, snapshots, columns in handed_out:   # copy-on-write: nothing handed out moved since
+        assert tuple(candidates) == snapshots
+        np.testing.assert_array_equal(candidates.columns, columns)
+        assert not candidates.columns.flags.writeable
+
+
+def test_a_snapshot_dropped_anywhere_reaches_the_columns() -> None:
+    """Producers drop `entry.snapshot`; the pools must see it without being told separately."""
+    clock = Clock()
+    table = StateTable(catalog().model(MODEL), INTERVAL_S, MISS_LIMIT, clock=clock)
+    table.register("a", "language", catalog().gpu("H100"), address=None, managed=True)
+    table.apply_heartbeat("a", 1, "", Reported(seq=1, waiting=2, kv_free_bytes=1 << 30, kv_total_bytes=1 << 31))
+    assert table.candidates(LANGUAGE)[0].queue_depth == 2
+    entry = table.get("a")
+    assert entry is not None
+    entry.in_flight = 9
+    entry.snapshot = None
+    got = table.candidates(LANGUAGE)
+    assert got[0].queue_depth == 9
+    assert got.columns[1].tolist() == [9.0]
