@@ -66,6 +66,7 @@ Clock = Callable[[], int]
 # wall: what a request waits. cpu: this thread's CPU time, blind to preemption by other processes.
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
 ROUNDS = 5
+OUTPUT_TOKENS = 256        # max_tokens of every request
 LEASES = 32                 # requests in flight: each decision's lease is released this many decisions later
 HEARTBEAT_INTERVAL_S = 3600.0   # no backend goes stale during a run; the health check still runs
 
@@ -167,7 +168,7 @@ class Gateway:
             route = self.pipeline.route_language
             for r in requests:
                 t0 = clock()
-                decision = route(r, [])
+                decision = route(r, [], r.input_tokens + r.max_output_tokens)   # the job's context, as start() passes
                 samples.append(clock() - t0)
                 assert decision is not None
                 self.between_decisions(decision)
@@ -210,7 +211,8 @@ def run(sizes: Sequence[int], budget: int, seed: int, clock: Clock, rounds: int 
         backends = synthetic_backends(catalog, rng, n)
         count = decisions_for(n, budget)
         warmup = max(200, count // 10)
-        requests = [RequestProfile(f"r{k}", rng.randint(16, 4096)) for k in range(warmup + count)]
+        longest = catalog.model(MODEL).max_context - OUTPUT_TOKENS   # prompt + max_tokens fit every backend
+        requests = [RequestProfile(f"r{k}", rng.randint(16, longest), OUTPUT_TOKENS) for k in range(warmup + count)]
         gateways = {(name, path): Gateway(catalog, backends, name, seed) for name in names for path in PATHS}
         for key, g in gateways.items():
             g.timed(key[1], requests[:warmup], clock)

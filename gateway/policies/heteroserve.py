@@ -9,6 +9,8 @@ capability-weighted routing paper, kept exactly.
 Reads: prefill_s_per_token (2P/F_i), queue_depth (Q_i), mean_service_s, kv_free_bytes,
 kv_bytes_per_token. Parameters: w1, w2, w3 (defaults 1, 1, 100; seconds, so w3 ≫ the others).
 w2 = 0 is device-specific shortest-job-first; w1 = 0 is shortest queue (ties: first candidate).
+Computed over the candidates' columns (`gateway.policies.candidates`), one array operation per
+term; the per-candidate `CostTerms` are built only when `Decision.costs` is read.
 Limits: no decode or bandwidth term (only through T̄_service), the queue term counts requests, not
 their lengths, and the veto is binary.
 """
