@@ -115,6 +115,7 @@ class StateTable:
         self._prior_s: dict[str, float] = {}
         self._changes: set[str] = set()
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
+        self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
         self.failing_open = False
 
     # -- producers ---------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class StateTable:
                              kv_capacity_tokens=kv_capacity_tokens, changes=self._changes)
         self._entries[backend_id] = entry
         self._pools.clear()
+        self._largest_context = None
         return entry
 
     def apply_heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
@@ -144,6 +146,8 @@ class StateTable:
         same_sender = reported.pid == entry.reported.pid and (not address or address == entry.address)
         if same_sender and seq <= entry.reported.seq:
             return None
+        if reported.max_model_len != entry.reported.max_model_len:
+            self._largest_context = None
         entry.reported = reported
         entry.address = address or entry.address
         entry.last_heartbeat = self.clock()
@@ -252,8 +256,13 @@ class StateTable:
         return r.kv_free_bytes, r.kv_total_bytes, r.kv_source or "unreported"
 
     def largest_context(self) -> int:
-        """The longest context any backend that can take language work serves (0: none)."""
-        return max((self.context(e)[0] for e in self._entries.values() if e.role != "vision" or e.steal), default=0)
+        """The longest context any backend that can take language work serves (0: none); read per
+        request, so kept until a registration or a heartbeat with another max_model_len."""
+        if self._largest_context is None:
+            self._largest_context = max(
+                (self.context(e)[0] for e in self._entries.values() if e.role != "vision" or e.steal), default=0
+            )
+        return self._largest_context
 
     def language_backlog(self) -> int:
         """Requests waiting (admitted, not yet running) across the language pool, as last reported."""

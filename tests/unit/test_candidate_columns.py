@@ -58,7 +58,7 @@ def heartbeat(table: StateTable, rng: random.Random, backend_id: str, seq: int) 
     table.apply_heartbeat(backend_id, seq, "10.0.0.1:1", Reported(
         seq=seq, waiting=rng.randint(0, 20), running=rng.randint(0, 20), kv_free_bytes=rng.randint(0, total),
         kv_total_bytes=total, vision_backlog=rng.randint(0, 3) * 576,
-        mean_service_s=rng.choice([0.0, rng.uniform(0.1, 3.0)]),
+        mean_service_s=rng.choice([0.0, rng.uniform(0.1, 3.0)]), max_model_len=rng.choice([0, 0, 4096, 32_768]),
     ))
 
 
@@ -102,6 +102,8 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         assert list(got) == want, step
         np.testing.assert_array_equal(got.columns, column_array(want), err_msg=str(step))
         assert table.language_backlog() == sum(e.reported.waiting for e in table.entries() if e.role != "vision")
+        assert table.largest_context() == max(table.context(e)[0] for e in table.entries()
+                                              if e.role != "vision" or e.steal)
         if step % 50 == 0:
             handed_out.append((got, tuple(got), got.columns.copy()))
     for candidates, snapshots, columns in handed_out:   # copy-on-write: nothing handed out moved since
