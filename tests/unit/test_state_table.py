@@ -34,9 +34,9 @@ def test_a_relaunched_backend_is_no_candidate_until_ready_again() -> None:
     t.apply_heartbeat("h100-0", 1, "127.0.0.1:7000", Reported(seq=1, pid=1))
     assert [b.id for b in t.candidates(("language",))] == ["h100-0"]
     t.set_lifecycle("h100-0", "restarting")
-    assert t.candidates(("language",)) == []
+    assert not t.candidates(("language",))
     t.set_lifecycle("h100-0", "starting")
     t.apply_heartbeat("h100-0", 2, "127.0.0.1:7001", Reported(seq=2, pid=3))
-    assert t.candidates(("language",)) == []
+    assert not t.candidates(("language",))
     t.set_lifecycle("h100-0", "ready")
     assert [b.id for b in t.candidates(("language",))] == ["h100-0"]
