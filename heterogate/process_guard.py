@@ -25,7 +25,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -46,9 +46,10 @@ def run(command: list[str], parent: int, grace_s: float) -> int:
     ask_for_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:   # the gateway died before the line above took effect
         return 1
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    # A plain flag: a handler that takes a lock (threading.Event.set) can deadlock against the main loop.
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda sig, _: stopping.append(sig))
+    signal.signal(signal.SIGINT, lambda sig, _: stopping.append(sig))
     try:
         # The leader also dies with the guard, should the guard itself be SIGKILLed.
         engine = subprocess.Popen(command, process_group=0,
@@ -57,9 +58,9 @@ def run(command: list[str], parent: int, grace_s: float) -> int:
         print(f"process_guard: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return 127
     pgid = engine.pid
-    while engine.poll() is None and not stopping.wait(0.2):
-        pass
-    if stopping.is_set() and engine.poll() is None:
+    while engine.poll() is None and not stopping:
+        time.sleep(0.1)
+    if stopping and engine.poll() is None:
         kill_group(pgid, signal.SIGTERM)
         try:
             engine.wait(grace_s)
