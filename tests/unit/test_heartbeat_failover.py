@@ -61,6 +61,6 @@ async def test_sender_skips_a_dead_address_and_moves_on_when_its_replica_goes() 
             await running
 
 
-def test_no_address_is_an_error() -> None:
+async def test_no_address_is_an_error() -> None:
     with pytest.raises(ValueError):
-        HeartbeatSender(" , ", control_pb2.BackendState)
+        await HeartbeatSender(" , ", control_pb2.BackendState).run()
