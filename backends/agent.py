@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend-id", required=True)
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
-    p.add_argument("--gateway", required=True, help="host:port of the gateway's control (gRPC) service")
+    p.add_argument("--gateway", required=True,
+                   help="host:port of the gateway's control (gRPC) service; several, comma-separated, fail over")
     p.add_argument("--role", choices=["language", "vision", "both"], default="language")
     p.add_argument("--interval-ms", type=int, default=200, help="scrape interval (the gateway sets the heartbeat's)")
     p.add_argument("--kv-total-tokens", type=int,

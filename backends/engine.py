@@ -219,7 +219,7 @@ async def _watch_parent(stop: asyncio.Event) -> None:
     """Exit when the launching gateway is gone (killed with SIGKILL it cannot stop us)."""
     parent = os.getppid()
     while os.getppid() == parent:  # noqa: ASYNC110 - polling the parent pid is the point
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.2)   # short: a new leader replica waits for orphans to go before relaunching
     stop.set()
 
 

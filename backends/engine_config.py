@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--role", choices=("language", "vision", "both"), default="language")
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
-    p.add_argument("--gateway", required=True, help="host:port of the gateway's control (gRPC) service")
+    p.add_argument("--gateway", required=True,
+                   help="host:port of the gateway's control (gRPC) service; several, comma-separated, fail over")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--executor", choices=("simulated", "torch"), default="simulated")

@@ -12,6 +12,7 @@ from pathlib import Path
 from gateway.config import DEFAULT_BACKENDS, ClusterConfig, load_cluster
 from gateway.policies import REGISTRY
 from gateway.server import PortUnavailable, ServeOptions, serve
+from gateway.workers import run_workers
 from heterogate import __version__
 from heterogate.errors import ConfigError
 from heterogate.event_loop import run
@@ -34,7 +35,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", choices=sorted(REGISTRY), help="routing policy (default: the config's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--engine-log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--redis-url", help="share cluster state with other replicas through this Redis "
+                   "(default: gateway.redis.url; none: one process, state in memory)")
+    p.add_argument("--workers", type=positive_int, default=1, help="gateway processes on this host (> 1 needs Redis)")
+    p.add_argument("--reuse-port", action="store_true", help="bind both doors with SO_REUSEPORT (set by --workers)")
     return p.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
@@ -69,9 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
     config = load_or_exit(args.backends)
+    redis_url = args.redis_url or config.settings.redis.url
+    if args.workers > 1:
+        check_workers(args.workers, redis_url, args.port, args.grpc_port)
+        run(run_workers(argv, args.workers))
+        return
     options = ServeOptions(
         host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
         policy=args.policy, log_level=args.log_level, engine_log_level=args.engine_log_level,
+        redis_url=redis_url, reuse_port=args.reuse_port,
     )
     try:
         run(serve(config, options))
@@ -81,6 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:   # a secret or certificate the config names, read at start-up
         print(f"gateway: invalid configuration\n{exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_workers(workers: int, redis_url: str | None, port: int, grpc_port: int) -> None:
+    """Workers share state only through Redis and share ports only when the ports are fixed."""
+    problem = None
+    if redis_url is None:
+        problem = (f"--workers {workers} needs Redis (--redis-url or gateway.redis.url): "
+                   "worker processes share cluster state only through it")
+    elif port == 0 or grpc_port == 0:
+        problem = "--workers needs fixed --port and --grpc-port (the workers share them with SO_REUSEPORT)"
+    if problem:
+        print(f"gateway: {problem}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

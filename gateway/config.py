@@ -16,6 +16,7 @@ from gateway.image_embeds import require_torch
 from gateway.images import ImageLimits
 from gateway.policies import build_policy
 from gateway.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
+from gateway.redis_config import RedisConfig
 from gateway.tls import TlsConfig
 from heterogate import yaml_files
 from heterogate.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
@@ -223,6 +224,7 @@ class GatewaySettings(StrictModel):
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig = TlsConfig()
     keep_alive: KeepAliveConfig = KeepAliveConfig()
+    redis: RedisConfig = RedisConfig()
 
 
 class ClusterFile(StrictModel):

@@ -75,6 +75,7 @@ class Runtime:
                 "waiting": e.reported.waiting,
                 "running": e.reported.running,
                 "in_flight": e.in_flight,
+                "peer_in_flight": e.peer_in_flight,   # other replicas' (shared through Redis)
                 "kv_free_bytes": snap.kv_free_bytes,
                 "kv_total_bytes": snap.kv_total_bytes,
                 "kv_capacity_source": self.table.kv_capacity(e)[2],

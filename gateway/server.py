@@ -2,7 +2,9 @@
 
 Both ports are bound before any engine is launched, and neither is shared (no SO_REUSEPORT): a
 second gateway pointed at a taken port exits with an error naming it, launches nothing, and leaves
-the first one serving.
+the first one serving. The exception is `--workers` (gateway/workers.py): its processes bind both
+ports with SO_REUSEPORT on purpose. With Redis (`--redis-url`) the process joins its replicas
+(gateway/replicas.py) and runs the managed engines only while it holds the leader lease.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import asyncio
 import gc
 import signal
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -24,10 +28,13 @@ from gateway.grpc_door import add_front_door
 from gateway.heartbeat_service import ControlService
 from gateway.http_app import create_app
 from gateway.launchers import build_launchers, managed_address, managed_ports
+from gateway.leadership import Supervision
+from gateway.replicas import Replication, join
 from gateway.runtime import Runtime, build_runtime
 from gateway.supervisor import Supervisor
 from gateway.tls import GrpcTls, http_ssl_options, load_grpc_tls
 from gateway.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
+from gateway.workers import reuse_port_socket
 from heterogate.errors import HeteroGateError
 from heterogate.wire import control_pb2_grpc
 
@@ -43,27 +50,32 @@ class ServeOptions:
     policy: str | None = None
     log_level: str = "info"
     engine_log_level: str = "warning"
+    redis_url: str | None = None     # replicas share state through this Redis
+    reuse_port: bool = False         # SO_REUSEPORT on both doors (`--workers`)
 
 
 class PortUnavailable(HeteroGateError):
     """A port the gateway must listen on cannot be bound (taken, or not allowed)."""
 
 
-def bind_http(host: str, port: int) -> socket.socket:
+def bind_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     try:
-        return socket.create_server((host, port), backlog=2048)
+        return reuse_port_socket(host, port) if reuse_port else socket.create_server((host, port), backlog=2048)
     except OSError as exc:
         raise PortUnavailable(f"cannot bind the HTTP port {host}:{port}: {exc.strerror or exc}") from None
 
 
 async def start_control(
-    runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None
+    runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None,
+    on_heartbeat: Callable[[str, str], None] | None = None, reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
-    # No SO_REUSEPORT: with it, a second gateway would bind the same port and take half the heartbeats.
+    # No SO_REUSEPORT (but for --workers): with it, a second gateway would bind the same port and take
+    # half the heartbeats.
     max_bytes = runtime.limits.max_body_bytes
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes), ("grpc.so_reuseport", 0)])
-    service = ControlService(runtime.table, on_heartbeat=runtime.clients.ensure, auth=auth)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
+                                      ("grpc.so_reuseport", int(reuse_port))])
+    service = ControlService(runtime.table, on_heartbeat=on_heartbeat or runtime.clients.ensure, auth=auth)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
     await add_front_door(server, runtime)
     address = f"{host}:{port}"
@@ -83,11 +95,17 @@ def local_control_host(grpc_host: str) -> str:
     return "127.0.0.1" if grpc_host in ("0.0.0.0", "::", "[::]", "") else grpc_host
 
 
+def engines_silent(runtime: Runtime, ids: list[str]) -> Callable[[], bool]:
+    """None of the managed backends heartbeats (a new leader waits for this before launching)."""
+    return lambda: not any((e := runtime.table.get(i)) is not None and runtime.table.is_healthy(e) for i in ids)
+
+
 async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     """Secrets and certificates are read, and both ports bound, before any engine is launched."""
     ports = managed_ports(config)
     addresses = {backend_id: managed_address(port) for backend_id, port in ports.items()}
     runtime = build_runtime(config, options.policy, addresses)
+    replication: Replication | None = join(runtime, options.redis_url) if options.redis_url else None
     try:
         grpc_tls = load_grpc_tls(config.settings.tls)
         ssl_options = http_ssl_options(config.settings.tls)
@@ -96,9 +114,11 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
             api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
             ca_file=grpc_tls.ca_file if grpc_tls else None,
         )
-        http_socket = bind_http(options.host, options.port)
+        http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
-            control, grpc_port = await start_control(runtime, options.grpc_host, options.grpc_port, auth, grpc_tls)
+            control, grpc_port = await start_control(
+                runtime, options.grpc_host, options.grpc_port, auth, grpc_tls,
+                replication.on_heartbeat if replication else None, options.reuse_port)
         except BaseException:
             http_socket.close()
             raise
@@ -108,10 +128,14 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
     launchers = build_launchers(config, ports, f"{local_control_host(options.grpc_host)}:{grpc_port}", runtime.table,
                                 make_probe(probes), options.engine_log_level, engine_env=auth.engine_env)
-    supervisor = Supervisor(launchers, on_state=runtime.table.set_lifecycle,
-                            stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s))
-    supervisor.start()
-    runtime.metrics.backends.restarts = lambda: {c.backend_id: c.restarts for c in supervisor.children}
+    managed = [s.id for s in config.raw.backends if s.launch is not None]
+    supervision = Supervision(
+        lambda: Supervisor(launchers, on_state=runtime.table.set_lifecycle,
+                           stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s)),
+        replication.lease if replication else None, engines_silent(runtime, managed),
+        takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic)
+    runtime.metrics.backends.restarts = lambda: {
+        c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
     app = create_app(runtime)
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()
@@ -126,9 +150,13 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
-             policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name)
+             policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name,
+             replica=replication.replica_id if replication else None)
     http = asyncio.create_task(server.serve(sockets=[http_socket]))
     monitor = asyncio.create_task(UpstreamMonitor(config, runtime.table, addresses, probes).run(stop))
+    drained = asyncio.Event()   # engines, the leader lease and shared counts outlive the drain
+    supervising = asyncio.create_task(supervision.run(drained))
+    sharing = asyncio.create_task(replication.shared.run(drained)) if replication else None
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({http, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -138,9 +166,14 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         server.should_exit = True
         await http
         await monitor
-        await supervisor.stop()
+        drained.set()
+        await supervising
+        if sharing is not None:
+            await sharing
         await probes.aclose()
         await control.stop(grace=1.0)
+        if replication is not None:
+            await replication.close()
         await runtime.close()
         stopper.cancel()
         log.info("gateway_stopped")

@@ -8,7 +8,9 @@ the changed rows only, so that assembling a decision's candidates is array work,
 
 Q_i (queue_depth) = max(in-flight from this gateway, engine-reported waiting + running): the
 gateway's count moves the instant a request is dispatched, the heartbeat corrects it with what the
-engine really holds (including work from other gateway replicas).
+engine really holds (including work from other gateway replicas). With replicas sharing state
+(gateway/shared_state.py) the gateway's count is this replica's live count + the other replicas'
+counts as of the last refresh.
 
 Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
     context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model
@@ -75,6 +77,8 @@ class BackendEntry:
     reported: Reported = field(default_factory=Reported)
     in_flight: int = 0
     vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded
+    peer_in_flight: int = 0                   # other replicas' in-flight here, as last shared
+    peer_vision_tokens: int = 0
     service_ewma_s: float | None = None
     max_model_len: int | None = None          # configured: where the engine does not say
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
@@ -132,8 +136,11 @@ class StateTable:
         self._largest_context = None
         return entry
 
-    def apply_heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
-        """Record one heartbeat; returns None for an unknown backend or an out-of-order message.
+    def apply_heartbeat(
+        self, backend_id: str, seq: int, address: str, reported: Reported, at: float | None = None
+    ) -> BackendEntry | None:
+        """Record one heartbeat (received at `at`, default now); None for an unknown backend or an
+        out-of-order message.
 
         Sequence numbers order the messages of one sender (engines start theirs at their start time
         in µs, so a restarted engine's are larger than its predecessor's). A message from another
@@ -150,7 +157,7 @@ class StateTable:
             self._largest_context = None
         entry.reported = reported
         entry.address = address or entry.address
-        entry.last_heartbeat = self.clock()
+        entry.last_heartbeat = self.clock() if at is None else at
         entry.snapshot = None
         return entry
 
@@ -160,6 +167,17 @@ class StateTable:
         if state != "ready":
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
         entry.snapshot = None   # the pools re-read its row
+
+    def set_peer_load(self, backend_id: str, in_flight: int, vision_tokens: int) -> None:
+        """The other replicas' in-flight requests and image tokens on this backend (shared state)."""
+        entry = self._entries[backend_id]
+        if (entry.peer_in_flight, entry.peer_vision_tokens) != (in_flight, vision_tokens):
+            entry.peer_in_flight, entry.peer_vision_tokens = in_flight, vision_tokens
+            entry.snapshot = None
+
+    def assume_alive(self, backend_id: str) -> None:
+        """Keep a backend a candidate without a heartbeat (failing open while shared state is away)."""
+        self._entries[backend_id].last_heartbeat = self.clock()
 
     def acquire(self, backend_id: str) -> None:
         entry = self._entries[backend_id]
@@ -227,7 +245,8 @@ class StateTable:
         return self._pools[roles]
 
     def _saturated(self, e: BackendEntry) -> BackendSnapshot:
-        return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight), kv_free_bytes=0)
+        return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight + e.peer_in_flight),
+                       kv_free_bytes=0)
 
     def _blind(self, e: BackendEntry) -> BackendSnapshot:
         """What the gateway knows without metrics: its own in-flight count and the configured or nominal KV."""
@@ -235,7 +254,8 @@ class StateTable:
             kv = e.kv_capacity_tokens * self.model.kv_bytes_per_token
         else:
             kv = perf_model.kv_capacity_bytes(self.model, e.gpu)
-        return replace(self.snapshot(e), queue_depth=e.in_flight, kv_free_bytes=kv, kv_total_bytes=kv)
+        return replace(self.snapshot(e), queue_depth=e.in_flight + e.peer_in_flight, kv_free_bytes=kv,
+                       kv_total_bytes=kv)
 
     def context(self, e: BackendEntry) -> tuple[int, str]:
         """(tokens, source): the context length a backend serves, prompt + completion."""
@@ -286,6 +306,7 @@ class StateTable:
     def _rebuild(self, e: BackendEntry) -> BackendSnapshot:
         r = e.reported
         kv_free, kv_total, _ = self.kv_capacity(e)
+        in_flight = e.in_flight + e.peer_in_flight
         snap = BackendSnapshot(
             id=e.id,
             role=e.role,
@@ -293,12 +314,12 @@ class StateTable:
             tflops=e.gpu.tflops,
             bandwidth_gbs=e.gpu.bandwidth_gbs,
             price_per_hour=e.gpu.price_per_hour,
-            queue_depth=max(e.in_flight, r.waiting + r.running),
-            in_flight=e.in_flight,
+            queue_depth=max(in_flight, r.waiting + r.running),
+            in_flight=in_flight,
             kv_free_bytes=kv_free,
             kv_total_bytes=kv_total,
             kv_bytes_per_token=self.model.kv_bytes_per_token,
-            vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens),
+            vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens + e.peer_vision_tokens),
             mean_service_s=self.mean_service_s(e),
             prefill_s_per_token=perf_model.prefill_seconds_per_token(self.model, e.gpu),
             weight_bytes=self.model.weight_bytes,

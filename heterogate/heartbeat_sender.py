@@ -7,11 +7,16 @@ never looks older than the one it replaced. The stream carries the sender's `Con
 (cluster token, engine identity, TLS); a gateway that refuses them answers UNAUTHENTICATED or
 PERMISSION_DENIED with the reason, logged as an error (and retried with backoff: a gateway restarted
 with the right token accepts the sender again).
+
+`gateway_address` may list several replicas' control addresses, comma-separated: the sender keeps
+one stream to the first that answers and moves on to the next one when that stream breaks (replicas
+share what they receive through Redis, so any one of them will do).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -45,7 +50,8 @@ class HeartbeatSender:
         reconnect_max_s: float = 2.0,
         credentials: ControlCredentials | None = None,
     ) -> None:
-        self._address = gateway_address
+        self.addresses = [a.strip() for a in gateway_address.split(",") if a.strip()]
+        self.current = 0          # index of the address in use
         self._credentials = credentials or ControlCredentials()
         self._build_state = build_state
         self.interval_s = interval_s
@@ -58,13 +64,16 @@ class HeartbeatSender:
         self._poked.set()
 
     async def run(self) -> None:
+        if not self.addresses:
+            raise ValueError("no gateway control address given")
         backoff = 0.05
         metadata = self._credentials.metadata()
-        async with self._credentials.channel(self._address) as channel:
-            stub = control_pb2_grpc.ControlStub(channel)
+        async with contextlib.AsyncExitStack() as stack:
+            channels = [await stack.enter_async_context(self._credentials.channel(a)) for a in self.addresses]
             while True:
                 try:
-                    call = stub.Connect(self._messages(), metadata=metadata)
+                    call = control_pb2_grpc.ControlStub(channels[self.current]).Connect(
+                        self._messages(), metadata=metadata)
                     async for ack in call:
                         self.connected.set()
                         backoff = 0.05
@@ -74,10 +83,12 @@ class HeartbeatSender:
                     if exc.code() in _REFUSED:
                         log.error("gateway_rejected_backend", code=exc.code().name, detail=exc.details())
                     else:
-                        log.debug("gateway_unreachable", code=str(exc.code()))
+                        log.debug("gateway_unreachable", address=self.addresses[self.current], code=str(exc.code()))
                 self.connected.clear()
-                await asyncio.sleep(backoff)
-                backoff = min(self._reconnect_max_s, backoff * 2)
+                self.current = (self.current + 1) % len(self.addresses)
+                if self.current == 0:   # every address tried once: back off before the next round
+                    await asyncio.sleep(backoff)
+                    backoff = min(self._reconnect_max_s, backoff * 2)
 
     async def _messages(self) -> AsyncIterator[control_pb2.BackendState]:
         while True:

@@ -1,0 +1,149 @@
+"""Exactly one replica supervises the managed engines: a leader lease in Redis.
+
+The lease is one key, `P leader` = the holder's replica id, taken with SET NX PX and renewed every
+third of the lease by a Lua script that extends it only for its holder. A leader that dies stops
+renewing; its engines exit with it (they watch their parent), and once the key has expired another
+replica takes the lease. Before it launches anything the new leader waits until none of the managed
+backends is heartbeating (the old engines are gone, at most `takeover_wait_s`), so two sets of
+engines never run side by side.
+
+Redis unreachable: the leader keeps its engines (fail open; requests need them) and retakes the key
+as soon as Redis answers; the others wait one full lease of Redis answering before they compete for
+a missing key, so the incumbent wins after a Redis restart. A leader that finds the key held by
+another replica stops its engines at once. Limit: a leader cut off from a Redis that the others still
+reach keeps its engines while another takes over, until it sees Redis again.
+
+The supervisor is started and stopped from outside (`make_supervisor` builds a fresh one for every
+term of leadership); without Redis the single process supervises from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Protocol
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+log = structlog.get_logger("leadership")
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+return 0
+"""
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# Renewal result: extended / key missing (Redis restarted: retake it) / held by another replica.
+RENEWED, MISSING, LOST = 1, -1, 0
+
+
+class Supervised(Protocol):
+    def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class LeaderLease:
+    def __init__(self, redis: Redis, key: str, holder: str, lease_ms: int, timeout_s: float) -> None:
+        self._redis = redis
+        self.key = key
+        self.holder = holder
+        self.lease_ms = lease_ms
+        self._timeout_s = timeout_s
+
+    async def acquire(self) -> bool:
+        return bool(await asyncio.wait_for(
+            self._redis.set(self.key, self.holder, nx=True, px=self.lease_ms), self._timeout_s))
+
+    async def current(self) -> str | None:
+        holder = await asyncio.wait_for(self._redis.get(self.key), self._timeout_s)
+        return None if holder is None else str(holder)
+
+    async def renew(self) -> int:
+        result = await asyncio.wait_for(
+            self._redis.eval(_RENEW, 1, self.key, self.holder, self.lease_ms), self._timeout_s)
+        return int(result)
+
+    async def release(self) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self._redis.eval(_RELEASE, 1, self.key, self.holder), self._timeout_s)
+
+
+class Supervision:
+    """Runs `make_supervisor()` on this replica while it holds the lease (always, without a lease)."""
+
+    def __init__(
+        self, make_supervisor: Callable[[], Supervised], lease: LeaderLease | None,
+        engines_silent: Callable[[], bool], takeover_wait_s: float, clock: Callable[[], float],
+    ) -> None:
+        self._make = make_supervisor
+        self._lease = lease
+        self._engines_silent = engines_silent
+        self._takeover_wait_s = takeover_wait_s
+        self._clock = clock
+        self.supervisor: Supervised | None = None
+        self.terms = 0                         # times this replica became leader
+        # Since when Redis has answered without a break (-inf: since start-up, so no wait then).
+        self._reachable_since: float | None = float("-inf")
+
+    @property
+    def leading(self) -> bool:
+        return self.supervisor is not None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self._lease is None:
+            await self._lead(stop)
+            await stop.wait()
+        else:
+            tick_s = self._lease.lease_ms / 3000
+            while not stop.is_set():
+                await self._tick(self._lease, stop)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), tick_s)
+        await self._step_down()
+        if self._lease is not None:
+            await self._lease.release()
+
+    async def _tick(self, lease: LeaderLease, stop: asyncio.Event) -> None:
+        try:
+            if self.leading:
+                result = await lease.renew()
+                if result == MISSING and await lease.acquire():
+                    log.info("leader_lease_retaken", replica=lease.holder)
+                elif result == LOST:
+                    log.warning("leader_lease_lost", replica=lease.holder)
+                    await self._step_down()
+                return
+            holder = await lease.current()
+            now = self._clock()
+            if self._reachable_since is None:
+                self._reachable_since = now
+            if holder is None and now - self._reachable_since >= lease.lease_ms / 1000 and await lease.acquire():
+                log.info("leader_lease_acquired", replica=lease.holder)
+                await self._lead(stop)
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self._reachable_since is not None:
+                log.warning("leader_lease_unreachable", replica=lease.holder, leading=self.leading, error=repr(exc))
+            self._reachable_since = None
+
+    async def _lead(self, stop: asyncio.Event) -> None:
+        """Wait for the previous leader's engines to fall silent (holding the lease), then launch ours."""
+        deadline = self._clock() + self._takeover_wait_s
+        renewed = self._clock()
+        while not self._engines_silent() and self._clock() < deadline and not stop.is_set():
+            with contextlib.suppress(TimeoutError):   # polls the state table: heartbeats set no event
+                await asyncio.wait_for(stop.wait(), 0.05)
+            if self._lease is not None and self._clock() - renewed >= self._lease.lease_ms / 3000:
+                renewed = self._clock()
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await self._lease.renew()
+        self.terms += 1
+        self.supervisor = self._make()
+        self.supervisor.start()
+
+    async def _step_down(self) -> None:
+        if self.supervisor is not None:
+            supervisor, self.supervisor = self.supervisor, None
+            await supervisor.stop()

@@ -1,0 +1,243 @@
+"""Gateway replicas as real processes on one Redis: a replica killed with SIGKILL, Redis restarted
+under load, the leader killed, and `--workers`.
+
+Each test gets its own key prefix (system Redis) or its own `redis-server` (the restart test).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import ROOT, Gateway, free_port, long_request_id, metric_total, run_gateway, write_config
+from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, redis_server
+
+pytestmark = pytest.mark.timeout(120)
+MODEL = "llava-1.5-7b"
+
+
+def cluster(tmp: Path, name: str, prefix: str, *, time_scale: float = 0.2, **redis: Any) -> Path:
+    """Two managed language engines (H100, L40S); each replica gets its own directory (and log)."""
+    d = tmp / name
+    d.mkdir()
+    launch = {"time_scale": time_scale}
+    return write_config(d, {
+        "model": MODEL,
+        "gateway": {"heartbeat_interval_ms": 100, "redis": {"key_prefix": prefix, **redis}},
+        "backends": [{"id": "h100-0", "gpu": "H100", "launch": launch},
+                     {"id": "l40s-0", "gpu": "L40S", "launch": launch}],
+    })
+
+
+@contextmanager
+def replicas(tmp: Path, prefix: str, url: str, n: int, **kw: Any) -> Iterator[list[Gateway]]:
+    """`n` replicas started one after another (the first takes the leader lease and runs the engines)."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(run_gateway(cluster(tmp, f"r{i}", prefix, **kw), "--redis-url", url, healthy=2))
+               for i in range(n)]
+
+
+def engine_processes(control_ports: set[int]) -> dict[str, list[int]]:
+    """backend id -> pids of the engine processes pointed at one of these gateways' control ports."""
+    out: dict[str, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "backends.engine" not in argv or "--gateway" not in argv or "heterogate.process_guard" in argv:
+            continue   # not an engine (a guard's command line carries its engine's too)
+        port = int(argv[argv.index("--gateway") + 1].rsplit(":", 1)[1])
+        if port in control_ports:
+            out.setdefault(argv[argv.index("--backend-id") + 1], []).append(int(entry))
+    return out
+
+
+def stat(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: [state, ppid, ...]."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def uptime_s() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def test_a_killed_replicas_in_flight_counts_vanish_from_the_others_view_within_a_second(tmp_path: Path) -> None:
+    with redis_prefix("kill9") as prefix, \
+            replicas(tmp_path, prefix, SYSTEM_REDIS, 2, time_scale=5.0, replica_ttl_ms=300) as (a, b):
+        stop = threading.Event()
+
+        def stream(i: int) -> None:
+            body = {"model": MODEL, "prompt": "count", "max_tokens": 300, "stream": True}
+            try:
+                with httpx.stream("POST", f"{b.url}/v1/completions", json=body, timeout=30,
+                                  headers={"x-request-id": long_request_id(200, prefix=f"k{i}")}) as r:
+                    for _ in r.iter_lines():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError:
+                pass   # the replica is killed under it
+
+        pool = ThreadPoolExecutor(4)
+        for i in range(4):
+            pool.submit(stream, i)
+        try:
+            a.wait_until(lambda: metric_total(a, "heterogate_backend_peer_in_flight") >= 4, timeout=20)
+            b.process.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            a.wait_until(lambda: metric_total(a, "heterogate_backend_peer_in_flight") == 0, timeout=10, interval=0.02)
+            vanished_s = time.monotonic() - killed
+        finally:
+            stop.set()
+            pool.shutdown(wait=True)
+        print(f"peer in-flight counts gone {vanished_s:.3f} s after SIGKILL (replica_ttl_ms 300, refresh 50 ms)")
+        assert vanished_s <= 1.0
+        assert metric_total(a, "heterogate_shared_state_peers") == 0
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary to restart Redis")
+def test_redis_restarted_under_load_fails_no_request_and_sharing_resumes(tmp_path: Path) -> None:
+    with redis_server() as (url, port, proc), replicas(tmp_path, "hgtest:restart:", url, 2) as (a, b):
+        b.wait_until(lambda: metric_total(b, "heterogate_shared_state_peers") == 1, timeout=10)
+        results: list[int | str] = []
+        stop = threading.Event()
+
+        def load(gw: Gateway) -> None:
+            with gw.client(timeout=30) as c:
+                while not stop.is_set():
+                    try:
+                        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+                        results.append(r.status_code)
+                    except httpx.HTTPError as exc:
+                        results.append(repr(exc))
+
+        threads = [threading.Thread(target=load, args=(gw,)) for gw in (a, b, a, b)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)
+            proc.kill()
+            proc.wait()
+            for gw in (a, b):
+                gw.wait_until(lambda gw=gw: metric_total(gw, "heterogate_shared_state_up") == 0, timeout=10)
+            during = len(results)
+            time.sleep(1.5)   # Redis away for longer than the heartbeats' miss limit
+            with redis_server(port) as (_, _, again):
+                for gw in (a, b):
+                    gw.wait_until(lambda gw=gw: metric_total(gw, "heterogate_shared_state_up") == 1, timeout=15)
+                b.wait_until(lambda: metric_total(b, "heterogate_shared_state_peers") == 1, timeout=10)
+                time.sleep(0.5)
+                stop.set()
+                for t in threads:
+                    t.join()
+                served_without_redis = len(results) - during
+                assert again.poll() is None
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        failures = [r for r in results if r != 200]
+        print(f"{len(results)} requests, {served_without_redis} sent while Redis was away, failures: {failures[:5]}")
+        assert served_without_redis > 0
+        assert failures == []
+        for gw in (a, b):
+            assert metric_total(gw, "heterogate_shared_state_errors_total") > 0
+            assert "shared_state_down" in gw.log_path.read_text()
+
+
+def test_leader_killed_another_replica_supervises_the_engines_and_never_two_sets(tmp_path: Path) -> None:
+    lease_ms = 1500
+    with redis_prefix("leader") as prefix, \
+            replicas(tmp_path, prefix, SYSTEM_REDIS, 2, leader_lease_ms=lease_ms) as (a, b):
+        ports = {a.grpc_port, b.grpc_port}
+        before = engine_processes(ports)
+        assert sorted(before) == ["h100-0", "l40s-0"] and all(len(p) == 1 for p in before.values())
+        old_pids = {p[0] for p in before.values()}
+        most = [1]
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                most[0] = max([most[0], *(len(p) for p in engine_processes(ports).values())])
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            a.process.send_signal(signal.SIGKILL)
+            killed, killed_uptime = time.monotonic(), uptime_s()
+            new = b.wait_until(lambda: (bs := b.backends()) and all(x["healthy"] and x["pid"] not in old_pids
+                                                                    for x in bs) and bs, timeout=30)
+            back_s = time.monotonic() - killed
+        finally:
+            stop.set()
+            watcher.join()
+        after = engine_processes(ports)
+        stats = [stat(pids[0]) for pids in after.values()]
+        launched_s = max(int(st[19]) / os.sysconf("SC_CLK_TCK") for st in stats) - killed_uptime
+        print(f"after the leader's SIGKILL (lease {lease_ms} ms): engines relaunched by the next leader in "
+              f"{launched_s:.2f} s, healthy in {back_s:.2f} s")
+        assert most[0] == 1, "two engine processes for one backend at once"
+        assert {x["pid"] for x in new} == {p[0] for p in after.values()}
+        # the new leader launched them (each engine runs under a process guard, the leader's child)
+        assert all(int(st[1]) == b.process.pid or int(stat(int(st[1]))[1]) == b.process.pid for st in stats)
+
+
+def test_workers_share_ports_and_state(tmp_path: Path) -> None:
+    """Two workers in front of an OpenAI-compatible engine. (Managed engines under --workers are refused
+    by the control plane's per-engine identity when they heartbeat to a worker other than the leader:
+    docs/REPLICAS.md, what is missing.)"""
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:   # the engine answers before the gateway starts
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "mock engine did not start"
+                time.sleep(0.1)
+        with redis_prefix("workers") as prefix:
+            d = tmp_path / "w"
+            d.mkdir()
+            config = write_config(d, {
+                "model": MODEL, "served_model_name": "mock", "gateway": {"redis": {"key_prefix": prefix}},
+                "backends": [{"id": "up0", "kind": "openai", "gpu": "H100", "address": f"http://127.0.0.1:{port}"}],
+            })
+            with run_gateway(config, "--workers", "2", "--redis-url", SYSTEM_REDIS, healthy=0) as gw:
+                gw.wait_until(lambda: all(metric_total(gw, "heterogate_shared_state_peers") == 1 for _ in range(10)),
+                              timeout=30)
+                for _ in range(40):   # a new connection each time: the kernel picks a worker for each
+                    r = httpx.post(f"{gw.url}/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 2},
+                                   timeout=10)
+                    assert r.status_code == 200, r.text
+                served = {metric_total(gw, "heterogate_requests_total") for _ in range(30)}
+                assert len(served) == 2 and sum(served) == 40 and min(served) > 0, served   # both workers served
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_workers_without_redis_is_a_start_up_error(tmp_path: Path) -> None:
+    config = cluster(tmp_path, "n", "hgtest:none:")
+    run = subprocess.run([sys.executable, "-m", "gateway.cli", "--backends", str(config), "--workers", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--workers 2 needs Redis" in run.stderr

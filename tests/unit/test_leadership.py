@@ -1,0 +1,97 @@
+"""The leader lease on the real Redis: one replica supervises, another takes over only once the lease
+has expired and the old engines are silent, a Redis restart leaves the incumbent in charge."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.leadership import LOST, MISSING, RENEWED, LeaderLease, Supervision
+from gateway.redis_config import RedisConfig
+from gateway.shared_state import connect
+from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix
+
+pytestmark = pytest.mark.timeout(30)
+LEASE_MS = 600
+
+
+class Engines:
+    """Stands in for the supervisor (the thing gated here is when it starts and stops)."""
+
+    running: int = 0    # sets of engines running at once, over every instance
+
+    def __init__(self) -> None:
+        self.started = self.stopped = False
+
+    def start(self) -> None:
+        Engines.running += 1
+        self.started = True
+
+    async def stop(self) -> None:
+        Engines.running -= 1
+        self.stopped = True
+
+
+async def test_lease_is_exclusive_renewed_by_its_holder_only_and_retaken_when_missing() -> None:
+    with redis_prefix("lease") as prefix:
+        redis = connect(RedisConfig(), SYSTEM_REDIS)
+        a = LeaderLease(redis, prefix + "leader", "a", LEASE_MS, 1.0)
+        b = LeaderLease(redis, prefix + "leader", "b", LEASE_MS, 1.0)
+        try:
+            assert await a.acquire() and not await b.acquire()
+            assert await a.renew() == RENEWED and await b.renew() == LOST
+            await redis.delete(a.key)          # what a restarted Redis looks like
+            assert await a.renew() == MISSING
+            await b.release()                  # not the holder: nothing happens
+            assert await a.acquire() and await a.current() == "a"
+        finally:
+            await redis.aclose()
+
+
+async def test_only_one_replica_supervises_and_the_other_takes_over_when_it_stops() -> None:
+    with redis_prefix("supervision") as prefix:
+        redis = connect(RedisConfig(), SYSTEM_REDIS)
+        made: dict[str, list[Engines]] = {"a": [], "b": []}
+        silent = {"value": True}
+
+        def supervision(name: str) -> Supervision:
+            def make() -> Engines:
+                made[name].append(Engines())
+                return made[name][-1]
+            lease = LeaderLease(redis, prefix + "leader", name, LEASE_MS, 1.0)
+            return Supervision(make, lease, lambda: silent["value"], takeover_wait_s=5.0, clock=time.monotonic)
+
+        stop_a, stop_b = asyncio.Event(), asyncio.Event()
+        a, b = supervision("a"), supervision("b")
+        run_a = asyncio.create_task(a.run(stop_a))
+        await asyncio.sleep(0.1)
+        run_b = asyncio.create_task(b.run(stop_b))
+        try:
+            await asyncio.sleep(1.0)   # several renewals
+            assert a.leading and not b.leading and Engines.running == 1
+            run_a.cancel()             # a dies without releasing; its engines are still heartbeating
+            silent["value"] = False
+            await asyncio.sleep(LEASE_MS / 1000 + 0.5)
+            assert not b.leading       # b holds the lease, but the old engines are not silent yet
+            assert await redis.get(prefix + "leader") == "b"
+            Engines.running -= 1       # the orphans exit
+            silent["value"] = True
+            for _ in range(40):
+                if b.leading:
+                    break
+                await asyncio.sleep(0.05)
+            assert b.leading and Engines.running == 1
+        finally:
+            stop_b.set()
+            await run_b
+            await redis.aclose()
+        assert made["b"][0].stopped and lease_free(prefix)
+
+
+def lease_free(prefix: str) -> bool:
+    import redis as sync_redis
+
+    with sync_redis.Redis.from_url(SYSTEM_REDIS) as r:
+        return r.get(prefix + "leader") is None
