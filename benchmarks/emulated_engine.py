@@ -54,7 +54,7 @@ class TierSpeed:
     prefill_s_per_token: float
     kv_tokens: int
     max_num_seqs: int = 256
-    max_batched_tokens: int = 2048
+    max_batched_tokens: int = 512
 
     @property
     def num_blocks(self) -> int:

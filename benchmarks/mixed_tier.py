@@ -109,9 +109,9 @@ def start_engines(stack: ExitStack, tmp: Path, time_scale: float) -> Engines:
     return engines
 
 
-def start_proxies(stack: ExitStack, tmp: Path, engines: Engines) -> list[Target]:
+def start_proxies(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str]) -> list[Target]:
     out = []
-    for policy in ("cwlor", "lor", "rr"):
+    for policy in [p for p in ("cwlor", "lor", "rr") if p in wanted]:
         port = free_port()
         backends = [a for eid, url in engines.urls.items() for a in ("--backend", f"{url}={engines.rates[eid]:.3f}")]
         proc = stack.enter_context(process(
@@ -122,13 +122,17 @@ def start_proxies(stack: ExitStack, tmp: Path, engines: Engines) -> list[Target]
     return out
 
 
-def start_peers(stack: ExitStack, tmp: Path, engines: Engines) -> list[Target]:
+def start_peers(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str]) -> list[Target]:
+    if not wanted & {"vllm-router", "sglang-router"}:
+        return []
     bin_dir = ensure_peers()
     out = []
     for name, cmd in (
         ("vllm-router", [str(bin_dir / "vllm-router"), "--policy", "power_of_two", "--log-level", "warning"]),
         ("sglang-router", [str(bin_dir / "python"), "-m", "sglang_router.launch_router", "--log-level", "warn"]),
     ):
+        if name not in wanted:
+            continue
         port = free_port()
         proc = stack.enter_context(process(
             [*cmd, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
@@ -323,23 +327,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all-rounds", action="store_true", help="baseline gateway policies in every round too")
     p.add_argument("--no-peers", action="store_true", help="leave vllm-router and sglang-router out")
     p.add_argument("--only", nargs="+", help="run only these targets (names as in the table)")
+    p.add_argument("--policies", nargs="+", help="gateway policies to run (default: every language policy)")
     args = p.parse_args(argv)
     rounds, n = (1, 160) if args.quick else (args.rounds, args.requests)
     policies = [DEFAULT_POLICY, *sorted(set(REGISTRY) - VISION_POLICIES - {DEFAULT_POLICY})]
     if args.quick:
         policies = list(dict.fromkeys([DEFAULT_POLICY, "heteroserve", "batch_aware"]))
+    if args.policies:
+        policies = args.policies
+    wanted = {"cwlor", "lor", "rr", *(() if args.no_peers else ("vllm-router", "sglang-router")),
+              *(f"hg-{p}" for p in policies), f"hg-{DEFAULT_POLICY}-agent"}
+    if args.only:
+        wanted &= set(args.only)
     started = time.monotonic()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         engines = start_engines(stack, Path(tmp), args.time_scale)
         capacity = sum(engines.rates.values())
-        targets = start_proxies(stack, Path(tmp), engines)
-        if not args.no_peers:
-            targets += start_peers(stack, Path(tmp), engines)
-        targets += start_gateways(stack, Path(tmp), engines, policies)
-        targets.append(start_agent_gateway(stack, Path(tmp), engines, DEFAULT_POLICY))
-        if args.only:
-            targets = [t for t in targets if t.name in args.only]
+        targets = start_proxies(stack, Path(tmp), engines, wanted)
+        targets += start_peers(stack, Path(tmp), engines, wanted)
+        targets += start_gateways(stack, Path(tmp), engines, [p for p in policies if f"hg-{p}" in wanted])
+        if f"hg-{DEFAULT_POLICY}-agent" in wanted:
+            targets.append(start_agent_gateway(stack, Path(tmp), engines, DEFAULT_POLICY))
         print(f"capacity {capacity:.1f} req/s; targets: {', '.join(t.name for t in targets)}", flush=True)
         with paused(targets):
             for i in range(rounds):
