@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="1 round, 160 requests a run, fewer targets")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--requests", type=int, default=240, help="requests per run")
+    p.add_argument("--requests", type=int, default=200, help="requests per run")
     p.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.9], help="fractions of capacity")
     p.add_argument("--time-scale", type=float, default=1.0, help="emulated seconds per real second")
     p.add_argument("--all-rounds", action="store_true", help="baseline gateway policies in every round too")
