@@ -21,7 +21,8 @@ between rounds); targets not under test are paused (SIGSTOP) so that their backg
 does not load the machine, and get a second after resuming to catch up. Gateways keep what they
 learned across runs, as a long-running gateway would. Cells are medians over rounds; the baseline
 HeteroGate policies run in the first round only unless --all-rounds. Writes
-benchmarks/results/mixed_tier.json and prints the table docs/ROUTING.md quotes.
+benchmarks/results/mixed_tier.json (--quick: mixed_tier_quick.json) and prints the table
+docs/ROUTING.md quotes.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from gateway.policies import REGISTRY  # noqa: E402
 from tests.harness import free_port, run_gateway, write_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier.json"
+QUICK_RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier_quick.json"   # --quick leaves the full run's alone
 CLUSTER = (("h100-0", "H100"), ("h100-1", "H100"), ("a100-0", "A100-80GB"), ("a100-1", "A100-80GB"),
            ("a100-2", "A100-80GB"), ("l40s-0", "L40S"), ("l40s-1", "L40S"), ("l40s-2", "L40S"))
 VISION_POLICIES = {"encode_cost", "least_image_tokens"}
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     shares = {t: r / capacity for t, r in tier_rate.items()}
     text = table(summary, loads, shares)
     print(text)
-    save_report(RESULTS, {
+    save_report(QUICK_RESULTS if args.quick else RESULTS, {
         "wall_s": time.monotonic() - started, "quick": args.quick, "rounds": rounds, "requests_per_run": n,
         "loads": args.loads, "time_scale": args.time_scale, "capacity_rps": capacity, "engine_rates": engines.rates,
         "slo": {"ttft_s": TTFT_SLO_S / args.time_scale, "itl_s": ITL_SLO_S / args.time_scale},
