@@ -185,7 +185,7 @@ class Engine:
             msg.kv_free_bytes, msg.kv_total_bytes = load.kv_free_bytes, load.kv_total_bytes
             msg.kv_capacity_source = control_pb2.KV_CAPACITY_SOURCE_ENGINE   # its own KV pool, not a guess
             msg.max_model_len = load.max_model_len
-            msg.mean_service_s = load.mean_service_s or 0.0   # 0: no sample yet
+            msg.mean_service_s = load.mean_service_s or 0.0   # the engine's T̄_service (the prior at first)
             msg.tokens_generated = load.tokens_generated
             msg.requests_completed = load.requests_completed
         if self.vision is not None:

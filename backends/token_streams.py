@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from backends.batcher import ContinuousBatcher, Sequence
 from backends.executors import LoadReport, Token
-from heterogate.service_time import updated_mean_service
+from heterogate.service_time import prior_service_s, updated_mean_service
 
 
 class TokenStreams:
@@ -20,7 +20,7 @@ class TokenStreams:
         self.batcher = batcher
         self._on_change = on_change
         self._queues: dict[int, asyncio.Queue[Token]] = {}
-        self.measured_service_s: float | None = None
+        self.measured_service_s = prior_service_s(batcher.model, batcher.gpu)   # model seconds, the prior at first
         self.tokens_generated = 0
         self.requests_completed = 0
 

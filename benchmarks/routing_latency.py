@@ -52,7 +52,7 @@ from gateway.metrics import GatewayMetrics  # noqa: E402
 from gateway.pipeline import LANGUAGE_ROLES, Pipeline, PipelineSettings  # noqa: E402
 from gateway.policies import REGISTRY, build_policy  # noqa: E402
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
-from gateway.state_table import Reported, StateTable  # noqa: E402
+from gateway.state_table import Lease, Reported, StateTable  # noqa: E402
 from heterogate import perf_model  # noqa: E402
 from heterogate.catalog import Catalog, load_catalog  # noqa: E402
 
@@ -144,7 +144,7 @@ class Gateway:
                 retry_backoff_max_s=settings.retry_backoff_max_s,
             ), Breakers(settings.breaker), AdmissionQueue(settings.admission),
         )
-        self.leases: deque[str] = deque()
+        self.leases: deque[Lease] = deque()
 
     def heartbeat(self, b: BackendSnapshot, waiting: int) -> None:
         self.seq += 1
@@ -155,10 +155,9 @@ class Gateway:
 
     def between_decisions(self, decision: Decision) -> None:
         """The previous decision's lease, a completion, one heartbeat: the table changes as in a busy gateway."""
-        self.table.acquire(decision.backend.id)
-        self.leases.append(decision.backend.id)
+        self.leases.append(self.table.acquire(decision.backend.id, 512, 128))
         if len(self.leases) > LEASES:
-            self.table.release(self.leases.popleft(), 1.0)
+            self.table.release(self.leases.popleft(), 16)
         b = self.rng.choice(self.backends)
         self.heartbeat(b, self.rng.randint(0, 64))
 

@@ -195,7 +195,7 @@ class KeepAliveConfig(StrictModel):
 
 
 class RoutingConfig(StrictModel):
-    policy: str = "heteroserve"              # language pool
+    policy: str = "marginal_delay"           # language pool
     vision_policy: str = "encode_cost"       # vision pool
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
 

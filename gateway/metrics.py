@@ -57,6 +57,19 @@ class BackendCollector(Collector):
             "service": GaugeMetricFamily(
                 "heterogate_backend_mean_service_seconds", "T̄_service used by the router", labels=labels
             ),
+            "prefill": GaugeMetricFamily(
+                "heterogate_backend_prefill_seconds_per_token", "Learned prefill rate p̂ (prior blended with "
+                "observations)", labels=labels
+            ),
+            "decode": GaugeMetricFamily(
+                "heterogate_backend_decode_step_seconds", "Learned decode step ŝ (mean inter-token time)", labels=labels
+            ),
+            "prior_share": GaugeMetricFamily(
+                "heterogate_backend_speed_prior_share", "Weight of the performance-model prior in p̂", labels=labels
+            ),
+            "backlog": GaugeMetricFamily(
+                "heterogate_backend_prefill_backlog_tokens", "Prompt tokens sent, first token not seen", labels=labels
+            ),
             "episodes": CounterMetricFamily(
                 "heterogate_backend_steal_episodes", "Work-stealing episodes (engine-reported)", labels=labels
             ),
@@ -84,6 +97,10 @@ class BackendCollector(Collector):
             families["vision"].add_metric(values, snap.vision_backlog)
             families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
             families["service"].add_metric(values, snap.mean_service_s)
+            families["prefill"].add_metric(values, e.speed.prefill.value)
+            families["decode"].add_metric(values, e.speed.decode.value)
+            families["prior_share"].add_metric(values, e.speed.prefill.prior_share)
+            families["backlog"].add_metric(values, e.prefill_backlog_tokens)
             families["episodes"].add_metric(values, e.reported.steal_episodes)
             families["stolen"].add_metric(values, e.reported.tokens_stolen)
             if e.last_heartbeat is not None:

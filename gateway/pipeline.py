@@ -41,7 +41,7 @@ from gateway.policies.candidates import Candidates
 from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.policies.stealing import stealers
 from gateway.request_log import RequestRecord
-from gateway.state_table import StateTable
+from gateway.state_table import Lease, StateTable
 from heterogate.wire import engine_pb2
 
 log = structlog.get_logger("pipeline")
@@ -76,6 +76,7 @@ class Dispatch:
         stream: AsyncIterator[engine_pb2.GenerateChunk],
         started: float,
         record: RequestRecord,
+        lease: Lease,
     ) -> None:
         self._pipeline = pipeline
         self.request_id = job.request_id
@@ -89,16 +90,20 @@ class Dispatch:
         self.ttft_s = time.monotonic() - started
         record.ttft_s = time.monotonic() - record.started
         record.policy = decision.policy
+        self.lease = lease
+        self.streamed = not job.whole   # tokens arrive as they are made: the decode time is measurable
 
     async def rest(self) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        completed = False
+        completed = 0   # tokens of a completed request
         try:
             chunk = self.first
+            chunks = 1
             yield chunk
             while not chunk.finish_reason:
                 chunk = await anext(self._stream)
+                chunks += 1
                 yield chunk
-            completed = True
+            completed = chunk.usage.completion_tokens or chunks
         except StopAsyncIteration:
             raise BackendFailure(
                 f"backend {self.backend_id}: stream ended without a finish reason",
@@ -110,8 +115,7 @@ class Dispatch:
             raise
         finally:
             await self._stream.aclose()  # type: ignore[attr-defined]
-            elapsed = time.monotonic() - self.started
-            self._pipeline.finish(self, elapsed if completed else None)
+            self._pipeline.finish(self, completed)
 
 
 class Pipeline:
@@ -266,7 +270,7 @@ class Pipeline:
         deadline = record.deadline
         backend_id = decision.backend.id
         job = job.for_context(decision.backend.max_context)
-        self.table.acquire(backend_id)
+        lease = self.table.acquire(backend_id, job.prompt_tokens + job.image_tokens, job.max_tokens)
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()
         key = uuid.uuid4().hex if job.images else ""   # never the client's id: no cross-request pick-up
@@ -275,7 +279,7 @@ class Pipeline:
             try:
                 vision_id, reply = await self._encode(job, key, decision.backend, "", record)
             except BaseException:
-                self._abandon(backend_id)
+                self._abandon(lease)
                 raise
             job = replace(job, embeddings=tuple(reply.embeddings))
         direct = bool(job.images) and client.handoff == "direct"
@@ -303,20 +307,21 @@ class Pipeline:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)   # the stream must be idle to close it
-            self._abandon(backend_id)
+            self._abandon(lease)
             await stream.aclose()  # type: ignore[attr-defined]
             if isinstance(exc, StopAsyncIteration):
                 raise BackendFailure(f"backend {backend_id}: empty stream", backend_id=backend_id) from None
             raise
         if first.embedding_wait_s:
             self.metrics.handoff_wait_seconds.labels(backend_id).observe(first.embedding_wait_s)
-        dispatch = Dispatch(self, job, decision, vision_id, first, stream, started, record)
+        self.table.first_token(lease)
+        dispatch = Dispatch(self, job, decision, vision_id, first, stream, started, record, lease)
         self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
         return dispatch
 
-    def _abandon(self, backend_id: str) -> None:
+    def _abandon(self, lease: Lease) -> None:
         """An attempt that never reached its first token gives its slot back."""
-        self.table.release(backend_id, None)
+        self.table.release(lease)
         self.admission.notify()
 
     async def _encode(
@@ -380,8 +385,9 @@ class Pipeline:
         self.metrics.embedding_bytes.labels(backend_id).inc(reply.embedding_bytes)
         return reply
 
-    def finish(self, dispatch: Dispatch, service_s: float | None) -> None:
-        self.table.release(dispatch.backend_id, service_s)
+    def finish(self, dispatch: Dispatch, completion_tokens: int) -> None:
+        """`completion_tokens` > 0: the request completed with that many tokens."""
+        self.table.release(dispatch.lease, completion_tokens if dispatch.streamed else 0)
         self.admission.notify()
-        if service_s is not None:
-            self.metrics.e2e_seconds.labels(dispatch.backend_id).observe(service_s)
+        if completion_tokens:
+            self.metrics.e2e_seconds.labels(dispatch.backend_id).observe(time.monotonic() - dispatch.started)

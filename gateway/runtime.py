@@ -88,6 +88,10 @@ class Runtime:
                 "steal_episodes": e.reported.steal_episodes,
                 "tokens_stolen": e.reported.tokens_stolen,
                 "mean_service_s": snap.mean_service_s,
+                "prefilling": e.prefilling,
+                "prefill_backlog_tokens": e.prefill_backlog_tokens,
+                "kv_reserved_tokens": e.kv_reserved_tokens,
+                "learned_speed": e.speed.describe(),
                 "tokens_generated": e.reported.tokens_generated,
                 "requests_completed": e.reported.requests_completed,
             })

@@ -16,6 +16,9 @@ Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
     context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model
     KV capacity  the engine's (heartbeat) · configured (agent flag, or the entry's `kv_capacity_tokens`)
                  · the performance-model estimate
+
+Each dispatch holds a `Lease` from `acquire` to `release`; its first token and its end feed the
+backend's learned speed (`heterogate.speed_estimator`): prefill rate, decode step and T̄_service.
 """
 
 from __future__ import annotations
@@ -31,11 +34,7 @@ from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
 from heterogate.metric_tables import SATURATED_QUEUE, KvSource
-from heterogate.service_time import updated_mean_service
-
-# Weight of a new sample in the gateway's service-time EWMA.
-# Prior for T̄_service before any sample: prefill of a typical prompt plus a typical completion.
-PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS = 512, 128
+from heterogate.speed_estimator import BackendSpeed, prior_speed
 
 # Set by the supervisor for the backends it launched; None for the others. Only `ready` ones serve.
 Lifecycle = Literal["starting", "ready", "restarting", "stopped"]
@@ -71,6 +70,7 @@ class BackendEntry:
     gpu: GpuProfile
     address: str | None
     managed: bool
+    speed: BackendSpeed                       # learned from this gateway's own requests
     steal: bool = False
     external: bool = False                    # kind: openai: reachable without heartbeats (see candidates)
     last_heartbeat: float | None = None       # monotonic seconds
@@ -79,9 +79,11 @@ class BackendEntry:
     vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded
     peer_in_flight: int = 0                   # other replicas' in-flight here, as last shared
     peer_vision_tokens: int = 0
-    service_ewma_s: float | None = None
     max_model_len: int | None = None          # configured: where the engine does not say
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
+    prefilling: int = 0                       # leases without a first token
+    prefill_backlog_tokens: int = 0           # their prompt tokens
+    kv_reserved_tokens: int = 0               # prompt + max tokens of every lease
     lifecycle: Lifecycle | None = None
     cached: BackendSnapshot | None = field(default=None, repr=False)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots
@@ -103,6 +105,18 @@ def serves(entry: BackendEntry) -> bool:
     return entry.lifecycle in SERVING
 
 
+@dataclass(slots=True)
+class Lease:
+    """One dispatch to one backend, from `acquire` to `release`."""
+
+    backend_id: str
+    prompt_tokens: int
+    reserve_tokens: int
+    tokens_ahead: int                         # prompt tokens to prefill there before this one's first token
+    dispatched_s: float
+    first_token_s: float | None = None
+
+
 class StateTable:
     def __init__(
         self,
@@ -116,7 +130,6 @@ class StateTable:
         self.miss_limit = miss_limit
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
-        self._prior_s: dict[str, float] = {}
         self._changes: set[str] = set()
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
         self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
@@ -129,8 +142,9 @@ class StateTable:
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
         kv_capacity_tokens: int | None = None,
     ) -> BackendEntry:
-        entry = BackendEntry(backend_id, role, gpu, address, managed, steal, external, max_model_len=max_model_len,
-                             kv_capacity_tokens=kv_capacity_tokens, changes=self._changes)
+        entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(self.model, gpu), steal, external,
+                             max_model_len=max_model_len, kv_capacity_tokens=kv_capacity_tokens,
+                             changes=self._changes)
         self._entries[backend_id] = entry
         self._pools.clear()
         self._largest_context = None
@@ -179,18 +193,42 @@ class StateTable:
         """Keep a backend a candidate without a heartbeat (failing open while shared state is away)."""
         self._entries[backend_id].last_heartbeat = self.clock()
 
-    def acquire(self, backend_id: str) -> None:
+    def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0) -> Lease:
         entry = self._entries[backend_id]
         entry.in_flight += 1
+        entry.prefilling += 1
+        entry.prefill_backlog_tokens += prompt_tokens
+        entry.kv_reserved_tokens += prompt_tokens + max_tokens
+        entry.snapshot = None
+        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, entry.prefill_backlog_tokens,
+                     self.clock())
+
+    def first_token(self, lease: Lease) -> None:
+        """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""
+        if lease.first_token_s is not None:
+            return
+        lease.first_token_s = now = self.clock()
+        entry = self._entries[lease.backend_id]
+        self._end_prefill(entry, lease)
+        entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead)
         entry.snapshot = None
 
-    def release(self, backend_id: str, service_s: float | None) -> None:
-        """End of one dispatch; `service_s` is the measured service time of a completed request."""
-        entry = self._entries[backend_id]
+    def release(self, lease: Lease, completion_tokens: int = 0) -> None:
+        """End of one dispatch. `completion_tokens` > 0: it completed with its tokens streamed as they
+        came, so its decode time teaches ŝ and T̄_service."""
+        entry = self._entries[lease.backend_id]
         entry.in_flight = max(0, entry.in_flight - 1)
-        if service_s is not None:
-            entry.service_ewma_s = updated_mean_service(entry.service_ewma_s, service_s)
+        entry.kv_reserved_tokens = max(0, entry.kv_reserved_tokens - lease.reserve_tokens)
+        if lease.first_token_s is None:
+            self._end_prefill(entry, lease)
+        elif completion_tokens:
+            entry.speed.completed(lease.prompt_tokens, completion_tokens, self.clock() - lease.first_token_s)
         entry.snapshot = None
+
+    @staticmethod
+    def _end_prefill(entry: BackendEntry, lease: Lease) -> None:
+        entry.prefilling = max(0, entry.prefilling - 1)
+        entry.prefill_backlog_tokens = max(0, entry.prefill_backlog_tokens - lease.prompt_tokens)
 
     def acquire_vision(self, backend_id: str, image_tokens: int) -> None:
         entry = self._entries[backend_id]
@@ -292,21 +330,18 @@ class StateTable:
         return entry.snapshot or self._rebuild(entry)
 
     def mean_service_s(self, entry: BackendEntry) -> float:
-        """Engine-measured if reported, else the gateway's own EWMA, else the performance-model prior."""
-        if entry.reported.mean_service_s > 0:
+        """T̄_service: what a managed engine measures (admission to last token, model time), else the
+        gateway's learned service time (prior until samples come). An external engine's reported
+        figure (vLLM's e2e latency) includes queueing, so it is not used."""
+        if entry.reported.mean_service_s > 0 and not entry.external:
             return entry.reported.mean_service_s
-        if entry.service_ewma_s is not None:
-            return entry.service_ewma_s
-        prior = self._prior_s.get(entry.gpu.name)
-        if prior is None:
-            prior = perf_model.service_seconds(self.model, entry.gpu, PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS)
-            self._prior_s[entry.gpu.name] = prior
-        return prior
+        return entry.speed.service_s
 
     def _rebuild(self, e: BackendEntry) -> BackendSnapshot:
         r = e.reported
         kv_free, kv_total, _ = self.kv_capacity(e)
         in_flight = e.in_flight + e.peer_in_flight
+        speed = e.speed
         snap = BackendSnapshot(
             id=e.id,
             role=e.role,
@@ -326,6 +361,11 @@ class StateTable:
             encode_s_per_token=perf_model.encode_seconds(self.model, e.gpu, 1),
             steal=e.steal,
             max_context=self.context(e)[0],
+            learned_prefill_s_per_token=speed.prefill.value,
+            decode_step_s=speed.decode.value,
+            prefilling=e.prefilling,
+            prefill_backlog_tokens=e.prefill_backlog_tokens,
+            kv_reserved_tokens=e.kv_reserved_tokens,
         )
         e.snapshot = snap
         return snap

@@ -38,9 +38,9 @@ import numpy as np
 
 from backends.sim_executor import NATURAL_MAX_TOKENS
 from gateway.policies import build_policy
-from gateway.state_table import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
 from heterogate import perf_model
 from heterogate.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
+from heterogate.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
 from loadtest.live_replay import ReplayOutcome, ReplayRequest, replay, replay_client, request_id_for, warm_up
 from loadtest.sim import capacity, workloads
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder

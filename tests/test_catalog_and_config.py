@@ -116,7 +116,7 @@ def config_error(path: Path) -> str:
 def test_default_demo_cluster_loads() -> None:
     cfg = load_cluster(DEFAULT_BACKENDS, catalog())
     assert cfg.served_model_name == "llava-1.5-7b"
-    assert cfg.settings.routing.policy == "heteroserve"
+    assert cfg.settings.routing.policy == "marginal_delay"
     assert cfg.settings.limits.max_prompt_tokens is None and cfg.model.max_context == 4096
     language = [cfg.gpus[b.id].name for b in cfg.raw.backends if b.role == "language"]
     assert sorted(language) == ["A100-80GB"] * 3 + ["H100"] * 2 + ["L40S"] * 3

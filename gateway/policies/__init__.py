@@ -18,6 +18,7 @@ from gateway.policies.contracts import Policy
 from gateway.policies.encode_cost import EncodeCost
 from gateway.policies.heteroserve import HeteroServe
 from gateway.policies.least_image_tokens import LeastImageTokens
+from gateway.policies.marginal_delay import MarginalDelay
 from gateway.policies.power_of_two import PowerOfTwo
 from gateway.policies.round_robin import RoundRobin
 from gateway.policies.shortest_queue import ShortestQueue
@@ -26,7 +27,7 @@ from heterogate.errors import ConfigError
 REGISTRY: dict[str, Any] = {
     cls.name: cls
     for cls in (
-        HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo, BatchAware,
+        HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo, BatchAware, MarginalDelay,
         EncodeCost, LeastImageTokens,  # vision pool
     )
 }

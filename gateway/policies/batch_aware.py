@@ -14,7 +14,8 @@ Q_i whole services. For a request with L input and M max new tokens, on candidat
     cost     = w_wait · T_wait + w_step · T_step + w_prefill · L · p_i + w_decode · f · M · T_step
                + veto · 1[R > K_i]
 
-p_i = prefill_s_per_token = 2P/F_i; W = the decoder's weight bytes; B_i = bandwidth. T_step is the
+p_i = the learned prefill rate (learned_prefill_s_per_token, heterogate.speed_estimator), 2P/F_i before
+any sample; W = the decoder's weight bytes; B_i = bandwidth. T_step is the
 roofline time of the step that admits the request (weights + KV streamed vs batch compute), computed
 by the performance model (`perf_model.roofline_step_seconds`, as the engines time their steps), so
 the bandwidth tier enters every decision; w_wait · T_wait + T_step +
@@ -26,10 +27,10 @@ w_decode (default 0) adds the expected decode time f · M · T_step, i.e. turns 
 estimate; the simulator's ablation (docs/BENCHMARKS.md) shows it costs TTFT and buys no throughput.
 
 Reads: queue_depth, kv_free_bytes, kv_total_bytes, kv_bytes_per_token, mean_service_s,
-prefill_s_per_token, weight_bytes, bandwidth_gbs. State: R̄_i per backend id. Parameters: w_wait, w_step,
-w_prefill (1), w_decode (0), output_fraction f (0.5), max_batch (the engines' batch cap, 256; 1 is
-the paper's serial engine and turns T_wait into HeteroServe's Q_i · T̄_service), size_ewma (0.02),
-veto (1e6 s).
+learned_prefill_s_per_token (else prefill_s_per_token), weight_bytes, bandwidth_gbs.
+State: R̄_i per backend id. Parameters: w_wait, w_step, w_prefill (1), w_decode (0), output_fraction
+f (0.5), max_batch (the engines' batch cap, 256; 1 is the paper's serial engine and turns T_wait
+into HeteroServe's Q_i · T̄_service), size_ewma (0.02), veto (1e6 s).
 Limits: reserved KV (prompt + max tokens) overstates the context a step reads; the turnover model
 assumes running requests finish evenly over T̄_service; no heartbeat lag is modelled.
 """
@@ -85,10 +86,11 @@ class BatchAware:
         ahead = max(kv_tokens - b.kv_free_tokens, queue * self.mean_reserve.get(b.id, reserve))
         overflow = max((ahead + reserve) / kv_tokens, (queue + 1) / p.max_batch) - 1.0
         wait = p.w_wait * max(0.0, overflow) * b.mean_service_s
+        rate = b.learned_prefill_s_per_token or b.prefill_s_per_token
         step = perf_model.roofline_step_seconds(
             b.weight_bytes + b.kv_total_bytes - b.kv_free_bytes, b.bandwidth_gbs * 1e9,
-            min(queue + 1, kv_tokens / reserve, p.max_batch), b.prefill_s_per_token,
+            min(queue + 1, kv_tokens / reserve, p.max_batch), rate,
         )
-        first = p.w_step * step + p.w_prefill * length * b.prefill_s_per_token
+        first = p.w_step * step + p.w_prefill * length * rate
         decode = p.w_decode * p.output_fraction * new_tokens * step
         return CostTerms(b.id, first, wait, 0.0, wait + first + decode)

@@ -40,6 +40,12 @@ class BackendSnapshot:
     encode_s_per_token: float = 0.0   # vision encoder seconds per image token, from the performance model
     steal: bool = False
     max_context: int = 0          # prompt + completion tokens it serves (0: unknown, no limit applied)
+    # Learned speed (heterogate.speed_estimator) and this router's own leases; 0 where not known.
+    learned_prefill_s_per_token: float = 0.0   # p̂: what the engine delivers, not 2·P / F_i
+    decode_step_s: float = 0.0                 # ŝ: mean inter-token time it delivers
+    prefilling: int = 0                        # dispatched here, first token not seen yet
+    prefill_backlog_tokens: int = 0            # their prompt tokens
+    kv_reserved_tokens: int = 0                # prompt + max tokens of every request in flight here
 
     def fits(self, tokens: int) -> bool:
         """Whether a request needing `tokens` of context (prompt + max_tokens) fits this backend."""

@@ -4,7 +4,9 @@ An engine is driven by two calls: `submit(i, now)` queues request i and, if the 
 work and returns the time of its next event; `on_event(now)` completes that event and returns the
 requests that finished plus the time of the following event (None when the GPU goes idle). Each
 engine owns its signals (queue, in-flight, free KV, an EWMA of completed service times) and exposes
-them as the router's `BackendSnapshot`, rebuilt lazily only after its state changed.
+them as the router's `BackendSnapshot`, rebuilt lazily only after its state changed. What the
+gateway learns from its own requests (prefill backlog, reserved KV, the learned speed of
+`heterogate.speed_estimator`) is kept here the same way, from the same first tokens and completions.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
 from heterogate.service_time import updated_mean_service
+from heterogate.speed_estimator import prior_speed
 from loadtest.sim.workloads import Lengths
 
 
@@ -67,8 +70,11 @@ class Engine:
         self.id, self.model, self.gpu, self.rec, self.role = spec.backend_id, model, gpu, rec, spec.role
         self.kv_capacity = spec.kv_capacity
         self.prior_service_s = spec.prior_service_s
-        self.measured_service_s: float | None = None   # as the engines measure it (heterogate.service_time)
+        self.measured_service_s = spec.prior_service_s   # as the engines measure it (heterogate.service_time)
         self.in_flight = 0
+        self.speed = prior_speed(model, gpu)
+        self.prefilling = self.prefill_backlog = self.kv_reserved = 0
+        self._leases: dict[int, tuple[float, int]] = {}   # request -> (dispatched at, tokens ahead)
         self._snap: BackendSnapshot | None = None
         self._static = dict(
             id=spec.backend_id,
@@ -108,15 +114,43 @@ class Engine:
                 in_flight=self.in_flight,
                 kv_free_bytes=self.kv_free_bytes(),
                 vision_backlog=self.vision_backlog(),
-                mean_service_s=self.prior_service_s if self.measured_service_s is None else self.measured_service_s,
+                mean_service_s=self.measured_service_s,
+                learned_prefill_s_per_token=self.speed.prefill.value,
+                decode_step_s=self.speed.decode.value,
+                prefilling=self.prefilling,
+                prefill_backlog_tokens=self.prefill_backlog,
+                kv_reserved_tokens=self.kv_reserved,
             )
         return self._snap
+
+    def _lease(self, i: int, now: float) -> None:
+        """The router counts request i here from its dispatch (as the gateway's state table does)."""
+        lengths = self.rec.lengths
+        prompt = int(lengths.input_tokens[i])
+        self.in_flight += 1
+        self.prefilling += 1
+        self.prefill_backlog += prompt
+        self.kv_reserved += prompt + int(lengths.max_output_tokens[i])
+        self._leases[i] = (now, self.prefill_backlog)
+
+    def _first_token(self, i: int, now: float) -> None:
+        self.rec.first_token[i] = now
+        lease = self._leases.get(i)
+        if lease is not None:
+            self.prefilling -= 1
+            self.prefill_backlog -= int(self.rec.lengths.input_tokens[i])
+            self.speed.first_token(now - lease[0], lease[1])
 
     def _finished(self, i: int, now: float) -> None:
         """Record a completion and feed its service time (admission → last token) into T̄_service."""
         self.rec.finish[i] = now
         self.measured_service_s = updated_mean_service(self.measured_service_s, now - self.rec.admitted[i])
         self.in_flight -= 1
+        if self._leases.pop(i, None) is not None:
+            lengths = self.rec.lengths
+            prompt = int(lengths.input_tokens[i])
+            self.kv_reserved -= prompt + int(lengths.max_output_tokens[i])
+            self.speed.completed(prompt, int(lengths.output_tokens[i]), now - self.rec.first_token[i])
 
 
 class SerialEngine(Engine):
@@ -143,7 +177,7 @@ class SerialEngine(Engine):
         return self.kv_capacity - perf_model.kv_bytes(self.model, tokens)
 
     def submit(self, i: int, now: float) -> float | None:
-        self.in_flight += 1
+        self._lease(i, now)
         self.queue.append(i)
         self.backlog_end_s = self.finish_s(max(self.backlog_end_s, now), i)
         self._snap = None
@@ -165,7 +199,7 @@ class SerialEngine(Engine):
     def _start(self, now: float) -> float:
         i = self.current = self.queue.popleft()
         self.rec.admitted[i] = now
-        self.rec.first_token[i] = now + int(self.rec.lengths.input_tokens[i]) * self.prefill_per_token
+        self._first_token(i, now + int(self.rec.lengths.input_tokens[i]) * self.prefill_per_token)
         return self.finish_s(now, i)
 
 
@@ -192,7 +226,7 @@ class BatchEngine(Engine):
     def submit(self, i: int, now: float) -> float | None:
         if not self._enqueue(i, now):
             return None
-        self.in_flight += 1
+        self._lease(i, now)
         return None if self.stepping else self._start_step(now)
 
     def on_event(self, now: float) -> tuple[list[int], float | None]:
@@ -232,7 +266,7 @@ class BatchEngine(Engine):
         for s in self._result_prefilled:
             i = int(s.id)
             self.rec.admitted[i] = self._step_start
-            self.rec.first_token[i] = now
+            self._first_token(i, now)
         done = [int(s.id) for s in self._result_finished]
         for i in done:
             self._finished(i, now)

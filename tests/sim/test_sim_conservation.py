@@ -12,7 +12,8 @@ from loadtest.sim.experiments import THREE_TIER
 from loadtest.sim.simulator import RunSpec, arrival_rate, build_engines, make_policy, simulate
 from loadtest.sim.workloads import make_trace
 
-POLICIES = ["round_robin", "shortest_queue", "power_of_two", "capacity_proportional", "heteroserve", "batch_aware"]
+POLICIES = ["round_robin", "shortest_queue", "power_of_two", "capacity_proportional", "heteroserve", "batch_aware",
+            "marginal_delay"]
 
 
 def _simulate(spec: RunSpec) -> tuple[Recorder, list]:
@@ -38,6 +39,9 @@ def test_every_request_completes_exactly_once(mode: str, policy: str) -> None:
     assert all(e.queue_depth() == 0 for e in engines)
     per_engine = np.bincount(rec.backend, minlength=len(engines))
     assert per_engine.sum() == spec.n_requests
+    # the router's own leases are all returned, and every engine that served requests learned its speed
+    assert all(e.prefilling == e.prefill_backlog == e.kv_reserved == 0 for e in engines)
+    assert all(e.speed.service_samples == n for e, n in zip(engines, per_engine, strict=True))
 
 
 def test_kv_never_exceeds_capacity(monkeypatch: pytest.MonkeyPatch) -> None:

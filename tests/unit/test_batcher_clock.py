@@ -30,7 +30,8 @@ def test_service_time_is_the_model_time_from_admission_to_the_last_token() -> No
     assert finished["a"] > alone   # sharing steps with `b` made it slower than alone
 
 
-def test_mean_service_time_first_sample_replaces_the_prior_then_moves_by_a_fifth() -> None:
-    mean = updated_mean_service(None, 10.0)
-    assert mean == 10.0
-    assert updated_mean_service(mean, 20.0) == pytest.approx(12.0)
+def test_mean_service_time_starts_at_the_prior_and_moves_by_a_fifth_of_a_clipped_sample() -> None:
+    prior = 10.0
+    assert updated_mean_service(prior, 20.0) == pytest.approx(12.0)
+    assert updated_mean_service(prior, 0.01) == pytest.approx(10.0 + 0.2 * (2.5 - 10.0))   # clipped to prior / 4
+    assert updated_mean_service(prior, 1000.0) == pytest.approx(10.0 + 0.2 * (40.0 - 10.0))   # clipped to prior · 4

@@ -10,7 +10,7 @@ import numpy as np
 
 from gateway.policies.candidates import Candidates, column_array
 from gateway.policies.contracts import BackendSnapshot, Role
-from gateway.state_table import SERVING, Reported, StateTable
+from gateway.state_table import SERVING, Lease, Reported, StateTable
 from heterogate import perf_model
 from heterogate.metric_tables import SATURATED_QUEUE
 from tests.snapshots import MODEL, catalog
@@ -69,6 +69,7 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         register(table, rng, k)
     handed_out: list[tuple[Candidates, tuple[BackendSnapshot, ...], np.ndarray]] = []
     seq = 0
+    leases: list[Lease] = []
     for step in range(600):
         ids = [e.id for e in table.entries()]
         event = rng.randrange(8)
@@ -77,9 +78,11 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
             seq += 1
             heartbeat(table, rng, backend, seq)
         elif event == 3:
-            table.acquire(backend)
-        elif event == 4:
-            table.release(backend, rng.choice([None, rng.uniform(0.1, 5.0)]))
+            leases.append(table.acquire(backend, rng.randint(1, 4000), rng.randint(1, 256)))
+            if rng.random() < 0.5:
+                table.first_token(leases[-1])
+        elif event == 4 and leases:
+            table.release(leases.pop(rng.randrange(len(leases))), rng.choice([0, rng.randint(1, 200)]))
         elif event == 5:
             table.acquire_vision(backend, 576)
             if rng.random() < 0.5:

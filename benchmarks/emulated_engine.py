@@ -1,0 +1,373 @@
+"""Emulated OpenAI-compatible engines of several GPU tiers, for the mixed-tier routing benchmark.
+
+    python benchmarks/emulated_engine.py --engine h100-0:H100:PORT --engine l40s-0:L40S:PORT ... \
+        [--time-scale 1]
+
+One process serves every engine given, each on its own port (bare asyncio + httptools, like
+benchmarks/mock_openai_engine.py, so that the engines cost little CPU). Each engine is a vLLM-like
+continuous batcher in emulated time:
+
+- admission: FIFO; a request is admitted when the KV blocks for prompt + max_tokens are free and the
+  batch has fewer than `max_num_seqs` sequences (no preemption);
+- a step decodes one token for every running sequence and spends what is left of the token budget
+  (`max_batched_tokens`) on chunked prefill, oldest first; the step that ends a prompt's prefill
+  yields its first token;
+- step time = base + per_seq · decoding + kv_read · context tokens + prefill · prefill tokens.
+
+Tier speeds are of the order of a 7B model in vLLM on each GPU (measured MFU, not datasheet peaks:
+the gateway's performance-model priors are 3-4x off on purpose) and KV sizes of that order too.
+`--time-scale k` runs k emulated seconds per real second (thresholds scale by 1/k).
+
+Endpoints: `POST /v1/chat/completions` (streamed SSE, one event per token, usage when asked; or one
+JSON body), `GET /v1/models` (with `max_model_len`), `GET /metrics` (vLLM names:
+num_requests_running/waiting, kv_cache_usage_perc and gpu_cache_usage_perc, cache_config_info,
+e2e_request_latency_seconds, generation_tokens_total), `GET /health`. Each SSE event names the engine
+in `system_fingerprint`, so the client can count tier shares through any router.
+Prompt tokens are counted as the gateway counts them (4 bytes a token, 4 per message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+import orjson
+
+MODEL = "llava-1.5-7b"
+MAX_MODEL_LEN = 4096
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpeed:
+    """One GPU tier, in emulated seconds."""
+
+    name: str
+    step_base_s: float          # weights streamed once per step
+    per_seq_s: float            # per decoding sequence in the step
+    kv_read_s: float            # per context token held by the running batch
+    prefill_s_per_token: float
+    kv_tokens: int
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 512
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_tokens // BLOCK_SIZE
+
+
+TIERS: dict[str, TierSpeed] = {
+    "H100": TierSpeed("H100", 0.010, 0.00012, 2.0e-8, 0.00006, 60_000),
+    "A100-80GB": TierSpeed("A100-80GB", 0.016, 0.00020, 4.0e-8, 0.00015, 50_000),
+    "L40S": TierSpeed("L40S", 0.028, 0.00040, 8.0e-8, 0.00030, 24_000),
+}
+
+
+@dataclass(slots=True)
+class Seq:
+    prompt: int
+    max_tokens: int
+    arrived: float
+    sink: Any = None                  # the protocol that writes this request's events
+    prefilled: int = 0
+    generated: int = 0
+    aborted: bool = False
+
+    @property
+    def blocks(self) -> int:
+        return -(-(self.prompt + self.max_tokens) // BLOCK_SIZE)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    duration_s: float
+    first: list[Seq]                  # sequences whose prefill ends with this step (first token)
+    decoded: list[Seq]                # sequences that get one more token
+
+
+@dataclass
+class Batcher:
+    """The pure continuous batcher (no I/O, no clock): plan a step, then apply it."""
+
+    tier: TierSpeed
+    waiting: deque[Seq] = field(default_factory=deque)
+    running: list[Seq] = field(default_factory=list)
+    free_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.free_blocks = self.tier.num_blocks
+
+    def fits(self, seq: Seq) -> bool:
+        return seq.blocks <= self.tier.num_blocks
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.tier.max_num_seqs:
+            head = self.waiting[0]
+            if head.aborted:
+                self.waiting.popleft()
+                continue
+            if head.blocks > self.free_blocks:
+                return
+            self.waiting.popleft()
+            self.free_blocks -= head.blocks
+            self.running.append(head)
+
+    def plan(self) -> StepPlan | None:
+        self._admit()
+        if not self.running:
+            return None
+        t = self.tier
+        decoded = [s for s in self.running if s.prefilled >= s.prompt]
+        budget = t.max_batched_tokens - len(decoded)
+        context = sum(s.prefilled + s.generated for s in self.running)
+        first, prefill = [], 0
+        for s in self.running:
+            if s.prefilled < s.prompt and budget > 0:
+                chunk = min(budget, s.prompt - s.prefilled)
+                s.prefilled += chunk
+                budget -= chunk
+                prefill += chunk
+                if s.prefilled >= s.prompt:
+                    first.append(s)
+        duration = t.step_base_s + t.per_seq_s * len(decoded) + t.kv_read_s * context + t.prefill_s_per_token * prefill
+        return StepPlan(duration, first, decoded)
+
+    def apply(self, plan: StepPlan) -> list[Seq]:
+        """Hand out the step's tokens; returns the sequences that finished (their KV freed)."""
+        for s in plan.first:
+            s.generated = 1
+        for s in plan.decoded:
+            s.generated += 1
+        done = [s for s in self.running if s.aborted or (s.prefilled >= s.prompt and s.generated >= s.max_tokens)]
+        if done:
+            gone = {id(s) for s in done}
+            self.running = [s for s in self.running if id(s) not in gone]
+            self.free_blocks += sum(s.blocks for s in done)
+        return done
+
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.tier.num_blocks
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+def _head(status: bytes, ctype: bytes, length: int | None) -> bytes:
+    size = b"transfer-encoding: chunked\r\n" if length is None else b"content-length: %d\r\n" % length
+    return b"HTTP/1.1 " + status + b"\r\ncontent-type: " + ctype + b"\r\n" + size + b"\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _json(status: bytes, obj: Any) -> bytes:
+    data = orjson.dumps(obj)
+    return _head(status, b"application/json", len(data)) + data
+
+
+def _error(message: str) -> bytes:
+    return _json(b"400 Bad Request", {"error": {"message": message, "type": "BadRequestError", "code": 400}})
+
+
+def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    total = 0
+    for m in messages:
+        content = m.get("content") or ""
+        text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+        size = len(text.encode())
+        total += (max(1, -(-size // 4)) if size else 0) + 4
+    return total
+
+
+class Engine:
+    """One emulated engine: the batcher driven by the event loop's clock, its metrics and its HTTP side."""
+
+    def __init__(self, engine_id: str, tier: TierSpeed, time_scale: float) -> None:
+        self.id, self.tier, self.scale = engine_id, tier, time_scale
+        self.batcher = Batcher(tier)
+        self._wake = asyncio.Event()
+        self.latency_sum = 0.0
+        self.latency_count = 0
+        self.generated = 0
+        self._prefix = b'{"id":"chatcmpl-emu","object":"chat.completion.chunk","created":0,"model":"%s",' \
+                       b'"system_fingerprint":"%s","choices":[' % (MODEL.encode(), engine_id.encode())
+        self._token = self._prefix + b'{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}'
+
+    def submit(self, seq: Seq) -> None:
+        self.batcher.waiting.append(seq)
+        self._wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            plan = self.batcher.plan()
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(plan.duration_s / self.scale)
+            now = loop.time()
+            done = self.batcher.apply(plan)
+            self.generated += len(plan.first) + len(plan.decoded)
+            for s in (*plan.first, *plan.decoded):
+                if not s.aborted and s.sink is not None:
+                    if s.generated >= s.max_tokens:
+                        s.sink.finish(self, s)
+                    else:
+                        s.sink.token(self._token)
+            for s in done:
+                if not s.aborted:
+                    self.latency_sum += now - s.arrived
+                    self.latency_count += 1
+
+    def final_events(self, s: Seq, usage: bool) -> bytes:
+        out = [_chunk(b"data: " + self._prefix + b'{"index":0,"delta":{"content":"tok"},"finish_reason":"length"}]}'
+                      + b"\n\n")]
+        if usage:
+            u = orjson.dumps({"prompt_tokens": s.prompt, "completion_tokens": s.generated,
+                              "total_tokens": s.prompt + s.generated})
+            out.append(_chunk(b"data: " + self._prefix + b'],"usage":' + u + b"}\n\n"))
+        out.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        return b"".join(out)
+
+    def metrics(self) -> bytes:
+        b, t = self.batcher, self.tier
+        label = b'{engine="0",model_name="%s"}' % MODEL.encode()
+        usage = b.kv_usage()
+        lines = [
+            b"# TYPE vllm:num_requests_running gauge", b"vllm:num_requests_running%s %d" % (label, len(b.running)),
+            b"# TYPE vllm:num_requests_waiting gauge", b"vllm:num_requests_waiting%s %d" % (label, len(b.waiting)),
+            b"# TYPE vllm:kv_cache_usage_perc gauge", b"vllm:kv_cache_usage_perc%s %f" % (label, usage),
+            b"# TYPE vllm:gpu_cache_usage_perc gauge", b"vllm:gpu_cache_usage_perc%s %f" % (label, usage),
+            b"# TYPE vllm:cache_config_info gauge",
+            b'vllm:cache_config_info{block_size="%d",engine="0",num_gpu_blocks="%d"} 1.0' % (BLOCK_SIZE, t.num_blocks),
+            b"# TYPE vllm:e2e_request_latency_seconds histogram",
+            b"vllm:e2e_request_latency_seconds_sum%s %f" % (label, self.latency_sum),
+            b"vllm:e2e_request_latency_seconds_count%s %d" % (label, self.latency_count),
+            b"# TYPE vllm:generation_tokens_total counter",
+            b"vllm:generation_tokens_total%s %d" % (label, self.generated),
+        ]
+        return b"\n".join(lines) + b"\n"
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.body: list[bytes] = []
+        self.transport: Any = None
+        self.seq: Seq | None = None
+        self.stream = False
+        self.usage = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.seq is not None:
+            self.seq.aborted = True
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url = url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        url, body = self.url, b"".join(self.body)
+        self.body = []
+        if url.startswith(b"/v1/chat/completions"):
+            self._complete(body)
+        elif url.startswith(b"/v1/models"):
+            self.transport.write(_json(b"200 OK", {"object": "list", "data": [
+                {"id": MODEL, "object": "model", "owned_by": "emulated", "max_model_len": MAX_MODEL_LEN}]}))
+        elif url.startswith(b"/metrics"):
+            text = self.engine.metrics()
+            self.transport.write(_head(b"200 OK", b"text/plain; version=0.0.4", len(text)) + text)
+        else:
+            self.transport.write(_json(b"200 OK", {}))
+
+    def _complete(self, body: bytes) -> None:
+        try:
+            req = orjson.loads(body)
+            prompt = prompt_tokens(req["messages"])
+            max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or 16)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            self.transport.write(_error("malformed request"))
+            return
+        if prompt + max_tokens > MAX_MODEL_LEN or max_tokens < 1:
+            self.transport.write(_error(f"prompt ({prompt}) + max_tokens ({max_tokens}) exceeds {MAX_MODEL_LEN}"))
+            return
+        seq = Seq(prompt, max_tokens, asyncio.get_running_loop().time(), self)
+        if not self.engine.batcher.fits(seq):
+            self.transport.write(_error("request larger than the KV cache"))
+            return
+        self.seq, self.stream = seq, bool(req.get("stream"))
+        self.usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        if self.stream:
+            self.transport.write(_head(b"200 OK", b"text/event-stream", None))
+        self.engine.submit(seq)
+
+    def token(self, event: bytes) -> None:
+        if self.stream:
+            self.transport.write(_chunk(b"data: " + event + b"\n\n"))
+
+    def finish(self, engine: Engine, s: Seq) -> None:
+        self.seq = None
+        if self.stream:
+            self.transport.write(engine.final_events(s, self.usage))
+            return
+        self.transport.write(_json(b"200 OK", {
+            "id": "chatcmpl-emu", "object": "chat.completion", "created": 0, "model": MODEL,
+            "system_fingerprint": engine.id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok" * s.generated},
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": s.prompt, "completion_tokens": s.generated,
+                      "total_tokens": s.prompt + s.generated}}))
+
+
+async def serve(specs: list[tuple[str, str, int]], time_scale: float) -> None:
+    loop = asyncio.get_running_loop()
+    servers, tasks = [], []
+    for engine_id, tier, port in specs:
+        engine = Engine(engine_id, TIERS[tier], time_scale)
+        tasks.append(asyncio.create_task(engine.run()))
+        servers.append(await loop.create_server(lambda e=engine: _Conn(e), "127.0.0.1", port, backlog=1024))
+    await asyncio.gather(*tasks)
+
+
+def parse_engine(text: str) -> tuple[str, str, int]:
+    engine_id, tier, port = text.split(":")
+    if tier not in TIERS:
+        raise argparse.ArgumentTypeError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+    return engine_id, tier, int(port)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--engine", type=parse_engine, action="append", required=True, help="ID:TIER:PORT")
+    p.add_argument("--time-scale", type=float, default=1.0, help="emulated seconds per real second")
+    args = p.parse_args()
+    if not math.isfinite(args.time_scale) or args.time_scale <= 0:
+        p.error("--time-scale must be positive")
+    try:
+        import uvloop
+        uvloop.run(serve(args.engine, args.time_scale))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

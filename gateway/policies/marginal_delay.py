@@ -1,0 +1,86 @@
+"""`marginal_delay`: the backend where a request adds the least delay, its own and what it imposes on others.
+
+For a continuous-batching engine with chunked prefill, a request r (L input tokens, M max new tokens)
+sent to backend i:
+
+    p_i     = learned prefill s/token (p̂, `heterogate.speed_estimator`; 2·P / F_i before any sample)
+    s_i     = learned decode step (ŝ, the mean inter-token time the engine delivers)
+    B_i     = prompt tokens sent to i whose first token has not come (chunked prefill serves them first)
+    n_i     = requests decoding on i (in flight there, first token seen)
+    K_i     = KV cache tokens; U_i = max(K_i − free tokens reported, this router's reservations there)
+    R       = L + M, the KV tokens the request can come to hold
+
+    T_first = (B_i + L) · p_i + s_i                           its own time to first token
+    T_stall = w_stall · n_i · L · p_i                          its prefill stalls every decoding request
+    T_dec   = w_decode · f · M · s_i                           its own decode
+    T_kv    = max(0, U_i + R − K_i) / K_i · T̄_service(i)      waiting for the cache to turn over
+    cost    = T_first + T_stall + T_dec + T_kv + veto · 1[R > K_i]
+
+Why this wins on mixed tiers: prefill and decode speed differ by different factors between tiers
+(an L40S prefills ~5x slower than an H100 but decodes only ~3x slower). T_first + T_stall sends long
+prompts where prefill is cheap and few requests would stall behind them, T_dec sends short prompts
+where decode is fast, and every term moves the moment a request is dispatched (B_i, n_i and the
+reservations are this router's own counts), so a burst does not herd onto the backend that looked
+best at the last scrape. Capacity is not configured: p̂ and ŝ are measured.
+
+Reads: learned_prefill_s_per_token (falls back to prefill_s_per_token), decode_step_s, in_flight,
+prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
+kv_reserved_tokens, mean_service_s. Parameters: w_stall (0.2), w_decode (1), output_fraction f (0.5:
+max_tokens overstates what is generated), veto (1e6 s). Pure, O(N), no state.
+Limits: B_i and n_i count this router's requests only (with Redis, every replica's in-flight count
+but not their prefill backlog); s_i is an average over recent requests, so it lags a sudden change
+of batch size by about one request's decode time; the stall term assumes FIFO chunked prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
+from heterogate.yaml_files import StrictModel
+
+
+class MarginalDelayParams(StrictModel):
+    w_stall: float = Field(default=0.2, ge=0)
+    w_decode: float = Field(default=1.0, ge=0)
+    output_fraction: float = Field(default=0.5, gt=0, le=1)
+    veto: float = Field(default=1e6, ge=0)
+
+
+class MarginalDelay:
+    name = "marginal_delay"
+    Params = MarginalDelayParams
+
+    def __init__(self, params: MarginalDelayParams | None = None) -> None:
+        p = params or MarginalDelayParams()
+        self.w_stall, self.decode_share, self.veto = p.w_stall, p.w_decode * p.output_fraction, p.veto
+
+    def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
+        costs = tuple(self.cost(request, b) for b in candidates)
+        best_i, best = 0, float("inf")
+        for i, c in enumerate(costs):
+            if c.total < best:
+                best_i, best = i, c.total
+        return Decision(candidates[best_i], self.name, costs)
+
+    def cost(self, request: RequestProfile, b: BackendSnapshot) -> CostTerms:
+        """Cost terms: prefill = T_first + T_stall, queue = T_kv + T_dec, oom = veto."""
+        length, new_tokens = request.input_tokens, request.max_output_tokens
+        reserve = length + new_tokens
+        kv_per_token = b.kv_bytes_per_token
+        capacity = b.kv_total_bytes // kv_per_token if kv_per_token else 0
+        if capacity and reserve > capacity:
+            return CostTerms(b.id, 0.0, 0.0, self.veto, self.veto)
+        p = b.learned_prefill_s_per_token or b.prefill_s_per_token
+        step = b.decode_step_s
+        decoding = max(0, b.in_flight - b.prefilling)
+        prefill = (b.prefill_backlog_tokens + length) * p + step + self.w_stall * decoding * length * p
+        queue = self.decode_share * new_tokens * step
+        if capacity:
+            used = max(capacity - b.kv_free_bytes // kv_per_token, b.kv_reserved_tokens)
+            over = used + reserve - capacity
+            if over > 0:
+                queue += over / capacity * b.mean_service_s
+        return CostTerms(b.id, prefill, queue, 0.0, prefill + queue)

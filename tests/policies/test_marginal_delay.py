@@ -1,0 +1,92 @@
+"""`marginal_delay`: the default policy's cost terms and the choices they lead to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway.config import RoutingConfig
+from gateway.policies import build_policy
+from gateway.policies.contracts import BackendSnapshot, RequestProfile
+from gateway.policies.marginal_delay import MarginalDelay, MarginalDelayParams
+from tests.snapshots import snapshot
+
+
+def learned(b: BackendSnapshot, prefill_s_per_token: float, step_s: float, **signals: int) -> BackendSnapshot:
+    return dataclasses.replace(b, learned_prefill_s_per_token=prefill_s_per_token, decode_step_s=step_s, **signals)
+
+
+def fast_and_slow() -> tuple[BackendSnapshot, BackendSnapshot]:
+    """An H100 that prefills 5x and decodes 3x faster than an L40S (learned, not datasheet)."""
+    return (learned(snapshot("h100", "H100"), 0.06e-3, 0.010),
+            learned(snapshot("l40s", "L40S"), 0.30e-3, 0.030))
+
+
+def test_is_the_default_and_in_the_registry() -> None:
+    assert RoutingConfig().policy == "marginal_delay"
+    assert isinstance(build_policy("marginal_delay", {"w_stall": 0.5}), MarginalDelay)
+
+
+def test_cost_is_first_token_plus_stall_plus_decode() -> None:
+    h100, _ = fast_and_slow()
+    b = dataclasses.replace(h100, in_flight=5, prefilling=2, prefill_backlog_tokens=1000)
+    c = MarginalDelay(MarginalDelayParams(w_stall=0.2, w_decode=1.0, output_fraction=0.5)).cost(
+        RequestProfile("r", 500, 40), b)
+    first = (1000 + 500) * 0.06e-3 + 0.010
+    stall = 0.2 * 3 * 500 * 0.06e-3
+    assert c.prefill == pytest.approx(first + stall)
+    assert c.queue == pytest.approx(0.5 * 40 * 0.010)
+    assert c.total == pytest.approx(c.prefill + c.queue)
+
+
+def test_long_prompts_go_where_prefill_is_cheap_short_ones_fill_the_slow_tier() -> None:
+    h100, l40s = fast_and_slow()
+    busy = dataclasses.replace(h100, in_flight=20, prefilling=4, prefill_backlog_tokens=6000)
+    p = MarginalDelay()
+    assert p.choose(RequestProfile("long", 3000, 32), [busy, l40s], 0.0).backend.id == "h100"
+    assert p.choose(RequestProfile("short", 100, 32), [busy, l40s], 0.0).backend.id == "l40s"
+
+
+def test_measured_speed_not_the_datasheet_decides() -> None:
+    """Same GPU type, but one engine delivers a third of the prefill rate: it loses."""
+    a = learned(snapshot("a", "H100"), 0.06e-3, 0.010)
+    b = learned(snapshot("b", "H100"), 0.18e-3, 0.010)
+    assert MarginalDelay().choose(RequestProfile("r", 2000, 16), [b, a], 0.0).backend.id == "a"
+
+
+def test_the_prior_is_used_before_any_sample() -> None:
+    b = snapshot("h100", "H100")
+    assert b.learned_prefill_s_per_token == 0.0
+    c = MarginalDelay().cost(RequestProfile("r", 1000, 0), b)
+    assert c.prefill == pytest.approx(1000 * b.prefill_s_per_token)
+
+
+def test_every_dispatch_moves_the_cost_so_a_burst_spreads() -> None:
+    """The router's own backlog grows per dispatch (as the state table's leases do): no herding."""
+    backends = [learned(snapshot(f"h{i}", "H100"), 0.06e-3, 0.010) for i in range(3)]
+    p = MarginalDelay()
+    chosen = []
+    for k in range(9):
+        d = p.choose(RequestProfile(f"r{k}", 2000, 16), backends, 0.0)
+        i = next(j for j, b in enumerate(backends) if b.id == d.backend.id)
+        b = backends[i]
+        backends[i] = dataclasses.replace(b, in_flight=b.in_flight + 1, prefilling=b.prefilling + 1,
+                                          prefill_backlog_tokens=b.prefill_backlog_tokens + 2000)
+        chosen.append(d.backend.id)
+    assert sorted(chosen.count(f"h{i}") for i in range(3)) == [3, 3, 3]
+
+
+def test_kv_veto_and_soft_kv_pressure() -> None:
+    h100, l40s = fast_and_slow()
+    capacity = h100.kv_total_bytes // h100.kv_bytes_per_token
+    p = MarginalDelay()
+    too_big = p.cost(RequestProfile("r", capacity, 1), h100)
+    assert too_big.oom > 0 and too_big.total >= 1e6
+    # requests already waiting for a whole cache's worth of tokens: about one turnover ahead
+    full = dataclasses.replace(h100, kv_reserved_tokens=2 * capacity)
+    free = p.cost(RequestProfile("r", 1000, 0), h100)
+    pressed = p.cost(RequestProfile("r", 1000, 0), full)
+    assert pressed.queue == pytest.approx((capacity + 1000) / capacity * h100.mean_service_s)
+    assert pressed.total > free.total
+    assert p.choose(RequestProfile("r", 1000, 0), [full, l40s], 0.0).backend.id == "l40s"

@@ -1,0 +1,77 @@
+"""The state table's leases: the router's own prefill backlog and KV reservations, and what they teach."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.state_table import Reported, StateTable
+from tests.snapshots import catalog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def table(clock: Clock, external: bool = True) -> StateTable:
+    t = StateTable(catalog().model("llava-1.5-7b"), heartbeat_interval_s=0.2, clock=clock)
+    t.register("b", "language", catalog().gpu("L40S"), address="http://x", managed=False, external=external)
+    t.apply_heartbeat("b", 1, "http://x", Reported(kv_free_bytes=1 << 30, kv_total_bytes=1 << 30))
+    return t
+
+
+def test_backlog_and_reservations_follow_each_lease() -> None:
+    clock = Clock()
+    t = table(clock)
+    a = t.acquire("b", 1000, 100)
+    b = t.acquire("b", 500, 50)
+    assert (a.tokens_ahead, b.tokens_ahead) == (1000, 1500)
+    snap = t.candidates(("language",))[0]
+    assert (snap.in_flight, snap.prefilling, snap.prefill_backlog_tokens, snap.kv_reserved_tokens) == (2, 2, 1500, 1650)
+    clock.t += 0.4
+    t.first_token(a)
+    t.first_token(a)   # a second call changes nothing
+    snap = t.candidates(("language",))[0]
+    assert (snap.in_flight, snap.prefilling, snap.prefill_backlog_tokens) == (2, 1, 500)
+    t.release(b)       # abandoned before its first token
+    snap = t.candidates(("language",))[0]
+    assert (snap.in_flight, snap.prefilling, snap.prefill_backlog_tokens, snap.kv_reserved_tokens) == (1, 0, 0, 1100)
+    clock.t += 1.0
+    t.release(a, completion_tokens=11)
+    snap = t.candidates(("language",))[0]
+    assert (snap.in_flight, snap.kv_reserved_tokens) == (0, 0)
+
+
+def test_first_tokens_and_completions_teach_the_backend_speed() -> None:
+    clock = Clock()
+    t = table(clock)
+    entry = t.get("b")
+    assert entry is not None
+    prior_step = entry.speed.decode.value
+    for _ in range(40):
+        lease = t.acquire("b", 2000, 20)
+        clock.t += 0.05 + 2000 * 0.3e-3
+        t.first_token(lease)
+        clock.t += 19 * 0.05
+        t.release(lease, completion_tokens=20)
+    snap = t.candidates(("language",))[0]
+    assert snap.decode_step_s == pytest.approx(0.05, rel=0.15)
+    assert snap.decode_step_s > 2 * prior_step
+    assert snap.learned_prefill_s_per_token == pytest.approx(0.3e-3, rel=0.25)
+    assert snap.prefill_s_per_token < snap.learned_prefill_s_per_token / 3   # the datasheet prior stays apart
+
+
+def test_an_external_engines_latency_figure_is_not_taken_as_service_time() -> None:
+    """vLLM's e2e latency includes queueing: the learned service time is used instead."""
+    clock = Clock()
+    t = table(clock)
+    t.apply_heartbeat("b", 2, "http://x", Reported(kv_free_bytes=1 << 30, kv_total_bytes=1 << 30, mean_service_s=60.0))
+    entry = t.get("b")
+    assert entry is not None
+    assert t.candidates(("language",))[0].mean_service_s == entry.speed.service_s != 60.0
+    managed = table(clock, external=False)
+    managed.apply_heartbeat("b", 2, "", Reported(kv_free_bytes=1 << 30, kv_total_bytes=1 << 30, mean_service_s=3.0))
+    assert managed.candidates(("language",))[0].mean_service_s == 3.0
