@@ -133,15 +133,15 @@ async def route_trace(
                 profile = RequestProfile(f"r{i}", prompt, output)
                 candidates = tables[r].candidates(("language",), at)
                 backend_id = policies[r].choose(profile, candidates, at).backend.id
-                tables[r].acquire(backend_id)
+                lease = tables[r].acquire(backend_id)
                 counts[backend_id] += 1
                 base = perf_model.service_seconds(model, gpus[backend_id], prompt, output)
-                push(at + base * (1 + BATCH_STRETCH * running[backend_id]), "done", (r, backend_id))
+                push(at + base * (1 + BATCH_STRETCH * running[backend_id]), "done", (r, lease))
                 running[backend_id] += 1
             else:
-                r, backend_id = payload  # type: ignore[misc]
-                tables[r].release(backend_id, None)
-                running[backend_id] -= 1
+                r, lease = payload  # type: ignore[misc]
+                tables[r].release(lease)
+                running[lease.backend_id] -= 1
     finally:
         for s in shared:
             await s.withdraw()
