@@ -198,6 +198,19 @@ def print_table(summary: dict[str, dict[str, float]], say: Callable[[str], None]
         say(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def run_rounds(targets: list[Target], rounds: int, duration_s: float, ttft_n: int) -> list[dict[str, dict[str, Any]]]:
+    """Every target once per round, in alternating order, so a change of background load hits them alike."""
+    runs = []
+    for i in range(rounds):
+        order = targets if i % 2 == 0 else targets[::-1]
+        run = {}
+        for t in order:
+            print(f"round {i + 1}/{rounds}: {t.name}", flush=True)
+            run[t.name] = measure(t, duration_s, ttft_n)
+        runs.append({t.name: run[t.name] for t in targets})
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--rounds", type=int, default=3)
@@ -209,14 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         targets = start_targets(stack, Path(tmp), not args.no_peers)
-        runs: list[dict[str, dict[str, Any]]] = []
-        for i in range(rounds):
-            order = targets if i % 2 == 0 else targets[::-1]
-            run = {}
-            for t in order:
-                print(f"round {i + 1}/{rounds}: {t.name}", flush=True)
-                run[t.name] = measure(t, duration, 50 if args.quick else 200)
-            runs.append({t.name: run[t.name] for t in targets})
+        runs = run_rounds(targets, rounds, duration, 50 if args.quick else 200)
     summary = summarise(runs)
     print_table(summary)
     save_report(RESULTS, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,

@@ -49,9 +49,10 @@ from gateway.circuit_breaker import Breakers  # noqa: E402
 from gateway.config import GatewaySettings  # noqa: E402
 from gateway.engine_client import EngineClients  # noqa: E402
 from gateway.metrics import GatewayMetrics  # noqa: E402
-from gateway.pipeline import LANGUAGE_ROLES, Pipeline, PipelineSettings  # noqa: E402
+from gateway.pipeline import LANGUAGE_ROLES, Pipeline  # noqa: E402
 from gateway.policies import REGISTRY, build_policy  # noqa: E402
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
+from gateway.runtime import pipeline_settings  # noqa: E402
 from gateway.state_table import Lease, Reported, StateTable  # noqa: E402
 from heterogate import perf_model  # noqa: E402
 from heterogate.catalog import Catalog, load_catalog  # noqa: E402
@@ -129,20 +130,10 @@ class Gateway:
         for b in self.backends:
             self.heartbeat(b, b.queue_depth)
         self.policy = build_policy(policy_name)
-        limits = settings.limits
         self.pipeline = Pipeline(
             self.table, self.policy, build_policy(settings.routing.vision_policy), EngineClients(),
-            GatewayMetrics(self.table), PipelineSettings(
-                max_attempts=limits.max_attempts,
-                first_token_timeout_s=limits.first_token_timeout_s,
-                request_timeout_s=limits.request_timeout_s,
-                handoff_timeout_s=settings.handoff_timeout_s,
-                stealing=settings.stealing.enabled,
-                steal_threshold=settings.stealing.threshold,
-                steal_max_batch=settings.stealing.max_batch,
-                retry_backoff_s=settings.retry_backoff_s,
-                retry_backoff_max_s=settings.retry_backoff_max_s,
-            ), Breakers(settings.breaker), AdmissionQueue(settings.admission),
+            GatewayMetrics(self.table), pipeline_settings(settings), Breakers(settings.breaker),
+            AdmissionQueue(settings.admission),
         )
         self.leases: deque[Lease] = deque()
 

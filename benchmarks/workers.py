@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 
 import redis  # noqa: E402
 
-from benchmarks.front_door import MODEL, Target, measure, print_table, process, summarise, wait_http  # noqa: E402
+from benchmarks.front_door import MODEL, Target, print_table, process, run_rounds, summarise, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from gateway.config import load_cluster  # noqa: E402
 from gateway.runtime import build_runtime  # noqa: E402
@@ -110,13 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         refresh = asyncio.run(refresh_ms(args.redis_url, prefix))
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
             targets = start_targets(stack, Path(tmp), args.redis_url, prefix)
-            for i in range(rounds):
-                order = targets if i % 2 == 0 else targets[::-1]
-                run = {}
-                for t in order:
-                    print(f"round {i + 1}/{rounds}: {t.name}", flush=True)
-                    run[t.name] = measure(t, duration, 50 if args.quick else 200)
-                runs.append({t.name: run[t.name] for t in targets})
+            runs = run_rounds(targets, rounds, duration, 50 if args.quick else 200)
     finally:
         with redis.Redis.from_url(args.redis_url, socket_timeout=2) as r:
             keys = list(r.scan_iter(match=prefix + "*"))

@@ -10,7 +10,7 @@ import httpx
 from gateway.admission import AdmissionQueue
 from gateway.auth import KeyRing
 from gateway.circuit_breaker import Breakers
-from gateway.config import ClusterConfig, Limits
+from gateway.config import ClusterConfig, GatewaySettings, Limits
 from gateway.engine_client import EngineClients
 from gateway.exact_prompt import ExactPrompts
 from gateway.metrics import GatewayMetrics
@@ -106,6 +106,21 @@ def needs_vision_pool(config: ClusterConfig) -> bool:
             and any((s.kind == "engine" and s.role == "language") or s.image_embeds for s in backends))
 
 
+def pipeline_settings(settings: GatewaySettings) -> PipelineSettings:
+    limits = settings.limits
+    return PipelineSettings(
+        max_attempts=limits.max_attempts,
+        first_token_timeout_s=limits.first_token_timeout_s,
+        request_timeout_s=limits.request_timeout_s,
+        handoff_timeout_s=settings.handoff_timeout_s,
+        stealing=settings.stealing.enabled,
+        steal_threshold=settings.stealing.threshold,
+        steal_max_batch=settings.stealing.max_batch,
+        retry_backoff_s=settings.retry_backoff_s,
+        retry_backoff_max_s=settings.retry_backoff_max_s,
+    )
+
+
 def build_runtime(config: ClusterConfig, policy_name: str | None = None,
                   addresses: dict[str, str] | None = None) -> Runtime:
     """`addresses`: where managed kind: openai backends will listen (their ports are picked at start-up)."""
@@ -131,18 +146,8 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
         if (address := address_of[spec.id]) is not None:
             clients.ensure(spec.id, address)
     metrics = GatewayMetrics(table)
-    limits = settings.limits
-    pipeline = Pipeline(table, policy, vision_policy, clients, metrics, PipelineSettings(
-        max_attempts=limits.max_attempts,
-        first_token_timeout_s=limits.first_token_timeout_s,
-        request_timeout_s=limits.request_timeout_s,
-        handoff_timeout_s=settings.handoff_timeout_s,
-        stealing=settings.stealing.enabled,
-        steal_threshold=settings.stealing.threshold,
-        steal_max_batch=settings.stealing.max_batch,
-        retry_backoff_s=settings.retry_backoff_s,
-        retry_backoff_max_s=settings.retry_backoff_max_s,
-    ), Breakers(settings.breaker), AdmissionQueue(settings.admission))
+    pipeline = Pipeline(table, policy, vision_policy, clients, metrics, pipeline_settings(settings),
+                        Breakers(settings.breaker), AdmissionQueue(settings.admission))
     metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
