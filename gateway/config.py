@@ -225,6 +225,9 @@ class GatewaySettings(StrictModel):
     tls: TlsConfig = TlsConfig()
     keep_alive: KeepAliveConfig = KeepAliveConfig()
     redis: RedisConfig = RedisConfig()
+    # A simulated vision engine sends random numbers as embeddings: a real `image_embeds` upstream would
+    # answer from noise, so such a cluster is refused unless this says the upstream is a simulation too.
+    simulated_embeddings: bool = False
 
 
 class ClusterFile(StrictModel):
@@ -268,6 +271,16 @@ class ClusterConfig:
             if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and self.model.hf_config is None:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {raw.model!r} has no Hugging "
                                   "Face config in the catalog (hf_config); it runs on simulated engines only")
+        simulated_vision = [b.id for b in raw.backends if b.role == "vision" and isinstance(b.launch, LaunchSpec)
+                            and b.launch.executor == "simulated"]
+        embeds = [(i, b.id) for i, b in enumerate(raw.backends) if b.image_embeds]
+        if embeds and simulated_vision and not raw.gateway.simulated_embeddings:
+            i, bid = embeds[0]
+            raise ConfigError(
+                f"{path}: backends.{i} ({bid}).image_embeds: vision backend(s) {', '.join(simulated_vision)} run "
+                "the simulated executor, whose embeddings are random numbers; give them `launch.executor: torch` "
+                "with the upstream's weights, or set gateway.simulated_embeddings: true if the upstream is a "
+                "simulation too")
         self.api_keys: dict[str, str | None] = {
             b.id: _resolve(path, f"backends.{i} ({b.id}).api_key_env", b.upstream_api_key)
             for i, b in enumerate(raw.backends) if b.kind == "openai"

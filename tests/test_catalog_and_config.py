@@ -187,6 +187,16 @@ def test_image_embeds_only_on_openai_backends_of_a_vision_model(tmp_path: Path) 
     assert config_error(text_model).startswith(f"{text_model}: backends.0 (v).image_embeds: model 'llama-2-7b' has no")
 
 
+def test_simulated_vision_embeddings_to_an_image_embeds_upstream_are_refused(tmp_path: Path) -> None:
+    body = ("backends:\n  - {id: v, role: vision, gpu: L4, launch: {}}\n"
+            "  - {id: up, kind: openai, gpu: H100, address: 'http://10.0.0.5:8000', image_embeds: true}\n")
+    path = write(tmp_path, body)
+    message = config_error(path)
+    assert message.startswith(f"{path}: backends.1 (up).image_embeds: vision backend(s) v run the simulated executor")
+    path.write_text("model: llava-1.5-7b\ngateway: {simulated_embeddings: true}\n" + body)
+    assert load_cluster(path, catalog()).raw.gateway.simulated_embeddings
+
+
 def test_unknown_model(tmp_path: Path) -> None:
     path = tmp_path / "backends.yaml"
     path.write_text("model: llava-9\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n")
