@@ -254,8 +254,9 @@ class SharedStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("heterogate_shared_state_up",
-                               "1 while Redis refreshes succeed; 0: failing open on this replica's own view")
-        up.add_metric([], 1.0 if self._shared.up else 0.0)
+                               "1 while Redis refreshes succeed; 0: failing open on this replica's own view "
+                               "(labelled with the replica that answered the scrape)", labels=["replica"])
+        up.add_metric([self._shared.replica_id], 1.0 if self._shared.up else 0.0)
         peers = GaugeMetricFamily("heterogate_shared_state_peers", "Other replicas seen at the last refresh")
         peers.add_metric([], self._shared.peer_count)
         errors = CounterMetricFamily("heterogate_shared_state_errors", "Refreshes that failed (Redis away)")
