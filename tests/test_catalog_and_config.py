@@ -11,6 +11,7 @@ import pytest
 from gateway.config import DEFAULT_BACKENDS, load_cluster
 from heterogate.catalog import CONFIG_DIR, load_catalog
 from heterogate.errors import ConfigError
+from tests.config_files import config_error, write
 from tests.snapshots import catalog
 
 QWEN_MAX_TOKENS = 12845056 // (28 * 28)   # 16384
@@ -99,18 +100,6 @@ def test_fixed_vision_profile_needs_a_token_count(tmp_path: Path) -> None:
 
 
 # --- backends.yaml -------------------------------------------------------------------------------
-
-
-def write(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "backends.yaml"
-    path.write_text("model: llava-1.5-7b\n" + body)
-    return path
-
-
-def config_error(path: Path) -> str:
-    with pytest.raises(ConfigError) as exc:
-        load_cluster(path, catalog())
-    return str(exc.value)
 
 
 def test_default_demo_cluster_loads() -> None:

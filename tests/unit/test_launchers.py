@@ -10,23 +10,11 @@ from gateway.config import CommandLaunchSpec, load_cluster
 from gateway.launchers import CommandLauncher, EngineLauncher, build_launchers, managed_ports
 from gateway.runtime import build_runtime
 from gateway.state_table import Reported
-from heterogate.errors import ConfigError
+from tests.config_files import config_error, write
 from tests.snapshots import catalog
 
 VLLM = ("backends:\n  - id: h100-vllm\n    kind: openai\n    gpu: H100\n"
         "    launch:\n      command: vllm serve llava-hf/llava-1.5-7b-hf --port {port} --api-key 'two words'\n")
-
-
-def write(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "backends.yaml"
-    path.write_text("model: llava-1.5-7b\n" + body)
-    return path
-
-
-def config_error(path: Path) -> str:
-    with pytest.raises(ConfigError) as exc:
-        load_cluster(path, catalog())
-    return str(exc.value)
 
 
 def test_a_managed_vllm_entry_gets_a_port_devices_and_its_command(tmp_path: Path) -> None:
