@@ -36,6 +36,9 @@ class CandidateColumns:
         self._rows = {e.id: k for k, e in enumerate(self._entries)}
         self._heartbeat = np.full(len(self._entries), _NEVER)
         self._oldest: float | None = None   # min(self._heartbeat), None when to be recomputed
+        self._newest = _NEVER               # max(self._heartbeat), recomputed with _oldest
+        self._unheard: tuple[BackendEntry, ...] | None = None   # external serving rows; None: recompute
+        self._none = Candidates(())
         self._external = np.array([e.external for e in self._entries], dtype=bool)
         self._has_external = bool(self._external.any())
         self._waiting = [0] * len(self._entries)
@@ -51,15 +54,24 @@ class CandidateColumns:
         rows = self._rows
         self._changed.update(rows[i] for i in backend_ids if i in rows)
 
-    def select(self, now: float, limit_s: float, exclude: Iterable[str]) -> tuple[Candidates, list[BackendEntry]]:
+    def select(self, now: float, limit_s: float, exclude: Iterable[str]) -> (
+        tuple[Candidates, Sequence[BackendEntry]]
+    ):
         """The backends heard from within `limit_s`, and the external ones that were not, less `exclude`."""
         if self._changed:
             self._flush()
         skip = [self._rows[i] for i in exclude if i in self._rows]
         if self._oldest is None:
             self._oldest = float(self._heartbeat.min()) if self._entries else _INF
-        if not skip and now - self._oldest <= limit_s:   # the oldest heartbeat is fresh, so all are
-            return self._all, []
+            self._newest = float(self._heartbeat.max()) if self._entries else _NEVER
+        if not skip:
+            if now - self._oldest <= limit_s:   # the oldest heartbeat is fresh, so all are
+                return self._all, ()
+            if now - self._newest > limit_s:    # none is: external backends without metrics, mostly
+                if self._unheard is None:
+                    self._unheard = tuple(e for k, e in enumerate(self._entries)
+                                          if self._external[k] and self._serving[k])
+                return self._none, self._unheard
         fresh = (now - self._heartbeat) <= limit_s
         if skip:
             fresh[skip] = False
@@ -80,7 +92,9 @@ class CandidateColumns:
 
     def _note(self, k: int, e: BackendEntry) -> None:
         serving = self._serves(e)
-        self._serving[k] = serving
+        if serving != self._serving[k]:
+            self._serving[k] = serving
+            self._unheard = None
         heartbeat = _NEVER if e.last_heartbeat is None or not serving else e.last_heartbeat
         if heartbeat != self._heartbeat[k]:
             self._heartbeat[k] = heartbeat

@@ -34,7 +34,7 @@ def _data_url(data: bytes) -> str:
 
 
 def _openai_body(request: inference_pb2.GenerateRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": request.model}
+    body: dict[str, Any] = {"model": request.model, "stream": True}   # Generate streams its replies
     if request.max_tokens:
         body["max_tokens"] = request.max_tokens
     if request.has_temperature:

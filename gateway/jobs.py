@@ -76,7 +76,8 @@ class JobBuilder:
         max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), asked)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
-                             self._body(req), max_tokens_asked=asked is not None, token_ids=ids, image_spans=spans,
+                             self._body(req), not req.stream, max_tokens_asked=asked is not None, token_ids=ids,
+                             image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
@@ -100,7 +101,7 @@ class JobBuilder:
         max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
-                             self._body(req), max_tokens_asked=asked is not None, token_ids=ids,
+                             self._body(req), not req.stream, max_tokens_asked=asked is not None, token_ids=ids,
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:

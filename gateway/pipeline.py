@@ -240,7 +240,8 @@ class Pipeline:
         request starts over on another backend (within max_attempts), and the client gets one answer.
         Engines send it in two messages (`whole`): the first token, then the rest.
         """
-        job = replace(job, whole=True)
+        if not job.whole:   # the door builds a non-streamed request's job whole already
+            job = replace(job, whole=True)
         record = record or RequestRecord(job.request_id, job.kind)
         for attempt in range(1, self.settings.max_attempts + 1):
             dispatch = await self.start(job, record)

@@ -134,6 +134,9 @@ class StateTable:
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
         self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
         self.failing_open = False
+        # Failing open, every decision reads the blind snapshots: kept until their base snapshot changes.
+        self._blind_snapshots: dict[str, tuple[BackendSnapshot, BackendSnapshot]] = {}
+        self._open: dict[tuple[Role, ...], Candidates] = {}
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -269,8 +272,15 @@ class StateTable:
         if "language" in roles:   # the flag reports on the language pool
             self.failing_open = failing_open
         if failing_open:
-            return Candidates([self._blind(e) for e in stale])
+            return self._open_candidates(roles, [self._blind(e) for e in stale])
         return fresh.extended([self._saturated(e) for e in stale])
+
+    def _open_candidates(self, roles: tuple[Role, ...], blind: list[BackendSnapshot]) -> Candidates:
+        """The failing-open candidates, the same object while none of their snapshots changed."""
+        cached = self._open.get(roles)
+        if cached is None or len(cached) != len(blind) or any(a is not b for a, b in zip(cached, blind, strict=True)):
+            self._open[roles] = cached = Candidates(blind)
+        return cached
 
     def _pool(self, roles: tuple[Role, ...]) -> CandidateColumns:
         if self._changes:
@@ -288,12 +298,17 @@ class StateTable:
 
     def _blind(self, e: BackendEntry) -> BackendSnapshot:
         """What the gateway knows without metrics: its own in-flight count and the configured or nominal KV."""
+        base = self.snapshot(e)
+        cached = self._blind_snapshots.get(e.id)
+        if cached is not None and cached[0] is base:
+            return cached[1]
         if e.kv_capacity_tokens is not None:
             kv = e.kv_capacity_tokens * self.model.kv_bytes_per_token
         else:
             kv = perf_model.kv_capacity_bytes(self.model, e.gpu)
-        return replace(self.snapshot(e), queue_depth=e.in_flight + e.peer_in_flight, kv_free_bytes=kv,
-                       kv_total_bytes=kv)
+        blind = replace(base, queue_depth=e.in_flight + e.peer_in_flight, kv_free_bytes=kv, kv_total_bytes=kv)
+        self._blind_snapshots[e.id] = (base, blind)
+        return blind
 
     def context(self, e: BackendEntry) -> tuple[int, str]:
         """(tokens, source): the context length a backend serves, prompt + completion."""
