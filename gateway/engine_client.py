@@ -11,13 +11,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-import aiohttp
 import grpc
 
 from gateway.engine_fields import check_engine_can_honour
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
 from gateway.generation_job import GenerationJob, Handoff
 from gateway.openai_upstream import OpenAIUpstreamClient, Upstream
+from gateway.upstream_http import UpstreamPool
 from heterogate.wire import engine_pb2, engine_pb2_grpc
 
 # Engine answers that mean "this request is wrong", not "this engine is broken": never retried.
@@ -117,8 +117,8 @@ class BackendClient(Protocol):
 class EngineClients:
     """The pool: one client per backend, replaced when a backend reports a new address.
 
-    `kind: engine` backends get a gRPC client; `kind: openai` backends share one pooled aiohttp session
-    (created on first use: it belongs to the running event loop).
+    `kind: engine` backends get a gRPC client; `kind: openai` backends an HTTP client with its own
+    pool of keep-alive connections (`gateway.upstream_http`).
     """
 
     def __init__(
@@ -130,21 +130,6 @@ class EngineClients:
         self._upstreams = upstreams or {}   # openai backend id -> how to talk to it
         self._upstream_idle_s = upstream_idle_s
         self._upstream_max_connections = upstream_max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The pooled session of every `kind: openai` backend: each connection may stay pooled (a closed
-        loop of c requests needs c live connections; one dropped is a new handshake next time)."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=self._upstream_max_connections, keepalive_timeout=self._upstream_idle_s,
-                    ttl_dns_cache=300,
-                ),
-                timeout=aiohttp.ClientTimeout(total=None), trust_env=False,
-                skip_auto_headers=("User-Agent",),
-            )
-        return self._session
 
     def get(self, backend_id: str) -> BackendClient | None:
         return self._clients.get(backend_id)
@@ -161,7 +146,10 @@ class EngineClients:
             return
         upstream = self._upstreams.get(backend_id)
         if upstream is not None:
-            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, self._http, upstream)
+            # Each connection may stay pooled: a closed loop of c requests needs c live connections, and
+            # one dropped is a new handshake next time.
+            pool = UpstreamPool(address, max_connections=self._upstream_max_connections, idle_s=self._upstream_idle_s)
+            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, pool, upstream)
         else:
             self._clients[backend_id] = EngineClient(backend_id, address)
         if current is not None:
@@ -171,6 +159,4 @@ class EngineClients:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients.values()), *self._closing)
-        if self._session is not None:
-            await self._session.close()
         self._clients.clear()

@@ -10,7 +10,7 @@ request is read back from the upstream SSE as the same chunk stream the gRPC eng
 non-streamed one is asked of the upstream non-streamed and its reply comes back whole, as one chunk
 whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
 every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
-and both front doors work unchanged. aiohttp errors are mapped at this boundary: connection errors,
+and both front doors work unchanged. Transport errors are mapped at this boundary: connection errors,
 timeouts, 5xx, 429 and 401/403 (the backend's api_key) are backend failures (retryable before the
 first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
 
@@ -19,25 +19,25 @@ vision backend encode the images first and passes the embeddings in, which go up
 `image_embeds` content parts (see `gateway.image_embeds`). The overall request deadline bounds every
 read, not only the first.
 
-aiohttp, not httpx: profiled (py-spy) in front of a fast engine at 16 concurrent requests, httpx's
-pool (a scan of every pooled connection per request, anyio stream wrappers) took about half of the
-gateway's CPU per request; with aiohttp the gateway served 3x the requests (`benchmarks/front_door.py`).
+The HTTP client is `gateway.upstream_http`, one keep-alive pool per backend: httpx's pool cost about
+half of the gateway's CPU per request in front of a fast engine, aiohttp's request path 87 µs, the
+lean httptools client 18 µs (see that module).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
 from gateway.generation_job import GenerationJob, Handoff
 from gateway.image_embeds import with_image_embeds
 from gateway.openai_format import completion_id
+from gateway.upstream_http import UpstreamPool, UpstreamResponse
 from heterogate.catalog import ModelProfile
 from heterogate.wire import engine_pb2
 
@@ -85,17 +85,15 @@ class _Relay:
 
 
 class OpenAIUpstreamClient:
-    def __init__(
-        self, backend_id: str, base_url: str, http: Callable[[], aiohttp.ClientSession], upstream: Upstream,
-    ) -> None:
+    def __init__(self, backend_id: str, base_url: str, pool: UpstreamPool, upstream: Upstream) -> None:
         self.backend_id = backend_id
         self.address = base_url.rstrip("/")
-        self._http = http
+        self._pool = pool
         self._model = upstream.model
         self._embeds_model = upstream.embeds_model
-        self._headers = {"content-type": "application/json"}
+        self._headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
         if upstream.api_key:
-            self._headers["authorization"] = f"Bearer {upstream.api_key}"
+            self._headers += (("authorization", f"Bearer {upstream.api_key}"),)
         # inline: takes embeddings in the request body; none: the upstream encodes its own images
         self.handoff: Handoff = "inline" if upstream.embeds_model is not None else "none"
 
@@ -117,19 +115,17 @@ class OpenAIUpstreamClient:
         timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        # A non-streamed reply arrives only after its last token: the first-token timeout does not
-        # apply to it, the overall deadline does.
-        timeout = aiohttp.ClientTimeout(connect=min(5.0, timeout_s),
-                                        sock_read=None if job.whole else first_token_timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # Each read of a stream must come within the first-token timeout; a non-streamed reply arrives
+        # only after its last token, so only the overall deadline bounds it.
+        read_s = None if job.whole else first_token_timeout_s
         started = False
         try:
             body = orjson.dumps(await self._body(job))
-            async with asyncio.timeout_at(deadline):
-                resp = await self._http().post(
-                    self.address + path, data=body, timeout=timeout,
-                    headers={**self._headers, "x-request-id": job.request_id},
-                )
+            async with asyncio.timeout_at(_read_deadline(loop, deadline, read_s)):
+                resp = await self._pool.post(path, body, (*self._headers, ("x-request-id", job.request_id)),
+                                             connect_timeout_s=min(5.0, timeout_s))
             try:
                 if resp.status != 200:
                     async with asyncio.timeout_at(deadline):
@@ -139,22 +135,23 @@ class OpenAIUpstreamClient:
                         raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
                                              backend_id=self.backend_id)
                     raise InvalidRequest(f"upstream rejected the request: {message}")
-                chunks = self._whole(resp, deadline, job) if job.whole else self._chunks(resp, deadline, job)
+                chunks = self._whole(resp, deadline, job) if job.whole else self._chunks(resp, deadline, read_s, job)
                 async for chunk in chunks:
                     started = True
                     yield chunk
             finally:
                 resp.release()   # back to the pool when the body was read to its end, else closed
-        except TimeoutError as exc:   # aiohttp's ServerTimeoutError is a TimeoutError too
-            what = "request deadline exceeded" if not isinstance(exc, aiohttp.ClientError) else type(exc).__name__
+        except TimeoutError:
+            what = ("request deadline exceeded" if loop.time() >= deadline
+                    else f"no data from the upstream within {read_s:g} s")
             raise BackendTimeout(f"backend {self.backend_id}: {what}", backend_id=self.backend_id,
                                  retryable=not started) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:   # connect errors, resets, an upstream that does not speak HTTP/1.1
             raise BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                                  backend_id=self.backend_id, retryable=not started) from None
 
     async def _whole(
-        self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob
+        self, resp: UpstreamResponse, deadline: float, job: GenerationJob
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """A non-streamed reply → one chunk carrying the upstream's body, with the gateway's id and model."""
         async with asyncio.timeout_at(deadline):
@@ -178,7 +175,7 @@ class OpenAIUpstreamClient:
         yield chunk
 
     async def _chunks(
-        self, resp: aiohttp.ClientResponse, deadline: float, job: GenerationJob
+        self, resp: UpstreamResponse, deadline: float, read_s: float | None, job: GenerationJob
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """SSE → chunks, each carrying its upstream events for verbatim relay; the last chunk with a finish
         reason is held back until usage arrives. With several choices (`n`) only that last one ends the
@@ -190,12 +187,12 @@ class OpenAIUpstreamClient:
         """
         index, held = 0, None
         relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
-        content = resp.content
+        loop = asyncio.get_running_loop()
         finished = False
         pending = b""
         while True:
-            async with asyncio.timeout_at(deadline):   # around the read only: never across a yield
-                data = await content.readany()
+            async with asyncio.timeout_at(_read_deadline(loop, deadline, read_s)):   # never across a yield
+                data = await resp.read_some()
             if not data:
                 break
             # After [DONE] the body is still read to its end: a response closed early takes its
@@ -254,7 +251,11 @@ class OpenAIUpstreamClient:
         return text, finish, usage, event if choices else None
 
     async def close(self) -> None:
-        """The shared session is closed by the pool."""
+        await self._pool.close()
+
+
+def _read_deadline(loop: asyncio.AbstractEventLoop, deadline: float, read_s: float | None) -> float:
+    return deadline if read_s is None else min(deadline, loop.time() + read_s)
 
 
 def _joined(batch: list[tuple[str, bytes]], last_index: int) -> engine_pb2.GenerateChunk:

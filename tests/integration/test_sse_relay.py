@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import aiohttp
 import orjson
 import pytest
 
 from gateway.errors import BackendFailure
 from gateway.generation_job import GenerationJob
 from gateway.openai_upstream import OpenAIUpstreamClient, Upstream
+from gateway.upstream_http import UpstreamPool
 from heterogate.wire import engine_pb2
 
 
@@ -67,6 +67,10 @@ async def upstream() -> AsyncIterator[tuple[str, list[int]]]:
     server.close()
 
 
+def pool(url: str) -> UpstreamPool:
+    return UpstreamPool(url, max_connections=8, idle_s=4.0)
+
+
 async def relay(client: OpenAIUpstreamClient, rid: str) -> list[engine_pb2.GenerateChunk]:
     job = GenerationJob(rid, "hi", 2, 16, kind="chat", body={"model": "served", "messages": []})
     stream = client.generate(job, handoff_timeout_s=0, first_token_timeout_s=5, timeout_s=10)
@@ -75,8 +79,8 @@ async def relay(client: OpenAIUpstreamClient, rid: str) -> list[engine_pb2.Gener
 
 async def test_events_in_awkward_pieces_are_relayed_once_in_order(upstream: tuple[str, list[int]]) -> None:
     url, connections = upstream
-    async with aiohttp.ClientSession() as session:
-        client = OpenAIUpstreamClient("up", url, lambda: session, Upstream("upstream-model"))
+    client = OpenAIUpstreamClient("up", url, pool(url), Upstream("upstream-model"))
+    try:
         for rid in ("r1", "r2"):
             chunks = await relay(client, rid)
             assert "".join(c.text for c in chunks) == "Hello world"
@@ -89,6 +93,8 @@ async def test_events_in_awkward_pieces_are_relayed_once_in_order(upstream: tupl
             last = chunks[-1]
             assert last.finish_reason == "stop" and not any(c.finish_reason for c in chunks[:-1])
             assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (7, 4)
+    finally:
+        await client.close()
     assert len(connections) == 1, "the second request should reuse the first one's connection"
 
 
@@ -102,9 +108,9 @@ async def test_a_stream_without_a_finish_reason_is_a_backend_failure() -> None:
     server = await asyncio.start_server(truncated, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
-        async with aiohttp.ClientSession() as session:
-            client = OpenAIUpstreamClient("up", url, lambda: session, Upstream())
-            with pytest.raises(BackendFailure, match="without a finish reason"):
-                await relay(client, "r3")
+        client = OpenAIUpstreamClient("up", url, pool(url), Upstream())
+        with pytest.raises(BackendFailure, match="without a finish reason"):
+            await relay(client, "r3")
+        await client.close()
     finally:
         server.close()
