@@ -47,7 +47,8 @@ class CandidateColumns:
         self._all = Candidates(self._snapshots)
         for k, e in enumerate(self._entries):
             self._note(k, e)
-        self._changed: set[int] = set()
+        self._changed: set[int] = set()      # rows whose entries changed, not yet noted
+        self._stale_rows: set[int] = set()   # rows noted, their snapshots and columns not yet rebuilt
 
     def changed(self, backend_ids: Iterable[str]) -> None:
         """These backends' snapshots were dropped: re-read their rows before the next selection."""
@@ -66,7 +67,7 @@ class CandidateColumns:
             self._newest = float(self._heartbeat.max()) if self._entries else _NEVER
         if not skip:
             if now - self._oldest <= limit_s:   # the oldest heartbeat is fresh, so all are
-                return self._all, ()
+                return self._current(), ()
             if now - self._newest > limit_s:    # none is: external backends without metrics, mostly
                 if self._unheard is None:
                     self._unheard = tuple(e for k, e in enumerate(self._entries)
@@ -81,8 +82,8 @@ class CandidateColumns:
             unheard[skip] = False
             stale = [self._entries[k] for k in unheard.nonzero()[0].tolist()]
         if fresh.all():
-            return self._all, stale
-        return self._all.take(fresh.nonzero()[0]), stale
+            return self._current(), stale
+        return self._current().take(fresh.nonzero()[0]), stale
 
     def backlog(self) -> int:
         """Requests waiting in this pool's engines, as last reported (healthy or not)."""
@@ -103,13 +104,21 @@ class CandidateColumns:
         self._waiting[k] = e.reported.waiting
 
     def _flush(self) -> None:
-        rows = list(self._changed)
-        self._changed.clear()
-        snapshots = self._snapshots
-        columns = self._all.columns.copy()
-        for k in rows:
-            e = self._entries[k]
-            snapshots[k] = b = self._snapshot(e)
-            columns[:, k] = column_values(b)
-            self._note(k, e)
-        self._all = Candidates(snapshots, columns)
+        """Note the changed rows' signals now; rebuild their snapshots and columns only when read
+        (`_current`): a pool that fails open never reads them."""
+        for k in self._changed:
+            self._note(k, self._entries[k])
+        self._stale_rows |= self._changed
+        self._changed = set()
+
+    def _current(self) -> Candidates:
+        """Every row, as candidates, the changed rows' snapshots and columns rebuilt (copy-on-write)."""
+        if self._stale_rows:
+            snapshots = self._snapshots
+            columns = self._all.columns.copy()
+            for k in self._stale_rows:
+                snapshots[k] = b = self._snapshot(self._entries[k])
+                columns[:, k] = column_values(b)
+            self._stale_rows.clear()
+            self._all = Candidates(snapshots, columns)
+        return self._all

@@ -27,9 +27,9 @@ lean httptools client 18 µs (see that module).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -40,6 +40,8 @@ from gateway.openai_format import completion_id
 from gateway.upstream_http import UpstreamPool, UpstreamResponse
 from heterogate.catalog import ModelProfile
 from heterogate.wire import engine_pb2
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,17 +117,15 @@ class OpenAIUpstreamClient:
         timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         path = "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         # Each read of a stream must come within the first-token timeout; a non-streamed reply arrives
         # only after its last token, so only the overall deadline bounds it.
         read_s = None if job.whole else first_token_timeout_s
         started = False
         try:
             body = orjson.dumps(await self._body(job))
-            async with asyncio.timeout_at(_read_deadline(loop, deadline, read_s)):
-                resp = await self._pool.post(path, body, (*self._headers, ("x-request-id", job.request_id)),
-                                             connect_timeout_s=min(5.0, timeout_s))
+            resp = await _bounded(self._pool.post(path, body, (*self._headers, ("x-request-id", job.request_id)),
+                                                  connect_timeout_s=min(5.0, timeout_s)), deadline, read_s)
             try:
                 if resp.status != 200:
                     async with asyncio.timeout_at(deadline):
@@ -141,9 +141,8 @@ class OpenAIUpstreamClient:
                     yield chunk
             finally:
                 resp.release()   # back to the pool when the body was read to its end, else closed
-        except TimeoutError:
-            what = ("request deadline exceeded" if loop.time() >= deadline
-                    else f"no data from the upstream within {read_s:g} s")
+        except TimeoutError as exc:
+            what = str(exc) if isinstance(exc, _Silent) else "request deadline exceeded"
             raise BackendTimeout(f"backend {self.backend_id}: {what}", backend_id=self.backend_id,
                                  retryable=not started) from None
         except OSError as exc:   # connect errors, resets, an upstream that does not speak HTTP/1.1
@@ -187,12 +186,10 @@ class OpenAIUpstreamClient:
         """
         index, held = 0, None
         relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
-        loop = asyncio.get_running_loop()
         finished = False
         pending = b""
         while True:
-            async with asyncio.timeout_at(_read_deadline(loop, deadline, read_s)):   # never across a yield
-                data = await resp.read_some()
+            data = await _bounded(resp.read_some(), deadline, read_s)   # the bound never spans a yield
             if not data:
                 break
             # After [DONE] the body is still read to its end: a response closed early takes its
@@ -254,8 +251,20 @@ class OpenAIUpstreamClient:
         await self._pool.close()
 
 
-def _read_deadline(loop: asyncio.AbstractEventLoop, deadline: float, read_s: float | None) -> float:
-    return deadline if read_s is None else min(deadline, loop.time() + read_s)
+class _Silent(TimeoutError):
+    """The upstream sent nothing for longer than a read may take (before the request's deadline)."""
+
+
+async def _bounded(wait: Awaitable[T], deadline: float, read_s: float | None) -> T:
+    """`wait`, within the request's deadline and, when `read_s` is set, within `read_s` from now."""
+    if read_s is None or asyncio.get_running_loop().time() + read_s >= deadline:
+        async with asyncio.timeout_at(deadline):
+            return await wait
+    try:
+        async with asyncio.timeout(read_s):
+            return await wait
+    except TimeoutError:
+        raise _Silent(f"no data from the upstream within {read_s:g} s") from None
 
 
 def _joined(batch: list[tuple[str, bytes]], last_index: int) -> engine_pb2.GenerateChunk:

@@ -142,6 +142,8 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=False, log_config=None,
         lifespan="off", timeout_graceful_shutdown=int(config.settings.drain_timeout_s),
+        # The gateway reads no client address, so X-Forwarded-* rewriting is one more layer per request.
+        proxy_headers=False, server_header=False,
         timeout_keep_alive=int(config.settings.keep_alive.client_idle_s), **ssl_options,  # type: ignore[arg-type]
     ))
     server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]

@@ -299,16 +299,21 @@ class StateTable:
     def _blind(self, e: BackendEntry) -> BackendSnapshot:
         """What the gateway knows without metrics: its own in-flight count and the configured or nominal KV."""
         base = self.snapshot(e)
+        if e.last_heartbeat is None:   # never heard from: its snapshot already says just that
+            return base
         cached = self._blind_snapshots.get(e.id)
         if cached is not None and cached[0] is base:
             return cached[1]
-        if e.kv_capacity_tokens is not None:
-            kv = e.kv_capacity_tokens * self.model.kv_bytes_per_token
-        else:
-            kv = perf_model.kv_capacity_bytes(self.model, e.gpu)
+        kv = self._unreported_kv(e)
         blind = replace(base, queue_depth=e.in_flight + e.peer_in_flight, kv_free_bytes=kv, kv_total_bytes=kv)
         self._blind_snapshots[e.id] = (base, blind)
         return blind
+
+    def _unreported_kv(self, e: BackendEntry) -> int:
+        """KV bytes of a backend that reports none: its configured capacity, else the model's estimate."""
+        if e.kv_capacity_tokens is not None:
+            return e.kv_capacity_tokens * self.model.kv_bytes_per_token
+        return perf_model.kv_capacity_bytes(self.model, e.gpu)
 
     def context(self, e: BackendEntry) -> tuple[int, str]:
         """(tokens, source): the context length a backend serves, prompt + completion."""
@@ -320,8 +325,12 @@ class StateTable:
 
     def kv_capacity(self, e: BackendEntry) -> tuple[int, int, str]:
         """(free bytes, total bytes, source). A reported estimate gives way to the entry's configured
-        capacity (free scaled by the reported fraction free)."""
+        capacity (free scaled by the reported fraction free); before any report, the configured capacity
+        or the model's estimate, all free."""
         r = e.reported
+        if e.last_heartbeat is None:
+            kv = self._unreported_kv(e)
+            return kv, kv, "config" if e.kv_capacity_tokens is not None else "estimate"
         if r.kv_source == "estimate" and e.kv_capacity_tokens is not None:
             total = e.kv_capacity_tokens * self.model.kv_bytes_per_token
             free = int(total * r.kv_free_bytes / r.kv_total_bytes) if r.kv_total_bytes else total
