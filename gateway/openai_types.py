@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from gateway.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
 
@@ -60,12 +60,11 @@ class _Sampling(_Body):
     seed: int | None = None   # honoured by torch engines (see gateway.engine_fields)
     _client_body: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    @model_validator(mode="wrap")
     @classmethod
-    def _keep_client_body(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
-        request = handler(data)
-        if isinstance(data, dict):
-            request._client_body = data
+    def from_body(cls, body: dict[str, Any]) -> Self:
+        """Validate the client's body and keep it as sent (not a wrap validator: that costs ~10 µs a request)."""
+        request = cls.model_validate(body)
+        request._client_body = body
         return request
 
     def client_body(self) -> dict[str, Any]:
