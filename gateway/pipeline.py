@@ -291,18 +291,19 @@ class Pipeline:
             job, handoff_key=key if direct else "", handoff_timeout_s=handoff_s,
             first_token_timeout_s=min(self.settings.first_token_timeout_s + handoff_s, remaining), timeout_s=remaining,
         )
-        first_read = asyncio.ensure_future(anext(stream))
-        encoding = None
-        if direct:
-            encoding = asyncio.ensure_future(self._encode(job, key, decision.backend, client.address, record))
+        first_read: asyncio.Future[engine_pb2.GenerateChunk] | None = None
+        encoding: asyncio.Future[tuple[str, engine_pb2.EncodeReply]] | None = None
         try:
-            if encoding is not None:
+            if direct:   # the language engine waits for the embeddings the vision engine delivers
+                first_read = asyncio.ensure_future(anext(stream))
+                encoding = asyncio.ensure_future(self._encode(job, key, decision.backend, client.address, record))
                 await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
                 if encoding.done() and encoding.exception() is not None:
                     raise encoding.exception()  # type: ignore[misc]
-            first = await first_read
-            if encoding is not None:
+                first = await first_read
                 vision_id, _ = await encoding
+            else:   # read in this task: no task, and no loop turn, per request
+                first = await anext(stream)
         except BaseException as exc:
             pending = [t for t in (first_read, encoding) if t is not None]
             for task in pending:
