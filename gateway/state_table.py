@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from gateway.candidate_columns import CandidateColumns
 from gateway.policies.candidates import Candidates
@@ -105,6 +105,16 @@ def serves(entry: BackendEntry) -> bool:
     return entry.lifecycle in SERVING
 
 
+class _Fixed(NamedTuple):
+    """A backend's snapshot figures that depend only on the model and its GPU: computed once, at
+    registration, instead of on every rebuild (a busy gateway rebuilds a few snapshots per decision)."""
+
+    kv_bytes_per_token: int
+    prefill_s_per_token: float
+    weight_bytes: int
+    encode_s_per_token: float
+
+
 @dataclass(slots=True)
 class Lease:
     """One dispatch to one backend, from `acquire` to `release`."""
@@ -130,6 +140,7 @@ class StateTable:
         self.miss_limit = miss_limit
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
+        self._fixed: dict[str, _Fixed] = {}   # per backend, what its snapshots take from the model and GPU
         self._changes: set[str] = set()
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
         self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
@@ -149,6 +160,10 @@ class StateTable:
                              max_model_len=max_model_len, kv_capacity_tokens=kv_capacity_tokens,
                              changes=self._changes)
         self._entries[backend_id] = entry
+        self._fixed[backend_id] = _Fixed(
+            self.model.kv_bytes_per_token, perf_model.prefill_seconds_per_token(self.model, gpu),
+            self.model.weight_bytes, perf_model.encode_seconds(self.model, gpu, 1),
+        )
         self._pools.clear()
         self._largest_context = None
         return entry
@@ -363,6 +378,7 @@ class StateTable:
 
     def _rebuild(self, e: BackendEntry) -> BackendSnapshot:
         r = e.reported
+        fixed = self._fixed[e.id]
         kv_free, kv_total, _ = self.kv_capacity(e)
         in_flight = e.in_flight + e.peer_in_flight
         speed = e.speed
@@ -377,12 +393,12 @@ class StateTable:
             in_flight=in_flight,
             kv_free_bytes=kv_free,
             kv_total_bytes=kv_total,
-            kv_bytes_per_token=self.model.kv_bytes_per_token,
+            kv_bytes_per_token=fixed.kv_bytes_per_token,
             vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens + e.peer_vision_tokens),
             mean_service_s=self.mean_service_s(e),
-            prefill_s_per_token=perf_model.prefill_seconds_per_token(self.model, e.gpu),
-            weight_bytes=self.model.weight_bytes,
-            encode_s_per_token=perf_model.encode_seconds(self.model, e.gpu, 1),
+            prefill_s_per_token=fixed.prefill_s_per_token,
+            weight_bytes=fixed.weight_bytes,
+            encode_s_per_token=fixed.encode_s_per_token,
             steal=e.steal,
             max_context=self.context(e)[0],
             learned_prefill_s_per_token=speed.prefill.value,
