@@ -191,7 +191,7 @@ class KeepAliveConfig(StrictModel):
 
     client_idle_s: PositiveFloat = 75.0      # HTTP front door
     upstream_idle_s: PositiveFloat = 4.0     # pooled connections to kind: openai backends
-    upstream_max_connections: PositiveInt = 1024
+    upstream_max_connections: PositiveInt = 1024   # per kind: openai backend
 
 
 class RoutingConfig(StrictModel):
