@@ -7,8 +7,8 @@ random weights.
 same seed gives the same weights in every engine process, so a split vision + language pair matches the
 monolithic model. The LM head's rows of every token but printable ASCII are zeroed, so that a random model
 says legible text in which one character is one token (its answers compare token for token as text; it
-never says EOS). Each side then drops the half it does not run (the vision engine keeps the vision tower
-and projector, the language engine the decoder and LM head).
+never says EOS). Each side builds and reads only the half it runs (the vision engine the vision tower and
+projector, the language engine the decoder and LM head; backends/torch_weights.py).
 
     python -m backends.torch_models save DIR [--model llava-1.5-tiny] [--seed 0]
 
@@ -33,9 +33,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
+from backends.torch_weights import build_half, init_random, load_safetensors
 from heterogate.catalog import HF_CONFIG_DIR, ModelProfile, load_catalog
 from heterogate.errors import ConfigError
-from heterogate.tokenizer import load_tokenizer
+from heterogate.tokenizer import image_token, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -91,7 +92,8 @@ def resolve_dtype(name: str, profile: ModelProfile) -> torch.dtype:
 def load_model(
     profile: ModelProfile, *, model_path: str | None, seed: int, dtype: str, device: str, keep: str
 ) -> LoadedModel:
-    """`keep`: "vision" (tower + projector), "language" (decoder + head) or "both"."""
+    """`keep`: "vision" (tower + projector), "language" (decoder + head) or "both"; only that is ever allocated
+    and only its weights are read (backends/torch_weights.py)."""
     torch_dtype = resolve_dtype(dtype, profile)
     dev = torch.device(device)
     if model_path is not None:
@@ -101,35 +103,44 @@ def load_model(
                 raise ConfigError(f"{path / name}: missing (model_path must be a local Hugging Face directory)")
         if not any(path.glob("*.safetensors")):
             raise ConfigError(f"{path}: no *.safetensors weights in the model directory")
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-        family_name, family = model_type, family_of(model_type, str(path / "config.json"))
-        model: Any = family.model.from_pretrained(
-            str(path), local_files_only=True, dtype=torch_dtype, attn_implementation="sdpa"
-        )
-        model = model.to(dev)
+        data = json.loads((path / "config.json").read_text())
+        family_name, family = data.get("model_type"), family_of(data.get("model_type"), str(path / "config.json"))
+        config = family.config.from_dict(data)
+        tokenizer = load_tokenizer(model_path, family_name)
     else:
         config = hf_config(profile)
         family_name, family = config.model_type, FAMILIES[config.model_type]
-        torch.manual_seed(seed)
-        model = family.model._from_config(config, dtype=torch_dtype, attn_implementation="sdpa").to(dev)
+        tokenizer = load_tokenizer(None, family_name)
+        _speak_byte_tokenizer(config, tokenizer)
+    model, names = build_half(family.model, config, family.vision_parts, keep=keep, dtype=torch_dtype, device=dev)
+    if model_path is not None:
+        load_safetensors(model, names, Path(model_path))
+    else:
+        init_random(model, seed)
+        if keep != "vision":
+            _printable_head(model, tokenizer)
     model.eval()
-    tokenizer = load_tokenizer(model_path, family_name)
-    if model_path is None:
-        _printable_head(model, tokenizer)
-    if keep == "vision":
-        del model.model.language_model, model.lm_head
-    elif keep == "language":
-        for part in family.vision_parts:
-            delattr(model.model, part)
     return LoadedModel(model, tokenizer, torch_dtype, dev, family_name)
 
 
+def _speak_byte_tokenizer(config: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A random-weight model reads the byte tokenizer's ids, so its config's placeholder ids become that
+    tokenizer's (the tiny configs already agree; the 7B configs carry their real tokenizers' ids, which the
+    language engine's M-RoPE positions would otherwise look for)."""
+    tokens = {"image_token_id": image_token(tokenizer)}
+    if config.model_type == "qwen2_5_vl":
+        tokens |= {"video_token_id": "<|video_pad|>", "vision_start_token_id": "<|vision_start|>",
+                   "vision_end_token_id": "<|vision_end|>"}
+    for attr, token in tokens.items():
+        setattr(config, attr, tokenizer.convert_tokens_to_ids(token))
+
+
 def _printable_head(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
-    printable = {tokenizer.encode(chr(c), add_special_tokens=False)[0] for c in range(0x20, 0x7F)}
+    printable = [tokenizer.encode(chr(c), add_special_tokens=False)[0] for c in range(0x20, 0x7F)]
+    silent = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
+    silent[printable] = False
     with torch.no_grad():
-        for row in range(model.lm_head.weight.shape[0]):
-            if row not in printable:
-                model.lm_head.weight[row] = 0
+        model.lm_head.weight[silent.to(model.lm_head.weight.device)] = 0
 
 
 def save_random_model(profile: ModelProfile, out: Path, seed: int = 0) -> None:
