@@ -124,19 +124,24 @@ class OpenAIUpstreamClient:
         started = False
         try:
             body = orjson.dumps(await self._body(job))
-            resp = await _bounded(self._pool.post(path, body, (*self._headers, ("x-request-id", job.request_id)),
-                                                  connect_timeout_s=min(5.0, timeout_s)), deadline, read_s)
+            post = self._pool.post(path, body, (*self._headers, ("x-request-id", job.request_id)),
+                                   connect_timeout_s=min(5.0, timeout_s))
+            if job.whole:   # one bound for the whole exchange: it holds no yield
+                async with asyncio.timeout_at(deadline):
+                    resp = await post
+                    try:
+                        await self._check(resp)
+                        raw = await resp.read()
+                    finally:
+                        resp.release()
+                started = True
+                yield self._whole(raw, job)
+                return
+            resp = await _bounded(post, deadline, read_s)
             try:
-                if resp.status != 200:
-                    async with asyncio.timeout_at(deadline):
-                        message = _error_message(await resp.read())
-                    # 401/403: the gateway's credentials for this backend, not the client's request
-                    if resp.status >= 500 or resp.status in (401, 403, 429):
-                        raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
-                                             backend_id=self.backend_id)
-                    raise InvalidRequest(f"upstream rejected the request: {message}")
-                chunks = self._whole(resp, deadline, job) if job.whole else self._chunks(resp, deadline, read_s, job)
-                async for chunk in chunks:
+                async with asyncio.timeout_at(deadline):
+                    await self._check(resp)
+                async for chunk in self._chunks(resp, deadline, read_s, job):
                     started = True
                     yield chunk
             finally:
@@ -149,12 +154,19 @@ class OpenAIUpstreamClient:
             raise BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                                  backend_id=self.backend_id, retryable=not started) from None
 
-    async def _whole(
-        self, resp: UpstreamResponse, deadline: float, job: GenerationJob
-    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+    async def _check(self, resp: UpstreamResponse) -> None:
+        """A response other than 200 → the gateway's error for it (the body read for its message)."""
+        if resp.status == 200:
+            return
+        message = _error_message(await resp.read())
+        # 401/403: the gateway's credentials for this backend, not the client's request
+        if resp.status >= 500 or resp.status in (401, 403, 429):
+            raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
+                                 backend_id=self.backend_id)
+        raise InvalidRequest(f"upstream rejected the request: {message}")
+
+    def _whole(self, raw: bytes, job: GenerationJob) -> engine_pb2.GenerateChunk:
         """A non-streamed reply → one chunk carrying the upstream's body, with the gateway's id and model."""
-        async with asyncio.timeout_at(deadline):
-            raw = await resp.read()
         try:
             reply = orjson.loads(raw)
             choices = reply["choices"]
@@ -171,7 +183,7 @@ class OpenAIUpstreamClient:
         chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=orjson.dumps(reply))
         chunk.usage.prompt_tokens = usage.get("prompt_tokens", 0)
         chunk.usage.completion_tokens = usage.get("completion_tokens", 0)
-        yield chunk
+        return chunk
 
     async def _chunks(
         self, resp: UpstreamResponse, deadline: float, read_s: float | None, job: GenerationJob
