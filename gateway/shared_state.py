@@ -9,13 +9,16 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
                                   within replica_ttl_ms + one refresh
     P hb:<backend>        STRING  the backend's last heartbeat (JSON) as received by whichever replica
                                   it pushes to (or that scrapes it); PX = miss limit × heartbeat interval
+    P identities          HASH    managed backend -> digest of its engine's identity, written by the
+                                  leader (leadership.py, engine_identities.py), read on every refresh
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
-received since the last refresh, and reads the members, every peer's counts, and every backend's
+received since the last refresh, and reads the members, every peer's counts, every backend's
 heartbeat with its remaining TTL (from which the heartbeat's age follows without comparing clocks
-across hosts). The request path never waits on Redis: policies read the state table, whose in-flight
-count for a backend is this replica's live count + the peers' counts as of the last refresh, so a
-decision between refreshes already counts this replica's own new dispatches.
+across hosts) and the engines' identity digests. The request path never waits on Redis: policies
+read the state table, whose in-flight count for a backend is this replica's live count + the peers'
+counts as of the last refresh, so a decision between refreshes already counts this replica's own new
+dispatches.
 
 Redis unreachable or restarted: each replica fails open on its own view. Peers' counts drop to zero;
 backends last heard through Redis keep their last reported state and stay candidates for at most
@@ -77,14 +80,17 @@ class SharedState:
     def __init__(
         self, table: StateTable, redis: Redis, config: RedisConfig, replica_id: str,
         on_remote_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
+        on_identities: Callable[[dict[str, str]], None] = lambda digests: None,
     ) -> None:
         self._table = table
+        self._on_identities = on_identities
         self._redis = redis
         self._config = config
         self.replica_id = replica_id
         self._on_remote_heartbeat = on_remote_heartbeat
         prefix = config.key_prefix
         self.members_key = f"{prefix}replicas"
+        self.identities_key = f"{prefix}identities"
         self._counts_prefix = f"{prefix}inflight:"
         self._backend_ids = [e.id for e in table.entries()]
         self._hb_key = {b: f"{prefix}hb:{b}" for b in self._backend_ids}
@@ -137,9 +143,11 @@ class SharedState:
         for k in self._hb_keys:
             pipe.get(k)
             pipe.pttl(k)
+        pipe.hgetall(self.identities_key)
         results: list[Any] = await pipe.execute()
-        tail = results[-(1 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
-        members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):]
+        tail = results[-(2 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
+        members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):-1]
+        self._on_identities(tail[-1])
         self._apply_peers(peers, peer_maps)
         self._apply_heartbeats(heartbeats)
         self._peers = sorted(m for m in members if m != self.replica_id)
