@@ -4,9 +4,11 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
 
     P replicas            SET     replica ids that publish counts (a member whose key is gone is pruned)
     P inflight:<replica>  HASH    backend -> this replica's in-flight requests, `v:<backend>` -> image
-                                  tokens it has sent to that encoder; PX replica_ttl_ms, rewritten on
-                                  every refresh, so a replica killed with SIGKILL drops out of every view
-                                  within replica_ttl_ms + one refresh
+                                  tokens it has sent to that encoder, `p:`/`b:`/`k:<backend>` -> its
+                                  leases there: requests before their first token, their prompt tokens
+                                  (the prefill backlog), KV tokens reserved; PX replica_ttl_ms,
+                                  rewritten on every refresh, so a replica killed with SIGKILL drops
+                                  out of every view within replica_ttl_ms + one refresh
     P hb:<backend>        STRING  the backend's last heartbeat (JSON) as received by whichever replica
                                   it pushes to (or that scrapes it); PX = miss limit × heartbeat interval
     P identities          HASH    managed backend -> digest of its engine's identity, written by the
@@ -45,11 +47,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.redis_config import RedisConfig
-from gateway.state_table import Reported, StateTable
+from gateway.state_table import NO_PEER_LOAD, PeerLoad, Reported, StateTable
 
 log = structlog.get_logger("shared_state")
 
-VISION = "v:"                 # hash field prefix of image-token counts
+# Hash fields of a replica's counts: backend id, or one of these prefixes + backend id, in the order
+# of PeerLoad's fields (in-flight requests have no prefix).
+FIELD_PREFIXES = ("", "v:", "p:", "b:", "k:")
 _REPORTED_FIELDS = tuple(f.name for f in dataclasses.fields(Reported))
 # A refresh that fails is retried after this long at first, doubling up to the cap (refreshes keep
 # running at `refresh_ms` while Redis answers).
@@ -93,6 +97,7 @@ class SharedState:
         self.identities_key = f"{prefix}identities"
         self._counts_prefix = f"{prefix}inflight:"
         self._backend_ids = [e.id for e in table.entries()]
+        self._fields = [p + b for b in self._backend_ids for p in FIELD_PREFIXES]
         self._hb_key = {b: f"{prefix}hb:{b}" for b in self._backend_ids}
         self._hb_keys = list(self._hb_key.values())
         self._hb_ttl_ms = max(1, round(table.miss_limit * table.heartbeat_interval_s * 1000))
@@ -119,14 +124,15 @@ class SharedState:
     async def refresh(self) -> None:
         """One round trip: publish own counts and new heartbeats; read peers' counts and heartbeats."""
         table = self._table
-        own = self.key(self.replica_id)
+        own_key = self.key(self.replica_id)
         counts: dict[str, int] = {}
         for e in table.entries():
-            counts[e.id] = e.in_flight
-            counts[VISION + e.id] = e.vision_in_flight_tokens
+            own = (e.in_flight, e.vision_in_flight_tokens, e.prefilling, e.prefill_backlog_tokens, e.kv_reserved_tokens)
+            for prefix, value in zip(FIELD_PREFIXES, own, strict=True):
+                counts[prefix + e.id] = value
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(own, mapping=counts)   # type: ignore[arg-type]
-        pipe.pexpire(own, self._config.replica_ttl_ms)
+        pipe.hset(own_key, mapping=counts)   # type: ignore[arg-type]
+        pipe.pexpire(own_key, self._config.replica_ttl_ms)
         pipe.sadd(self.members_key, self.replica_id)
         if self._gone:
             pipe.srem(self.members_key, *self._gone)
@@ -154,18 +160,15 @@ class SharedState:
         self._resumed()
 
     def _apply_peers(self, peers: list[str], maps: list[dict[str, str]]) -> None:
-        in_flight: dict[str, int] = {}
-        vision: dict[str, int] = {}
         self._gone = [p for p, m in zip(peers, maps, strict=True) if not m]
+        summed = {field: 0 for field in self._fields}
         for m in maps:
             for field, value in m.items():
-                if field.startswith(VISION):
-                    vision[field[2:]] = vision.get(field[2:], 0) + int(value)
-                else:
-                    in_flight[field] = in_flight.get(field, 0) + int(value)
+                if field in summed:
+                    summed[field] += int(value)
         self.peer_count = len(peers) - len(self._gone)
         for backend_id in self._backend_ids:
-            self._table.set_peer_load(backend_id, in_flight.get(backend_id, 0), vision.get(backend_id, 0))
+            self._table.set_peer_load(backend_id, PeerLoad(*(summed[p + backend_id] for p in FIELD_PREFIXES)))
 
     def _apply_heartbeats(self, values: list[Any]) -> None:
         now = self._table.clock()
@@ -206,7 +209,7 @@ class SharedState:
         self.up = False
         self.peer_count = 0
         for backend_id in self._backend_ids:
-            self._table.set_peer_load(backend_id, 0, 0)
+            self._table.set_peer_load(backend_id, NO_PEER_LOAD)
         self.hold()
 
     def hold(self) -> None:
