@@ -216,8 +216,10 @@ class StateTable:
         entry.prefill_backlog_tokens += prompt_tokens
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         entry.snapshot = None
-        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, entry.prefill_backlog_tokens,
-                     self.clock())
+        # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
+        # on this request's own few tokens
+        ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
+        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, ahead, self.clock())
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""

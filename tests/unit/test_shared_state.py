@@ -55,7 +55,8 @@ async def test_in_flight_counts_add_up_across_replicas_and_own_dispatches_count_
 
 async def test_leases_prefill_backlog_and_kv_reservations_add_up_across_replicas() -> None:
     """What marginal_delay reads beside the in-flight count: requests before their first token, their
-    prompt tokens, and KV reservations, summed over the replicas."""
+    prompt tokens, and KV reservations, summed over the replicas; and the tokens ahead that a
+    request's TTFT teaches the prefill rate with."""
     with redis_prefix("leases") as prefix:
         a, b = table(GPUS), table(GPUS)
         for t in (a, b):
@@ -72,6 +73,8 @@ async def test_leases_prefill_backlog_and_kv_reservations_add_up_across_replicas
                 snap = t.candidates(("language",))[0]
                 assert (snap.in_flight, snap.prefilling, snap.prefill_backlog_tokens, snap.kv_reserved_tokens) == \
                     (3, 2, 700, 1870), snap
+            # the prefill-rate sample of b's next request counts the tokens ahead of it on every replica
+            assert b.acquire("h100-0", prompt_tokens=100).tokens_ahead == 800
 
 
 async def test_a_replica_that_stops_refreshing_drops_out_after_its_ttl() -> None:
