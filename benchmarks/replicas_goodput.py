@@ -7,13 +7,17 @@ The engines, workload, client and scoring are benchmarks/mixed_tier.py's (eight 
 and mean inter-token time <= 100 ms). Targets, each with the default policy and gateway-side scraping:
 
     1-gateway           one gateway process, no Redis
+    1-gateway-again     a second one, the same: its distance to the first is the noise floor of the
+                        comparison (arrival timing, learned speeds)
     3-replicas+redis    three gateway processes sharing state through the system Redis (fresh key prefix)
     3-replicas-isolated three gateway processes, no Redis: each routes on its own view (the herding case)
 
 A run replays one request sequence, request i going to replica i mod 3 (a round-robin balancer).
-Besides mixed_tier's figures, each row gives the L1 distance of its per-engine request shares to the
-single gateway's in the same round and load. Targets not under test are paused (SIGSTOP); order
-alternates between rounds. Writes benchmarks/results/replicas_goodput.json.
+Besides mixed_tier's figures, each row gives the L1 distance of its request shares to the single
+gateway's in the same round and load, per tier and per engine (engines of one tier are alike, so the
+per-engine distance is mostly which of them, the per-tier one is where the load went). Targets not
+under test are paused (SIGSTOP); order alternates between rounds. Writes
+benchmarks/results/replicas_goodput.json.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from tests.replicas.herding import l1, shares  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "replicas_goodput.json"
 REDIS_URL = "redis://127.0.0.1:6379/0"
+TIERS_OF = dict(CLUSTER)
 
 
 @dataclass
@@ -66,7 +71,8 @@ class Group:
     urls: list[str]
 
 
-def start_group(stack: ExitStack, tmp: Path, engines: Any, name: str, n: int, prefix: str | None) -> Group:
+def start_group(stack: ExitStack, tmp: Path, engines: Any, name: str, n: int, prefix: str | None,
+                spread: float | None = None) -> Group:
     urls, pids = [], []
     for i in range(n):
         where = tmp / f"{name}-{i}"
@@ -74,7 +80,8 @@ def start_group(stack: ExitStack, tmp: Path, engines: Any, name: str, n: int, pr
         config = gateway_config(engines, scrape=True)
         extra: tuple[str, ...] = ()
         if prefix is not None:
-            config["gateway"] = {"redis": {"key_prefix": prefix}}
+            config["gateway"] = {"redis": {"key_prefix": prefix,
+                                           **({} if spread is None else {"spread": spread})}}
             extra = ("--redis-url", REDIS_URL)
         gw = stack.enter_context(run_gateway(write_config(where, config), *extra))
         urls.append(gw.url)
@@ -108,6 +115,7 @@ def run_group(g: Group, requests: list[Request], time_scale: float) -> dict[str,
     g.target.signal(signal.SIGSTOP)
     return score(outcomes, time_scale) | {
         "engine_shares": shares(Counter(o.engine for o in outcomes if not o.error)),
+        "tier_request_shares": shares(Counter(TIERS_OF.get(o.engine, "?") for o in outcomes if not o.error)),
         "router_cores": cpu / wall, "router_cpu_ms_per_req": cpu / len(requests) * 1000}
 
 
@@ -119,8 +127,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         groups.setdefault((r["target"], r["load"]), []).append(r)
     for (target, load), rs in groups.items():
         cell: dict[str, Any] = {k: statistics.median(r[k] for r in rs)
-                                for k in ("goodput", "ttft_p50_s", "ttft_p99_s", "l1_to_single", "router_cores")}
-        cell["l1_max"] = max(r["l1_to_single"] for r in rs)
+                                for k in ("goodput", "ttft_p50_s", "ttft_p99_s", "l1_to_single", "l1_tiers",
+                                          "router_cores")}
         cell["errors"] = sum(r["errors"] for r in rs)
         cell["rounds"] = len(rs)
         tiers = {t for r in rs for t in r["tier_shares"]}
@@ -130,13 +138,14 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
-    lines = ["| target | load | goodput | TTFT p50 / p99 s | L1 to 1 gateway (max) | tier shares H100 / A100 / L40S "
-             "| errors | router cores | rounds |", "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = ["| target | load | goodput | TTFT p50 / p99 s | L1 to 1 gateway: tiers / engines "
+             "| tier shares H100 / A100 / L40S | errors | router cores | rounds |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for target, cells in summary.items():
         for load, c in cells.items():
             shares = " / ".join(f"{c['tier_shares'].get(t, 0.0):.0%}" for t in ("H100", "A100-80GB", "L40S"))
             lines.append(f"| {target} | {load} | {c['goodput']:.1%} | {c['ttft_p50_s']:.2f} / {c['ttft_p99_s']:.2f} "
-                         f"| {c['l1_to_single']:.3f} ({c['l1_max']:.3f}) | {shares} | {c['errors']} "
+                         f"| {c['l1_tiers']:.3f} / {c['l1_to_single']:.3f} | {shares} | {c['errors']} "
                          f"| {c['router_cores']:.2f} | {c['rounds']} |")
     return "\n".join(lines)
 
@@ -147,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300, help="requests per run")
     p.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.9], help="fractions of capacity")
     p.add_argument("--time-scale", type=float, default=1.0, help="emulated seconds per real second")
+    p.add_argument("--spread", type=float, help="gateway.redis.spread of the replicas on Redis (default: its default)")
     args = p.parse_args(argv)
     started = time.monotonic()
     prefix = f"hgbench:replicas:{uuid.uuid4().hex[:8]}:"
@@ -156,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             engines = start_engines(stack, Path(tmp), args.time_scale)
             capacity = sum(engines.rates.values())
             groups = [start_group(stack, Path(tmp), engines, "1-gateway", 1, None),
-                      start_group(stack, Path(tmp), engines, "3-replicas+redis", 3, prefix),
+                      start_group(stack, Path(tmp), engines, "1-gateway-again", 1, None),
+                      start_group(stack, Path(tmp), engines, "3-replicas+redis", 3, prefix, args.spread),
                       start_group(stack, Path(tmp), engines, "3-replicas-isolated", 3, None)]
             print(f"capacity {capacity:.1f} req/s", flush=True)
             with paused([g.target for g in groups]):
@@ -165,13 +176,14 @@ def main(argv: list[str] | None = None) -> int:
                     for load in args.loads:
                         requests = trace(args.requests, load * capacity, seed=1000 * i + int(load * 100))
                         rows = {g.target.name: run_group(g, requests, args.time_scale) for g in order}
-                        single = rows["1-gateway"]["engine_shares"]
+                        single = rows["1-gateway"]
                         for name, row in rows.items():
                             row.update(target=name, load=f"{load}x", round=i,
-                                       l1_to_single=l1(row["engine_shares"], single))
+                                       l1_to_single=l1(row["engine_shares"], single["engine_shares"]),
+                                       l1_tiers=l1(row["tier_request_shares"], single["tier_request_shares"]))
                             runs.append(row)
                             print(f"round {i + 1}/{args.rounds} {load}x {name}: goodput {row['goodput']:.1%} "
-                                  f"ttft p99 {row['ttft_p99_s']:.2f} s L1 {row['l1_to_single']:.3f} "
+                                  f"ttft p99 {row['ttft_p99_s']:.2f} s L1 tiers {row['l1_tiers']:.3f} "
                                   f"errors {row['errors']}", flush=True)
     finally:
         with redis.Redis.from_url(REDIS_URL, socket_timeout=2) as r:
@@ -185,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     save_report(RESULTS, {
         "wall_s": time.monotonic() - started, "rounds": args.rounds, "requests_per_run": args.requests,
-        "loads": args.loads, "time_scale": args.time_scale, "capacity_rps": capacity, "cluster": CLUSTER,
+        "loads": args.loads, "time_scale": args.time_scale, "spread": args.spread, "capacity_rps": capacity,
+        "cluster": CLUSTER,
         "git": git_state(), "table": text, "summary": summary, "runs": runs,
     })
     return 0
