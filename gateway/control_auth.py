@@ -11,6 +11,8 @@ no one by default:
 - **Engine identity.** Each engine the gateway launches gets a random secret of its own in its
   environment; a heartbeat for a managed backend id must carry it (else PERMISSION_DENIED), token or
   not. Nobody else can take over a managed id, move it, or register as it with another gateway.
+  With replicas, every replica checks it against the digest the launching replica announces
+  through Redis (engine_identities.py), so an engine may heartbeat to any of them.
 - **Address moves.** A heartbeat that would move a backend to another address must prove it is that
   backend: the engine identity for a managed backend, the cluster token for any other. On an open
   loopback control port (no token) an external backend keeps the first address it was given.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import grpc
 
 from gateway.auth import AuthConfig, env_setting
+from gateway.engine_identities import EngineIdentities
 from gateway.state_table import BackendEntry
 from heterogate.control_credentials import (
     ENV_CLUSTER_TOKEN,
@@ -71,26 +73,27 @@ class Refusal:
 @dataclass
 class ControlAuth:
     token: str | None = None
-    identities: dict[str, str] = field(default_factory=dict)   # managed backend id -> its engine's secret
+    identities: EngineIdentities = field(default_factory=EngineIdentities)   # managed backends' engines
     ca_file: Path | None = None                                 # TLS control port: what local clients trust
 
     @classmethod
     def load(
         cls, config: AuthConfig, *, managed: Iterable[str], api_keys_on: bool, control_host: str,
-        ca_file: Path | None = None,
+        ca_file: Path | None = None, launching: bool = True,
     ) -> ControlAuth:
-        """ConfigError (naming the setting) for a missing token source, or a token the setup requires."""
+        """ConfigError (naming the setting) for a missing token source, or a token the setup requires.
+        `launching`: False for a replica that launches the engines only once it leads."""
         token = load_cluster_token(config)
         if token is None and (api_keys_on or not is_loopback(control_host)):
             why = "API keys are on" if api_keys_on else f"the control port listens on {control_host}, beyond loopback"
             raise ConfigError(f"gateway.auth.cluster_token_file or cluster_token_env is required: {why}")
-        return cls(token, {backend_id: secrets.token_urlsafe(32) for backend_id in managed}, ca_file)
+        return cls(token, EngineIdentities.drawn(managed, launching=launching), ca_file)
 
     # -- what the gateway hands out --------------------------------------------------------------
 
     def engine_env(self, backend_id: str) -> dict[str, str]:
         """Environment of the engine launched for `backend_id`: its identity, the token, the CA."""
-        env = {ENV_ENGINE_IDENTITY: self.identities[backend_id]}
+        env = {ENV_ENGINE_IDENTITY: self.identities.secret(backend_id)}
         if self.token is not None:
             env[ENV_CLUSTER_TOKEN] = self.token
         if self.ca_file is not None:
@@ -110,12 +113,10 @@ class ControlAuth:
 
     def admit(self, entry: BackendEntry, address: str, metadata: dict[str, str]) -> Refusal | None:
         """May this (authenticated) stream speak for `entry`, from `address`?"""
-        secret = self.identities.get(entry.id)
-        if secret is not None:
-            given = metadata.get(IDENTITY_METADATA, "")
-            if not hmac.compare_digest(given.encode(), secret.encode()):
+        if entry.id in self.identities:
+            if not self.identities.verify(entry.id, metadata.get(IDENTITY_METADATA, "")):
                 return Refusal(grpc.StatusCode.PERMISSION_DENIED,
-                               f"backend {entry.id!r} is launched by this gateway; the heartbeat does not carry "
+                               f"backend {entry.id!r} is launched by the gateway; the heartbeat does not carry "
                                "the identity the gateway gave that engine")
             return None
         moving = bool(address) and entry.address is not None and address.rstrip("/") != entry.address.rstrip("/")

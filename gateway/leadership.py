@@ -13,6 +13,10 @@ a missing key, so the incumbent wins after a Redis restart. A leader that finds 
 another replica stops its engines at once. Limit: a leader cut off from a Redis that the others still
 reach keeps its engines while another takes over, until it sees Redis again.
 
+Each renewal also announces, under `P identities`, the digests of the identities the leader gives its
+engines (engine_identities.py): the script writes them only for the holder, so every replica can
+check the current leader's engines and a deposed leader cannot overwrite them.
+
 The supervisor is started and stopped from outside (`make_supervisor` builds a fresh one for every
 term of leadership); without Redis the single process supervises from the start.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import structlog
@@ -31,7 +35,10 @@ from redis.exceptions import RedisError
 log = structlog.get_logger("leadership")
 
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if #ARGV > 2 then redis.call('HSET', KEYS[2], unpack(ARGV, 3)) end
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 return 0
 """
@@ -46,12 +53,18 @@ class Supervised(Protocol):
 
 
 class LeaderLease:
-    def __init__(self, redis: Redis, key: str, holder: str, lease_ms: int, timeout_s: float) -> None:
+    def __init__(
+        self, redis: Redis, key: str, holder: str, lease_ms: int, timeout_s: float,
+        announce_key: str = "", announced: Mapping[str, str] | None = None,
+    ) -> None:
+        """`announced`: hash fields written to `announce_key` with every renewal (the engines' digests)."""
         self._redis = redis
         self.key = key
         self.holder = holder
         self.lease_ms = lease_ms
         self._timeout_s = timeout_s
+        self._announce_key = announce_key
+        self._announced = [x for pair in (announced or {}).items() for x in pair]
 
     async def acquire(self) -> bool:
         return bool(await asyncio.wait_for(
@@ -63,7 +76,8 @@ class LeaderLease:
 
     async def renew(self) -> int:
         result = await asyncio.wait_for(
-            self._redis.eval(_RENEW, 1, self.key, self.holder, self.lease_ms), self._timeout_s)
+            self._redis.eval(_RENEW, 2, self.key, self._announce_key or self.key, self.holder, self.lease_ms,
+                             *self._announced), self._timeout_s)
         return int(result)
 
     async def release(self) -> None:
@@ -77,8 +91,12 @@ class Supervision:
     def __init__(
         self, make_supervisor: Callable[[], Supervised], lease: LeaderLease | None,
         engines_silent: Callable[[], bool], takeover_wait_s: float, clock: Callable[[], float],
+        on_term: Callable[[bool], None] = lambda leading: None,
     ) -> None:
+        """`on_term(True)` when this replica takes the engines over (before launching), False when it
+        stops supervising them (their identities follow: control_auth.ControlAuth.identities)."""
         self._make = make_supervisor
+        self._on_term = on_term
         self._lease = lease
         self._engines_silent = engines_silent
         self._takeover_wait_s = takeover_wait_s
@@ -129,16 +147,20 @@ class Supervision:
             self._reachable_since = None
 
     async def _lead(self, stop: asyncio.Event) -> None:
-        """Wait for the previous leader's engines to fall silent (holding the lease), then launch ours."""
+        """Announce our engines' identities, wait for the previous leader's engines to fall silent
+        (holding the lease), then launch ours."""
+        self._on_term(True)
         deadline = self._clock() + self._takeover_wait_s
-        renewed = self._clock()
-        while not self._engines_silent() and self._clock() < deadline and not stop.is_set():
-            with contextlib.suppress(TimeoutError):   # polls the state table: heartbeats set no event
-                await asyncio.wait_for(stop.wait(), 0.05)
+        renewed = float("-inf")   # renew (and announce) at once
+        while True:
             if self._lease is not None and self._clock() - renewed >= self._lease.lease_ms / 3000:
                 renewed = self._clock()
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await self._lease.renew()
+            if self._engines_silent() or self._clock() >= deadline or stop.is_set():
+                break
+            with contextlib.suppress(TimeoutError):   # polls the state table: heartbeats set no event
+                await asyncio.wait_for(stop.wait(), 0.05)
         self.terms += 1
         self.supervisor = self._make()
         self.supervisor.start()
@@ -147,3 +169,4 @@ class Supervision:
         if self.supervisor is not None:
             supervisor, self.supervisor = self.supervisor, None
             await supervisor.stop()
+            self._on_term(False)

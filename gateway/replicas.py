@@ -2,8 +2,9 @@
 
 Wires the pieces of scale-out into a runtime built for one process: the shared state (published and
 refreshed in the background, see shared_state.py), the spreading layer over both pools' policies
-(policies/spreading.py) and the leader lease that picks the one replica running the managed engines
-(leadership.py). A process without a Redis URL uses none of them and supervises the engines itself.
+(policies/spreading.py), the leader lease that picks the one replica running the managed engines
+(leadership.py) and the engines' identities that every replica checks (engine_identities.py). A
+process without a Redis URL uses none of them and supervises the engines itself.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from gateway.engine_identities import EngineIdentities
 from gateway.leadership import LeaderLease
 from gateway.policies.spreading import Spreading
 from gateway.runtime import Runtime
@@ -43,16 +45,18 @@ class Replication:
         await self.redis.aclose()
 
 
-def join(runtime: Runtime, url: str) -> Replication:
+def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replication:
+    """`identities`: this replica's engine identities (announced while it leads, adopted otherwise)."""
     config = runtime.config.settings.redis
     replica_id = new_replica_id()
     redis = connect(config, url)
-    shared = SharedState(runtime.table, redis, config, replica_id, on_remote_heartbeat=runtime.clients.ensure)
+    shared = SharedState(runtime.table, redis, config, replica_id, on_remote_heartbeat=runtime.clients.ensure,
+                         on_identities=identities.adopt)
     runtime.metrics.registry.register(SharedStateCollector(shared, runtime.table))
     pipeline = runtime.pipeline
     pipeline.policy = Spreading(pipeline.policy, config.spread, seed=replica_id)
     pipeline.vision_policy = Spreading(pipeline.vision_policy, config.spread, seed=replica_id + "/vision")
     lease = LeaderLease(redis, config.key_prefix + "leader", replica_id, config.leader_lease_ms,
-                        config.timeout_ms / 1000)
+                        config.timeout_ms / 1000, shared.identities_key, identities.own)
     return Replication(replica_id, redis, shared, lease, runtime)
 

@@ -105,15 +105,17 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     ports = managed_ports(config)
     addresses = {backend_id: managed_address(port) for backend_id, port in ports.items()}
     runtime = build_runtime(config, options.policy, addresses)
-    replication: Replication | None = join(runtime, options.redis_url) if options.redis_url else None
+    managed = [s.id for s in config.raw.backends if s.launch is not None]
+    replication: Replication | None = None
     try:
         grpc_tls = load_grpc_tls(config.settings.tls)
         ssl_options = http_ssl_options(config.settings.tls)
+        # A replica launches the engines only once it leads; a single gateway from the start.
         auth = ControlAuth.load(
-            config.settings.auth, managed=[s.id for s in config.raw.backends if s.launch is not None],
-            api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
-            ca_file=grpc_tls.ca_file if grpc_tls else None,
+            config.settings.auth, managed=managed, api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
+            ca_file=grpc_tls.ca_file if grpc_tls else None, launching=options.redis_url is None,
         )
+        replication = join(runtime, options.redis_url, auth.identities) if options.redis_url else None
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
             control, grpc_port = await start_control(
@@ -128,12 +130,12 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
     launchers = build_launchers(config, ports, f"{local_control_host(options.grpc_host)}:{grpc_port}", runtime.table,
                                 make_probe(probes), options.engine_log_level, engine_env=auth.engine_env)
-    managed = [s.id for s in config.raw.backends if s.launch is not None]
     supervision = Supervision(
         lambda: Supervisor(launchers, on_state=runtime.table.set_lifecycle,
                            stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s)),
         replication.lease if replication else None, engines_silent(runtime, managed),
-        takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic)
+        takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic,
+        on_term=auth.identities.set_launching)
     runtime.metrics.backends.restarts = lambda: {
         c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
     app = create_app(runtime)

@@ -4,18 +4,23 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
 
     P replicas            SET     replica ids that publish counts (a member whose key is gone is pruned)
     P inflight:<replica>  HASH    backend -> this replica's in-flight requests, `v:<backend>` -> image
-                                  tokens it has sent to that encoder; PX replica_ttl_ms, rewritten on
-                                  every refresh, so a replica killed with SIGKILL drops out of every view
-                                  within replica_ttl_ms + one refresh
+                                  tokens it has sent to that encoder, `p:`/`b:`/`k:<backend>` -> its
+                                  leases there: requests before their first token, their prompt tokens
+                                  (the prefill backlog), KV tokens reserved; PX replica_ttl_ms,
+                                  rewritten on every refresh, so a replica killed with SIGKILL drops
+                                  out of every view within replica_ttl_ms + one refresh
     P hb:<backend>        STRING  the backend's last heartbeat (JSON) as received by whichever replica
                                   it pushes to (or that scrapes it); PX = miss limit × heartbeat interval
+    P identities          HASH    managed backend -> digest of its engine's identity, written by the
+                                  leader (leadership.py, engine_identities.py), read on every refresh
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
-received since the last refresh, and reads the members, every peer's counts, and every backend's
+received since the last refresh, and reads the members, every peer's counts, every backend's
 heartbeat with its remaining TTL (from which the heartbeat's age follows without comparing clocks
-across hosts). The request path never waits on Redis: policies read the state table, whose in-flight
-count for a backend is this replica's live count + the peers' counts as of the last refresh, so a
-decision between refreshes already counts this replica's own new dispatches.
+across hosts) and the engines' identity digests. The request path never waits on Redis: policies
+read the state table, whose in-flight count for a backend is this replica's live count + the peers'
+counts as of the last refresh, so a decision between refreshes already counts this replica's own new
+dispatches.
 
 Redis unreachable or restarted: each replica fails open on its own view. Peers' counts drop to zero;
 backends last heard through Redis keep their last reported state and stay candidates for at most
@@ -42,11 +47,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.redis_config import RedisConfig
-from gateway.state_table import Reported, StateTable
+from gateway.state_table import NO_PEER_LOAD, PeerLoad, Reported, StateTable
 
 log = structlog.get_logger("shared_state")
 
-VISION = "v:"                 # hash field prefix of image-token counts
+# Hash fields of a replica's counts: backend id, or one of these prefixes + backend id, in the order
+# of PeerLoad's fields (in-flight requests have no prefix).
+FIELD_PREFIXES = ("", "v:", "p:", "b:", "k:")
 _REPORTED_FIELDS = tuple(f.name for f in dataclasses.fields(Reported))
 # A refresh that fails is retried after this long at first, doubling up to the cap (refreshes keep
 # running at `refresh_ms` while Redis answers).
@@ -77,16 +84,20 @@ class SharedState:
     def __init__(
         self, table: StateTable, redis: Redis, config: RedisConfig, replica_id: str,
         on_remote_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
+        on_identities: Callable[[dict[str, str]], None] = lambda digests: None,
     ) -> None:
         self._table = table
+        self._on_identities = on_identities
         self._redis = redis
         self._config = config
         self.replica_id = replica_id
         self._on_remote_heartbeat = on_remote_heartbeat
         prefix = config.key_prefix
         self.members_key = f"{prefix}replicas"
+        self.identities_key = f"{prefix}identities"
         self._counts_prefix = f"{prefix}inflight:"
         self._backend_ids = [e.id for e in table.entries()]
+        self._fields = [p + b for b in self._backend_ids for p in FIELD_PREFIXES]
         self._hb_key = {b: f"{prefix}hb:{b}" for b in self._backend_ids}
         self._hb_keys = list(self._hb_key.values())
         self._hb_ttl_ms = max(1, round(table.miss_limit * table.heartbeat_interval_s * 1000))
@@ -113,14 +124,15 @@ class SharedState:
     async def refresh(self) -> None:
         """One round trip: publish own counts and new heartbeats; read peers' counts and heartbeats."""
         table = self._table
-        own = self.key(self.replica_id)
+        own_key = self.key(self.replica_id)
         counts: dict[str, int] = {}
         for e in table.entries():
-            counts[e.id] = e.in_flight
-            counts[VISION + e.id] = e.vision_in_flight_tokens
+            own = (e.in_flight, e.vision_in_flight_tokens, e.prefilling, e.prefill_backlog_tokens, e.kv_reserved_tokens)
+            for prefix, value in zip(FIELD_PREFIXES, own, strict=True):
+                counts[prefix + e.id] = value
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(own, mapping=counts)   # type: ignore[arg-type]
-        pipe.pexpire(own, self._config.replica_ttl_ms)
+        pipe.hset(own_key, mapping=counts)   # type: ignore[arg-type]
+        pipe.pexpire(own_key, self._config.replica_ttl_ms)
         pipe.sadd(self.members_key, self.replica_id)
         if self._gone:
             pipe.srem(self.members_key, *self._gone)
@@ -137,27 +149,26 @@ class SharedState:
         for k in self._hb_keys:
             pipe.get(k)
             pipe.pttl(k)
+        pipe.hgetall(self.identities_key)
         results: list[Any] = await pipe.execute()
-        tail = results[-(1 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
-        members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):]
+        tail = results[-(2 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
+        members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):-1]
+        self._on_identities(tail[-1])
         self._apply_peers(peers, peer_maps)
         self._apply_heartbeats(heartbeats)
         self._peers = sorted(m for m in members if m != self.replica_id)
         self._resumed()
 
     def _apply_peers(self, peers: list[str], maps: list[dict[str, str]]) -> None:
-        in_flight: dict[str, int] = {}
-        vision: dict[str, int] = {}
         self._gone = [p for p, m in zip(peers, maps, strict=True) if not m]
+        summed = {field: 0 for field in self._fields}
         for m in maps:
             for field, value in m.items():
-                if field.startswith(VISION):
-                    vision[field[2:]] = vision.get(field[2:], 0) + int(value)
-                else:
-                    in_flight[field] = in_flight.get(field, 0) + int(value)
+                if field in summed:
+                    summed[field] += int(value)
         self.peer_count = len(peers) - len(self._gone)
         for backend_id in self._backend_ids:
-            self._table.set_peer_load(backend_id, in_flight.get(backend_id, 0), vision.get(backend_id, 0))
+            self._table.set_peer_load(backend_id, PeerLoad(*(summed[p + backend_id] for p in FIELD_PREFIXES)))
 
     def _apply_heartbeats(self, values: list[Any]) -> None:
         now = self._table.clock()
@@ -198,7 +209,7 @@ class SharedState:
         self.up = False
         self.peer_count = 0
         for backend_id in self._backend_ids:
-            self._table.set_peer_load(backend_id, 0, 0)
+            self._table.set_peer_load(backend_id, NO_PEER_LOAD)
         self.hold()
 
     def hold(self) -> None:

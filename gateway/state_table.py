@@ -63,6 +63,19 @@ class Reported:
     kv_source: KvSource | None = None         # None: the sender does not say
 
 
+class PeerLoad(NamedTuple):
+    """The other replicas' load on one backend, as last shared through Redis (shared_state.py)."""
+
+    in_flight: int = 0
+    vision_tokens: int = 0
+    prefilling: int = 0
+    prefill_backlog_tokens: int = 0
+    kv_reserved_tokens: int = 0
+
+
+NO_PEER_LOAD = PeerLoad()
+
+
 @dataclass(slots=True)
 class BackendEntry:
     id: str
@@ -77,8 +90,7 @@ class BackendEntry:
     reported: Reported = field(default_factory=Reported)
     in_flight: int = 0
     vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded
-    peer_in_flight: int = 0                   # other replicas' in-flight here, as last shared
-    peer_vision_tokens: int = 0
+    peer: PeerLoad = NO_PEER_LOAD             # other replicas' load here, as last shared
     max_model_len: int | None = None          # configured: where the engine does not say
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
     prefilling: int = 0                       # leases without a first token
@@ -87,6 +99,10 @@ class BackendEntry:
     lifecycle: Lifecycle | None = None
     cached: BackendSnapshot | None = field(default=None, repr=False)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots
+
+    @property
+    def peer_in_flight(self) -> int:
+        return self.peer.in_flight
 
     @property
     def snapshot(self) -> BackendSnapshot | None:
@@ -200,11 +216,11 @@ class StateTable:
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
         entry.snapshot = None   # the pools re-read its row
 
-    def set_peer_load(self, backend_id: str, in_flight: int, vision_tokens: int) -> None:
-        """The other replicas' in-flight requests and image tokens on this backend (shared state)."""
+    def set_peer_load(self, backend_id: str, load: PeerLoad) -> None:
+        """The other replicas' requests, image tokens and leases on this backend (shared state)."""
         entry = self._entries[backend_id]
-        if (entry.peer_in_flight, entry.peer_vision_tokens) != (in_flight, vision_tokens):
-            entry.peer_in_flight, entry.peer_vision_tokens = in_flight, vision_tokens
+        if entry.peer != load:
+            entry.peer = load
             entry.snapshot = None
 
     def assume_alive(self, backend_id: str) -> None:
@@ -218,8 +234,10 @@ class StateTable:
         entry.prefill_backlog_tokens += prompt_tokens
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         entry.snapshot = None
-        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, entry.prefill_backlog_tokens,
-                     self.clock())
+        # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
+        # on this request's own few tokens
+        ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
+        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, ahead, self.clock())
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""
@@ -394,7 +412,7 @@ class StateTable:
             kv_free_bytes=kv_free,
             kv_total_bytes=kv_total,
             kv_bytes_per_token=fixed.kv_bytes_per_token,
-            vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens + e.peer_vision_tokens),
+            vision_backlog=max(r.vision_backlog, e.vision_in_flight_tokens + e.peer.vision_tokens),
             mean_service_s=self.mean_service_s(e),
             prefill_s_per_token=fixed.prefill_s_per_token,
             weight_bytes=fixed.weight_bytes,
@@ -403,9 +421,9 @@ class StateTable:
             max_context=self.context(e)[0],
             learned_prefill_s_per_token=speed.prefill.value,
             decode_step_s=speed.decode.value,
-            prefilling=e.prefilling,
-            prefill_backlog_tokens=e.prefill_backlog_tokens,
-            kv_reserved_tokens=e.kv_reserved_tokens,
+            prefilling=e.prefilling + e.peer.prefilling,
+            prefill_backlog_tokens=e.prefill_backlog_tokens + e.peer.prefill_backlog_tokens,
+            kv_reserved_tokens=e.kv_reserved_tokens + e.peer.kv_reserved_tokens,
         )
         e.snapshot = snap
         return snap

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from gateway.control_auth import ControlAuth
+from gateway.engine_identities import EngineIdentities
 from gateway.heartbeat_service import ControlService
 from gateway.state_table import StateTable
 from heterogate.catalog import load_catalog
@@ -58,7 +59,7 @@ async def refused(port: int, backend_id: str, address: str, credentials: Control
 
 
 async def test_token_required_when_configured() -> None:
-    auth = ControlAuth(TOKEN, {MANAGED: "engine-secret"})
+    auth = ControlAuth(TOKEN, EngineIdentities({MANAGED: "engine-secret"}))
     server, table, port = await control_server(auth)
     try:
         for creds in (ControlCredentials(), ControlCredentials(token="wrong"), ControlCredentials(identity="x")):
@@ -73,7 +74,7 @@ async def test_token_required_when_configured() -> None:
 
 
 async def test_managed_backend_needs_its_engine_identity() -> None:
-    auth = ControlAuth(TOKEN, {MANAGED: "engine-secret"})
+    auth = ControlAuth(TOKEN, EngineIdentities({MANAGED: "engine-secret"}))
     server, table, port = await control_server(auth)
     try:
         engine = ControlCredentials(token=TOKEN, identity="engine-secret")
@@ -96,7 +97,7 @@ async def test_managed_backend_needs_its_engine_identity() -> None:
 async def test_open_loopback_port_still_guards_ids_and_addresses() -> None:
     """No token configured (a loopback demo): managed ids still need their identity, and an external
     backend cannot be moved away from its address."""
-    auth = ControlAuth(None, {MANAGED: "engine-secret"})
+    auth = ControlAuth(None, EngineIdentities({MANAGED: "engine-secret"}))
     server, table, port = await control_server(auth)
     try:
         err = await refused(port, MANAGED, "127.0.0.1:6666", ControlCredentials())

@@ -8,6 +8,9 @@ backend for its performance-model service time, stretched by 5 % per other reque
 (sharing: the others learn it through Redis) or to every replica (isolated: no Redis, each replica
 on its own view). Requests reach the replicas in turn, like a round-robin load balancer.
 
+A `router` (benchmarks/route_and_reserve.py) may replace each replica's own choice with an atomic
+decision in Redis; it sees the policy's decision and the candidates, and releases on completion.
+
 Virtual time keeps the run short and the event order reproducible; only Redis is real (its TTLs run
 in real time, far longer than a run's real duration).
 """
@@ -17,11 +20,12 @@ from __future__ import annotations
 import heapq
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from gateway.policies import build_policy
-from gateway.policies.contracts import Policy, RequestProfile
+from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile
 from gateway.policies.spreading import Spreading
 from gateway.redis_config import RedisConfig
 from gateway.shared_state import SharedState, connect
@@ -32,6 +36,11 @@ from heterogate.catalog import load_catalog
 Mode = Literal["single", "shared", "shared_no_spread", "isolated"]
 CLUSTER = {"H100": 1, "A100-80GB": 2, "L40S": 2}    # three tiers
 BATCH_STRETCH = 0.05
+
+
+class Router(Protocol):
+    async def pick(self, decision: Decision, candidates: Sequence[BackendSnapshot], table: StateTable) -> str: ...
+    async def release(self, backend_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ def l1(a: dict[str, float], b: dict[str, float]) -> float:
 async def route_trace(
     trace: Trace, mode: Mode, replicas: int, *, prefix: str = "unused:", redis_url: str = "",
     policy: str = "heteroserve", refresh_s: float = 0.05, heartbeat_s: float = 0.2, spread: float = 0.05,
+    router: Router | None = None,
 ) -> Counter[str]:
     """Per-backend request counts when `replicas` replicas route `trace` (mode `single`: one, bare policy)."""
     cat = load_catalog()
@@ -132,7 +142,10 @@ async def route_trace(
                 r = i % replicas
                 profile = RequestProfile(f"r{i}", prompt, output)
                 candidates = tables[r].candidates(("language",), at)
-                backend_id = policies[r].choose(profile, candidates, at).backend.id
+                decision = policies[r].choose(profile, candidates, at)
+                backend_id = decision.backend.id
+                if router is not None:
+                    backend_id = await router.pick(decision, candidates, tables[r])
                 lease = tables[r].acquire(backend_id)
                 counts[backend_id] += 1
                 base = perf_model.service_seconds(model, gpus[backend_id], prompt, output)
@@ -142,6 +155,8 @@ async def route_trace(
                 r, lease = payload  # type: ignore[misc]
                 tables[r].release(lease)
                 running[lease.backend_id] -= 1
+                if router is not None:
+                    await router.release(lease.backend_id)
     finally:
         for s in shared:
             await s.withdraw()

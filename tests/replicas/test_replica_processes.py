@@ -19,9 +19,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
+from heterogate.control_credentials import ENV_ENGINE_IDENTITY, IDENTITY_METADATA
+from heterogate.wire import control_pb2, control_pb2_grpc
 from tests.harness import ROOT, Gateway, free_port, long_request_id, metric_total, run_gateway, write_config
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, redis_server
 
@@ -198,20 +201,96 @@ def test_leader_killed_another_replica_supervises_the_engines_and_never_two_sets
         assert all(int(st[1]) == b.process.pid or int(stat(int(st[1]))[1]) == b.process.pid for st in stats)
 
 
-def worker_requests(gw: Gateway) -> tuple[str, float]:
-    """(the replica id of the worker that answered, the requests it counted), from one /metrics read."""
+def by_worker(gw: Gateway, name: str) -> tuple[str, float]:
+    """(the replica id of the worker that answered, its sum of the samples called `name`), from one
+    /metrics read (a new connection: the kernel picks the worker)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples = [s for f in text_string_to_metric_families(httpx.get(f"{gw.url}/metrics", timeout=5).text)
                for s in f.samples]
     replica = next(s.labels["replica"] for s in samples if s.name == "heterogate_shared_state_up")
-    return replica, sum(s.value for s in samples if s.name == "heterogate_requests_total")
+    return replica, sum(s.value for s in samples if s.name == name)
+
+
+def worker_requests(gw: Gateway) -> tuple[str, float]:
+    return by_worker(gw, "heterogate_requests_total")
+
+
+def engine_identity(pid: int) -> str:
+    """The identity a gateway gave the engine `pid` (its environment, readable by the same user)."""
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return env[ENV_ENGINE_IDENTITY]
+
+
+def heartbeats_admitted(grpc_port: int, backend_id: str, address: str, identity: str, streams: int) -> list[str]:
+    """One stale heartbeat (seq 1: the state table ignores it) on each of `streams` new connections to the
+    workers' shared control port; the answer of each: "ack" or the gRPC status code's name."""
+    out = []
+    for _ in range(streams):
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            call = control_pb2_grpc.ControlStub(channel).Connect(
+                iter([control_pb2.BackendState(backend_id=backend_id, address=address, seq=1)]),
+                metadata=((IDENTITY_METADATA, identity),), timeout=10)
+            try:
+                out.extend("ack" for _ in call)
+            except grpc.RpcError as exc:
+                out.append(exc.code().name)
+    return out
+
+
+def test_workers_with_managed_engines_any_worker_admits_them_and_the_next_leader_keeps_it(tmp_path: Path) -> None:
+    """`--workers 2` launching its own engines. Engines heartbeat to the shared control port, so each
+    stream lands on whichever worker the kernel picks; every worker must admit the launcher's engines
+    (the leader announces their identity digests through Redis) and still refuse a wrong identity.
+    16 streams on new connections all land on one worker with probability 2^-15."""
+    with redis_prefix("wmanaged") as prefix:
+        config = cluster(tmp_path, "w", prefix, leader_lease_ms=1500)
+        with run_gateway(config, "--workers", "2", "--redis-url", SYSTEM_REDIS, healthy=0) as gw:
+
+            def both_workers_see(pids: set[int] | None) -> dict[str, list[int]] | None:
+                try:
+                    healthy = dict(by_worker(gw, "heterogate_backend_healthy") for _ in range(16))
+                except httpx.HTTPError:   # a connection queued on the killed worker's socket is reset
+                    return None
+                engines = engine_processes({gw.grpc_port})
+                fresh = pids is None or not pids & {p for ps in engines.values() for p in ps}
+                ok = len(healthy) == 2 and set(healthy.values()) == {2.0} and len(engines) == 2 and fresh
+                return engines if ok else None
+
+            def check(engines: dict[str, list[int]], refused_identity: str) -> None:
+                addresses = {b["id"]: b["address"] for b in gw.backends()}
+                for backend_id, pids in engines.items():
+                    assert len(pids) == 1, engines
+                    identity = engine_identity(pids[0])
+                    admitted = heartbeats_admitted(gw.grpc_port, backend_id, addresses[backend_id], identity, 16)
+                    assert admitted == ["ack"] * 16, admitted
+                    for wrong in (refused_identity, identity + "x", ""):
+                        assert heartbeats_admitted(gw.grpc_port, backend_id, addresses[backend_id], wrong, 4) == \
+                            ["PERMISSION_DENIED"] * 4
+                for _ in range(40):   # a new connection each time
+                    r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                                   timeout=10)
+                    assert r.status_code == 200, r.text
+
+            before = gw.wait_until(lambda: both_workers_see(None), timeout=60, interval=0.2)
+            served_before = dict(worker_requests(gw) for _ in range(16))
+            check(before, "guess")
+            served = dict(worker_requests(gw) for _ in range(30))
+            assert len(served) == 2 and all(served[w] > served_before.get(w, 0) for w in served), served
+            # the leader worker (its engines' process guards are its children) is killed; the parent
+            # restarts it, the other worker takes the lease and launches engines with its own identities
+            guard = int(stat(before["h100-0"][0])[1])
+            leader = int(stat(guard)[1])
+            old_identity = engine_identity(before["h100-0"][0])
+            os.kill(leader, signal.SIGKILL)
+            after = gw.wait_until(lambda: both_workers_see({p[0] for p in before.values()}), timeout=60,
+                                  interval=0.2)
+            assert int(stat(int(stat(after["h100-0"][0])[1]))[1]) != leader
+            check(after, old_identity)
 
 
 def test_workers_share_ports_and_state(tmp_path: Path) -> None:
-    """Two workers in front of an OpenAI-compatible engine. (Managed engines under --workers are refused
-    by the control plane's per-engine identity when they heartbeat to a worker other than the leader:
-    docs/REPLICAS.md, what is missing.)"""
+    """Two workers in front of an OpenAI-compatible engine."""
     port = free_port()
     engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -53,6 +53,30 @@ async def test_in_flight_counts_add_up_across_replicas_and_own_dispatches_count_
             assert ra.peer_count == 1 and rb.peer_count == 1
 
 
+async def test_leases_prefill_backlog_and_kv_reservations_add_up_across_replicas() -> None:
+    """What marginal_delay reads beside the in-flight count: requests before their first token, their
+    prompt tokens, and KV reservations, summed over the replicas; and the tokens ahead that a
+    request's TTFT teaches the prefill rate with."""
+    with redis_prefix("leases") as prefix:
+        a, b = table(GPUS), table(GPUS)
+        for t in (a, b):
+            t.apply_heartbeat("h100-0", 1, "x:1", Reported(seq=1, kv_free_bytes=1 << 40, kv_total_bytes=1 << 40))
+        async with replica(a, prefix, "a") as ra, replica(b, prefix, "b") as rb:
+            first = a.acquire("h100-0", prompt_tokens=1000, max_tokens=100)
+            a.acquire("h100-0", prompt_tokens=500, max_tokens=50)
+            a.first_token(first)
+            b.acquire("h100-0", prompt_tokens=200, max_tokens=20)
+            for _ in range(3):   # as above: the members learnt at the previous refresh
+                await ra.refresh()
+                await rb.refresh()
+            for t in (a, b):
+                snap = t.candidates(("language",))[0]
+                assert (snap.in_flight, snap.prefilling, snap.prefill_backlog_tokens, snap.kv_reserved_tokens) == \
+                    (3, 2, 700, 1870), snap
+            # the prefill-rate sample of b's next request counts the tokens ahead of it on every replica
+            assert b.acquire("h100-0", prompt_tokens=100).tokens_ahead == 800
+
+
 async def test_a_replica_that_stops_refreshing_drops_out_after_its_ttl() -> None:
     with redis_prefix("expiry") as prefix:
         a, b = table(GPUS), table(GPUS)

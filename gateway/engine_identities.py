@@ -1,0 +1,68 @@
+"""Managed engines' identities, checkable by every replica: each secret is known to the others by digest.
+
+A managed engine proves it is the backend it heartbeats for with a secret that the replica launching
+it put in its environment (control_auth.py). With several replicas (`--workers` on one SO_REUSEPORT
+control port, or replicas behind a list of control addresses) the heartbeat may land on any of them,
+so every replica must be able to check it, not only the launcher:
+
+- each replica draws one random secret (256 bits) per managed backend at start-up;
+- the replica that launches the engines (the leader) announces the SHA-256 digests of its secrets
+  under `P identities`, with every lease renewal and in the same holder-checked script
+  (leadership.py), so a replica that has lost the lease cannot overwrite them;
+- every other replica reads the digests on each shared-state refresh (shared_state.py) and admits a
+  heartbeat whose identity hashes to the announced digest.
+
+Redis holds digests, never secrets: reading Redis does not let anyone speak for an engine (writing to
+it already allows writing heartbeats, so Redis is inside the trust boundary either way). The
+launcher uses its own digests from the moment it leads and ignores what Redis says meanwhile; a
+replica that has not yet read a backend's digest refuses its heartbeats, and the engine retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable, Mapping
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class EngineIdentities:
+    def __init__(self, own_secrets: Mapping[str, str] | None = None, *, launching: bool = True) -> None:
+        """`own_secrets`: managed backend id -> the secret this replica gives the engine it launches.
+        `launching`: whether this replica launches them now (a single gateway always does)."""
+        self._secrets = dict(own_secrets or {})
+        self.own = {b: digest(s) for b, s in self._secrets.items()}   # what this replica announces
+        self.launching = launching
+        self._digests = dict(self.own) if launching else {}
+
+    @classmethod
+    def drawn(cls, managed: Iterable[str], *, launching: bool = True) -> EngineIdentities:
+        return cls({backend_id: secrets.token_urlsafe(32) for backend_id in managed}, launching=launching)
+
+    def __contains__(self, backend_id: str) -> bool:
+        return backend_id in self._secrets
+
+    def secret(self, backend_id: str) -> str:
+        return self._secrets[backend_id]
+
+    def set_launching(self, launching: bool) -> None:
+        """This replica starts (True) or stops (False) launching the engines."""
+        self.launching = launching
+        if launching:
+            self._digests.update(self.own)
+
+    def adopt(self, announced: Mapping[str, str]) -> None:
+        """The digests the leader announced (read from Redis); ignored while this replica launches."""
+        if self.launching:
+            return
+        for backend_id, value in announced.items():
+            if backend_id in self._secrets:
+                self._digests[backend_id] = value
+
+    def verify(self, backend_id: str, given: str) -> bool:
+        expected = self._digests.get(backend_id)
+        return expected is not None and hmac.compare_digest(digest(given), expected)
