@@ -202,7 +202,7 @@ class EngineStream:
         link.wake.set()   # the writer sees the link closed and returns
         if self._link is link:
             self._link = None
-        if self._inboxes:
+        if self._inboxes and status[0] != grpc.StatusCode.CANCELLED:
             log.warning("engine_stream_failed", code=status[0].name, detail=status[1], requests=len(self._inboxes))
         for inbox in self._inboxes.values():
             inbox.fail(status)
