@@ -45,23 +45,13 @@ async def generate_call(
         await context.abort(exc.code, exc.detail)
 
 
-def merge_into(into: engine_pb2.GenerateChunk, chunk: engine_pb2.GenerateChunk) -> None:
-    """Append a later chunk of the same request to one not sent yet: texts joined, the last index,
-    the finish reason and usage if it carries them."""
-    into.text += chunk.text
-    into.index = chunk.index
-    if chunk.finish_reason:
-        into.finish_reason = chunk.finish_reason
-        into.usage.CopyFrom(chunk.usage)
-
-
 class EngineSession:
     """One Session call: reads starts and cancels, runs the requests, writes what they produce."""
 
     def __init__(self, generate: Generator) -> None:
         self._generate = generate
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._chunks: dict[int, engine_pb2.GenerateChunk] = {}   # per tag, not sent yet
+        self._chunks: list[engine_pb2.GenerateChunk] = []   # not sent yet, in order per tag
         self._ends: list[engine_pb2.SessionEnd] = []
         self._ready = asyncio.Event()
         self._closing = False   # the gateway closed its side and every request is done
@@ -92,13 +82,9 @@ class EngineSession:
         stream = self._generate(request)
         try:
             async for chunk in stream:
-                pending = self._chunks.get(tag)
-                if pending is None:
-                    chunk.tag = tag
-                    self._chunks[tag] = chunk
-                    self._ready.set()
-                else:
-                    merge_into(pending, chunk)
+                chunk.tag = tag
+                self._chunks.append(chunk)
+                self._ready.set()
         except RequestFailed as exc:
             self._end(tag, exc.code, exc.detail)
         except Exception as exc:   # a bug must fail its request, not hang it
@@ -113,8 +99,8 @@ class EngineSession:
         self._ready.set()
 
     def _take(self) -> engine_pb2.SessionReply:
-        reply = engine_pb2.SessionReply(chunks=self._chunks.values(), ends=self._ends)
-        self._chunks, self._ends = {}, []
+        reply = engine_pb2.SessionReply(chunks=self._chunks, ends=self._ends)
+        self._chunks, self._ends = [], []
         return reply
 
     async def _write(self, context: grpc.aio.ServicerContext) -> None:

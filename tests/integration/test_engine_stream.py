@@ -4,7 +4,8 @@ A standalone simulated language engine heartbeats to a Control service the test 
 reports can be read), and the gateway's own `EngineClient` talks to it over loopback, as the gateway
 does: every request is a tag on one long-lived stream.
 
-    many concurrent requests            each gets its own tokens, in order, with its own usage
+    many concurrent requests            each gets its own tokens, in order, one chunk per token,
+                                        with its own usage
     the reader leaves early             the engine drops the sequence and frees its KV
     the request's deadline passes       BackendTimeout, and the engine frees its KV as well
     the engine is killed mid-stream     every request in flight fails with BackendFailure (retryable
@@ -86,6 +87,8 @@ def test_concurrent_requests_over_one_stream_each_get_their_own_tokens(engines: 
         assert "".join(c.text for c in chunks) == expected_text(want), rid
         assert chunks[-1].usage.completion_tokens == want and chunks[-1].finish_reason, rid
         assert not any(c.finish_reason for c in chunks[:-1]), rid
+        if i % 4:   # streamed: one chunk per token, as on Generate, however many share a message
+            assert indexes == list(range(want)), rid
     idle(engines, "l0")
 
 
