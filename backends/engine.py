@@ -14,7 +14,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import structlog
@@ -22,6 +22,7 @@ import structlog
 from backends.batcher import SequenceTooLarge
 from backends.embedding_store import EmbeddingStore, EmbeddingTimeout
 from backends.engine_config import EngineConfig, parse_args
+from backends.engine_session import EngineSession, RequestFailed, generate_call
 from backends.executor_factory import build_executors
 from backends.executors import GenerateInput, InvalidInput, Sampling
 from backends.gpu_scheduler import GpuScheduler
@@ -46,45 +47,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        executor = self._engine.language
-        if executor is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no language model")
-            return
-        if request.max_tokens == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
-        wait_s = 0.0
-        embeddings: list[engine_pb2.Embedding] = []
-        if request.embedding_count:
-            t0 = time.monotonic()
-            timeout_s = (request.embedding_timeout_ms or 10_000) / 1000
-            try:
-                key = request.handoff_key or request.request_id
-                embeddings = await self._engine.embeddings.wait(key, request.embedding_count, timeout_s)
-            except EmbeddingTimeout as exc:
-                await context.abort(grpc.StatusCode.ABORTED, str(exc))
-            wait_s = time.monotonic() - t0
-        prompt_tokens = len(request.token_ids) or request.prompt_tokens + request.image_tokens
-        try:
-            count, texts = 0, []
-            async for token in executor.generate(generate_input(request, prompt_tokens, embeddings)):
-                count += 1
-                # whole: the first token (it proves the engine alive), then the rest in one message
-                if request.whole and count > 1:
-                    texts.append(token.text)
-                    if token.finish_reason is None:
-                        continue
-                chunk = engine_pb2.GenerateChunk(text="".join(texts) if texts else token.text, index=token.index)
-                if count == 1:
-                    chunk.embedding_wait_s = wait_s
-                if token.finish_reason is not None:
-                    chunk.finish_reason = token.finish_reason
-                    chunk.usage.prompt_tokens = prompt_tokens
-                    chunk.usage.completion_tokens = count
-                yield chunk
-        except SequenceTooLarge as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except InvalidInput as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async for chunk in generate_call(self._engine.generate, request, context):
+            yield chunk
+
+    async def Session(
+        self, request_iterator: AsyncIterator[engine_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await EngineSession(self._engine.generate).serve(context)
 
     async def Encode(
         self, request: engine_pb2.EncodeRequest, context: grpc.aio.ServicerContext
@@ -162,6 +131,48 @@ class Engine:
         # Cluster token, the identity the launching gateway gave this engine, TLS: from the environment.
         self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.heartbeat_ms / 1000,
                                           credentials=ControlCredentials.from_env())
+
+    async def generate(self, request: engine_pb2.GenerateRequest) -> AsyncGenerator[engine_pb2.GenerateChunk, None]:
+        """One request's chunks (a Generate call, or a request on a Session): one per token, or with
+        `whole` the first token and then the rest as one. Fails with `RequestFailed`."""
+        executor = self.language
+        if executor is None:
+            raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no language model")
+        if request.max_tokens == 0:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+        wait_s = 0.0
+        embeddings: list[engine_pb2.Embedding] = []
+        if request.embedding_count:
+            t0 = time.monotonic()
+            timeout_s = (request.embedding_timeout_ms or 10_000) / 1000
+            try:
+                key = request.handoff_key or request.request_id
+                embeddings = await self.embeddings.wait(key, request.embedding_count, timeout_s)
+            except EmbeddingTimeout as exc:
+                raise RequestFailed(grpc.StatusCode.ABORTED, str(exc)) from None
+            wait_s = time.monotonic() - t0
+        prompt_tokens = len(request.token_ids) or request.prompt_tokens + request.image_tokens
+        try:
+            count, texts = 0, []
+            async for token in executor.generate(generate_input(request, prompt_tokens, embeddings)):
+                count += 1
+                # whole: the first token (it proves the engine alive), then the rest in one message
+                if request.whole and count > 1:
+                    texts.append(token.text)
+                    if token.finish_reason is None:
+                        continue
+                chunk = engine_pb2.GenerateChunk(text="".join(texts) if texts else token.text, index=token.index)
+                if count == 1:
+                    chunk.embedding_wait_s = wait_s
+                if token.finish_reason is not None:
+                    chunk.finish_reason = token.finish_reason
+                    chunk.usage.prompt_tokens = prompt_tokens
+                    chunk.usage.completion_tokens = count
+                yield chunk
+        except SequenceTooLarge as exc:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except InvalidInput as exc:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     def _changed(self) -> None:
         self.scheduler.wake()

@@ -68,14 +68,15 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def launch(config: Path, command: list[str]) -> Iterator[Gateway]:
-    """`command --backends config --port .. --grpc-port .. --log-level warning` until the block ends."""
+def launch(config: Path, command: list[str], cwd: Path = ROOT) -> Iterator[Gateway]:
+    """`command --backends config --port .. --grpc-port .. --log-level warning` until the block ends.
+    `cwd`: where it runs; `python -m` there imports that checkout's code (and so do the engines it launches)."""
     port, grpc_port = free_port(), free_port()
     log_path = config.parent / "gateway.log"
     cmd = [*command, "--backends", str(config), "--port", str(port), "--grpc-port", str(grpc_port),
            "--log-level", "warning"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     gw = Gateway(proc, f"http://127.0.0.1:{port}", grpc_port, log_path)
     try:
         def up() -> bool:
@@ -95,18 +96,19 @@ def launch(config: Path, command: list[str]) -> Iterator[Gateway]:
 @contextmanager
 def running_cluster(
     engine: EngineKind, backends: int, tmp: Path, gateway_command: list[str] | None = None,
-    stub_args: tuple[str, ...] = (), unix: bool = False,
+    stub_args: tuple[str, ...] = (), unix: bool = False, cwd: Path = ROOT,
 ) -> Iterator[Cluster]:
     """Start the gateway and `backends` engines; wait until every backend heartbeats; stop all on exit.
 
     `unix`: stub engines listen on Unix-domain sockets in `tmp` instead of loopback TCP.
+    `cwd`: the checkout the gateway (with `gateway_command`) and the engines it launches run from.
     """
     listen = [["--unix", str(tmp / f"e{i}.sock")] if unix else ["--port", str(free_port())] for i in range(backends)]
     addresses = [f"unix:{a[1]}" if unix else f"127.0.0.1:{a[1]}" for a in listen]
     config = write_config(tmp, cluster_config(engine, addresses))
     with ExitStack() as stack:
         if gateway_command is not None:
-            gw = stack.enter_context(launch(config, gateway_command))
+            gw = stack.enter_context(launch(config, gateway_command, cwd))
         else:
             gw = stack.enter_context(run_gateway(config, healthy=0 if engine == "stub" else backends))
         if engine == "stub":

@@ -1,6 +1,7 @@
 """The front door side by side with the Rust routers, in front of the same fast engines, in one run.
 
-    python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers]
+    python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers | --managed-only]
+                                    [--baseline DIR] [--out FILE]
 
 Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
 
@@ -11,14 +12,17 @@ Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_o
     heterogate-managed  the gateway with two managed simulated engines (gRPC, `time_scale: 0`)
 
 The routers are installed on first use into benchmarks/.peers-venv (`pip install vllm-router
-sglang-router`); `--no-peers` leaves them out. Cells, each the median over rounds (targets alternate
-within a round, so background load hits them alike):
+sglang-router`); `--no-peers` leaves them out, `--managed-only` leaves them and `heterogate-openai` out.
+`--baseline DIR` adds `heterogate-managed@base`, the same managed target run from another checkout
+(`git archive <commit> | tar -x -C DIR`), for before and after in one run. Cells, each the median
+over rounds (targets alternate within a round, so background load hits them alike):
 
     rps64     req/s at c=64, non-streamed, max_tokens 4          (wrk)
     rps64s    req/s at c=64, streamed, 32 chunks                 (wrk)
     p50/p99   latency at c=1 and c=16, non-streamed; "added" = target − direct
     ttft      streaming time to the first event at c=1, p50      (aiohttp client)
     cpu/req   CPU µs of the router process per non-streamed request at c=64 (/proc)
+    engine    CPU µs of the managed engines per non-streamed request at c=64 (managed targets)
     errors    socket errors + non-2xx over every run
 
 Writes benchmarks/results/front_door.json and prints the table that docs/FRONT_DOOR.md quotes.
@@ -95,11 +99,21 @@ def process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 class Target:
-    def __init__(self, name: str, url: str, pid: int, model: str = MODEL) -> None:
-        self.name, self.url, self.pid, self.model = name, url, pid, model
+    def __init__(self, name: str, url: str, pid: int, model: str = MODEL, engine_pids: tuple[int, ...] = ()) -> None:
+        self.name, self.url, self.pid, self.model, self.engine_pids = name, url, pid, model, engine_pids
 
 
-def start_targets(stack: ExitStack, tmp: Path, peers: bool) -> list[Target]:
+def managed_target(stack: ExitStack, tmp: Path, name: str, checkout: Path = ROOT) -> Target:
+    """The gateway with two managed simulated engines, both run from `checkout`."""
+    (tmp / name).mkdir()
+    command = None if checkout == ROOT else [sys.executable, "-m", "gateway.cli"]
+    cluster = stack.enter_context(running_cluster("sim", 2, tmp / name, command, cwd=checkout))
+    return Target(name, cluster.url, cluster.gateway_pid, "llava-1.5-7b", tuple(cluster.engine_pids))
+
+
+def start_targets(
+    stack: ExitStack, tmp: Path, peers: bool, openai: bool = True, baseline: Path | None = None,
+) -> list[Target]:
     engines = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in engines]
     for port in engines:
@@ -121,18 +135,18 @@ def start_targets(stack: ExitStack, tmp: Path, peers: bool) -> list[Target]:
                  "--worker-urls", *urls], tmp / f"{name}.log"))
             wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
             targets.append(Target(name, f"http://127.0.0.1:{port}", proc.pid))
-    (tmp / "openai").mkdir()
-    config = write_config(tmp / "openai", {
-        "model": "llava-1.5-7b", "served_model_name": MODEL,
-        "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
-                     for i, u in enumerate(urls)],
-    })
-    gw = stack.enter_context(run_gateway(config, healthy=0))
-    targets.append(Target("heterogate-openai", gw.url, gw.process.pid))
-    managed_dir = tmp / "managed"
-    managed_dir.mkdir()
-    cluster = stack.enter_context(running_cluster("sim", 2, managed_dir))
-    targets.append(Target("heterogate-managed", cluster.url, cluster.gateway_pid, "llava-1.5-7b"))
+    if openai:
+        (tmp / "openai").mkdir()
+        config = write_config(tmp / "openai", {
+            "model": "llava-1.5-7b", "served_model_name": MODEL,
+            "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
+                         for i, u in enumerate(urls)],
+        })
+        gw = stack.enter_context(run_gateway(config, healthy=0))
+        targets.append(Target("heterogate-openai", gw.url, gw.process.pid))
+    if baseline is not None:
+        targets.append(managed_target(stack, tmp, "heterogate-managed@base", baseline.resolve()))
+    targets.append(managed_target(stack, tmp, "heterogate-managed"))
     return targets
 
 
@@ -156,9 +170,13 @@ def measure(t: Target, duration_s: float, ttft_n: int) -> dict[str, Any]:
     row: dict[str, Any] = {}
     errors = 0
     before = loadgen.cpu_ticks(t.pid) if t.pid else 0
+    engines_before = sum(map(loadgen.cpu_ticks, t.engine_pids))
     r = loadgen.wrk(url, 64, duration_s, body(4, False, t.model))
     if t.pid:
         row["cpu_us_per_req"] = (loadgen.cpu_ticks(t.pid) - before) / loadgen.CLK_TCK / max(1, r.requests) * 1e6
+    if t.engine_pids:
+        engines = sum(map(loadgen.cpu_ticks, t.engine_pids)) - engines_before
+        row["engine_cpu_us_per_req"] = engines / loadgen.CLK_TCK / max(1, r.requests) * 1e6
     row["rps64"], errors = r.rps, errors + r.errors
     r = loadgen.wrk(url, 64, duration_s, body(32, True, t.model))
     row["rps64s"], errors = r.rps, errors + r.errors
@@ -190,7 +208,7 @@ def print_table(summary: dict[str, dict[str, float]], say: Callable[[str], None]
             ("added p50 c=1 ms", "added_p50_c1_ms", "{:.2f}"), ("added p99 c=1 ms", "added_p99_c1_ms", "{:.2f}"),
             ("added p50 c=16 ms", "added_p50_c16_ms", "{:.2f}"), ("added p99 c=16 ms", "added_p99_c16_ms", "{:.2f}"),
             ("TTFT p50 ms", "ttft_p50_ms", "{:.2f}"), ("CPU µs/req", "cpu_us_per_req", "{:,.0f}"),
-            ("errors", "errors", "{:.0f}")]
+            ("engine CPU µs/req", "engine_cpu_us_per_req", "{:,.0f}"), ("errors", "errors", "{:.0f}")]
     say("| target | " + " | ".join(c[0] for c in cols) + " |")
     say("|---|" + "---:|" * len(cols))
     for name, row in summary.items():
@@ -217,15 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
     p.add_argument("--quick", action="store_true", help="1 round of 2 s runs")
     p.add_argument("--no-peers", action="store_true", help="leave vllm-router and sglang-router out")
+    p.add_argument("--managed-only", action="store_true", help="only direct and the managed target(s)")
+    p.add_argument("--baseline", type=Path, help="also run the managed target from this checkout (before/after)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results file")
     args = p.parse_args(argv)
     rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        targets = start_targets(stack, Path(tmp), not args.no_peers)
+        targets = start_targets(stack, Path(tmp), not (args.no_peers or args.managed_only),
+                                openai=not args.managed_only, baseline=args.baseline)
         runs = run_rounds(targets, rounds, duration, 50 if args.quick else 200)
     summary = summarise(runs)
     print_table(summary)
-    save_report(RESULTS, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
+    save_report(args.out, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
                           "cpus": os.cpu_count(), "git": git_state(), "summary": summary, "runs": runs})
     return 0
 

@@ -2,7 +2,7 @@
 
     python benchmarks/stub_engine.py --backend-id e0 --gateway 127.0.0.1:50061 [--port 0]
 
-It serves the same `heterogate.engine.v1.Engine/Generate` as `backends.engine` (max_tokens chunks,
+It serves the same `heterogate.engine.v1.Engine/Generate` and `Session` as `backends.engine` (max_tokens chunks,
 the last one with finish_reason "length" and usage; --tokens-per-chunk groups tokens into fewer
 messages) and heartbeats the gateway with the real `HeartbeatSender`, poked on every admission
 and completion as the real engine does, so the gateway sees a normal, healthy language backend.
@@ -21,7 +21,7 @@ import itertools
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from backends.engine_session import EngineSession, RequestFailed, generate_call  # noqa: E402
 from gateway.cli import run  # noqa: E402
 from heterogate.heartbeat_sender import HeartbeatSender  # noqa: E402
 from heterogate.wire import control_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -55,8 +56,17 @@ class StubEngine(engine_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        async for chunk in generate_call(self.generate, request, context):
+            yield chunk
+
+    async def Session(
+        self, request_iterator: AsyncIterator[engine_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await EngineSession(self.generate).serve(context)
+
+    async def generate(self, request: engine_pb2.GenerateRequest) -> AsyncGenerator[engine_pb2.GenerateChunk, None]:
         if request.max_tokens == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
         prompt_tokens = request.prompt_tokens + request.image_tokens
         self.running += 1
         self._poke()

@@ -1,5 +1,8 @@
 """gRPC clients of the engines: one pooled channel per backend address, errors mapped at the boundary.
 
+Generation goes over one long-lived multiplexed Session stream per engine (gateway/engine_stream.py);
+Encode stays a unary call (one per image batch, megabytes each).
+
 grpc.aio errors become `BackendFailure` (retryable unless the engine said the request itself is bad)
 or `BackendTimeout`. Clients are created by `EngineClients` at start-up and on address changes, and
 closed at shutdown; nothing else in the gateway touches grpc.
@@ -14,6 +17,7 @@ from typing import Protocol
 import grpc
 
 from gateway.engine_fields import check_engine_can_honour
+from gateway.engine_stream import EngineStream, Failed
 from gateway.errors import BackendFailure, BackendTimeout, InvalidRequest
 from gateway.generation_job import GenerationJob, Handoff
 from gateway.openai_upstream import OpenAIUpstreamClient, Upstream
@@ -31,10 +35,13 @@ _CHANNEL_OPTIONS = [
 
 
 def map_rpc_error(exc: grpc.aio.AioRpcError, backend_id: str, *, retryable: bool) -> Exception:
-    code = exc.code()
-    detail = f"backend {backend_id}: {code.name.lower()}: {exc.details()}"
+    return map_status(exc.code(), exc.details() or "", backend_id, retryable=retryable)
+
+
+def map_status(code: grpc.StatusCode, details: str, backend_id: str, *, retryable: bool) -> Exception:
+    detail = f"backend {backend_id}: {code.name.lower()}: {details}"
     if code in _CLIENT_FAULTS:
-        return InvalidRequest(exc.details() or "rejected by the engine")
+        return InvalidRequest(details or "rejected by the engine")
     if code == grpc.StatusCode.ABORTED:   # the engine gave up waiting for embeddings: a vision-side fault
         return BackendFailure(detail, backend_id=backend_id, retryable=retryable, code=HANDOFF_TIMEOUT)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -50,12 +57,14 @@ class EngineClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._stream = EngineStream(self._stub)
 
     async def generate(
         self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
         timeout_s: float,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        """Stream chunks. Failures before the first chunk are retryable; closing early cancels the RPC."""
+        """Stream chunks over the engine's Session. Failures before the first chunk are retryable;
+        closing early cancels the request on the engine."""
         check_engine_can_honour(job.body, exact=bool(job.token_ids))
         request = engine_pb2.GenerateRequest(
             request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
@@ -67,25 +76,22 @@ class EngineClient:
             top_p=job.top_p,
             seed=job.seed, stop=job.stop,
         )
-        call = self._stub.Generate(request, timeout=timeout_s)
-        started = False
+        tag, inbox = self._stream.start(request, first_token_timeout_s, timeout_s)
         try:
-            try:
-                async with asyncio.timeout(first_token_timeout_s):
-                    chunk = await call.read()
-            except TimeoutError:
+            while True:
+                chunk = await inbox.next()
+                yield chunk
+                if chunk.finish_reason:
+                    return
+        except Failed as exc:
+            if inbox.first_token_timeout:
                 raise BackendTimeout(
                     f"backend {self.backend_id}: no first token within {first_token_timeout_s:g} s",
                     backend_id=self.backend_id,
                 ) from None
-            while chunk is not grpc.aio.EOF:
-                started = True
-                yield chunk
-                chunk = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise map_rpc_error(exc, self.backend_id, retryable=not started) from None
+            raise map_status(exc.code, exc.detail, self.backend_id, retryable=not inbox.started) from None
         finally:
-            call.cancel()
+            self._stream.finish(tag)
 
     async def encode(self, request: engine_pb2.EncodeRequest, *, timeout_s: float) -> engine_pb2.EncodeReply:
         try:
@@ -95,6 +101,7 @@ class EngineClient:
         return reply
 
     async def close(self) -> None:
+        await self._stream.close()
         await self._channel.close()
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "token_ids", "image_spans", "top_p", "seed", "stop")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "token_ids", "image_spans", "top_p", "seed", "stop", "tag")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_tokens: int
@@ -38,7 +39,34 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    tag: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionReply(_message.Message):
+    __slots__ = ("chunks", "ends")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[GenerateChunk]
+    ends: _containers.RepeatedCompositeFieldContainer[SessionEnd]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[GenerateChunk, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[SessionEnd, _Mapping]]] = ...) -> None: ...
+
+class SessionEnd(_message.Message):
+    __slots__ = ("tag", "code", "detail")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    code: int
+    detail: str
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ImageSpan(_message.Message):
     __slots__ = ("start", "length", "grid_thw")
@@ -59,20 +87,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "index", "finish_reason", "usage", "embedding_wait_s", "relay")
+    __slots__ = ("text", "index", "finish_reason", "usage", "embedding_wait_s", "relay", "tag")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     text: str
     index: int
     finish_reason: str
     usage: Usage
     embedding_wait_s: float
     relay: bytes
-    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., embedding_wait_s: _Optional[float] = ..., relay: _Optional[bytes] = ...) -> None: ...
+    tag: int
+    def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., embedding_wait_s: _Optional[float] = ..., relay: _Optional[bytes] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "width", "height", "tokens")

@@ -39,6 +39,11 @@ class EngineStub:
                 request_serializer=engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=engine__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/heterogate.engine.v1.Engine/Session',
+                request_serializer=engine__pb2.SessionRequest.SerializeToString,
+                response_deserializer=engine__pb2.SessionReply.FromString,
+                _registered_method=True)
         self.Encode = channel.unary_unary(
                 '/heterogate.engine.v1.Engine/Encode',
                 request_serializer=engine__pb2.EncodeRequest.SerializeToString,
@@ -56,6 +61,16 @@ class EngineServicer:
 
     def Generate(self, request, context):
         """Server-streaming: one chunk per generated token, the last one carries usage and finish reason.
+        One call per request; for direct clients (the gateway multiplexes its requests over Session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """One long-lived stream per gateway and engine carrying many Generate requests, each tagged by the
+        gateway: per request it saves a call (metadata, call object, thread hops), and chunks of several
+        requests that are ready together travel in one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +98,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=engine__pb2.GenerateRequest.FromString,
                     response_serializer=engine__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=engine__pb2.SessionRequest.FromString,
+                    response_serializer=engine__pb2.SessionReply.SerializeToString,
             ),
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
@@ -122,6 +142,33 @@ class Engine:
             '/heterogate.engine.v1.Engine/Generate',
             engine__pb2.GenerateRequest.SerializeToString,
             engine__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/heterogate.engine.v1.Engine/Session',
+            engine__pb2.SessionRequest.SerializeToString,
+            engine__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,
