@@ -12,6 +12,9 @@ candidate, in candidate order. `queue_s` is Q_i · T̄_service(i) (Eq. 3); `kv_f
 M_free_i / KV-per-token rounded down (+inf with no KV cost per token): for an integer L_r,
 L_r > M_free_i / kv ⇔ L_r > kv_fit_tokens, exact for caches below 2^53 tokens. `max_context` is
 +inf where the snapshot's is 0 (unknown, no limit), as `BackendSnapshot.fits` reads it.
+`speed_prefill_s_per_token` is the learned p̂ where there is one, else 2·P / F_i; `kv_capacity_tokens`
+is K_i (0: unknown) and `kv_used_tokens` max(K_i − free tokens, this router's reservations), 0 where
+K_i is (the inputs of `marginal_delay`).
 """
 
 from __future__ import annotations
@@ -25,16 +28,36 @@ from gateway.policies.contracts import BackendSnapshot
 
 FloatArray = npt.NDArray[np.float64]
 
-COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "kv_fit_tokens", "max_context")
-PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT = range(len(COLUMNS))
+COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "kv_fit_tokens", "max_context",
+           "speed_prefill_s_per_token", "decode_step_s", "in_flight", "prefill_backlog_tokens", "kv_capacity_tokens",
+           "kv_used_tokens")
+(PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT,
+ SPEED_PREFILL, DECODE_STEP, IN_FLIGHT, PREFILL_BACKLOG, KV_CAPACITY, KV_USED) = range(len(COLUMNS))
 _INF = float("inf")
 
 
-def column_values(b: BackendSnapshot) -> tuple[float, float, float, float, float, float]:
+def column_values(b: BackendSnapshot) -> tuple[float, ...]:
     """One candidate's column entries, in COLUMNS order (the one place they are derived)."""
     free, per_token, queue, service = b.kv_free_bytes, b.kv_bytes_per_token, b.queue_depth, b.mean_service_s
     fit = free // per_token if per_token else (_INF if free >= 0 else -_INF)
-    return b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF
+    capacity = b.kv_total_bytes // per_token if per_token else 0
+    used = max(capacity - free // per_token, b.kv_reserved_tokens) if capacity else 0
+    return (b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF,
+            b.learned_prefill_s_per_token or b.prefill_s_per_token, b.decode_step_s, b.in_flight,
+            b.prefill_backlog_tokens, capacity, used)
+
+
+def first_argmin(totals: FloatArray) -> int:
+    """The first candidate with the lowest cost below infinity, else the first: what a loop keeping
+    the first strictly lower total finds (argmin alone would stop at a NaN)."""
+    i = int(totals.argmin())
+    if totals[i] < _INF:   # neither NaN (argmin stops at the first) nor inf: argmin is the loop's answer
+        return i
+    best_i, best = 0, _INF
+    for k, total in enumerate(totals.tolist()):
+        if total < best:
+            best_i, best = k, total
+    return best_i
 
 
 def column_array(snapshots: Iterable[BackendSnapshot]) -> FloatArray:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import Field
 
-from gateway.policies.candidates import KV_FIT, PREFILL, QUEUE, QUEUE_S, SERVICE, Candidates, FloatArray
+from gateway.policies.candidates import KV_FIT, PREFILL, QUEUE, QUEUE_S, SERVICE, Candidates, first_argmin
 from gateway.policies.contracts import BackendSnapshot, CostColumns, Decision, RequestProfile
 from heterogate.yaml_files import StrictModel
 
@@ -62,20 +62,5 @@ class HeteroServe:
             if veto.any():
                 oom = np.where(veto, self.w3, 0.0)
                 total += oom
-        i = _first_argmin(total)
+        i = first_argmin(total)
         return Decision(chosen[i], self.name, CostColumns(chosen, prefill, queue, oom, total, i))
-
-
-_INF = float("inf")
-
-
-def _first_argmin(totals: FloatArray) -> int:
-    """Algorithm 1, lines 7-9: the first candidate with the lowest cost below infinity, else the first."""
-    i = int(totals.argmin())
-    if totals[i] < _INF:   # neither NaN (argmin stops at the first) nor inf: argmin is the loop's answer
-        return i
-    best_i, best = 0, _INF
-    for k, total in enumerate(totals.tolist()):
-        if total < best:
-            best_i, best = k, total
-    return best_i
