@@ -6,12 +6,13 @@ sent to backend i:
     p_i     = learned prefill s/token (p̂, `heterogate.speed_estimator`; 2·P / F_i before any sample)
     s_i     = learned decode step (ŝ, the mean inter-token time the engine delivers)
     B_i     = prompt tokens sent to i whose first token has not come (chunked prefill serves them first)
-    n_i     = requests decoding on i (in flight there, first token seen)
+    n_i     = requests in flight on i: decoding now, or prefilling ahead of r and so decoding by the
+              time r's prefill runs (FIFO chunked prefill serves the backlog first)
     K_i     = KV cache tokens; U_i = max(K_i − free tokens reported, this router's reservations there)
     R       = L + M, the KV tokens the request can come to hold
 
     T_first = (B_i + L) · p_i + s_i                           its own time to first token
-    T_stall = w_stall · n_i · L · p_i                          its prefill stalls every decoding request
+    T_stall = w_stall · n_i · L · p_i                          its prefill stalls every request decoding then
     T_dec   = w_decode · f · M · s_i                           its own decode
     T_kv    = max(0, U_i + R − K_i) / K_i · T̄_service(i)      waiting for the cache to turn over
     cost    = T_first + T_stall + T_dec + T_kv + veto · 1[R > K_i]
@@ -75,8 +76,8 @@ class MarginalDelay:
             return CostTerms(b.id, 0.0, 0.0, self.veto, self.veto)
         p = b.learned_prefill_s_per_token or b.prefill_s_per_token
         step = b.decode_step_s
-        decoding = max(0, b.in_flight - b.prefilling)
-        prefill = (b.prefill_backlog_tokens + length) * p + step + self.w_stall * decoding * length * p
+        stalled = b.in_flight   # those decoding now and those whose prefill runs before this one's
+        prefill = (b.prefill_backlog_tokens + length) * p + step + self.w_stall * stalled * length * p
         queue = self.decode_share * new_tokens * step
         if capacity:
             used = max(capacity - b.kv_free_bytes // kv_per_token, b.kv_reserved_tokens)

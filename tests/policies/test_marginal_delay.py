@@ -34,7 +34,7 @@ def test_cost_is_first_token_plus_stall_plus_decode() -> None:
     c = MarginalDelay(MarginalDelayParams(w_stall=0.2, w_decode=1.0, output_fraction=0.5)).cost(
         RequestProfile("r", 500, 40), b)
     first = (1000 + 500) * 0.06e-3 + 0.010
-    stall = 0.2 * 3 * 500 * 0.06e-3
+    stall = 0.2 * 5 * 500 * 0.06e-3    # all 5 in flight: the 2 prefilling ahead decode while it prefills
     assert c.prefill == pytest.approx(first + stall)
     assert c.queue == pytest.approx(0.5 * 40 * 0.010)
     assert c.total == pytest.approx(c.prefill + c.queue)
@@ -42,10 +42,24 @@ def test_cost_is_first_token_plus_stall_plus_decode() -> None:
 
 def test_long_prompts_go_where_prefill_is_cheap_short_ones_fill_the_slow_tier() -> None:
     h100, l40s = fast_and_slow()
-    busy = dataclasses.replace(h100, in_flight=20, prefilling=4, prefill_backlog_tokens=6000)
+    busy = dataclasses.replace(h100, in_flight=20, prefilling=4, prefill_backlog_tokens=8000)
+    decoding = dataclasses.replace(l40s, in_flight=3)
     p = MarginalDelay()
-    assert p.choose(RequestProfile("long", 3000, 32), [busy, l40s], 0.0).backend.id == "h100"
-    assert p.choose(RequestProfile("short", 100, 32), [busy, l40s], 0.0).backend.id == "l40s"
+    assert p.choose(RequestProfile("long", 3000, 32), [busy, decoding], 0.0).backend.id == "h100"
+    assert p.choose(RequestProfile("short", 100, 32), [busy, decoding], 0.0).backend.id == "l40s"
+
+
+def test_requests_still_prefilling_count_as_stalled() -> None:
+    """Two backends alike but for when their requests got their first token: the ones still
+    prefilling are served first (FIFO) and decode while the newcomer prefills, so they count the same."""
+    h100, _ = fast_and_slow()
+    decoding = dataclasses.replace(h100, id="decoding", in_flight=6, prefilling=0)
+    prefilling = dataclasses.replace(h100, id="prefilling", in_flight=6, prefilling=6)
+    p = MarginalDelay()
+    r = RequestProfile("r", 2000, 16)
+    assert p.cost(r, decoding).prefill == pytest.approx(p.cost(r, prefilling).prefill)
+    idle = dataclasses.replace(h100, id="idle")
+    assert p.cost(r, prefilling).prefill > p.cost(r, idle).prefill
 
 
 def test_measured_speed_not_the_datasheet_decides() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gateway.policies import REGISTRY, build_policy
@@ -63,3 +65,13 @@ def test_decision_is_pure_given_the_same_state() -> None:
     backends = cluster({"H100": 2, "L40S": 2})
     a, b = BatchAware(), BatchAware()
     assert a.choose(REQ, backends, 0.0) == b.choose(REQ, backends, 5.0)
+
+
+def test_prompts_waiting_to_prefill_count_toward_the_first_token() -> None:
+    """Two H100s alike but for the prompt tokens queued ahead: the one with the shorter prefill queue
+    wins, by exactly that backlog's prefill time (no herding onto the fastest tier)."""
+    idle = snapshot("idle", "H100")
+    backlog = dataclasses.replace(snapshot("busy", "H100"), prefill_backlog_tokens=6000)
+    p = BatchAware()
+    assert p.choose(REQ, [backlog, idle], 0.0).backend.id == "idle"
+    assert p.cost(REQ, backlog).prefill - p.cost(REQ, idle).prefill == pytest.approx(6000 * idle.prefill_s_per_token)
