@@ -27,7 +27,10 @@ best at the last scrape. Capacity is not configured: p̂ and ŝ are measured.
 Reads: learned_prefill_s_per_token (falls back to prefill_s_per_token), decode_step_s, in_flight,
 prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
 kv_reserved_tokens, mean_service_s. Parameters: w_stall (0.2), w_decode (1), output_fraction f (0.5:
-max_tokens overstates what is generated), veto (1e6 s). Pure, O(N), no state.
+max_tokens overstates what is generated), veto (1e6 s). Pure, O(N), no state. `choose` computes the
+terms as array operations on the candidates' columns (`gateway.policies.candidates`), each element the
+same IEEE arithmetic in the same order as `cost`, the one-candidate form: the same costs and choices,
+at N=1024 in tens of microseconds instead of a millisecond.
 Limits: B_i and n_i count this router's requests only (with Redis, every replica's in-flight count
 but not their prefill backlog); s_i is an average over recent requests, so it lags a sudden change
 of batch size by about one request's decode time; the stall term assumes FIFO chunked prefill.
@@ -37,9 +40,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from pydantic import Field
 
-from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
+from gateway.policies.candidates import (
+    DECODE_STEP,
+    IN_FLIGHT,
+    KV_CAPACITY,
+    KV_USED,
+    PREFILL_BACKLOG,
+    SERVICE,
+    SPEED_PREFILL,
+    Candidates,
+    first_argmin,
+)
+from gateway.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
 from heterogate.yaml_files import StrictModel
 
 
@@ -59,12 +74,27 @@ class MarginalDelay:
         self.w_stall, self.decode_share, self.veto = p.w_stall, p.w_decode * p.output_fraction, p.veto
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
-        costs = tuple(self.cost(request, b) for b in candidates)
-        best_i, best = 0, float("inf")
-        for i, c in enumerate(costs):
-            if c.total < best:
-                best_i, best = i, c.total
-        return Decision(candidates[best_i], self.name, costs)
+        chosen = Candidates.of(candidates)
+        c = chosen.columns
+        length, new_tokens = request.input_tokens, request.max_output_tokens
+        reserve = length + new_tokens
+        p, step, capacity = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY]
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p
+            queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
+            over = c[KV_USED] + reserve - capacity
+            waits = (capacity > 0) & (over > 0)
+            if waits.any():
+                queue = np.where(waits, queue + over / capacity * c[SERVICE], queue)
+            total = prefill + queue
+            vetoed = (capacity > 0) & (reserve > capacity)
+            oom = None
+            if vetoed.any():
+                oom = np.where(vetoed, self.veto, 0.0)
+                prefill, queue = np.where(vetoed, 0.0, prefill), np.where(vetoed, 0.0, queue)
+                total = np.where(vetoed, self.veto, total)
+        i = first_argmin(total)
+        return Decision(chosen[i], self.name, CostColumns(chosen, prefill, queue, oom, total, i))
 
     def cost(self, request: RequestProfile, b: BackendSnapshot) -> CostTerms:
         """Cost terms: prefill = T_first + T_stall, queue = T_kv + T_dec, oom = veto."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -10,7 +11,7 @@ from gateway.config import RoutingConfig
 from gateway.policies import build_policy
 from gateway.policies.contracts import BackendSnapshot, RequestProfile
 from gateway.policies.marginal_delay import MarginalDelay, MarginalDelayParams
-from tests.snapshots import snapshot
+from tests.snapshots import random_cluster, snapshot
 
 
 def learned(b: BackendSnapshot, prefill_s_per_token: float, step_s: float, **signals: int) -> BackendSnapshot:
@@ -104,3 +105,29 @@ def test_kv_veto_and_soft_kv_pressure() -> None:
     assert pressed.queue == pytest.approx((capacity + 1000) / capacity * h100.mean_service_s)
     assert pressed.total > free.total
     assert p.choose(RequestProfile("r", 1000, 0), [full, l40s], 0.0).backend.id == "l40s"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_on_columns_gives_the_costs_and_choice_of_the_one_candidate_form(seed: int) -> None:
+    """choose() computes on arrays; cost() is the formula for one candidate: every term and the choice
+    (the first lowest total) must be exactly the same, vetoes and KV waits included."""
+    rng = random.Random(seed)
+    policy = MarginalDelay()
+    base = list(random_cluster(rng, 40))
+    snapshots = []
+    for b in base:
+        kv = b.kv_bytes_per_token
+        snapshots.append(dataclasses.replace(
+            b, kv_total_bytes=rng.choice([0, 2_000 * kv, 60_000 * kv]), kv_free_bytes=rng.randint(0, 2_000) * kv,
+            kv_reserved_tokens=rng.randint(0, 5_000), in_flight=rng.randint(0, 40), prefilling=rng.randint(0, 4),
+            prefill_backlog_tokens=rng.randint(0, 8_000), decode_step_s=rng.choice([0.0, 0.02, 0.05]),
+            learned_prefill_s_per_token=rng.choice([0.0, 1e-4, 3e-4]),
+        ))
+    for length, new_tokens in ((16, 16), (1_500, 256), (3_000, 1_024), (40_000, 8)):
+        request = RequestProfile("r", length, new_tokens)
+        decision = policy.choose(request, snapshots, now=0.0)
+        expected = [policy.cost(request, b) for b in snapshots]
+        assert list(decision.costs) == expected
+        best = min(range(len(expected)), key=lambda k: (expected[k].total, k))
+        assert decision.backend is snapshots[best]
+        assert decision.vetoed == tuple(c.backend_id for c in expected if c.oom > 0)
