@@ -9,6 +9,8 @@ Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_o
     vllm-router         vllm-router --policy round_robin      (PyPI, in its own venv)
     sglang-router       sglang_router.launch_router --policy round_robin (PyPI, same venv)
     heterogate-openai   the gateway with the two engines as `kind: openai` backends
+    heterogate-openai-2w  the same with `gateway --workers 2` on one Redis (--workers-redis-url; both
+                        cores, as the Rust routers' threads use them)
     heterogate-managed  the gateway with two managed simulated engines (gRPC, `time_scale: 0`)
 
 The routers are installed on first use into benchmarks/.peers-venv (`pip install vllm-router
@@ -113,6 +115,7 @@ def managed_target(stack: ExitStack, tmp: Path, name: str, checkout: Path = ROOT
 
 def start_targets(
     stack: ExitStack, tmp: Path, peers: bool, openai: bool = True, baseline: Path | None = None,
+    workers_redis: str | None = None,
 ) -> list[Target]:
     engines = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in engines]
@@ -144,6 +147,17 @@ def start_targets(
         })
         gw = stack.enter_context(run_gateway(config, healthy=0))
         targets.append(Target("heterogate-openai", gw.url, gw.process.pid))
+    if openai and workers_redis:   # both cores, as the Rust routers use them: two workers sharing state
+        (tmp / "openai-2w").mkdir()
+        config = write_config(tmp / "openai-2w", {
+            "model": "llava-1.5-7b", "served_model_name": MODEL,
+            "gateway": {"redis": {"key_prefix": f"heterogate-front-door-{os.getpid()}:"}},
+            "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
+                         for i, u in enumerate(urls)],
+        })
+        gw = stack.enter_context(run_gateway(config, "--workers", "2", "--redis-url", workers_redis, healthy=0))
+        wait_http(f"{gw.url}/v1/chat/completions", gw.process)
+        targets.append(Target("heterogate-openai-2w", gw.url, 0))   # two processes: no CPU column
     if baseline is not None:
         targets.append(managed_target(stack, tmp, "heterogate-managed@base", baseline.resolve()))
     targets.append(managed_target(stack, tmp, "heterogate-managed"))
@@ -238,12 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--managed-only", action="store_true", help="only direct and the managed target(s)")
     p.add_argument("--baseline", type=Path, help="also run the managed target from this checkout (before/after)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results file")
+    p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
+                   help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
     args = p.parse_args(argv)
     rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         targets = start_targets(stack, Path(tmp), not (args.no_peers or args.managed_only),
-                                openai=not args.managed_only, baseline=args.baseline)
+                                openai=not args.managed_only, baseline=args.baseline,
+                                workers_redis=args.workers_redis_url or None)
         runs = run_rounds(targets, rounds, duration, 50 if args.quick else 200)
     summary = summarise(runs)
     print_table(summary)
