@@ -107,13 +107,13 @@ def test_kv_veto_and_soft_kv_pressure() -> None:
     assert p.choose(RequestProfile("r", 1000, 0), [full, l40s], 0.0).backend.id == "l40s"
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_choose_on_columns_gives_the_costs_and_choice_of_the_one_candidate_form(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "n"), [(seed, n) for seed in range(4) for n in (2, 40)])
+def test_choose_on_columns_gives_the_costs_and_choice_of_the_one_candidate_form(seed: int, n: int) -> None:
     """choose() computes on arrays; cost() is the formula for one candidate: every term and the choice
     (the first lowest total) must be exactly the same, vetoes and KV waits included."""
     rng = random.Random(seed)
     policy = MarginalDelay()
-    base = list(random_cluster(rng, 40))
+    base = list(random_cluster(rng, n))
     snapshots = []
     for b in base:
         kv = b.kv_bytes_per_token
