@@ -285,25 +285,33 @@ def score(outcomes: list[Outcome], time_scale: float) -> dict[str, Any]:
 
 # -- summary ----------------------------------------------------------------------------------
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """target -> load -> medians over rounds (errors summed, shares averaged)."""
-    out: dict[str, dict[str, Any]] = {}
-    keys = ("goodput", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "router_cores",
-            "router_cpu_ms_per_req")
+def medians(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, dict[str, dict[str, Any]]]:
+    """target -> load -> the rounds' runs, as one cell: medians of `keys`, errors summed, tier shares
+    averaged, the round count."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["target"], r["load"]), []).append(r)
     for (target, load), rs in groups.items():
         cell: dict[str, Any] = {k: statistics.median(r[k] for r in rs) for k in keys}
-        cell["goodput_min"] = min(r["goodput"] for r in rs)
-        cell["goodput_max"] = max(r["goodput"] for r in rs)
-        cell["goodput_by_round"] = {r["round"]: r["goodput"] for r in rs}
-        cell["ttft_p99_by_round"] = {r["round"]: r["ttft_p99_s"] for r in rs}
         cell["errors"] = sum(r["errors"] for r in rs)
         cell["rounds"] = len(rs)
         tiers = {t for r in rs for t in r["tier_shares"]}
         cell["tier_shares"] = {t: statistics.mean(r["tier_shares"].get(t, 0.0) for r in rs) for t in sorted(tiers)}
         out.setdefault(target, {})[load] = cell
+    return out
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """target -> load -> medians over rounds (errors summed, shares averaged), goodput's range and rounds."""
+    out = medians(runs, ("goodput", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "router_cores",
+                         "router_cpu_ms_per_req"))
+    for r in runs:
+        cell = out[r["target"]][r["load"]]
+        cell["goodput_min"] = min(cell.get("goodput_min", r["goodput"]), r["goodput"])
+        cell["goodput_max"] = max(cell.get("goodput_max", r["goodput"]), r["goodput"])
+        cell.setdefault("goodput_by_round", {})[r["round"]] = r["goodput"]
+        cell.setdefault("ttft_p99_by_round", {})[r["round"]] = r["ttft_p99_s"]
     return out
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from benchmarks.mixed_tier import (  # noqa: E402
     Outcome,
     Target,
     gateway_config,
+    medians,
     one,
     paused,
     score,
@@ -121,20 +121,7 @@ def run_group(g: Group, requests: list[Request], time_scale: float) -> dict[str,
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """target -> load -> medians over rounds (errors summed, tier shares averaged)."""
-    out: dict[str, dict[str, Any]] = {}
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault((r["target"], r["load"]), []).append(r)
-    for (target, load), rs in groups.items():
-        cell: dict[str, Any] = {k: statistics.median(r[k] for r in rs)
-                                for k in ("goodput", "ttft_p50_s", "ttft_p99_s", "l1_to_single", "l1_tiers",
-                                          "router_cores")}
-        cell["errors"] = sum(r["errors"] for r in rs)
-        cell["rounds"] = len(rs)
-        tiers = {t for r in rs for t in r["tier_shares"]}
-        cell["tier_shares"] = {t: statistics.mean(r["tier_shares"].get(t, 0.0) for r in rs) for t in sorted(tiers)}
-        out.setdefault(target, {})[load] = cell
-    return out
+    return medians(runs, ("goodput", "ttft_p50_s", "ttft_p99_s", "l1_to_single", "l1_tiers", "router_cores"))
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
