@@ -1,4 +1,4 @@
-"""The HTTP front door: the completions routes as raw ASGI (`completions_door`), the rest on FastAPI.
+"""The HTTP front door: the completions routes on the door's own server (`completions_door`), the rest on FastAPI.
 
 Every error leaves through `error_response`, so clients always get an OpenAI-shaped body, never a
 stack trace.
@@ -6,6 +6,7 @@ stack trace.
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import orjson
@@ -13,9 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.completions_door import ASGIApp, CompletionsDoor, new_request_id
+from gateway.completions_door import CompletionsDoor
 from gateway.errors import RequestError, openai_error_body
+from gateway.http_server import HttpServer
 from gateway.jobs import JobBuilder
+from gateway.request_ids import new_request_id
 from gateway.runtime import Runtime
 
 
@@ -38,7 +41,7 @@ def request_id_of(request: Request) -> str:
     return str(rid)
 
 
-def create_app(runtime: Runtime) -> ASGIApp:
+def create_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     model_name = runtime.config.served_model_name
@@ -92,4 +95,10 @@ def create_app(runtime: Runtime) -> ASGIApp:
         authorize(request, admin=True)
         return json_response({"object": "list", "data": runtime.describe_backends()})
 
-    return CompletionsDoor(runtime, app)  # type: ignore[arg-type]
+    return app
+
+
+def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext | None = None) -> HttpServer:
+    """The front door: the completions routes natively, the FastAPI app for the rest."""
+    return HttpServer(CompletionsDoor(runtime).routes(), create_app(runtime),  # type: ignore[arg-type]
+                      max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s, ssl_context=ssl_context)

@@ -20,19 +20,18 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import structlog
-import uvicorn
 
 from gateway.config import ClusterConfig
 from gateway.control_auth import ControlAuth
 from gateway.grpc_door import add_front_door
 from gateway.heartbeat_service import ControlService
-from gateway.http_app import create_app
+from gateway.http_app import create_server
 from gateway.launchers import build_launchers, managed_address, managed_ports
 from gateway.leadership import Supervision
 from gateway.replicas import Replication, join
 from gateway.runtime import Runtime, build_runtime
 from gateway.supervisor import Supervisor
-from gateway.tls import GrpcTls, http_ssl_options, load_grpc_tls
+from gateway.tls import GrpcTls, http_ssl_context, load_grpc_tls
 from gateway.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
 from gateway.workers import reuse_port_socket
 from heterogate.errors import HeteroGateError
@@ -109,7 +108,7 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     replication: Replication | None = None
     try:
         grpc_tls = load_grpc_tls(config.settings.tls)
-        ssl_options = http_ssl_options(config.settings.tls)
+        ssl_context = http_ssl_context(config.settings.tls)
         # A replica launches the engines only once it leads; a single gateway from the start.
         auth = ControlAuth.load(
             config.settings.auth, managed=managed, api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
@@ -138,17 +137,9 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         on_term=auth.identities.set_launching)
     runtime.metrics.backends.restarts = lambda: {
         c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
-    app = create_app(runtime)
+    server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context)
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=options.host, port=options.port, log_level="warning", access_log=False, log_config=None,
-        lifespan="off", timeout_graceful_shutdown=int(config.settings.drain_timeout_s),
-        # The gateway reads no client address, so X-Forwarded-* rewriting is one more layer per request.
-        proxy_headers=False, server_header=False,
-        timeout_keep_alive=int(config.settings.keep_alive.client_idle_s), **ssl_options,  # type: ignore[arg-type]
-    ))
-    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -156,19 +147,17 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
              policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name,
              replica=replication.replica_id if replication else None)
-    http = asyncio.create_task(server.serve(sockets=[http_socket]))
+    await server.start(http_socket)
     monitor = asyncio.create_task(UpstreamMonitor(config, runtime.table, addresses, probes).run(stop))
     drained = asyncio.Event()   # engines, the leader lease and shared counts outlive the drain
     supervising = asyncio.create_task(supervision.run(drained))
     sharing = asyncio.create_task(replication.shared.run(drained)) if replication else None
-    stopper = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait({http, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await stop.wait()
     finally:
         log.info("gateway_stopping")
         stop.set()
-        server.should_exit = True
-        await http
+        await server.stop(config.settings.drain_timeout_s)
         await monitor
         drained.set()
         await supervising
@@ -179,5 +168,4 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         if replication is not None:
             await replication.close()
         await runtime.close()
-        stopper.cancel()
         log.info("gateway_stopped")

@@ -14,6 +14,7 @@ for a wildcard listen address), so the gRPC certificate must name that address.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,10 +69,16 @@ def load_grpc_tls(config: TlsConfig) -> GrpcTls | None:
     return GrpcTls(cert, key, ca_file)
 
 
-def http_ssl_options(config: TlsConfig) -> dict[str, str]:
-    """uvicorn's ssl_certfile / ssl_keyfile, checked readable now (uvicorn would fail later, less clearly)."""
+def http_ssl_context(config: TlsConfig) -> ssl.SSLContext | None:
+    """The HTTP door's server context, loaded at start-up so a bad certificate or key stops it with a
+    message naming the setting."""
     if config.http is None:
-        return {}
+        return None
     read_pem(config.http.cert_file, "gateway.tls.http.cert_file")
     read_pem(config.http.key_file, "gateway.tls.http.key_file")
-    return {"ssl_certfile": str(config.http.cert_file), "ssl_keyfile": str(config.http.key_file)}
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.http.cert_file, config.http.key_file)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"gateway.tls.http: the certificate and key do not load: {exc.reason or exc}") from None
+    return context

@@ -1,7 +1,7 @@
 """structlog set-up: one JSON object per line on stderr, for our own events and for every library's.
 
 Our loggers (structlog) render straight to bytes with orjson: the per-request line is on the hot path.
-Libraries that log through the standard `logging` module (uvicorn, aiohttp, httpx, grpc's Python layer,
+Libraries that log through the standard `logging` module (aiohttp, httpx, grpc's Python layer,
 warnings) reach the same renderer through a `ProcessorFormatter` on the root handler, so a log
 collector reads one format. grpc's C core writes its own lines to stderr; it is quiet below errors.
 """
@@ -16,7 +16,7 @@ import orjson
 import structlog
 
 # Libraries that log every request at INFO: kept to warnings unless debugging.
-_CHATTY = ("httpx", "httpcore", "uvicorn.access", "aiohttp.access")
+_CHATTY = ("httpx", "httpcore", "aiohttp.access")
 
 
 def _dumps(obj: Any, **kwargs: Any) -> bytes:

@@ -100,15 +100,30 @@ def test_ready_waits_for_the_vision_pool_and_errors_are_logged(gateway: tuple[Ga
         engine.wait(timeout=15)
 
 
-def test_library_logs_are_json_lines(gateway: tuple[Gateway, int]) -> None:
+def test_a_malformed_request_gets_a_400_and_a_json_log_line(gateway: tuple[Gateway, int]) -> None:
     gw, _ = gateway
     port = int(gw.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:   # uvicorn logs a bad request line
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
-        sock.recv(1024)
-    line = gw.wait_until(lambda: next((ln for ln in log_lines(gw) if ln.get("logger", "").startswith("uvicorn")),
+        reply = b""
+        while chunk := sock.recv(4096):   # the server closes after its answer
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), reply
+    assert orjson.loads(body)["error"]["type"] == "invalid_request_error"
+    line = gw.wait_until(lambda: next((ln for ln in log_lines(gw) if ln.get("event") == "invalid_http_request"),
                                       None), timeout=10)
-    assert line["level"] == "warning" and "timestamp" in line and line["event"]
+    assert line["level"] == "warning" and "timestamp" in line
+
+
+def test_library_logs_are_json_lines() -> None:
+    """A library logging through the standard `logging` module comes out in the same JSON lines."""
+    code = ("from heterogate.logs import configure_logging; configure_logging('info'); import logging; "
+            "logging.getLogger('some.library').warning('disk %s', 'full')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    line = orjson.loads(done.stderr.strip().splitlines()[-1])
+    assert line["logger"] == "some.library" and line["level"] == "warning" and line["event"] == "disk full"
+    assert "timestamp" in line
 
 
 def test_metrics_carry_the_operating_series(gateway: tuple[Gateway, int]) -> None:
