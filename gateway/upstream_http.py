@@ -9,7 +9,7 @@ Why not aiohttp's general client here: in front of a fast engine (loopback, 64 c
 requests), aiohttp's request path (session, connector, request and response objects, payload
 writer, cookie and header handling) cost 87 µs of CPU per request, the largest single part of the
 gateway's; this client costs 18 µs (`benchmarks/upstream_client.py`, one run, medians of 3 rounds).
-aiohttp stays for everything else (scrapes, probes, pass-through), where per-request CPU matters less.
+httpx serves everything else (scrapes, probes, image fetches), where per-request CPU matters less.
 
 Errors are OSErrors (`UpstreamClosed`, `UpstreamProtocolError`, connect errors) or TimeoutErrors;
 the caller bounds every wait. A reused connection that the upstream closed while it sat idle (its
