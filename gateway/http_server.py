@@ -95,17 +95,20 @@ class Exchange:
     """The response side of one request, written straight to its connection.
 
     `respond` writes a whole response in one write; `start_stream` / `send` / `end_stream` write one in
-    pieces, chunked (`drain` waits while the client reads slower than the gateway writes). `gone` turns
-    true when the client disconnected before the response was complete: the handler is cancelled then.
+    pieces, chunked (`drain` waits while the client reads slower than the gateway writes). The head of
+    a streamed response goes out with its first piece: one write fewer, and the first piece follows
+    the head at once anyway. `gone` turns true when the client disconnected before the response was
+    complete: the handler is cancelled then.
     """
 
-    __slots__ = ("_chunked", "_conn", "_head_only", "_http_11", "done", "gone", "started")
+    __slots__ = ("_chunked", "_conn", "_head", "_head_only", "_http_11", "done", "gone", "started")
 
     def __init__(self, conn: _Connection, head_only: bool, http_11: bool) -> None:
         self._conn = conn
         self._head_only = head_only
         self._http_11 = http_11
         self._chunked = False
+        self._head = b""
         self.started = self.done = self.gone = False
 
     def respond(self, status: int, headers: Headers, body: bytes, content_type: bytes = _JSON) -> None:
@@ -123,21 +126,27 @@ class Exchange:
         self._chunked = self._http_11 and not sized
         if not self._http_11 and not sized:
             conn.keep_alive = False
-        conn.write(_head(status, headers, b"transfer-encoding: chunked\r\n" if self._chunked else b"",
-                         conn.keep_alive))
+        self._head = _head(status, headers, b"transfer-encoding: chunked\r\n" if self._chunked else b"",
+                           conn.keep_alive)
 
     def send(self, data: bytes) -> None:
-        if data and not self._head_only:
-            self._conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if self._head_only or not data:
+            return
+        piece = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+        if self._head:
+            piece, self._head = self._head + piece, b""
+        self._conn.write(piece)
 
     async def drain(self) -> None:
         await self._conn.drain()
 
     def end_stream(self, tail: bytes = b"") -> None:
-        self.send(tail)
-        if self._chunked and not self._head_only:
-            self._conn.write(b"0\r\n\r\n")
         self.done = True
+        last = b"%x\r\n%b\r\n" % (len(tail), tail) if self._chunked and tail else tail
+        if self._chunked:
+            last += b"0\r\n\r\n"
+        self._conn.write(self._head + (b"" if self._head_only else last))
+        self._head = b""
 
 
 class _Reject(Exception):

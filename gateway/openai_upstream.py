@@ -65,24 +65,31 @@ class _Relay:
 
     The two values are swapped in the bytes (compact JSON, as vLLM and SGLang write it); only an event
     written some other way is re-encoded. Everything else the upstream sent passes through untouched.
+    An upstream's id and model are the same in every event of a stream, so their bytes are worked out
+    once and checked for in each event.
     """
 
     def __init__(self, completion_id: str, served_model: str) -> None:
         self._id = b'"id":' + orjson.dumps(completion_id)
         self._model = b'"model":' + orjson.dumps(served_model) if served_model else b""
         self._served = (completion_id, served_model)
+        self._seen: tuple[Any, Any] | None = None
+        self._swaps: list[tuple[bytes, bytes]] = []
 
-    def event(self, data: str, event: dict[str, Any]) -> bytes:
-        raw = data.encode()
-        swaps = [(b'"id":' + orjson.dumps(event.get("id")), self._id)]
-        if self._model:
-            swaps.append((b'"model":' + orjson.dumps(event.get("model")), self._model))
-        if all(old in raw for old, _ in swaps):
-            for old, new in swaps:
-                raw = raw.replace(old, new, 1)
-        else:
-            served_id, served_model = self._served
-            raw = orjson.dumps({**event, "id": served_id, **({"model": served_model} if self._model else {})})
+    def event(self, raw: bytes, event: dict[str, Any]) -> bytes:
+        seen = (event.get("id"), event.get("model"))
+        if seen != self._seen:
+            self._seen = seen
+            self._swaps = [(b'"id":' + orjson.dumps(seen[0]), self._id)]
+            if self._model:
+                self._swaps.append((b'"model":' + orjson.dumps(seen[1]), self._model))
+        for old, _ in self._swaps:
+            if old not in raw:
+                served_id, served_model = self._served
+                raw = orjson.dumps({**event, "id": served_id, **({"model": served_model} if self._model else {})})
+                return b"data: " + raw + b"\n\n"
+        for old, new in self._swaps:
+            raw = raw.replace(old, new, 1)
         return b"data: " + raw + b"\n\n"
 
 
@@ -200,8 +207,15 @@ class OpenAIUpstreamClient:
         relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
         finished = False
         pending = b""
+        loop = asyncio.get_running_loop()
         while True:
-            data = await _bounded(resp.read_some(), deadline, read_s)   # the bound never spans a yield
+            until = deadline if read_s is None else min(deadline, loop.time() + read_s)
+            try:
+                data = await resp.read_some(until)   # the bound never spans a yield
+            except TimeoutError:
+                if until < deadline:
+                    raise _Silent(f"no data from the upstream within {read_s:g} s") from None
+                raise
             if not data:
                 break
             # After [DONE] the body is still read to its end: a response closed early takes its
@@ -213,8 +227,8 @@ class OpenAIUpstreamClient:
             for line in lines:
                 if not line.startswith(b"data:"):
                     continue
-                payload = line[5:].strip().decode()
-                if payload == "[DONE]":
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
                     finished = True
                     break
                 text, finish, usage, event = self._event(payload, index == 0)
@@ -242,7 +256,7 @@ class OpenAIUpstreamClient:
             held.usage.completion_tokens = index
         yield held
 
-    def _event(self, payload: str, first: bool) -> tuple[str, str, dict[str, Any], dict[str, Any] | None]:
+    def _event(self, payload: bytes, first: bool) -> tuple[str, str, dict[str, Any], dict[str, Any] | None]:
         """One SSE payload → (text, finish reason, usage, the event when it has choices)."""
         try:
             event = orjson.loads(payload)
