@@ -185,6 +185,10 @@ class _Connection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self._closed = False
         self._disconnected: asyncio.Future[None] | None = None   # for ASGI receive() after the body
+        self._last_read = False     # a request without keep-alive, or a refused one, was read: no more are
+        self._queue_full = False    # reading paused while MAX_PIPELINED requests wait
+        self._owe_continue = False  # a 100 Continue to send once the responses before it are written
+        self._refusal = b""         # the answer to a request that could not be read, after those before it
 
     # -- transport events ------------------------------------------------------------------
 
@@ -200,6 +204,8 @@ class _Connection(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        if self._last_read:
+            return    # discarded, but still read: with reading paused, a client that leaves would go unheard
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
@@ -213,6 +219,8 @@ class _Connection(asyncio.Protocol):
                 raise
             self._refuse(reject.status, str(reject))
         except httptools.HttpParserError as exc:
+            if self._last_read:
+                return    # bytes after a request that closes the connection: never read, not an error
             log.warning("invalid_http_request", error=str(exc))
             self._refuse(400, "invalid HTTP request")
 
@@ -266,7 +274,10 @@ class _Connection(asyncio.Protocol):
             raise _Reject(413, f"request body is {int(declared)} bytes; the limit is {limit}")
         expect = self._parser_header(b"expect")
         if expect is not None and expect.lower() == b"100-continue" and self._transport is not None:
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self._task is None and not self._pending:
+                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:   # a 1xx answers the request being read: not before (or inside) the responses ahead of it
+                self._owe_continue = True
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -282,12 +293,14 @@ class _Connection(asyncio.Protocol):
                           self._headers, body, parser.get_http_version() == "1.1")
         keep = parser.should_keep_alive()
         self._pending.append((request, keep))
+        self._owe_continue = False       # the body came without it
         transport = self._transport
-        if not keep and transport is not None:
-            transport.pause_reading()    # nothing after this request is served on this connection
+        if not keep:
+            self._last_read = True       # nothing after this request is served on this connection
         if self._task is None:
             self._next()
         elif len(self._pending) > MAX_PIPELINED and transport is not None:
+            self._queue_full = True
             transport.pause_reading()
 
     def _parser_header(self, name: bytes) -> bytes | None:
@@ -299,14 +312,25 @@ class _Connection(asyncio.Protocol):
     # -- requests --------------------------------------------------------------------------
 
     def _next(self) -> None:
-        """Starts the next queued request, or waits idle for one."""
+        """Starts the next queued request, or waits idle for one. After a response that said `connection:
+        close` nothing more is served, queued or not (RFC 9112 §9.6)."""
+        if not self.keep_alive:
+            self.close()
+            return
         if not self._pending:
-            if self.keep_alive:
-                self._arm_idle()
-            else:
+            if self._refusal:
+                self.write(self._refusal)
                 self.close()
+                return
+            if self._owe_continue and self._transport is not None:
+                self._owe_continue = False
+                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._arm_idle()
             return
         request, keep = self._pending.popleft()
+        if self._queue_full and self._transport is not None:
+            self._queue_full = False     # room in the queue again: read what the client sent meanwhile
+            self._transport.resume_reading()
         if not keep or self._server.draining:
             self.keep_alive = False
         exchange = Exchange(self, request.method == "HEAD", request.http_11)
@@ -352,16 +376,17 @@ class _Connection(asyncio.Protocol):
         return self._disconnected
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answers a request that could not be read (when nothing is in flight) and closes."""
-        self.keep_alive = False
-        self._pending.clear()
-        if self._task is None and not self._closed:
-            given = self._parser_header(b"x-request-id")
-            rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
-            body = error_body(status, message)
-            self.write(_head(status, [(b"content-type", _JSON), (b"x-request-id", rid)],
-                             b"content-length: %d\r\n" % len(body), False) + body)
-        self.close()
+        """Answers a request that could not be read and closes: at once when nothing is in flight, else
+        after the responses to the requests read before it (they were well formed; they are served)."""
+        given = self._parser_header(b"x-request-id")
+        rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
+        body = error_body(status, message)
+        self._refusal = _head(status, [(b"content-type", _JSON), (b"x-request-id", rid)],
+                              b"content-length: %d\r\n" % len(body), False) + body
+        self._last_read = True
+        self._owe_continue = False
+        if self._task is None:
+            self._next()
 
     def _arm_idle(self) -> None:
         self._idle = self._loop.call_later(self._server.idle_s, self.close)
@@ -461,5 +486,7 @@ class HttpServer:
             exchange.send(body)
             if not more:
                 exchange.end_stream()
+            else:
+                await exchange.drain()   # ASGI's send() is where an app waits for a slow client
 
         await self.fallback(scope, receive, send)
