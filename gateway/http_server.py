@@ -7,7 +7,8 @@ door) get the parsed request and write their response to the transport themselve
 client that leaves cancels its handler from `connection_lost`, with no watcher task. Every other
 route (models, health, metrics, admin) goes to an ASGI app (FastAPI) through a small adapter.
 
-What it does: keep-alive with an idle timeout, pipelined requests answered in order, `Expect:
+What it does: keep-alive with an idle timeout (which also bounds how long a request's line and
+headers may take to arrive), pipelined requests answered in order, `Expect:
 100-continue`, bodies capped before they are buffered (413), header blocks capped (431), malformed
 requests answered 400 and logged, chunked streaming with write flow control, TLS through the loop,
 and a drain on stop (no new requests; those in flight finish, up to a deadline).
@@ -189,6 +190,8 @@ class _Connection(asyncio.Protocol):
         self._queue_full = False    # reading paused while MAX_PIPELINED requests wait
         self._owe_continue = False  # a 100 Continue to send once the responses before it are written
         self._refusal = b""         # the answer to a request that could not be read, after those before it
+        self._in_head = False       # a request's line and headers are being read
+        self._head_seen = 0         # bytes received since its first byte
 
     # -- transport events ------------------------------------------------------------------
 
@@ -206,9 +209,11 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._last_read:
             return    # discarded, but still read: with reading paused, a client that leaves would go unheard
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        if self._in_head:   # httptools holds a header line until it ends: an endless one is capped here
+            self._head_seen += len(data)
+            if self._head_seen > 2 * MAX_HEADER_BYTES:
+                self._refuse(431, f"request headers over {MAX_HEADER_BYTES} bytes")
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -249,6 +254,8 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_seen = 0
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -268,6 +275,10 @@ class _Connection(asyncio.Protocol):
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._idle is not None:   # the idle timer also bounds how long a request's head may take
+            self._idle.cancel()
+            self._idle = None
         limit = self._server.max_body_bytes
         declared = self._parser_header(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

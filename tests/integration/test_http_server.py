@@ -544,6 +544,33 @@ async def test_idle_keep_alive_connection_is_closed_after_idle_s() -> None:
         await busy.close()
 
 
+async def test_a_request_head_trickled_in_is_cut_at_idle_s() -> None:
+    """The idle timer runs until a request's headers are complete: a client that sends half a head and
+    then a byte now and then does not hold the connection."""
+    async with serve({"/ping": ping}, idle_s=0.3) as s:
+        conn = await Conn.open(s.port)
+        t0 = time.monotonic()
+        conn.send(b"GET /ping HTTP/1.1\r\nhost: x\r\n")
+        for _ in range(4):
+            await asyncio.sleep(0.1)
+            conn.send(b"x-slow: 1\r\n")
+        assert await conn.closed(within=IO_S)
+        assert time.monotonic() - t0 < 4.0
+        await conn.close()
+
+
+async def test_an_endless_header_line_gets_431() -> None:
+    """httptools holds a header line until it ends; the server caps the bytes of a head as they come."""
+    async with serve({"/ping": ping}) as s:
+        conn = await Conn.open(s.port)
+        conn.send(b"GET /ping HTTP/1.1\r\nx-long: ")
+        for _ in range(40):
+            conn.send(b"a" * 8192)
+        assert_openai_error(await conn.response(), 431)
+        assert await conn.closed(within=IO_S)
+        await conn.close()
+
+
 # -- streaming and flow control ----------------------------------------------------------------
 
 # an empty piece writes nothing; the last looks like framing
