@@ -469,26 +469,32 @@ async def test_a_bad_request_pipelined_behind_good_ones(bad: bytes, status: int)
 # -- disconnects and idle connections ----------------------------------------------------------
 
 
+class Hang:
+    """A handler that waits until it is cancelled, recording whether the client was gone by then."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.gone_when_cancelled: list[bool] = []
+
+    async def __call__(self, request: Request, exchange: Exchange) -> None:
+        self.started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.gone_when_cancelled.append(exchange.gone)
+            self.cancelled.set()
+            raise
+        exchange.respond(200, [], b"too late", b"text/plain")
+
+
 @pytest.mark.parametrize("request_bytes", [
     get("/hang"),
     get("/hang", b"connection: close"),
     get("/hang", version=b"HTTP/1.0"),
 ], ids=["keep-alive", "connection-close", "http-1.0"])
 async def test_client_disconnect_cancels_the_handler(request_bytes: bytes) -> None:
-    started = asyncio.Event()
-    cancelled = asyncio.Event()
-    gone_when_cancelled: list[bool] = []
-
-    async def hang(request: Request, exchange: Exchange) -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            gone_when_cancelled.append(exchange.gone)
-            cancelled.set()
-            raise
-        exchange.respond(200, [], b"too late", b"text/plain")
-
+    hang = Hang()
     async with serve({"/hang": hang, "/ping": ping}) as s:
         other = await Conn.open(s.port)   # a connection opened before, used after the disconnect
         other.send(get("/ping"))
@@ -497,11 +503,11 @@ async def test_client_disconnect_cancels_the_handler(request_bytes: bytes) -> No
         conn = await Conn.open(s.port)
         conn.send(request_bytes)
         async with asyncio.timeout(IO_S):
-            await started.wait()
+            await hang.started.wait()
         await conn.close()
         async with asyncio.timeout(IO_S):
-            await cancelled.wait()
-        assert gone_when_cancelled == [True]
+            await hang.cancelled.wait()
+        assert hang.gone_when_cancelled == [True]
 
         other.send(get("/ping"))
         assert (await other.response()).body == b"pong"
@@ -863,30 +869,18 @@ async def test_stop_lets_requests_in_flight_finish_and_closes_the_rest() -> None
 
 
 async def test_stop_cancels_a_handler_still_running_at_the_deadline() -> None:
-    started = asyncio.Event()
-    cancelled = asyncio.Event()
-    gone_when_cancelled: list[bool] = []
-
-    async def stuck(request: Request, exchange: Exchange) -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            gone_when_cancelled.append(exchange.gone)
-            cancelled.set()
-            raise
-
+    stuck = Hang()
     async with serve({"/stuck": stuck}) as s:
         conn = await Conn.open(s.port)
         conn.send(get("/stuck"))
         async with asyncio.timeout(IO_S):
-            await started.wait()
+            await stuck.started.wait()
         t0 = time.monotonic()
         async with asyncio.timeout(IO_S):
             await s.server.stop(0.3)
-            await cancelled.wait()
+            await stuck.cancelled.wait()
         assert 0.25 <= time.monotonic() - t0 < 4.0
-        assert gone_when_cancelled == [True]
+        assert stuck.gone_when_cancelled == [True]
         assert await conn.closed()   # no response: the connection is cut
         await conn.close()
 
