@@ -97,9 +97,15 @@ class CandidateColumns:
             self._serving[k] = serving
             self._unheard = None
         heartbeat = _NEVER if e.last_heartbeat is None or not serving else e.last_heartbeat
-        if heartbeat != self._heartbeat[k]:
+        old = float(self._heartbeat[k])
+        if heartbeat != old:
             self._heartbeat[k] = heartbeat
-            self._oldest = None
+            # A heartbeat moving forward in a row that was not the oldest leaves the oldest as it was
+            # (the usual case: one row changes per heartbeat); anything else recomputes both ends.
+            if self._oldest is not None and self._oldest < old <= heartbeat:
+                self._newest = max(self._newest, heartbeat)
+            else:
+                self._oldest = None
         self._backlog += e.reported.waiting - self._waiting[k]
         self._waiting[k] = e.reported.waiting
 
