@@ -118,8 +118,8 @@ class CompletionsDoor:
             else:
                 await self._complete(exchange, kind, job, record)
         except RequestError as exc:
-            self._requests.finish(record, exc.status, error=exc.message)
             exchange.respond(exc.status, error_headers(exc, rid), orjson.dumps(openai_error_body(exc)))
+            self._requests.finish(record, exc.status, error=exc.message)
         except asyncio.CancelledError:
             if not exchange.gone:
                 raise
@@ -139,15 +139,15 @@ class CompletionsDoor:
     async def _complete(self, exchange: Exchange, kind: Kind, job: GenerationJob, record: RequestRecord) -> None:
         dispatch, chunks = await self._runtime.pipeline.complete(job, record)
         last = chunks[-1]
-        self._requests.finish(record, 200, prompt_tokens=last.usage.prompt_tokens,
-                              completion_tokens=last.usage.completion_tokens)
         if len(chunks) == 1 and last.relay:   # an upstream's whole reply, already in the client's shape
             body = last.relay
         else:
             use = usage(last.usage.prompt_tokens, last.usage.completion_tokens)
             text = "".join(c.text for c in chunks)
             body = orjson.dumps(completion_body(kind, job.request_id, self._model_name, text, last.finish_reason, use))
-        exchange.respond(200, backend_headers(dispatch), body)
+        exchange.respond(200, backend_headers(dispatch), body)   # the client first, the log line after
+        self._requests.finish(record, 200, prompt_tokens=last.usage.prompt_tokens,
+                              completion_tokens=last.usage.completion_tokens)
 
     async def _stream(self, exchange: Exchange, kind: Kind, job: GenerationJob, include_usage: bool,
                       record: RequestRecord) -> None:
@@ -155,6 +155,7 @@ class CompletionsDoor:
         exchange.start_stream(200, [*_SSE, *backend_headers(dispatch)])
         w = ChunkWriter(kind, job.request_id, self._model_name)
         status, error, last = 500, None, dispatch.first
+        tail: bytes | None = None   # the stream's end, when it ends with one
         try:
             if kind == "chat" and not dispatch.first.relay:   # an upstream sends its own role event
                 exchange.send(w.role())
@@ -174,8 +175,8 @@ class CompletionsDoor:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             status = 499   # mid-stream: the request log keeps its backend and latency
-            return
         finally:
+            if tail is not None:   # the client first, the log line after
+                exchange.end_stream(tail)
             self._requests.finish(record, status, prompt_tokens=last.usage.prompt_tokens,
                                   completion_tokens=last.usage.completion_tokens, error=error)
-        exchange.end_stream(tail)
