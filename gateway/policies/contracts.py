@@ -18,9 +18,15 @@ import numpy.typing as npt
 Role = Literal["language", "vision", "both"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BackendSnapshot:
-    """One backend as a policy sees it; rebuilt by the state table whenever a signal changes."""
+    """One backend as a policy sees it; rebuilt by the state table whenever a signal changes.
+
+    Treated as immutable (`dataclasses.replace` makes a changed copy; `Candidates` handed out share
+    them), but not declared frozen: the state table builds one for every changed row before a
+    decision, and a frozen dataclass's __init__ (one object.__setattr__ call per field) took 2.4 µs
+    against 1.0 µs here.
+    """
 
     id: str
     role: Role
