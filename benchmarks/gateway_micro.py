@@ -2,13 +2,15 @@
 
     python benchmarks/gateway_micro.py [--quick] [--requests 3000] [--repeats 5]
 
-The real HTTP app (`gateway.http_app.create_app` over `gateway.runtime.build_runtime`, one
-backend) is called as an ASGI callable, on uvloop, with a fake engine client in place of the gRPC
-one (it yields max_tokens GenerateChunks at once). What is left is everything the gateway does in
-Python for a request: the ASGI door, body parsing and validation, job building, admission,
-routing, metrics, logging calls, the disconnect watcher, response rendering. Subtracting it from the
-gateway's CPU per request under wrk (gateway_overhead.py) leaves uvicorn's HTTP I/O and the grpc.aio
-client with its threads.
+The real front door (`gateway.http_app.create_server` over `gateway.runtime.build_runtime`, one
+backend) is called in process, on uvloop: each request is handed to the server's handler for its path
+(the completions door, or the FastAPI app through the server's ASGI adapter) as the server would
+after parsing it, with the response written to a sink instead of a socket, and a fake engine client in
+place of the gRPC one (it yields max_tokens GenerateChunks at once). What is left is everything the
+gateway does in Python for a request: the door, body parsing and validation, job building,
+admission, routing, metrics, logging calls, response rendering. Subtracting it from the gateway's
+CPU per request under wrk (gateway_overhead.py) leaves the HTTP parsing and socket I/O and the
+grpc.aio client with its threads.
 
 Each cell: `requests` sequential requests, CPU time of this process (time.process_time) divided by
 the count; the minimum over `repeats` (the least disturbed by other processes). Cells: GET /health;
@@ -26,10 +28,9 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import uvloop
 
@@ -41,7 +42,8 @@ from benchmarks.bench_cluster import cluster_config  # noqa: E402
 from benchmarks.gateway_overhead import CHAT, git_state, save_report  # noqa: E402
 from gateway.config import load_cluster  # noqa: E402
 from gateway.generation_job import GenerationJob  # noqa: E402
-from gateway.http_app import create_app  # noqa: E402
+from gateway.http_app import create_server  # noqa: E402
+from gateway.http_server import Exchange, HttpServer, Request  # noqa: E402
 from gateway.runtime import Runtime, build_runtime  # noqa: E402
 from gateway.state_table import Reported  # noqa: E402
 from heterogate.logs import configure_logging  # noqa: E402
@@ -49,7 +51,6 @@ from heterogate.wire import engine_pb2  # noqa: E402
 from tests.harness import write_config  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gateway_micro.json"
-ASGI = Callable[[dict[str, Any], Callable[[], Any], Callable[[dict[str, Any]], Any]], Any]
 
 
 class FakeEngineClient:
@@ -95,37 +96,43 @@ def beat(runtime: Runtime) -> None:
     runtime.table.apply_heartbeat("e0", seq, "fake:0", Reported(seq=seq, kv_free_bytes=total, kv_total_bytes=total))
 
 
-def scope(method: str, path: str, body: bytes) -> dict[str, Any]:
+class Sink:
+    """Stands in for the server's connection: keeps what a response writes, never disconnects."""
+
+    keep_alive = True
+    _transport = None
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.data.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+    def disconnected(self) -> asyncio.Future[None]:
+        return asyncio.get_running_loop().create_future()
+
+    def status(self) -> int:
+        return int(b"".join(self.data)[9:12])
+
+
+async def one(server: HttpServer, method: str, path: str, body: bytes) -> int:
     headers = [(b"host", b"bench"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
-            "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    request = Request(method, path, b"", headers, body, True)
+    sink = Sink()
+    exchange = Exchange(sink, False, True)  # type: ignore[arg-type]
+    handler = server.routes.get(path)
+    if handler is not None:
+        await handler(request, exchange)
+    else:
+        await server.asgi(sink, request, exchange)  # type: ignore[arg-type]
+    return sink.status()
 
 
-async def one(app: ASGI, method: str, path: str, body: bytes) -> int:
-    sent = False
-    never = asyncio.Event()
-    status = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await never.wait()   # the client stays connected
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-
-    await app(scope(method, path, body), receive, send)
-    return status
-
-
-async def cell(runtime: Runtime, app: ASGI, method: str, path: str, body: bytes, requests: int,
+async def cell(runtime: Runtime, server: HttpServer, method: str, path: str, body: bytes, requests: int,
                repeats: int) -> float:
     """Minimum over repeats of CPU µs per request."""
     best = float("inf")
@@ -134,7 +141,7 @@ async def cell(runtime: Runtime, app: ASGI, method: str, path: str, body: bytes,
         for i in range(requests):
             if i % 64 == 0:
                 beat(runtime)
-            status = await one(app, method, path, body)
+            status = await one(server, method, path, body)
             if status != 200:
                 raise RuntimeError(f"{method} {path}: status {status}")
         best = min(best, (time.process_time() - t0) / requests * 1e6)
@@ -147,14 +154,15 @@ async def measure(requests: int, repeats: int) -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gateway-micro-") as tmp:
         runtime = make_runtime(Path(tmp), 1)
-        app = create_app(runtime)
-        await cell(runtime, app, "POST", "/v1/chat/completions", body, 200, 1)   # warm-up
-        out["GET /health"] = await cell(runtime, app, "GET", "/health", b"", requests, repeats)
-        out["chat"] = await cell(runtime, app, "POST", "/v1/chat/completions", body, requests, repeats)
-        out["chat stream"] = await cell(runtime, app, "POST", "/v1/chat/completions", stream_body, requests, repeats)
+        server = create_server(runtime, idle_s=75.0)
+        await cell(runtime, server, "POST", "/v1/chat/completions", body, 200, 1)   # warm-up
+        out["GET /health"] = await cell(runtime, server, "GET", "/health", b"", requests, repeats)
+        out["chat"] = await cell(runtime, server, "POST", "/v1/chat/completions", body, requests, repeats)
+        out["chat stream"] = await cell(runtime, server, "POST", "/v1/chat/completions", stream_body, requests,
+                                        repeats)
         runtime = make_runtime(Path(tmp), 0)
-        out["chat, chunk_all"] = await cell(runtime, create_app(runtime), "POST", "/v1/chat/completions", body,
-                                            requests, repeats)
+        out["chat, chunk_all"] = await cell(runtime, create_server(runtime, idle_s=75.0), "POST",
+                                            "/v1/chat/completions", body, requests, repeats)
     gc.unfreeze()
     return out
 
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning")   # as benchmarked: gateway --log-level warning
     cells = uvloop.run(measure(requests, repeats))
     base = cells["chat"]
-    print(f"\n{'in-process ASGI call (fake engine, max_tokens 4)':52s} {'CPU µs/req':>10s} {'vs chat':>8s}")
+    print(f"\n{'in-process handler call (fake engine, max_tokens 4)':52s} {'CPU µs/req':>10s} {'vs chat':>8s}")
     for name, us in cells.items():
         print(f"{name:52s} {us:10.1f} {us / base - 1:+8.1%}")
     report = {"benchmark": "gateway_micro", "date": datetime.now(UTC).isoformat(timespec="seconds"),
