@@ -35,33 +35,32 @@ NATIVE_COSTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 PYTHON_LIBS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grpc.aio client (call set-up, reads, cancel; incl. C-core)", ("grpc/",)),
     ("FastAPI native telemetry check (OpenTelemetry)", ("fastapi/telemetry", "opentelemetry/", "trace/__init__")),
-    ("uvicorn + httptools (HTTP/1.1 parse, ASGI cycle, writes)", ("uvicorn/",)),
     ("FastAPI/Starlette (middleware, routing, Request/Response)", ("fastapi/", "starlette/")),
     ("pydantic (request validation)", ("pydantic/",)),
     ("prometheus_client (counters, histograms)", ("prometheus_client/",)),
     ("structlog", ("structlog/",)),
     ("gateway: control stream (heartbeats)", ("gateway/heartbeat_service.py",)),
-    ("gateway: HTTP door (http_app, openai_*)", ("gateway/http_app.py", "gateway/openai_", "gateway/tokens.py",
-                                                  "gateway/errors.py")),
+    ("gateway: HTTP server (parse, handler task, response writes)", ("gateway/http_server.py",)),
+    ("gateway: HTTP door (completions door, openai_*)", ("gateway/completions_door.py", "gateway/http_app.py",
+                                                         "gateway/openai_", "gateway/tokens.py", "gateway/errors.py")),
     ("gateway: pipeline, routing, state table, engine client", ("gateway/",)),
     ("asyncio (tasks, wait, timeout, events)", ("asyncio/", "contextlib.py", "_weakrefset.py")),
 )
 # Under the event loop with no other Python frame: whose native code runs.
 LOOP_NATIVE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("grpc.aio client (call set-up, reads, cancel; incl. C-core)", ("cygrpc",)),
-    ("uvicorn + httptools (HTTP/1.1 parse, ASGI cycle, writes)", ("httptools", "parser.c")),
+    ("gateway: HTTP server (parse, handler task, response writes)", ("httptools", "parser.c")),
 )
 EVENT_LOOP = "event loop (uvloop/libuv: polling, callbacks, task steps)"
 OTHER = "other Python"
 HOTSPOTS: dict[str, tuple[str, ...]] = {
-    "unless_disconnected + _disconnect (watcher task per await)": ("unless_disconnected", "_disconnect ("),
-    "parse(): orjson.loads + pydantic model_validate": ("parse (gateway/http_app.py",),
-    "json_response / completion_body (orjson.dumps)": ("json_response", "completion_body"),
+    "parse(): orjson.loads + pydantic validation": ("parse (gateway/completions_door.py",),
+    "completion_body (orjson.dumps)": ("completion_body",),
     "Pipeline.start (route + dispatch + first token)": ("Pipeline.start",),
     "Pipeline._decide (policy.choose + decision metrics)": ("Pipeline._decide",),
     "EngineClient.generate (grpc stream reads)": ("EngineClient.generate",),
-    "Dispatch.rest / collect (remaining chunks)": ("Dispatch.rest", "collect (gateway/http_app.py"),
-    "done(): request counter + log.info": ("create_app.<locals>.done",),
+    "Dispatch.rest (remaining chunks)": ("Dispatch.rest",),
+    "RequestLog.finish: request counter + log line": ("RequestLog.finish",),
     "prometheus_client (any)": ("prometheus_client/",),
     "structlog (any)": ("structlog/",),
     "FastAPI NativeTelemetry.enabled": ("NativeTelemetry.enabled",),
