@@ -18,6 +18,7 @@ backends, and `RequestLog.finish` counts it and writes its one log line, whateve
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TypeVar
 
 import orjson
@@ -96,14 +97,11 @@ class CompletionsDoor:
         self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
 
     def routes(self) -> dict[str, Handler]:
-        return {path: self._handler(path, endpoint, kind) for path, (endpoint, kind) in ENDPOINTS.items()}
+        # partial, not a wrapping coroutine: one frame fewer to pass through on every resume
+        return {path: functools.partial(self._serve, path=path, endpoint=endpoint, kind=kind)
+                for path, (endpoint, kind) in ENDPOINTS.items()}
 
-    def _handler(self, path: str, endpoint: str, kind: Kind) -> Handler:
-        async def handle(request: Request, exchange: Exchange) -> None:
-            await self._serve(request, exchange, path, endpoint, kind)
-        return handle
-
-    async def _serve(self, request: Request, exchange: Exchange, path: str, endpoint: str, kind: Kind) -> None:
+    async def _serve(self, request: Request, exchange: Exchange, *, path: str, endpoint: str, kind: Kind) -> None:
         headers = {k.decode(): v.decode("latin-1") for k, v in request.headers if k in _WANTED}
         rid = new_request_id(headers.get("x-request-id"))
         record = RequestRecord(rid, endpoint)
