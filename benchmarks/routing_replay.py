@@ -271,7 +271,8 @@ def summary(rows: list[dict[str, Any]], targets: list[str], loads: list[float]) 
             itl_other = statistics.mean(sum(v for k, v in r["misses"].items() if k.startswith("itl") and
                                             not k.endswith("L40S")) for r in rs)
             ttft = statistics.mean(sum(v for k, v in r["misses"].items() if k.startswith("ttft")) for r in rs)
-            delta = " ".join(f"{(r['goodput'] - base[r['seed']]) * 100:+.1f}" for r in rs if r["seed"] in base)
+            delta = " ".join(f"{(r['goodput'] - base[r['seed']]) * 100:+.1f}" for r in rs
+                             if r["seed"] in base and target != "cwlor")
             lines.append(f"| {target} | {load}x | {statistics.median(g):.1%} ({min(g):.1%}-{max(g):.1%}) "
                          f"| {statistics.median(r['ttft_p99_s'] for r in rs):.2f} "
                          f"| {itl_slow:.1f} / {itl_other:.1f} / {ttft:.1f} | {delta} |")
