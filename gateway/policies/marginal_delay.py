@@ -99,10 +99,10 @@ class MarginalDelay:
         reserve = length + new_tokens
         p, step, capacity = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            stall = length * p
-            broken = (c[ITL_SLACKS] < stall).sum(axis=0)
-            prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p \
-                + self.w_itl * broken
+            prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p
+            stall, slacks = length * p, c[ITL_SLACKS]
+            if (slacks[0] < stall).any():   # else T_itl is 0 everywhere, and x + 0.0 == x
+                prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
             queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
             over = c[KV_USED] + reserve - capacity
             waits = (capacity > 0) & (over > 0)
