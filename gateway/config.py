@@ -198,6 +198,7 @@ class RoutingConfig(StrictModel):
     policy: str = "marginal_delay"           # language pool
     vision_policy: str = "encode_cost"       # vision pool
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    itl_target_ms: PositiveFloat = 100.0     # mean inter-token time each request's slack is counted against
 
 
 class StealingConfig(StrictModel):

@@ -19,6 +19,8 @@ Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
 
 Each dispatch holds a `Lease` from `acquire` to `release`; its first token and its end feed the
 backend's learned speed (`heterogate.speed_estimator`): prefill rate, decode step and T̄_service.
+Each lease also holds an inter-token deadline (`heterogate.itl_slack`, against
+`routing.itl_target_ms`): snapshots carry the smallest slacks of the requests in flight there.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gateway.policies.candidates import Candidates
 from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.itl_slack import DEFAULT_TARGET_S, InterTokenSlack
 from heterogate.metric_tables import SATURATED_QUEUE, KvSource
 from heterogate.speed_estimator import BackendSpeed, prior_speed
 
@@ -84,6 +87,7 @@ class BackendEntry:
     address: str | None
     managed: bool
     speed: BackendSpeed                       # learned from this gateway's own requests
+    slack: InterTokenSlack                    # this gateway's leases' inter-token deadlines
     steal: bool = False
     external: bool = False                    # kind: openai: reachable without heartbeats (see candidates)
     last_heartbeat: float | None = None       # monotonic seconds
@@ -141,6 +145,7 @@ class Lease:
     tokens_ahead: int                         # prompt tokens to prefill there before this one's first token
     dispatched_s: float
     first_token_s: float | None = None
+    itl_deadline: float | None = None         # in the backend's InterTokenSlack; None: a single token
 
 
 class StateTable:
@@ -150,8 +155,10 @@ class StateTable:
         heartbeat_interval_s: float,
         miss_limit: int = 3,
         clock: Callable[[], float] = time.monotonic,
+        itl_target_s: float = DEFAULT_TARGET_S,
     ) -> None:
         self.model = model
+        self.itl_target_s = itl_target_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.miss_limit = miss_limit
         self.clock = clock
@@ -172,9 +179,9 @@ class StateTable:
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
         kv_capacity_tokens: int | None = None,
     ) -> BackendEntry:
-        entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(self.model, gpu), steal, external,
-                             max_model_len=max_model_len, kv_capacity_tokens=kv_capacity_tokens,
-                             changes=self._changes)
+        entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(self.model, gpu),
+                             InterTokenSlack(self.itl_target_s), steal, external, max_model_len=max_model_len,
+                             kv_capacity_tokens=kv_capacity_tokens, changes=self._changes)
         self._entries[backend_id] = entry
         self._fixed[backend_id] = _Fixed(
             self.model.kv_bytes_per_token, perf_model.prefill_seconds_per_token(self.model, gpu),
@@ -237,7 +244,9 @@ class StateTable:
         # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
         # on this request's own few tokens
         ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
-        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, ahead, self.clock())
+        speed = entry.speed
+        deadline = entry.slack.add(prompt_tokens, max_tokens, speed.prefill.value, speed.decode.value)
+        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline)
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""
@@ -255,6 +264,8 @@ class StateTable:
         entry = self._entries[lease.backend_id]
         entry.in_flight = max(0, entry.in_flight - 1)
         entry.kv_reserved_tokens = max(0, entry.kv_reserved_tokens - lease.reserve_tokens)
+        entry.slack.remove(lease.itl_deadline)
+        lease.itl_deadline = None
         if lease.first_token_s is None:
             self._end_prefill(entry, lease)
         elif completion_tokens:
@@ -424,6 +435,7 @@ class StateTable:
             prefilling=e.prefilling + e.peer.prefilling,
             prefill_backlog_tokens=e.prefill_backlog_tokens + e.peer.prefill_backlog_tokens,
             kv_reserved_tokens=e.kv_reserved_tokens + e.peer.kv_reserved_tokens,
+            itl_slack_s=e.slack.slacks(),
         )
         e.snapshot = snap
         return snap

@@ -159,6 +159,8 @@ def test_entry_needs_launch_or_address(tmp_path: Path) -> None:
          r"gateway\.routing(\.policy)?: unknown policy 'fastest'"),
         ("gateway: {routing: {params: {power_of_two: {seeds: 1}}}}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
          r"gateway\.routing\.params\.power_of_two: policy 'power_of_two' parameters: seeds: Extra inputs"),
+        ("gateway: {routing: {itl_target_ms: 0}}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n",
+         r"gateway\.routing\.itl_target_ms: Input should be greater than 0"),
     ],
 )
 def test_field_errors_name_file_and_field(tmp_path: Path, body: str, expected: str) -> None:

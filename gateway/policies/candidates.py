@@ -14,7 +14,8 @@ L_r > M_free_i / kv ⇔ L_r > kv_fit_tokens, exact for caches below 2^53 tokens.
 +inf where the snapshot's is 0 (unknown, no limit), as `BackendSnapshot.fits` reads it.
 `speed_prefill_s_per_token` is the learned p̂ where there is one, else 2·P / F_i; `kv_capacity_tokens`
 is K_i (0: unknown) and `kv_used_tokens` max(K_i − free tokens, this router's reservations), 0 where
-K_i is (the inputs of `marginal_delay`).
+K_i is (the inputs of `marginal_delay`); `itl_slack_k_s` is the snapshot's k-th smallest inter-token
+slack, +inf where it has fewer.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ import numpy as np
 import numpy.typing as npt
 
 from gateway.policies.contracts import BackendSnapshot
+from heterogate.itl_slack import EXPOSED
 
 FloatArray = npt.NDArray[np.float64]
 
 COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "kv_fit_tokens", "max_context",
            "speed_prefill_s_per_token", "decode_step_s", "in_flight", "prefill_backlog_tokens", "kv_capacity_tokens",
-           "kv_used_tokens")
+           "kv_used_tokens", *(f"itl_slack_{k}_s" for k in range(EXPOSED)))
 (PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT,
- SPEED_PREFILL, DECODE_STEP, IN_FLIGHT, PREFILL_BACKLOG, KV_CAPACITY, KV_USED) = range(len(COLUMNS))
+ SPEED_PREFILL, DECODE_STEP, IN_FLIGHT, PREFILL_BACKLOG, KV_CAPACITY, KV_USED) = range(len(COLUMNS) - EXPOSED)
+ITL_SLACKS = slice(KV_USED + 1, KV_USED + 1 + EXPOSED)   # the rows of itl_slack_s, +inf past its end
 _INF = float("inf")
+_NO_SLACK = (_INF,) * EXPOSED
 
 
 def column_values(b: BackendSnapshot) -> tuple[float, ...]:
@@ -44,7 +48,7 @@ def column_values(b: BackendSnapshot) -> tuple[float, ...]:
     used = max(capacity - free // per_token, b.kv_reserved_tokens) if capacity else 0
     return (b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF,
             b.learned_prefill_s_per_token or b.prefill_s_per_token, b.decode_step_s, b.in_flight,
-            b.prefill_backlog_tokens, capacity, used)
+            b.prefill_backlog_tokens, capacity, used, *(b.itl_slack_s + _NO_SLACK)[:EXPOSED])
 
 
 def first_argmin(totals: FloatArray) -> int:

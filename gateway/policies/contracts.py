@@ -52,6 +52,9 @@ class BackendSnapshot:
     prefilling: int = 0                        # dispatched here, first token not seen yet
     prefill_backlog_tokens: int = 0            # their prompt tokens
     kv_reserved_tokens: int = 0                # prompt + max tokens of every request in flight here
+    # The smallest inter-token slacks of the requests in flight here (heterogate.itl_slack), smallest
+    # first: the prefill stall (s) each can still take before its mean inter-token time passes the target.
+    itl_slack_s: tuple[float, ...] = ()
 
     def fits(self, tokens: int) -> bool:
         """Whether a request needing `tokens` of context (prompt + max_tokens) fits this backend."""

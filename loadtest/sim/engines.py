@@ -20,6 +20,7 @@ from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
 from gateway.policies.contracts import BackendSnapshot, Role
 from heterogate import perf_model
 from heterogate.catalog import GpuProfile, ModelProfile
+from heterogate.itl_slack import DEFAULT_TARGET_S, InterTokenSlack
 from heterogate.service_time import updated_mean_service
 from heterogate.speed_estimator import prior_speed
 from loadtest.sim.workloads import Lengths
@@ -74,7 +75,8 @@ class Engine:
         self.in_flight = 0
         self.speed = prior_speed(model, gpu)
         self.prefilling = self.prefill_backlog = self.kv_reserved = 0
-        self._leases: dict[int, tuple[float, int]] = {}   # request -> (dispatched at, tokens ahead)
+        self._leases: dict[int, tuple[float, int, float | None]] = {}   # request -> (dispatched, ahead, deadline)
+        self.slack = InterTokenSlack(DEFAULT_TARGET_S)
         self._snap: BackendSnapshot | None = None
         self._static = dict(
             id=spec.backend_id,
@@ -120,6 +122,7 @@ class Engine:
                 prefilling=self.prefilling,
                 prefill_backlog_tokens=self.prefill_backlog,
                 kv_reserved_tokens=self.kv_reserved,
+                itl_slack_s=self.slack.slacks(),
             )
         return self._snap
 
@@ -130,8 +133,10 @@ class Engine:
         self.in_flight += 1
         self.prefilling += 1
         self.prefill_backlog += prompt
-        self.kv_reserved += prompt + int(lengths.max_output_tokens[i])
-        self._leases[i] = (now, self.prefill_backlog)
+        max_tokens = int(lengths.max_output_tokens[i])
+        self.kv_reserved += prompt + max_tokens
+        deadline = self.slack.add(prompt, max_tokens, self.speed.prefill.value, self.speed.decode.value)
+        self._leases[i] = (now, self.prefill_backlog, deadline)
 
     def _first_token(self, i: int, now: float) -> None:
         self.rec.first_token[i] = now
@@ -146,7 +151,9 @@ class Engine:
         self.rec.finish[i] = now
         self.measured_service_s = updated_mean_service(self.measured_service_s, now - self.rec.admitted[i])
         self.in_flight -= 1
-        if self._leases.pop(i, None) is not None:
+        lease = self._leases.pop(i, None)
+        if lease is not None:
+            self.slack.remove(lease[2])
             lengths = self.rec.lengths
             prompt = int(lengths.input_tokens[i])
             self.kv_reserved -= prompt + int(lengths.max_output_tokens[i])

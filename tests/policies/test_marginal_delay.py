@@ -92,6 +92,22 @@ def test_every_dispatch_moves_the_cost_so_a_burst_spreads() -> None:
     assert sorted(chosen.count(f"h{i}") for i in range(3)) == [3, 3, 3]
 
 
+def test_a_prompt_goes_where_its_prefill_breaks_no_requests_inter_token_target() -> None:
+    """Two L40S alike but for what they decode: a few short-output requests whose mean inter-token
+    time a 3,000-token prefill (~0.9 s of stall) would push past the target, or long-output ones
+    that absorb it. The long prompt goes to the second; a short one breaks nobody, either is fine."""
+    _, l40s = fast_and_slow()
+    fragile = dataclasses.replace(l40s, id="fragile", in_flight=3, itl_slack_s=(0.2, 0.3, 0.5))
+    sturdy = dataclasses.replace(l40s, id="sturdy", in_flight=3, itl_slack_s=(4.0, 6.0, 9.0))
+    p = MarginalDelay()
+    long = RequestProfile("long", 3000, 16)
+    assert p.choose(long, [fragile, sturdy], 0.0).backend.id == "sturdy"
+    assert p.cost(long, fragile).prefill - p.cost(long, sturdy).prefill == pytest.approx(3 * 0.3)
+    short = RequestProfile("short", 100, 16)   # 0.03 s of stall: below every slack
+    assert p.cost(short, fragile).total == p.cost(short, sturdy).total
+    assert MarginalDelay(MarginalDelayParams(w_itl=0.0)).cost(long, fragile).total == p.cost(long, sturdy).total
+
+
 def test_kv_veto_and_soft_kv_pressure() -> None:
     h100, l40s = fast_and_slow()
     capacity = h100.kv_total_bytes // h100.kv_bytes_per_token
@@ -122,6 +138,7 @@ def test_choose_on_columns_gives_the_costs_and_choice_of_the_one_candidate_form(
             kv_reserved_tokens=rng.randint(0, 5_000), in_flight=rng.randint(0, 40), prefilling=rng.randint(0, 4),
             prefill_backlog_tokens=rng.randint(0, 8_000), decode_step_s=rng.choice([0.0, 0.02, 0.05]),
             learned_prefill_s_per_token=rng.choice([0.0, 1e-4, 3e-4]),
+            itl_slack_s=tuple(sorted(rng.choice([0.0, 0.05, 0.3, 2.0]) for _ in range(rng.randint(0, 3)))),
         ))
     for length, new_tokens in ((16, 16), (1_500, 256), (3_000, 1_024), (40_000, 8)):
         request = RequestProfile("r", length, new_tokens)

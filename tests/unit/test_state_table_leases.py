@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from gateway.config import load_cluster
+from gateway.runtime import build_runtime
 from gateway.state_table import Reported, StateTable
+from tests.config_files import write
 from tests.snapshots import catalog
 
 
@@ -75,3 +80,37 @@ def test_an_external_engines_latency_figure_is_not_taken_as_service_time() -> No
     managed = table(clock, external=False)
     managed.apply_heartbeat("b", 2, "", Reported(kv_free_bytes=1 << 30, kv_total_bytes=1 << 30, mean_service_s=3.0))
     assert managed.candidates(("language",))[0].mean_service_s == 3.0
+
+
+def test_each_lease_holds_an_inter_token_deadline_that_later_prompts_use_up() -> None:
+    clock = Clock()
+    t = table(clock)
+    entry = t.get("b")
+    assert entry is not None
+    p, step = entry.speed.prefill.value, entry.speed.decode.value
+    short = t.acquire("b", 100, 5)      # 4 intervals of the 100 ms default target
+    long = t.acquire("b", 2000, 200)
+    assert t.candidates(("language",))[0].itl_slack_s == pytest.approx(
+        (4 * (0.1 - step) - 2000 * p, 199 * (0.1 - step)))
+    t.first_token(short)
+    t.release(short, completion_tokens=5)
+    assert t.candidates(("language",))[0].itl_slack_s == pytest.approx((199 * (0.1 - step),))
+    t.release(long)
+    assert t.candidates(("language",))[0].itl_slack_s == ()
+
+
+def test_the_inter_token_target_is_the_tables() -> None:
+    t = StateTable(catalog().model("llava-1.5-7b"), heartbeat_interval_s=0.2, clock=Clock(), itl_target_s=0.05)
+    t.register("b", "language", catalog().gpu("H100"), address="http://x", managed=False, external=True)
+    t.apply_heartbeat("b", 1, "http://x", Reported(kv_free_bytes=1 << 30, kv_total_bytes=1 << 30))
+    entry = t.get("b")
+    assert entry is not None
+    t.acquire("b", 10, 11)
+    assert t.candidates(("language",))[0].itl_slack_s == pytest.approx((10 * (0.05 - entry.speed.decode.value),))
+
+
+def test_the_gateway_takes_its_inter_token_target_from_the_routing_config(tmp_path: Path) -> None:
+    body = "gateway: {routing: {itl_target_ms: 50}}\nbackends:\n  - {id: a, gpu: H100, launch: {}}\n"
+    assert build_runtime(load_cluster(write(tmp_path, body), catalog())).table.itl_target_s == 0.05
+    default = "backends:\n  - {id: a, gpu: H100, launch: {}}\n"
+    assert build_runtime(load_cluster(write(tmp_path, default), catalog())).table.itl_target_s == 0.1
