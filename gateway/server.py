@@ -159,6 +159,9 @@ async def serve(config: ClusterConfig, options: ServeOptions) -> None:
         stop.set()
         await server.stop(config.settings.drain_timeout_s)
         await monitor
+        # The engines' streams close from this side before the engines are stopped: an engine that
+        # stops under an open Session stream logs the cancellation as an error.
+        await runtime.clients.close()
         drained.set()
         await supervising
         if sharing is not None:
