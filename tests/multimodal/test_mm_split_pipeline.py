@@ -315,7 +315,10 @@ def test_killed_vision_engine_is_re_encoded_on_the_other(gw: Gateway) -> None:
         r = post_chat(gw, CASES["one-png"])   # before its heartbeats lapse: still a candidate
         assert r.status_code == 200, f"{r.text}\n{gw.log_tail()}"
         assert r.headers["x-heterogate-vision-backend"] == other, gw.log_tail()
-        assert metric_total(gw, "heterogate_dispatch_retries_total", backend=victim) == retries + 1, gw.log_tail()
+        # Usually the victim is tried, its broken stream fails the encode and the retry goes to the other;
+        # on a loaded machine the supervisor can see the exit first and route straight to the other.
+        after = metric_total(gw, "heterogate_dispatch_retries_total", backend=victim)
+        assert after in (retries, retries + 1), gw.log_tail()
         gw.wait_until(lambda: gw.backend(other)["images_encoded"] >= before + 1)
     finally:
         wait_restarted(gw, victim, pid)
