@@ -106,6 +106,7 @@ class EngineSession:
     async def _write(self, context: grpc.aio.ServicerContext) -> None:
         while not self._closing or self._chunks or self._ends:
             await self._ready.wait()
+            await asyncio.sleep(0)   # one loop turn: the other sequences of the step add their chunks
             self._ready.clear()
             if self._chunks or self._ends:
                 await context.write(self._take())

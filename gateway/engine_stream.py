@@ -164,6 +164,7 @@ class EngineStream:
         try:
             while True:
                 await link.wake.wait()
+                await asyncio.sleep(0)   # one loop turn: requests started in this turn go in the same message
                 link.wake.clear()
                 if not link.open:
                     return
