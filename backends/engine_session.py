@@ -3,9 +3,10 @@
 The gateway keeps one Session open per engine and starts each request on it with a tag. Each request
 runs as its own task (the same chunks as a Generate call); what the requests produce waits in one
 outbox and leaves in as few messages as the stream takes: everything that became ready while the
-previous message was being written goes in the next one, and tokens of one request that are ready
-together become one chunk. A cancelled tag cancels its task, which cancels the sequence in the
-executor (it leaves the batch and frees its KV at the next step); a stream that breaks cancels all.
+previous message was being written, or in the loop turn the writer woke in (the other sequences of
+one executor step), goes in the next one; each token is still its own chunk. A cancelled tag
+cancels its task, which cancels the sequence in the executor (it leaves the batch and frees its KV at
+the next step); a stream that breaks cancels all.
 """
 
 from __future__ import annotations

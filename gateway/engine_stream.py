@@ -2,8 +2,9 @@
 
 A request is a tag on the stream: `start` queues its GenerateRequest and returns an `Inbox` that the
 reader fills with the chunks the engine sends under that tag. One writer task sends everything queued
-while the previous write was in flight as one message (starts and cancels of many requests), and one
-reader task hands out what every reply carries. Per request that is no call object, no metadata, no
+while the previous write was in flight, and in the loop turn it woke in, as one message (starts and
+cancels of many requests: requests parsed from one read of the sockets start in the same turn), and
+one reader task hands out what every reply carries. Per request that is no call object, no metadata, no
 per-call thread hops: a dictionary entry, a list append and a future.
 
 Failure: when the stream ends or breaks, every request on it fails with the stream's status and the
