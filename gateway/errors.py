@@ -111,6 +111,16 @@ def grpc_code_name(err: RequestError) -> str:
     return GRPC_CODES.get(err.status, "INTERNAL")
 
 
+def http_error(status: int, message: str) -> RequestError:
+    """An error that has only an HTTP status (the server's 4xx for a request it could not read, a
+    framework's 404 or 405): the error of that status, `invalid_request_error` below 500."""
+    err = PayloadTooLarge(message) if status == PayloadTooLarge.status else RequestError(message)
+    err.status = status
+    if status < 500:
+        err.type = "invalid_request_error"
+    return err
+
+
 def openai_error_body(err: RequestError) -> dict[str, Any]:
     """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}

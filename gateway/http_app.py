@@ -14,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.completions_door import CompletionsDoor
-from gateway.errors import RequestError, openai_error_body
+from gateway.completions_door import CompletionsDoor, error_headers
+from gateway.errors import RequestError, http_error, openai_error_body
 from gateway.http_server import HttpServer
 from gateway.jobs import JobBuilder
 from gateway.request_ids import new_request_id
@@ -27,9 +27,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(err: RequestError, request_id: str) -> Response:
-    headers = {"x-request-id": request_id}
-    if err.retry_after_s is not None:
-        headers["retry-after"] = str(max(1, round(err.retry_after_s)))
+    headers = {k.decode(): v.decode() for k, v in error_headers(err, request_id)}
     return json_response(openai_error_body(err), err.status, headers)
 
 
@@ -53,9 +51,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        err = RequestError(str(exc.detail))
-        err.status, err.type = exc.status_code, "invalid_request_error"
-        return error_response(err, request_id_of(request))
+        return error_response(http_error(exc.status_code, str(exc.detail)), request_id_of(request))
 
     def authorize(request: Request, *, admin: bool = False) -> None:
         runtime.keys.check(request.headers.get("authorization"), admin=admin)

@@ -29,7 +29,7 @@ import httptools
 import orjson
 import structlog
 
-from gateway.errors import PayloadTooLarge, RequestError, openai_error_body
+from gateway.errors import http_error, openai_error_body
 from gateway.request_ids import new_request_id
 
 log = structlog.get_logger("gateway.http")
@@ -54,14 +54,16 @@ class Request:
         self.method, self.path, self.query, self.headers, self.body, self.http_11 = \
             method, path, query, headers, body, http_11
 
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
 
 Handler = Callable[[Request, "Exchange"], Awaitable[None]]
+
+
+def find_header(headers: Headers, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case)."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
 
 class _Date:
@@ -159,11 +161,7 @@ class _Reject(Exception):
 
 
 def error_body(status: int, message: str) -> bytes:
-    err = PayloadTooLarge(message) if status == 413 else RequestError(message)
-    err.status = status
-    if status < 500:
-        err.type = "invalid_request_error"
-    return orjson.dumps(openai_error_body(err))
+    return orjson.dumps(openai_error_body(http_error(status, message)))
 
 
 class _Connection(asyncio.Protocol):
@@ -196,13 +194,7 @@ class _Connection(asyncio.Protocol):
     # -- transport events ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport   # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        self._transport = transport   # type: ignore[assignment]  # asyncio and uvloop set TCP_NODELAY
         self._server.connections.add(self)
         self._arm_idle()
 
@@ -280,10 +272,10 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         limit = self._server.max_body_bytes
-        declared = self._parser_header(b"content-length")
+        declared = find_header(self._headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _Reject(413, f"request body is {int(declared)} bytes; the limit is {limit}")
-        expect = self._parser_header(b"expect")
+        expect = find_header(self._headers, b"expect")
         if expect is not None and expect.lower() == b"100-continue" and self._transport is not None:
             if self._task is None and not self._pending:
                 self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -313,12 +305,6 @@ class _Connection(asyncio.Protocol):
         elif len(self._pending) > MAX_PIPELINED and transport is not None:
             self._queue_full = True
             transport.pause_reading()
-
-    def _parser_header(self, name: bytes) -> bytes | None:
-        for key, value in self._headers:
-            if key == name:
-                return value
-        return None
 
     # -- requests --------------------------------------------------------------------------
 
@@ -389,7 +375,7 @@ class _Connection(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         """Answers a request that could not be read and closes: at once when nothing is in flight, else
         after the responses to the requests read before it (they were well formed; they are served)."""
-        given = self._parser_header(b"x-request-id")
+        given = find_header(self._headers, b"x-request-id")
         rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
         body = error_body(status, message)
         self._refusal = _head(status, [(b"content-type", _JSON), (b"x-request-id", rid)],

@@ -213,8 +213,8 @@ class OpenAIUpstreamClient:
             try:
                 data = await resp.read_some(until)   # the bound never spans a yield
             except TimeoutError:
-                if until < deadline:
-                    raise _Silent(f"no data from the upstream within {read_s:g} s") from None
+                if read_s is not None and until < deadline:
+                    raise _Silent.after(read_s) from None
                 raise
             if not data:
                 break
@@ -280,6 +280,10 @@ class OpenAIUpstreamClient:
 class _Silent(TimeoutError):
     """The upstream sent nothing for longer than a read may take (before the request's deadline)."""
 
+    @classmethod
+    def after(cls, read_s: float) -> _Silent:
+        return cls(f"no data from the upstream within {read_s:g} s")
+
 
 async def _bounded(wait: Awaitable[T], deadline: float, read_s: float | None) -> T:
     """`wait`, within the request's deadline and, when `read_s` is set, within `read_s` from now."""
@@ -290,7 +294,7 @@ async def _bounded(wait: Awaitable[T], deadline: float, read_s: float | None) ->
         async with asyncio.timeout(read_s):
             return await wait
     except TimeoutError:
-        raise _Silent(f"no data from the upstream within {read_s:g} s") from None
+        raise _Silent.after(read_s) from None
 
 
 def _joined(batch: list[tuple[str, bytes]], last_index: int) -> engine_pb2.GenerateChunk:
