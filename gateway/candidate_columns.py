@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gateway.policies.candidates import Candidates, column_values
+from gateway.policies.candidates import MAX_CONTEXT, Candidates, column_values
 from gateway.policies.contracts import BackendSnapshot
 
 if TYPE_CHECKING:
@@ -122,9 +122,14 @@ class CandidateColumns:
         if self._stale_rows:
             snapshots = self._snapshots
             columns = self._all.columns.copy()
+            smallest: float | None = self._all.smallest_context
+            contexts = columns[MAX_CONTEXT]
             for k in self._stale_rows:
                 snapshots[k] = b = self._snapshot(self._entries[k])
-                columns[:, k] = column_values(b)
+                values = column_values(b)
+                if values[MAX_CONTEXT] != contexts[k]:   # rare (a new max_model_len): worked out again
+                    smallest = None
+                columns[:, k] = values
             self._stale_rows.clear()
-            self._all = Candidates(snapshots, columns)
+            self._all = Candidates(snapshots, columns, smallest)
         return self._all

@@ -76,12 +76,24 @@ class Candidates(tuple[BackendSnapshot, ...]):
 
     columns: FloatArray
 
-    def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None) -> Candidates:
+    def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None,
+                smallest_context: float | None = None) -> Candidates:
+        """`smallest_context`: the least of the max_context column when the caller knows it (None: worked
+        out on first use)."""
         self = super().__new__(cls, snapshots)
         array = column_array(self) if columns is None else columns
         array.flags.writeable = False
         self.columns = array
+        self._smallest_context = smallest_context
         return self
+
+    @property
+    def smallest_context(self) -> float:
+        """The shortest context among the candidates (+inf: none, or no limit). Every decision asks
+        whether the request fits them all: one comparison instead of two array operations."""
+        if self._smallest_context is None:
+            self._smallest_context = float(self.columns[MAX_CONTEXT].min()) if len(self) else _INF
+        return self._smallest_context
 
     @classmethod
     def of(cls, candidates: Sequence[BackendSnapshot]) -> Candidates:
@@ -94,6 +106,8 @@ class Candidates(tuple[BackendSnapshot, ...]):
 
     def fitting(self, context_tokens: int) -> Candidates:
         """Those whose context holds `context_tokens` (prompt + max_tokens): `BackendSnapshot.fits`."""
+        if context_tokens <= self.smallest_context:
+            return self
         fits = self.columns[MAX_CONTEXT] >= context_tokens
         return self if fits.all() else self.take(fits.nonzero()[0])
 
@@ -101,4 +115,6 @@ class Candidates(tuple[BackendSnapshot, ...]):
         """These candidates followed by `more` (e.g. work stealers), columns joined, not rebuilt."""
         if not more:
             return self
-        return Candidates((*self, *more), np.concatenate((self.columns, column_array(more)), axis=1))
+        added = column_array(more)
+        return Candidates((*self, *more), np.concatenate((self.columns, added), axis=1),
+                          min(self.smallest_context, float(added[MAX_CONTEXT].min())))

@@ -104,6 +104,10 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         want = reference(table, roles, clock.now, exclude)
         assert list(got) == want, step
         np.testing.assert_array_equal(got.columns, column_array(want), err_msg=str(step))
+        # the shortest context is carried from one decision's columns to the next, not recomputed
+        assert got.smallest_context == min((b.max_context or float("inf") for b in want), default=float("inf"))
+        tokens = rng.choice([100, 4096, 4097, 32_768, 40_000])
+        assert list(got.fitting(tokens)) == [b for b in want if b.fits(tokens)], step
         assert table.language_backlog() == sum(e.reported.waiting for e in table.entries() if e.role != "vision")
         assert table.largest_context() == max(table.context(e)[0] for e in table.entries()
                                               if e.role != "vision" or e.steal)
@@ -129,3 +133,28 @@ def test_a_snapshot_dropped_anywhere_reaches_the_columns() -> None:
     got = table.candidates(LANGUAGE)
     assert got[0].queue_depth == 9
     assert got.columns[1].tolist() == [9.0]
+
+
+def test_a_context_that_shrinks_or_grows_reaches_the_fit_check() -> None:
+    """The shortest context is carried from one set of columns to the next; a row whose context
+    changes must reset it, or a request would be sent to a backend it no longer fits."""
+    clock = Clock()
+    table = StateTable(catalog().model(MODEL), INTERVAL_S, MISS_LIMIT, clock=clock)
+    for name in ("a", "b"):
+        table.register(name, "language", catalog().gpu("H100"), address=None, managed=True)
+
+    def report(name: str, seq: int, max_model_len: int) -> None:
+        table.apply_heartbeat(name, seq, "", Reported(seq=seq, kv_free_bytes=1 << 30, kv_total_bytes=1 << 31,
+                                                      max_model_len=max_model_len))
+
+    report("a", 1, 32_768)
+    report("b", 1, 32_768)
+    assert [b.id for b in table.candidates(LANGUAGE).fitting(8000)] == ["a", "b"]
+    report("b", 2, 4096)
+    got = table.candidates(LANGUAGE)
+    assert got.smallest_context == 4096
+    assert [b.id for b in got.fitting(8000)] == ["a"]
+    report("b", 3, 32_768)
+    got = table.candidates(LANGUAGE)
+    assert got.smallest_context == 32_768
+    assert [b.id for b in got.fitting(8000)] == ["a", "b"]
