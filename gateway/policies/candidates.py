@@ -75,6 +75,7 @@ class Candidates(tuple[BackendSnapshot, ...]):
     """Snapshots in candidate order, with `columns` (see the module docstring); immutable like them."""
 
     columns: FloatArray
+    _smallest_context: float | None
 
     def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None,
                 smallest_context: float | None = None) -> Candidates:
