@@ -6,6 +6,8 @@
 Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
 
     direct              wrk straight to one mock engine (the floor)
+    io-floor            benchmarks/io_floor_proxy.py: the gateway's own HTTP server and upstream client
+                        forwarding bytes in turn, no gateway logic (what the gateway's I/O costs)
     vllm-router         vllm-router --policy round_robin      (PyPI, in its own venv)
     sglang-router       sglang_router.launch_router --policy round_robin (PyPI, same venv)
     heterogate-openai   the gateway with the two engines as `kind: openai` backends
@@ -125,6 +127,13 @@ def start_targets(
             tmp / f"mock-{port}.log"))
         wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
     targets = [Target("direct", urls[0], 0)]
+    if openai:
+        port = free_port()
+        proc = stack.enter_context(process(
+            [sys.executable, str(ROOT / "benchmarks" / "io_floor_proxy.py"), "--port", str(port), *urls],
+            tmp / "io-floor.log"))
+        wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+        targets.append(Target("io-floor", f"http://127.0.0.1:{port}", proc.pid))
     if peers:
         bin_dir = ensure_peers()
         for name, cmd in (
