@@ -1,8 +1,10 @@
 """Prometheus metrics of one gateway process, on its own registry (no module globals).
 
 Per-backend gauges are not pushed on every change: a collector reads the state table at scrape
-time, so they are exact and cost nothing on the request path. Counters carry no `_created` series
-(one per label set, which doubles the scrape for nothing a rate() needs).
+time, so they are exact and cost nothing on the request path. The counters and histograms every
+request touches are plain tables rendered at scrape time too (`gateway.request_metrics`); the rare
+ones (retries, encodes, hand-offs, stolen requests) are prometheus_client objects. Counters carry no
+`_created` series (one per label set, which doubles the scrape for nothing a rate() needs).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import collections
 import platform
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,10 +27,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.request_metrics import CounterTable, HistogramTable, TablesCollector
 from gateway.state_table import StateTable
 from heterogate import __version__
 
-M = TypeVar("M", Counter, Histogram)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
 
@@ -141,20 +142,29 @@ class GatewayMetrics:
         PlatformCollector(registry=r)
         Info("heterogate_build", "Version of the running gateway", registry=r).info(
             {"version": __version__, "python": platform.python_version()})
-        self.prompt_tokens = Counter(
-            "heterogate_prompt_tokens", "Prompt tokens of served requests (as the backend counted them)",
-            ["backend"], registry=r,
+        # The request path's: plain tables (gateway.request_metrics), label values given in this order.
+        self.prompt_tokens = CounterTable(
+            "heterogate_prompt_tokens", "Prompt tokens of served requests (as the backend counted them)", ["backend"]
         )
-        self.generation_tokens = Counter(
-            "heterogate_generation_tokens", "Tokens generated for served requests", ["backend"], registry=r
+        self.generation_tokens = CounterTable(
+            "heterogate_generation_tokens", "Tokens generated for served requests", ["backend"]
         )
+        self.requests = CounterTable(
+            "heterogate_requests", "Requests by outcome", ["endpoint", "policy", "backend", "status"]
+        )
+        self.decisions = CounterTable("heterogate_routing_decisions", "Routing decisions", ["policy", "backend"])
+        self.decision_seconds = HistogramTable(
+            "heterogate_routing_decision_seconds", "Time to choose a backend", ["policy"], _DECISION_BUCKETS
+        )
+        self.ttft_seconds = HistogramTable("heterogate_ttft_seconds", "Time to first token", ["backend"],
+                                           _LATENCY_BUCKETS)
+        self.e2e_seconds = HistogramTable("heterogate_e2e_seconds", "End-to-end request latency", ["backend"],
+                                          _LATENCY_BUCKETS)
+        r.register(TablesCollector([self.prompt_tokens, self.generation_tokens, self.requests, self.decisions,
+                                    self.decision_seconds, self.ttft_seconds, self.e2e_seconds]))
         self.admission_waiting = Gauge(
             "heterogate_admission_queue_waiting", "Requests waiting in the admission queue", registry=r
         )
-        self.requests = Counter(
-            "heterogate_requests", "Requests by outcome", ["endpoint", "policy", "backend", "status"], registry=r
-        )
-        self.decisions = Counter("heterogate_routing_decisions", "Routing decisions", ["policy", "backend"], registry=r)
         self.oom_vetoes: collections.Counter[str] = collections.Counter()   # backend id -> vetoes
         self.retries = Counter(
             "heterogate_dispatch_retries", "Re-dispatches before the first token", ["backend"], registry=r
@@ -174,29 +184,9 @@ class GatewayMetrics:
             "heterogate_stolen_requests", "Language requests routed to a vision backend (work stealing)",
             ["backend"], registry=r,
         )
-        self.decision_seconds = Histogram(
-            "heterogate_routing_decision_seconds", "Time to choose a backend", ["policy"],
-            buckets=_DECISION_BUCKETS, registry=r,
-        )
-        self.ttft_seconds = Histogram(
-            "heterogate_ttft_seconds", "Time to first token", ["backend"], buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.e2e_seconds = Histogram(
-            "heterogate_e2e_seconds", "End-to-end request latency", ["backend"], buckets=_LATENCY_BUCKETS, registry=r
-        )
         self.backends = BackendCollector(table)
         r.register(self.backends)
         r.register(VetoCollector(self.oom_vetoes))
-        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
-
-    def child(self, metric: M, *labels: str) -> M:
-        """`metric.labels(*labels)`, cached: labels() validates and locks on every call, which costs
-        more than a routing decision (the routing path's counters go through here)."""
-        key = (metric, labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return cast(M, found)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

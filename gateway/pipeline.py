@@ -144,8 +144,8 @@ class Pipeline:
         t0 = time.perf_counter()
         decision = policy.choose(profile, candidates, now)
         m = self.metrics
-        m.child(m.decision_seconds, policy.name).observe(time.perf_counter() - t0)
-        m.child(m.decisions, policy.name, decision.backend.id).inc()
+        m.decision_seconds.observe((policy.name,), time.perf_counter() - t0)
+        m.decisions.inc((policy.name, decision.backend.id))
         m.oom_vetoes.update(decision.vetoed)
         if self.debug:   # the cost table is O(N) to render: only when someone reads it
             log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
@@ -318,7 +318,7 @@ class Pipeline:
             self.metrics.handoff_wait_seconds.labels(backend_id).observe(first.embedding_wait_s)
         self.table.first_token(lease)
         dispatch = Dispatch(self, job, decision, vision_id, first, stream, started, record, lease)
-        self.metrics.ttft_seconds.labels(backend_id).observe(dispatch.ttft_s)
+        self.metrics.ttft_seconds.observe((backend_id,), dispatch.ttft_s)
         return dispatch
 
     def _abandon(self, lease: Lease) -> None:
@@ -392,4 +392,4 @@ class Pipeline:
         self.table.release(dispatch.lease, completion_tokens if dispatch.streamed else 0)
         self.admission.notify()
         if completion_tokens:
-            self.metrics.e2e_seconds.labels(dispatch.backend_id).observe(time.monotonic() - dispatch.started)
+            self.metrics.e2e_seconds.observe((dispatch.backend_id,), time.monotonic() - dispatch.started)
