@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gateway.policies.candidates import MAX_CONTEXT, Candidates, column_values
+from gateway.policies.candidates import Candidates
 from gateway.policies.contracts import BackendSnapshot
 
 if TYPE_CHECKING:
@@ -120,16 +120,7 @@ class CandidateColumns:
     def _current(self) -> Candidates:
         """Every row, as candidates, the changed rows' snapshots and columns rebuilt (copy-on-write)."""
         if self._stale_rows:
-            snapshots = self._snapshots
-            columns = self._all.columns.copy()
-            smallest: float | None = self._all.smallest_context
-            contexts = columns[MAX_CONTEXT]
-            for k in self._stale_rows:
-                snapshots[k] = b = self._snapshot(self._entries[k])
-                values = column_values(b)
-                if values[MAX_CONTEXT] != contexts[k]:   # rare (a new max_model_len): worked out again
-                    smallest = None
-                columns[:, k] = values
+            entries, snapshot = self._entries, self._snapshot
+            self._all = self._all.replaced([(k, snapshot(entries[k])) for k in self._stale_rows], self._snapshots)
             self._stale_rows.clear()
-            self._all = Candidates(snapshots, columns, smallest)
         return self._all

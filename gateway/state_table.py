@@ -320,10 +320,17 @@ class StateTable:
         return fresh.extended([self._saturated(e) for e in stale])
 
     def _open_candidates(self, roles: tuple[Role, ...], blind: list[BackendSnapshot]) -> Candidates:
-        """The failing-open candidates, the same object while none of their snapshots changed."""
+        """The failing-open candidates, the same object while none of their snapshots changed, else the
+        last ones patched in the rows that did (each request changes its backend's in-flight count)."""
         cached = self._open.get(roles)
-        if cached is None or len(cached) != len(blind) or any(a is not b for a, b in zip(cached, blind, strict=True)):
-            self._open[roles] = cached = Candidates(blind)
+        if cached is not None and len(cached) == len(blind):
+            changes = [(k, b) for k, (a, b) in enumerate(zip(cached, blind, strict=True)) if a is not b]
+            if not changes:
+                return cached
+            if all(cached[k].id == b.id for k, b in changes):
+                self._open[roles] = cached = cached.replaced(changes)
+                return cached
+        self._open[roles] = cached = Candidates(blind)
         return cached
 
     def _pool(self, roles: tuple[Role, ...]) -> CandidateColumns:

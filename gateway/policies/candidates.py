@@ -101,6 +101,24 @@ class Candidates(tuple[BackendSnapshot, ...]):
         """`candidates` itself when it already carries columns, else its columns built once."""
         return candidates if isinstance(candidates, Candidates) else cls(candidates)
 
+    def replaced(self, changes: Iterable[tuple[int, BackendSnapshot]],
+                 snapshots: list[BackendSnapshot] | None = None) -> Candidates:
+        """These candidates with the snapshot at some rows replaced: the columns copied and patched in
+        those rows only (copy-on-write: `self` stays as it was), the shortest context carried over
+        unless a patched row's changed. `snapshots`: the caller's list of these candidates, updated in
+        place and used instead of a copy."""
+        snapshots = list(self) if snapshots is None else snapshots
+        columns = self.columns.copy()
+        contexts = columns[MAX_CONTEXT]
+        smallest = self._smallest_context
+        for k, b in changes:
+            snapshots[k] = b
+            values = column_values(b)
+            if values[MAX_CONTEXT] != contexts[k]:   # rare (a new max_model_len): worked out again
+                smallest = None
+            columns[:, k] = values
+        return Candidates(snapshots, columns, smallest)
+
     def take(self, rows: npt.NDArray[np.intp]) -> Candidates:
         """The candidates at `rows` (ascending), in order."""
         return Candidates([self[k] for k in rows.tolist()], self.columns[:, rows])

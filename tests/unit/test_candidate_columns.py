@@ -158,3 +158,27 @@ def test_a_context_that_shrinks_or_grows_reaches_the_fit_check() -> None:
     got = table.candidates(LANGUAGE)
     assert got.smallest_context == 32_768
     assert [b.id for b in got.fitting(8000)] == ["a", "b"]
+
+
+def test_failing_open_candidates_follow_each_lease() -> None:
+    """Failing open (every candidate an external backend whose metrics went stale), each dispatch
+    changes one backend's in-flight count: the candidates handed out next show it, in the snapshots
+    and the columns, and those handed out before stay as they were."""
+    clock = Clock()
+    table = StateTable(catalog().model(MODEL), INTERVAL_S, MISS_LIMIT, clock=clock)
+    for name in ("a", "b", "c"):
+        table.register(name, "language", catalog().gpu("H100"), address=None, managed=False, external=True)
+        table.apply_heartbeat(name, 1, "", Reported(seq=1, kv_free_bytes=1 << 30, kv_total_bytes=1 << 31))
+    clock.now += 10 * INTERVAL_S * MISS_LIMIT
+    first = table.candidates(LANGUAGE)
+    assert table.failing_open and [b.queue_depth for b in first] == [0, 0, 0]
+    assert table.candidates(LANGUAGE) is first   # nothing changed: the same object
+    lease = table.acquire("b", 100, 16)
+    second = table.candidates(LANGUAGE)
+    assert [b.queue_depth for b in second] == [0, 1, 0]
+    np.testing.assert_array_equal(second.columns, column_array(list(second)))
+    assert [b.queue_depth for b in first] == [0, 0, 0] and first.columns[1].tolist() == [0.0, 0.0, 0.0]
+    table.release(lease)
+    third = table.candidates(LANGUAGE)
+    assert [b.queue_depth for b in third] == [0, 0, 0]
+    np.testing.assert_array_equal(third.columns, column_array(list(third)))
