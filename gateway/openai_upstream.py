@@ -131,23 +131,22 @@ class OpenAIUpstreamClient:
         started = False
         try:
             body = orjson.dumps(await self._body(job))
-            post = self._pool.post(path, body, (*self._headers, ("x-request-id", job.request_id)),
-                                   connect_timeout_s=min(5.0, timeout_s))
-            if job.whole:   # one bound for the whole exchange: it holds no yield
-                async with asyncio.timeout_at(deadline):
-                    resp = await post
-                    try:
-                        await self._check(resp)
-                        raw = await resp.read()
-                    finally:
-                        resp.release()
+            headers = (*self._headers, ("x-request-id", job.request_id))
+            if job.whole:   # the deadline bounds each wait of the exchange; it holds no yield
+                resp = await self._pool.post(path, body, headers, connect_timeout_s=min(5.0, timeout_s),
+                                             until=deadline)
+                try:
+                    await self._check(resp, deadline)
+                    raw = await resp.read(deadline)
+                finally:
+                    resp.release()
                 started = True
                 yield self._whole(raw, job)
                 return
+            post = self._pool.post(path, body, headers, connect_timeout_s=min(5.0, timeout_s))
             resp = await _bounded(post, deadline, read_s)
             try:
-                async with asyncio.timeout_at(deadline):
-                    await self._check(resp)
+                await self._check(resp, deadline)
                 async for chunk in self._chunks(resp, deadline, read_s, job):
                     started = True
                     yield chunk
@@ -161,11 +160,12 @@ class OpenAIUpstreamClient:
             raise BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                                  backend_id=self.backend_id, retryable=not started) from None
 
-    async def _check(self, resp: UpstreamResponse) -> None:
-        """A response other than 200 → the gateway's error for it (the body read for its message)."""
+    async def _check(self, resp: UpstreamResponse, until: float | None = None) -> None:
+        """A response other than 200 → the gateway's error for it (the body read for its message, by
+        loop time `until`)."""
         if resp.status == 200:
             return
-        message = _error_message(await resp.read())
+        message = _error_message(await resp.read(until))
         # 401/403: the gateway's credentials for this backend, not the client's request
         if resp.status >= 500 or resp.status in (401, 403, 429):
             raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",

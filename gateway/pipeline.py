@@ -64,7 +64,8 @@ class PipelineSettings:
 
 
 class Dispatch:
-    """A request that has its first token; iterate `rest()` exactly once (it releases the backend)."""
+    """A request that has its first token; read it with exactly one of `rest()` and `whole()` (each
+    releases the backend)."""
 
     def __init__(
         self,
@@ -94,16 +95,36 @@ class Dispatch:
         self.streamed = not job.whole   # tokens arrive as they are made: the decode time is measurable
 
     async def rest(self) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """The chunks as they come, the first one included (a streamed response)."""
         completed = 0   # tokens of a completed request
         try:
             chunk = self.first
             chunks = 1
             yield chunk
             while not chunk.finish_reason:
-                chunk = await anext(self._stream)
+                chunk = await self._next()
                 chunks += 1
                 yield chunk
             completed = chunk.usage.completion_tokens or chunks
+        finally:
+            await self._close(completed)
+
+    async def whole(self) -> list[engine_pb2.GenerateChunk]:
+        """Every chunk, the first one included (a non-streamed response): one coroutine, where
+        collecting `rest()` would take an async generator and its clean-up per request."""
+        completed = 0
+        chunks = [self.first]
+        try:
+            while not chunks[-1].finish_reason:
+                chunks.append(await self._next())
+            completed = chunks[-1].usage.completion_tokens or len(chunks)
+        finally:
+            await self._close(completed)
+        return chunks
+
+    async def _next(self) -> engine_pb2.GenerateChunk:
+        try:
+            return await anext(self._stream)
         except StopAsyncIteration:
             raise BackendFailure(
                 f"backend {self.backend_id}: stream ended without a finish reason",
@@ -113,9 +134,11 @@ class Dispatch:
         except BackendFailure:
             self._pipeline.breakers.on_failure(self.backend_id)
             raise
-        finally:
-            await self._stream.aclose()  # type: ignore[attr-defined]
-            self._pipeline.finish(self, completed)
+
+    async def _close(self, completed: int) -> None:
+        """The stream closed and the backend released (`completed` > 0: with that many tokens)."""
+        await self._stream.aclose()  # type: ignore[attr-defined]
+        self._pipeline.finish(self, completed)
 
 
 class Pipeline:
@@ -246,7 +269,7 @@ class Pipeline:
         for attempt in range(1, self.settings.max_attempts + 1):
             dispatch = await self.start(job, record)
             try:
-                return dispatch, [chunk async for chunk in dispatch.rest()]
+                return dispatch, await dispatch.whole()
             except BackendFailure as exc:
                 if attempt == self.settings.max_attempts:
                     raise

@@ -119,10 +119,10 @@ class _Connection(asyncio.Protocol):
         self._body, self._buffered, self._error = [], 0, None
         self._transport.write(data)
 
-    async def head(self) -> int:
-        """Wait for the status line and headers; the status code."""
+    async def head(self, until: float | None = None) -> int:
+        """Wait for the status line and headers (TimeoutError at loop time `until`); the status code."""
         while not self.head_done:
-            await self._wait()
+            await self._wait(until)
         return self.status
 
     async def read_some(self, until: float | None = None) -> bytes:
@@ -192,10 +192,10 @@ class UpstreamResponse:
             raise UpstreamClosed("the response was released")
         return await self._conn.read_some(until)
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, until: float | None = None) -> bytes:
+        """The whole body (TimeoutError at loop time `until`)."""
         parts = []
-        while data := await self.read_some():
+        while data := await self.read_some(until):
             parts.append(data)
         return b"".join(parts)
 
@@ -233,9 +233,12 @@ class UpstreamPool:
         self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
 
     async def post(
-        self, path: str, body: bytes, headers: Sequence[tuple[str, str]], *, connect_timeout_s: float
+        self, path: str, body: bytes, headers: Sequence[tuple[str, str]], *, connect_timeout_s: float,
+        until: float | None = None,
     ) -> UpstreamResponse:
-        """Send a POST and wait for its status and headers (the caller bounds the wait)."""
+        """Send a POST and wait for its status and headers: until loop time `until` (then TimeoutError),
+        or as long as the caller bounds it. A bound of its own costs a timer only where the request
+        must wait (no `asyncio.timeout` around a request that finds an idle connection)."""
         head = [f"POST {self._prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", self._host_header,
                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
@@ -243,10 +246,10 @@ class UpstreamPool:
         head.append(b"\r\n")
         request = b"".join(head) + body
         while True:
-            conn = await self._acquire(connect_timeout_s)
+            conn = self._reuse() or await self._acquire(connect_timeout_s, until)
             conn.send(request)
             try:
-                await conn.head()
+                await conn.head(until)
             except UpstreamClosed:
                 self.put(conn)
                 if conn.reused and not conn.started:   # a stale keep-alive connection: once more, anew
@@ -278,10 +281,14 @@ class UpstreamPool:
         self._open.clear()
         self._idle.clear()
 
-    async def _acquire(self, connect_timeout_s: float) -> _Connection:
-        conn = self._reuse()
-        if conn is not None:
-            return conn
+    async def _acquire(self, connect_timeout_s: float, until: float | None) -> _Connection:
+        """A connection when none is idle: a slot's new one, or one handed back, by loop time `until`."""
+        if until is None:
+            return await self._take_slot(connect_timeout_s)
+        async with asyncio.timeout_at(until):
+            return await self._take_slot(connect_timeout_s)
+
+    async def _take_slot(self, connect_timeout_s: float) -> _Connection:
         if self._slots_taken >= self._max:
             waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)

@@ -183,6 +183,25 @@ def test_request_deadline_bounds_a_stream_that_stalls_after_its_first_token(clus
     assert chat(gw).status_code == 200
 
 
+def test_request_deadline_bounds_a_whole_reply_that_comes_too_slowly(cluster: Cluster) -> None:
+    """Non-streamed, the upstream would take 20 s for its reply; the client gave 1.5 s: a 504 in the
+    OpenAI error shape at about the deadline, and the gateway keeps serving."""
+    gw, urls, _ = cluster
+    for url in urls.values():
+        control(url, token_delay_ms=500)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+        resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30,
+                          headers={"x-request-timeout": "1.5"})
+    finally:
+        for url in urls.values():
+            control(url, token_delay_ms=1)
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["error"]["code"] == "deadline_exceeded"
+    assert resp.elapsed.total_seconds() < 5
+    assert chat(gw).status_code == 200
+
+
 def test_upstream_5xx_is_retried_once_elsewhere_without_duplicates(cluster: Cluster) -> None:
     gw, urls, _ = cluster
     control(urls["ext-vllm"], waiting=0, fail=1)

@@ -213,6 +213,39 @@ async def test_nothing_listening_is_a_connection_error_and_frees_its_slot() -> N
     await pool.close()
 
 
+async def test_the_until_bound_covers_the_head_the_body_and_the_wait_for_a_slot() -> None:
+    """`post(..., until=)` and `read(until)`: TimeoutError at that loop time whichever wait it falls in
+    (no answer, half a body, no free connection), and a timed-out connection is never reused."""
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while (body := await read_request(reader)) is not None:
+            if body == b"head":
+                await asyncio.sleep(10)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf ")   # the other half never comes
+            await writer.drain()
+
+    async with asyncio.timeout(10), Server(stall) as server:   # a bound that is not kept fails, not hangs
+        pool = UpstreamPool(server.url, max_connections=1, idle_s=5)
+        loop = asyncio.get_running_loop()
+        for what in (b"head", b"body"):
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                resp = await pool.post("/v1/x", what, [], connect_timeout_s=2, until=started + 0.2)
+                try:
+                    await resp.read(started + 0.2)
+                finally:
+                    resp.release()
+            assert 0.15 < loop.time() - started < 2
+        # the one slot is held by a stalled response: the next request waits for it until its bound
+        resp = await pool.post("/v1/x", b"body", [], connect_timeout_s=2, until=loop.time() + 2)
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await pool.post("/v1/x", b"body", [], connect_timeout_s=2, until=started + 0.2)
+        assert 0.15 < loop.time() - started < 2
+        resp.release()
+        await pool.close()
+    assert server.connections == 3   # none of the timed-out connections served a second request
+
+
 def test_only_http_urls_are_accepted() -> None:
     with pytest.raises(ValueError, match="not an http"):
         UpstreamPool("grpc://127.0.0.1:1", max_connections=1, idle_s=1)
