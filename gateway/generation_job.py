@@ -44,7 +44,7 @@ class GenerationJob:
 
     @property
     def image_tokens(self) -> int:
-        return sum(img.tokens for img in self.images)
+        return sum(img.tokens for img in self.images) if self.images else 0
 
     @property
     def context_tokens(self) -> int:

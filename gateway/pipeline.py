@@ -195,6 +195,19 @@ class Pipeline:
         candidates = candidates.fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
+    async def _admit(self, profile: RequestProfile, context_tokens: int, deadline: float) -> Decision | None:
+        """Wait in the admission queue while every language backend is saturated. A request that finds
+        nobody waiting routes at once, and a language backend below the queue-depth limit chosen for it
+        proves the pool is not saturated: that decision is returned for the first attempt (one read of
+        the candidates instead of two). Otherwise the full check, and None: route after it."""
+        if not self.admission.waiting:
+            decision = self.route_language(profile, [], context_tokens)
+            if (decision is not None and decision.backend.role in LANGUAGE_ROLES
+                    and decision.backend.queue_depth < self.admission.config.saturated_queue_depth):
+                return decision
+        await self.admission.wait_for_capacity(self.saturated, deadline)
+        return None
+
     def deadline(self, job: GenerationJob, record: RequestRecord) -> float:
         """The request's deadline, fixed on first use: restarts of the same request share it."""
         if record.deadline is None:
@@ -207,8 +220,8 @@ class Pipeline:
         started = time.monotonic()
         record = record or RequestRecord(job.request_id, job.kind)
         deadline = self.deadline(job, record)
-        await self.admission.wait_for_capacity(self.saturated, deadline)
         profile = job.profile()
+        admitted = await self._admit(profile, job.context_tokens, deadline)
         tried: list[str] = []
         last_error: BackendFailure | None = None
         out_of_time = False
@@ -216,7 +229,8 @@ class Pipeline:
             if (attempt and not await self._backoff(attempt, deadline)) or time.monotonic() >= deadline:
                 out_of_time = True
                 break
-            decision = self.route_language(profile, tried, job.context_tokens)
+            decision = admitted if attempt == 0 and admitted is not None else (
+                self.route_language(profile, tried, job.context_tokens))
             if decision is None:
                 break
             backend_id = decision.backend.id

@@ -91,6 +91,30 @@ def test_agent_metrics_move_routing(cluster: Cluster) -> None:
     control(urls["ext-sglang"], waiting=0)
 
 
+def test_every_backend_saturated_the_request_waits_for_admission_until_its_deadline(cluster: Cluster) -> None:
+    """Queue depth at the admission limit (256 by default) everywhere: the request is not dispatched, it
+    waits in the admission queue and gets 429 at its deadline. One backend below the limit: served."""
+    gw, urls, _ = cluster
+    before = {bid: served(url) for bid, url in urls.items()}
+    try:
+        for url in urls.values():
+            control(url, waiting=300)
+        gw.wait_until(lambda: all(gw.backend(b)["queue_depth"] >= 300 for b in urls))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30, headers={"x-request-timeout": "1"})
+        assert resp.status_code == 429, resp.text
+        assert resp.json()["error"]["code"] == "overloaded" and "saturated" in resp.json()["error"]["message"]
+        assert 0.9 < resp.elapsed.total_seconds() < 5
+        assert {bid: served(url) for bid, url in urls.items()} == before   # nothing was dispatched
+        control(urls["ext-sglang"], waiting=200)
+        gw.wait_until(lambda: gw.backend("ext-sglang")["queue_depth"] < 256)
+        resp = chat(gw)
+        assert resp.status_code == 200 and resp.headers["x-heterogate-backend"] == "ext-sglang"
+    finally:
+        for url in urls.values():
+            control(url, waiting=0)
+
+
 def test_agents_report_context_and_kv_capacity_with_their_sources(cluster: Cluster) -> None:
     gw, _, _ = cluster
     b = {x["id"]: x for x in gw.backends()}
