@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import ValidationError
@@ -45,7 +45,8 @@ ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat
 _WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout"})
 
 
-def parse(model: type[S], raw: bytes) -> S:
+def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
+    """The request validated by `model`, and the client's body as sent (for upstreams that take it)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -53,7 +54,7 @@ def parse(model: type[S], raw: bytes) -> S:
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
-        return model.from_body(data)
+        return model.model_validate(data), data
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
@@ -127,11 +128,11 @@ class CompletionsDoor:
     async def _job(self, kind: Kind, raw: bytes, rid: str, timeout_s: float | None) -> tuple[GenerationJob, bool, bool]:
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
-            req = parse(ChatCompletionRequest, raw)
-            job = await self._jobs.chat(req, rid, timeout_s)
+            req, body = parse(ChatCompletionRequest, raw)
+            job = await self._jobs.chat(req, body, rid, timeout_s)
         else:
-            req = parse(CompletionRequest, raw)
-            job = self._jobs.completion(req, rid, timeout_s)
+            req, body = parse(CompletionRequest, raw)
+            job = self._jobs.completion(req, body, rid, timeout_s)
         return job, req.stream, bool(req.stream_options and req.stream_options.include_usage)
 
     async def _complete(self, exchange: Exchange, kind: Kind, job: GenerationJob, record: RequestRecord) -> None:

@@ -69,8 +69,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         body = _openai_body(request)
         try:
             if "prompt" in body:
-                return self._jobs.completion(CompletionRequest.from_body(body), rid, remaining)
-            return await self._jobs.chat(ChatCompletionRequest.from_body(body), rid, remaining)
+                return self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining)
+            return await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining)
         except ValidationError as exc:
             err = exc.errors()[0]
             raise InvalidRequest(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None

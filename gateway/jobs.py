@@ -58,7 +58,9 @@ class JobBuilder:
             )
         return asked if asked is not None else min(self._limits.default_max_tokens, room)
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
+    async def chat(self, req: ChatCompletionRequest, body: dict[str, Any], request_id: str,
+                   timeout_s: float | None) -> GenerationJob:
+        """`body`: the client's body that `req` was validated from."""
         if len(req.messages) > self._limits.max_messages:
             raise InvalidRequest(
                 f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
@@ -76,12 +78,13 @@ class JobBuilder:
         max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), asked)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
-                             self._body(req), not req.stream, max_tokens_asked=asked is not None, token_ids=ids,
-                             image_spans=spans,
+                             self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
+                             token_ids=ids, image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
-    def completion(self, req: CompletionRequest, request_id: str, timeout_s: float | None) -> GenerationJob:
+    def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
+                   timeout_s: float | None) -> GenerationJob:
         self.check_model(req.model)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -101,16 +104,17 @@ class JobBuilder:
         max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
-                             self._body(req), not req.stream, max_tokens_asked=asked is not None, token_ids=ids,
-                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
+                             self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
+                             token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
-    def _body(self, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-        """The client's own body for upstreams, less `stream` (the gateway decides how it asks)."""
+    def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """The client's own body for upstreams (as sent: validated by `req`, not rewritten by it), less
+        `stream` (the gateway decides how it asks)."""
         if req.n is not None and req.n > self._limits.max_choices:
             raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
-        body = dict(req.client_body())
-        body.pop("stream", None)
-        return body
+        out = dict(body)
+        out.pop("stream", None)
+        return out
 
     async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
         parts = image_parts(req.messages)

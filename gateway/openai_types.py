@@ -2,16 +2,17 @@
 
 Types are strict (a string where a number belongs is a 400, not a coercion) for the fields the
 gateway acts on. Every other field (`tools`, `logprobs`, `seed`, vendor fields such as `top_k`,
-`tool_calls` in messages, ...) is accepted: a request keeps the client's body as sent
-(`client_body()`), which goes to kind: openai upstreams unchanged; the gateway's own engines refuse
-what they cannot honour (`gateway.engine_fields`).
+`tool_calls` in messages, ...) is accepted: the models validate the client's body, which the caller
+keeps as sent and which goes to kind: openai upstreams unchanged (`gateway.jobs`); the gateway's own
+engines refuse what they cannot honour (`gateway.engine_fields`). The models hold no copy of the
+body: a pydantic private attribute cost a few µs a request to set and read.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
 
@@ -58,19 +59,6 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None   # honoured by torch engines (see gateway.engine_fields)
-    _client_body: dict[str, Any] = PrivateAttr(default_factory=dict)
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> Self:
-        """Validate the client's body and keep it as sent (not a wrap validator: that costs ~10 µs a request)."""
-        request = cls.model_validate(body)
-        request._client_body = body
-        return request
-
-    def client_body(self) -> dict[str, Any]:
-        """The body exactly as the client sent it (validated by this model, not rewritten by it)."""
-        return self._client_body
-
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
