@@ -132,12 +132,12 @@ class OpenAIUpstreamClient:
         try:
             body = orjson.dumps(await self._body(job))
             headers = (*self._headers, ("x-request-id", job.request_id))
-            if job.whole:   # the deadline bounds each wait of the exchange; it holds no yield
+            if job.whole:   # the deadline bounds the whole exchange (the connection's timer); no yield in it
                 resp = await self._pool.post(path, body, headers, connect_timeout_s=min(5.0, timeout_s),
                                              until=deadline)
                 try:
-                    await self._check(resp, deadline)
-                    raw = await resp.read(deadline)
+                    await self._check(resp)
+                    raw = await resp.read()
                 finally:
                     resp.release()
                 started = True

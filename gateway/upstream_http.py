@@ -52,6 +52,7 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._error: OSError | None = None
+        self._timer: asyncio.TimerHandle | None = None   # the current exchange's bound, if it has one
         self.closed = False
         self.idle_since = 0.0
         self.reused = False       # it served a response before the current one
@@ -78,6 +79,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.disarm()
         if self.head_done and self._until_eof and exc is None:   # a body delimited by the connection's end
             self.complete = True
             self._wake()
@@ -111,13 +113,22 @@ class _Connection(asyncio.Protocol):
 
     # -- one exchange ----------------------------------------------------------------------
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, until: float | None = None) -> None:
+        """Start an exchange. `until`: every wait of it, the head's and the body's, ends with TimeoutError
+        at that loop time (one timer for the exchange, cancelled when the connection is put back)."""
         assert self._transport is not None
         self.reused = self.status != 0
         self.started = self.head_done = self.complete = self.keep_alive = False
         self.status, self.headers = 0, []
         self._body, self._buffered, self._error = [], 0, None
+        if until is not None:
+            self._timer = self._loop.call_at(until, self._fail, TimeoutError())
         self._transport.write(data)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def head(self, until: float | None = None) -> int:
         """Wait for the status line and headers (TimeoutError at loop time `until`); the status code."""
@@ -236,9 +247,10 @@ class UpstreamPool:
         self, path: str, body: bytes, headers: Sequence[tuple[str, str]], *, connect_timeout_s: float,
         until: float | None = None,
     ) -> UpstreamResponse:
-        """Send a POST and wait for its status and headers: until loop time `until` (then TimeoutError),
-        or as long as the caller bounds it. A bound of its own costs a timer only where the request
-        must wait (no `asyncio.timeout` around a request that finds an idle connection)."""
+        """Send a POST and wait for its status and headers. `until`: the exchange ends with TimeoutError
+        at that loop time, whichever wait it is in (a free connection, the head, the body read before
+        the response is released); one timer on the connection, not an `asyncio.timeout` around each
+        wait. Without it the caller bounds the waits."""
         head = [f"POST {self._prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", self._host_header,
                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
@@ -247,9 +259,9 @@ class UpstreamPool:
         request = b"".join(head) + body
         while True:
             conn = self._reuse() or await self._acquire(connect_timeout_s, until)
-            conn.send(request)
+            conn.send(request, until)
             try:
-                await conn.head(until)
+                await conn.head()
             except UpstreamClosed:
                 self.put(conn)
                 if conn.reused and not conn.started:   # a stale keep-alive connection: once more, anew
@@ -262,6 +274,7 @@ class UpstreamPool:
 
     def put(self, conn: _Connection) -> None:
         """A connection back from a response: reused if the response ended and it stays alive."""
+        conn.disarm()
         if conn not in self._open:
             return
         if conn.closed or not conn.complete or not conn.keep_alive:
