@@ -180,6 +180,7 @@ class _Connection(asyncio.Protocol):
         self._exchange: Exchange | None = None
         self.keep_alive = True
         self._idle: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None   # loop time it last became idle; None: a request's head is in
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         self._closed = False
@@ -268,9 +269,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._idle is not None:   # the idle timer also bounds how long a request's head may take
-            self._idle.cancel()
-            self._idle = None
+        self._idle_since = None   # the idle timer also bounds how long a request's head may take: until now
         limit = self._server.max_body_bytes
         declared = find_header(self._headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -386,7 +385,22 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     def _arm_idle(self) -> None:
-        self._idle = self._loop.call_later(self._server.idle_s, self.close)
+        """The connection is idle from now: it closes `idle_s` on unless a request's head completes first.
+        One timer lives across requests (checked when it fires, armed again only if needed), not one
+        armed and cancelled per request."""
+        self._idle_since = self._loop.time()
+        if self._idle is None:
+            self._idle = self._loop.call_at(self._idle_since + self._server.idle_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle = None
+        if self._idle_since is None:   # busy: the timer is armed again when the connection is idle again
+            return
+        due = self._idle_since + self._server.idle_s
+        if self._loop.time() >= due:
+            self.close()
+        else:   # idle again since the timer was armed
+            self._idle = self._loop.call_at(due, self._idle_expired)
 
     def close(self) -> None:
         if not self._closed and self._transport is not None:

@@ -15,6 +15,7 @@ The hot path pays for one small object, a few appends, three counter increments 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ class RequestLog:
     def __init__(self, metrics: GatewayMetrics, default_policy: str) -> None:
         self._metrics = metrics
         self._policy = default_policy
+        # The line's level is on (set by heterogate.logs.configure_logging before the doors are built):
+        # with it off, the line's fields are not even gathered.
+        self._lines = logging.getLogger().isEnabledFor(logging.INFO)
 
     def finish(
         self, record: RequestRecord, status: int, *, prompt_tokens: int = 0, completion_tokens: int = 0,
@@ -63,6 +67,8 @@ class RequestLog:
         if prompt_tokens or completion_tokens:
             m.prompt_tokens.inc((backend,), prompt_tokens)
             m.generation_tokens.inc((backend,), completion_tokens)
+        if not self._lines:
+            return
         log.info(
             "request", request_id=record.request_id, endpoint=record.endpoint, status=status,
             attempts=record.attempts, backends=record.backends,
