@@ -284,17 +284,27 @@ class OpenAIUpstreamClient:
                 message = event["error"].get("message", "error")
                 raise BackendFailure(f"backend {self.backend_id}: {message}", backend_id=self.backend_id,
                                      retryable=first)
-            choices = event.get("choices") or ()
-            text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
-            finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
+            choices: list[Any] = event.get("choices") or []
+            if len(choices) == 1:   # the usual event: one choice, read without a pass over a list
+                choice = choices[0]
+                delta = choice.get("delta")
+                text = (delta.get("content") if delta else None) or choice.get("text") or ""
+                finish = choice.get("finish_reason") or ""
+            else:
+                text = "".join(_text(c) for c in choices)
+                finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
             usage = event.get("usage") or {}
-        except (orjson.JSONDecodeError, AttributeError, TypeError) as exc:
-            raise BackendFailure(f"backend {self.backend_id}: malformed event: {exc}",
+        except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError) as exc:
+            raise BackendFailure(f"backend {self.backend_id}: malformed event: {exc!r}",
                                  backend_id=self.backend_id, retryable=first) from None
         return text, finish, usage, event if choices else None
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+def _text(choice: dict[str, Any]) -> str:
+    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
 
 
 def _path(job: GenerationJob) -> str:

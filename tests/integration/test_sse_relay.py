@@ -114,3 +114,30 @@ async def test_a_stream_without_a_finish_reason_is_a_backend_failure() -> None:
         await client.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"id":"up-1","choices":{"0":{"delta":{"content":"x"}}}}',   # choices not a list
+    b'{"id":"up-1","choices":[{"delta":"x"}]}',                  # a delta that is not an object
+    b'{"id":"up-1","choices":["x"]}',                            # a choice that is not an object
+    b'{"id":"up-1","choices":[',                                  # not JSON
+], ids=["choices-object", "delta-string", "choice-string", "truncated-json"])
+async def test_a_malformed_event_is_a_backend_failure(payload: bytes) -> None:
+    """The first event malformed: a retryable failure of that backend, never another exception."""
+    async def malformed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                     b"data: " + payload + b"\n\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(malformed, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        client = OpenAIUpstreamClient("up", url, pool(url), Upstream())
+        with pytest.raises(BackendFailure, match="malformed event") as failure:
+            await relay(client, "r4")
+        assert failure.value.retryable
+        await client.close()
+    finally:
+        server.close()
