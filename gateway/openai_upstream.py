@@ -61,12 +61,12 @@ def _error_message(body: bytes) -> str:
 
 
 class _Relay:
-    """An upstream SSE event as the client will see it: the gateway's completion id and model name.
+    """An upstream reply or SSE event as the client will see it: the gateway's completion id and model name.
 
-    The two values are swapped in the bytes (compact JSON, as vLLM and SGLang write it); only an event
-    written some other way is re-encoded. Everything else the upstream sent passes through untouched.
-    An upstream's id and model are the same in every event of a stream, so their bytes are worked out
-    once and checked for in each event.
+    The two values are swapped in the bytes (compact JSON, as vLLM and SGLang write it); only a body
+    written some other way is re-encoded. Everything else the upstream sent passes through untouched,
+    byte for byte. An upstream's id and model are the same in every event of a stream, so their bytes
+    are worked out once and checked for in each event.
     """
 
     def __init__(self, completion_id: str, served_model: str) -> None:
@@ -76,8 +76,9 @@ class _Relay:
         self._seen: tuple[Any, Any] | None = None
         self._swaps: list[tuple[bytes, bytes]] = []
 
-    def event(self, raw: bytes, event: dict[str, Any]) -> bytes:
-        seen = (event.get("id"), event.get("model"))
+    def swapped(self, raw: bytes, parsed: dict[str, Any]) -> bytes:
+        """`raw` (whose JSON is `parsed`) with the gateway's id and model."""
+        seen = (parsed.get("id"), parsed.get("model"))
         if seen != self._seen:
             self._seen = seen
             self._swaps = [(b'"id":' + orjson.dumps(seen[0]), self._id)]
@@ -86,11 +87,14 @@ class _Relay:
         for old, _ in self._swaps:
             if old not in raw:
                 served_id, served_model = self._served
-                raw = orjson.dumps({**event, "id": served_id, **({"model": served_model} if self._model else {})})
-                return b"data: " + raw + b"\n\n"
+                return orjson.dumps({**parsed, "id": served_id, **({"model": served_model} if self._model else {})})
         for old, new in self._swaps:
             raw = raw.replace(old, new, 1)
-        return b"data: " + raw + b"\n\n"
+        return raw
+
+    def event(self, raw: bytes, event: dict[str, Any]) -> bytes:
+        """An SSE payload as the client's `data:` event."""
+        return b"data: " + self.swapped(raw, event) + b"\n\n"
 
 
 class OpenAIUpstreamClient:
@@ -193,7 +197,8 @@ class OpenAIUpstreamClient:
         raise InvalidRequest(f"upstream rejected the request: {message}")
 
     def _whole(self, raw: bytes, job: GenerationJob) -> engine_pb2.GenerateChunk:
-        """A non-streamed reply → one chunk carrying the upstream's body, with the gateway's id and model."""
+        """A non-streamed reply → one chunk carrying the upstream's body as it came, with the gateway's id
+        and model swapped in."""
         try:
             reply = orjson.loads(raw)
             choices = reply["choices"]
@@ -204,10 +209,8 @@ class OpenAIUpstreamClient:
         except (orjson.JSONDecodeError, KeyError, IndexError, AttributeError, TypeError) as exc:
             raise BackendFailure(f"backend {self.backend_id}: malformed reply: {exc!r}",
                                  backend_id=self.backend_id) from None
-        reply["id"] = completion_id(job.kind, job.request_id)
-        if self._model:
-            reply["model"] = job.body.get("model", reply.get("model"))
-        chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=orjson.dumps(reply))
+        relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
+        chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=relay.swapped(raw, reply))
         chunk.usage.prompt_tokens = usage.get("prompt_tokens", 0)
         chunk.usage.completion_tokens = usage.get("completion_tokens", 0)
         return chunk

@@ -141,3 +141,34 @@ async def test_a_malformed_event_is_a_backend_failure(payload: bytes) -> None:
         await client.close()
     finally:
         server.close()
+
+
+async def test_a_whole_reply_passes_through_byte_for_byte_but_its_id_and_model() -> None:
+    """Non-streamed: the upstream's body as it came (key order, number spelling, nested ids), with the
+    gateway's completion id and the client's model name swapped in."""
+    reply = (b'{"id":"up-9","object":"chat.completion","created":1,"model":"upstream-model","choices":[{"index":0,'
+             b'"message":{"role":"assistant","content":"hi","tool_calls":[{"id":"call_1","type":"function"}]},'
+             b'"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":2},"x_score":1.50}')
+
+    async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        assert orjson.loads(await reader.readexactly(length))["stream"] is False
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(reply), reply))
+        await writer.drain()
+
+    server = await asyncio.start_server(whole, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        client = OpenAIUpstreamClient("up", url, pool(url), Upstream("upstream-model"))
+        job = GenerationJob("r5", "hi", 2, 16, kind="chat", body={"model": "served", "messages": []}, whole=True)
+        chunks = [c async for c in client.generate(job, handoff_timeout_s=0, first_token_timeout_s=5, timeout_s=10)]
+        await client.close()
+    finally:
+        server.close()
+    assert len(chunks) == 1 and chunks[0].finish_reason == "tool_calls" and chunks[0].text == "hi"
+    assert chunks[0].relay == reply.replace(b'"id":"up-9"', b'"id":"chatcmpl-r5"').replace(
+        b'"model":"upstream-model"', b'"model":"served"')
+    assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (3, 2)
