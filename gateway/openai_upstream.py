@@ -78,19 +78,27 @@ class _Relay:
 
     def swapped(self, raw: bytes, parsed: dict[str, Any]) -> bytes:
         """`raw` (whose JSON is `parsed`) with the gateway's id and model."""
-        seen = (parsed.get("id"), parsed.get("model"))
-        if seen != self._seen:
-            self._seen = seen
-            self._swaps = [(b'"id":' + orjson.dumps(seen[0]), self._id)]
-            if self._model:
-                self._swaps.append((b'"model":' + orjson.dumps(seen[1]), self._model))
-        for old, _ in self._swaps:
-            if old not in raw:
+        if not self._has_swaps(raw):   # the first body, or one whose id or model differs from the last's
+            seen = (parsed.get("id"), parsed.get("model"))
+            if seen != self._seen:
+                self._seen = seen
+                self._swaps = [(b'"id":' + orjson.dumps(seen[0]), self._id)]
+                if self._model:
+                    self._swaps.append((b'"model":' + orjson.dumps(seen[1]), self._model))
+            if not self._has_swaps(raw):   # not compact JSON: re-encoded
                 served_id, served_model = self._served
                 return orjson.dumps({**parsed, "id": served_id, **({"model": served_model} if self._model else {})})
         for old, new in self._swaps:
             raw = raw.replace(old, new, 1)
         return raw
+
+    def _has_swaps(self, raw: bytes) -> bool:
+        if not self._swaps:
+            return False
+        for old, _ in self._swaps:
+            if old not in raw:
+                return False
+        return True
 
     def event(self, raw: bytes, event: dict[str, Any]) -> bytes:
         """An SSE payload as the client's `data:` event."""

@@ -172,3 +172,36 @@ async def test_a_whole_reply_passes_through_byte_for_byte_but_its_id_and_model()
     assert chunks[0].relay == reply.replace(b'"id":"up-9"', b'"id":"chatcmpl-r5"').replace(
         b'"model":"upstream-model"', b'"model":"served"')
     assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (3, 2)
+
+
+async def test_every_event_gets_the_gateway_id_however_the_upstream_writes_it() -> None:
+    """The swap is worked out once and reused while the upstream's id and model stay the same; an event
+    whose id changed, or one not written as compact JSON, still leaves with the gateway's id and model."""
+    events = [
+        event(0, "a").replace(b"up-123", b"up-A"),
+        event(1, "b").replace(b"up-123", b"up-B"),                               # the upstream's id changed
+        b'data: {"id": "up-B", "model": "upstream-model", "choices": [{"index": 0, "delta": {"content": "c"}}]}\n\n',
+        event(3, "d", "stop").replace(b"up-123", b"up-B"),
+        b"data: [DONE]\n\n",
+    ]
+
+    async def serve_events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+        for e in events:
+            writer.write(e)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.close()
+
+    server = await asyncio.start_server(serve_events, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        client = OpenAIUpstreamClient("up", url, pool(url), Upstream("upstream-model"))
+        chunks = await relay(client, "r6")
+        await client.close()
+    finally:
+        server.close()
+    bodies = [orjson.loads(e.removeprefix(b"data: ")) for e in b"".join(c.relay for c in chunks).split(b"\n\n")[:-1]]
+    assert [(b["id"], b["model"]) for b in bodies] == [("chatcmpl-r6", "served")] * 4
+    assert "".join(c.text for c in chunks) == "abcd"
