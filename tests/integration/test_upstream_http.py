@@ -247,6 +247,29 @@ async def test_the_until_bound_covers_the_head_the_body_and_the_wait_for_a_slot(
     assert server.connections == 3   # none of the timed-out connections served a second request
 
 
+async def test_concurrent_bounded_exchanges_each_time_out_at_their_own_deadline() -> None:
+    """The pool keeps one timer for all its bounded exchanges: one added later with an earlier deadline
+    still times out at its own, and the others at theirs, not at the first one's."""
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        await asyncio.sleep(10)
+
+    async with asyncio.timeout(10), Server(never) as server:
+        pool = UpstreamPool(server.url, max_connections=4, idle_s=5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def bounded(after_s: float) -> float:
+            with pytest.raises(TimeoutError):
+                await pool.post("/v1/x", b"x", [], connect_timeout_s=2, until=started + after_s)
+            return loop.time() - started
+
+        ended = await asyncio.gather(bounded(0.6), bounded(0.2), bounded(0.4))
+        for after_s, at in zip((0.6, 0.2, 0.4), ended, strict=True):
+            assert after_s - 0.01 <= at < after_s + 0.3, (after_s, at)
+        await pool.close()
+
+
 def test_only_http_urls_are_accepted() -> None:
     with pytest.raises(ValueError, match="not an http"):
         UpstreamPool("grpc://127.0.0.1:1", max_connections=1, idle_s=1)
