@@ -17,8 +17,9 @@ Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_o
 
 The routers are installed on first use into benchmarks/.peers-venv (`pip install vllm-router
 sglang-router`); `--no-peers` leaves them out, `--managed-only` leaves them and `heterogate-openai` out.
-`--baseline DIR` adds `heterogate-managed@base`, the same managed target run from another checkout
-(`git archive <commit> | tar -x -C DIR`), for before and after in one run. Cells, each the median
+`--baseline DIR` adds `heterogate-managed@base` and (unless `--managed-only`) `heterogate-openai@base`,
+the same targets run from another checkout (`git archive <commit> | tar -x -C DIR`), for before and
+after in one run. Cells, each the median
 over rounds (targets alternate within a round, so background load hits them alike):
 
     rps64     req/s at c=64, non-streamed, max_tokens 4          (wrk)
@@ -56,7 +57,7 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
 from benchmarks import loadgen  # noqa: E402
-from benchmarks.bench_cluster import running_cluster, stop_process  # noqa: E402
+from benchmarks.bench_cluster import launch, running_cluster, stop_process  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from tests.harness import free_port, run_gateway, write_config  # noqa: E402
 
@@ -148,14 +149,20 @@ def start_targets(
             wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
             targets.append(Target(name, f"http://127.0.0.1:{port}", proc.pid))
     if openai:
-        (tmp / "openai").mkdir()
-        config = write_config(tmp / "openai", {
-            "model": "llava-1.5-7b", "served_model_name": MODEL,
-            "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
-                         for i, u in enumerate(urls)],
-        })
-        gw = stack.enter_context(run_gateway(config, healthy=0))
-        targets.append(Target("heterogate-openai", gw.url, gw.process.pid))
+        for name, checkout in (("heterogate-openai", ROOT), ("heterogate-openai@base", baseline)):
+            if checkout is None:
+                continue
+            (tmp / name).mkdir()
+            config = write_config(tmp / name, {
+                "model": "llava-1.5-7b", "served_model_name": MODEL,
+                "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
+                             for i, u in enumerate(urls)],
+            })
+            if checkout == ROOT:
+                gw = stack.enter_context(run_gateway(config, healthy=0))
+            else:   # `python -m` in the other checkout imports its code
+                gw = stack.enter_context(launch(config, [sys.executable, "-m", "gateway.cli"], checkout.resolve()))
+            targets.append(Target(name, gw.url, gw.process.pid))
     if openai and workers_redis:   # both cores, as the Rust routers use them: two workers sharing state
         (tmp / "openai-2w").mkdir()
         config = write_config(tmp / "openai-2w", {
@@ -259,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 round of 2 s runs")
     p.add_argument("--no-peers", action="store_true", help="leave vllm-router and sglang-router out")
     p.add_argument("--managed-only", action="store_true", help="only direct and the managed target(s)")
-    p.add_argument("--baseline", type=Path, help="also run the managed target from this checkout (before/after)")
+    p.add_argument("--baseline", type=Path,
+                   help="also run the managed and kind: openai targets from this checkout (before/after)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results file")
     p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
                    help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
