@@ -298,9 +298,7 @@ class OpenAIUpstreamClient:
             choices: list[Any] = event.get("choices") or []
             if len(choices) == 1:   # the usual event: one choice, read without a pass over a list
                 choice = choices[0]
-                delta = choice.get("delta")
-                text = (delta.get("content") if delta else None) or choice.get("text") or ""
-                finish = choice.get("finish_reason") or ""
+                text, finish = _text(choice), choice.get("finish_reason") or ""
             else:
                 text = "".join(_text(c) for c in choices)
                 finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
@@ -315,7 +313,9 @@ class OpenAIUpstreamClient:
 
 
 def _text(choice: dict[str, Any]) -> str:
-    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    """A choice's text: its delta's content (chat) or its text (completions)."""
+    delta = choice.get("delta")
+    return (delta.get("content") if delta else None) or choice.get("text") or ""
 
 
 def _path(job: GenerationJob) -> str:

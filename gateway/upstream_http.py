@@ -125,10 +125,10 @@ class _Connection(asyncio.Protocol):
         """The exchange's deadline passed: its wait, now or next, ends with TimeoutError."""
         self._fail(TimeoutError())
 
-    async def head(self, until: float | None = None) -> int:
-        """Wait for the status line and headers (TimeoutError at loop time `until`); the status code."""
+    async def head(self) -> int:
+        """Wait for the status line and headers; the status code."""
         while not self.head_done:
-            await self._wait(until)
+            await self._wait()
         return self.status
 
     async def read_some(self, until: float | None = None) -> bytes:

@@ -8,7 +8,8 @@ gateway's id and model, hold the finish until usage arrives, and reuse the conne
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import orjson
 import pytest
@@ -71,6 +72,23 @@ def pool(url: str) -> UpstreamPool:
     return UpstreamPool(url, max_connections=8, idle_s=4.0)
 
 
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def client_of(answer: Answer, model: str | None = None) -> AsyncIterator[OpenAIUpstreamClient]:
+    """A client of a one-off loopback upstream that answers every connection with `answer`."""
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = OpenAIUpstreamClient("up", url, pool(url), Upstream(model))
+    try:
+        yield client
+    finally:
+        await client.close()
+        server.close()
+
+
 async def relay(client: OpenAIUpstreamClient, rid: str) -> list[engine_pb2.GenerateChunk]:
     job = GenerationJob(rid, "hi", 2, 16, kind="chat", body={"model": "served", "messages": []})
     stream = client.generate(job, handoff_timeout_s=0, first_token_timeout_s=5, timeout_s=10)
@@ -101,19 +119,13 @@ async def test_events_in_awkward_pieces_are_relayed_once_in_order(upstream: tupl
 async def test_a_stream_without_a_finish_reason_is_a_backend_failure() -> None:
     async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + event(0, "x"))
+        writer.write(SSE_HEAD + event(0, "x"))
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(truncated, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        client = OpenAIUpstreamClient("up", url, pool(url), Upstream())
+    async with client_of(truncated) as client:
         with pytest.raises(BackendFailure, match="without a finish reason"):
             await relay(client, "r3")
-        await client.close()
-    finally:
-        server.close()
 
 
 @pytest.mark.parametrize("payload", [
@@ -126,21 +138,14 @@ async def test_a_malformed_event_is_a_backend_failure(payload: bytes) -> None:
     """The first event malformed: a retryable failure of that backend, never another exception."""
     async def malformed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
-                     b"data: " + payload + b"\n\n")
+        writer.write(SSE_HEAD + b"data: " + payload + b"\n\n")
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(malformed, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        client = OpenAIUpstreamClient("up", url, pool(url), Upstream())
+    async with client_of(malformed) as client:
         with pytest.raises(BackendFailure, match="malformed event") as failure:
             await relay(client, "r4")
-        assert failure.value.retryable
-        await client.close()
-    finally:
-        server.close()
+    assert failure.value.retryable
 
 
 async def test_a_whole_reply_passes_through_byte_for_byte_but_its_id_and_model() -> None:
@@ -159,15 +164,9 @@ async def test_a_whole_reply_passes_through_byte_for_byte_but_its_id_and_model()
                      % (len(reply), reply))
         await writer.drain()
 
-    server = await asyncio.start_server(whole, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        client = OpenAIUpstreamClient("up", url, pool(url), Upstream("upstream-model"))
+    async with client_of(whole, "upstream-model") as client:
         job = GenerationJob("r5", "hi", 2, 16, kind="chat", body={"model": "served", "messages": []}, whole=True)
         chunks = [c async for c in client.generate(job, handoff_timeout_s=0, first_token_timeout_s=5, timeout_s=10)]
-        await client.close()
-    finally:
-        server.close()
     assert len(chunks) == 1 and chunks[0].finish_reason == "tool_calls" and chunks[0].text == "hi"
     assert chunks[0].relay == reply.replace(b'"id":"up-9"', b'"id":"chatcmpl-r5"').replace(
         b'"model":"upstream-model"', b'"model":"served"')
@@ -187,21 +186,15 @@ async def test_every_event_gets_the_gateway_id_however_the_upstream_writes_it() 
 
     async def serve_events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+        writer.write(SSE_HEAD)
         for e in events:
             writer.write(e)
             await writer.drain()
             await asyncio.sleep(0.01)
         writer.close()
 
-    server = await asyncio.start_server(serve_events, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        client = OpenAIUpstreamClient("up", url, pool(url), Upstream("upstream-model"))
+    async with client_of(serve_events, "upstream-model") as client:
         chunks = await relay(client, "r6")
-        await client.close()
-    finally:
-        server.close()
     bodies = [orjson.loads(e.removeprefix(b"data: ")) for e in b"".join(c.relay for c in chunks).split(b"\n\n")[:-1]]
     assert [(b["id"], b["model"]) for b in bodies] == [("chatcmpl-r6", "served")] * 4
     assert "".join(c.text for c in chunks) == "abcd"
