@@ -169,7 +169,9 @@ class Pipeline:
         m = self.metrics
         m.decision_seconds.observe((policy.name,), time.perf_counter() - t0)
         m.decisions.inc((policy.name, decision.backend.id))
-        m.oom_vetoes.update(decision.vetoed)
+        vetoed = decision.vetoed
+        if vetoed:   # mostly none: Counter.update walks even an empty tuple
+            m.oom_vetoes.update(vetoed)
         if self.debug:   # the cost table is O(N) to render: only when someone reads it
             log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
                       costs=[c._asdict() for c in decision.costs])

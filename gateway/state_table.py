@@ -126,13 +126,15 @@ def serves(entry: BackendEntry) -> bool:
 
 
 class _Fixed(NamedTuple):
-    """A backend's snapshot figures that depend only on the model and its GPU: computed once, at
-    registration, instead of on every rebuild (a busy gateway rebuilds a few snapshots per decision)."""
+    """A backend's snapshot figures that depend only on the model, its GPU and its configuration:
+    computed once, at registration, instead of on every rebuild (a busy gateway rebuilds a few
+    snapshots per decision)."""
 
     kv_bytes_per_token: int
     prefill_s_per_token: float
     weight_bytes: int
     encode_s_per_token: float
+    unreported_kv_bytes: int                  # KV capacity where the engine reports none (`_unreported_kv`)
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ class StateTable:
         self._entries[backend_id] = entry
         self._fixed[backend_id] = _Fixed(
             self.model.kv_bytes_per_token, perf_model.prefill_seconds_per_token(self.model, gpu),
-            self.model.weight_bytes, perf_model.encode_seconds(self.model, gpu, 1),
+            self.model.weight_bytes, perf_model.encode_seconds(self.model, gpu, 1), self._unreported_kv(entry),
         )
         self._pools.clear()
         self._largest_context = None
@@ -355,7 +357,7 @@ class StateTable:
         cached = self._blind_snapshots.get(e.id)
         if cached is not None and cached[0] is base:
             return cached[1]
-        kv = self._unreported_kv(e)
+        kv = self._fixed[e.id].unreported_kv_bytes
         blind = replace(base, queue_depth=e.in_flight + e.peer_in_flight, kv_free_bytes=kv, kv_total_bytes=kv)
         self._blind_snapshots[e.id] = (base, blind)
         return blind
@@ -380,7 +382,7 @@ class StateTable:
         or the model's estimate, all free."""
         r = e.reported
         if e.last_heartbeat is None:
-            kv = self._unreported_kv(e)
+            kv = self._fixed[e.id].unreported_kv_bytes
             return kv, kv, "config" if e.kv_capacity_tokens is not None else "estimate"
         if r.kv_source == "estimate" and e.kv_capacity_tokens is not None:
             total = e.kv_capacity_tokens * self.model.kv_bytes_per_token

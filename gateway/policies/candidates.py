@@ -72,28 +72,44 @@ def column_array(snapshots: Iterable[BackendSnapshot]) -> FloatArray:
 
 
 class Candidates(tuple[BackendSnapshot, ...]):
-    """Snapshots in candidate order, with `columns` (see the module docstring); immutable like them."""
+    """Snapshots in candidate order, with `columns` (see the module docstring); immutable like them.
 
-    columns: FloatArray
+    The columns are built on first read: a policy that loops over a few candidates never reads them,
+    and then neither the table's patches nor the candidates pay for them.
+    """
+
+    _columns: FloatArray | None
     _smallest_context: float | None
 
     def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None,
                 smallest_context: float | None = None) -> Candidates:
-        """`smallest_context`: the least of the max_context column when the caller knows it (None: worked
+        """`columns`: these snapshots' columns when the caller has them (None: built on first read);
+        `smallest_context`: the least of the max_context column when the caller knows it (None: worked
         out on first use)."""
         self = super().__new__(cls, snapshots)
-        array = column_array(self) if columns is None else columns
-        array.flags.writeable = False
-        self.columns = array
+        if columns is not None:
+            columns.flags.writeable = False
+        self._columns = columns
         self._smallest_context = smallest_context
         return self
+
+    @property
+    def columns(self) -> FloatArray:
+        if self._columns is None:
+            array = column_array(self)
+            array.flags.writeable = False
+            self._columns = array
+        return self._columns
 
     @property
     def smallest_context(self) -> float:
         """The shortest context among the candidates (+inf: none, or no limit). Every decision asks
         whether the request fits them all: one comparison instead of two array operations."""
         if self._smallest_context is None:
-            self._smallest_context = float(self.columns[MAX_CONTEXT].min()) if len(self) else _INF
+            if self._columns is not None:
+                self._smallest_context = float(self._columns[MAX_CONTEXT].min()) if len(self) else _INF
+            else:
+                self._smallest_context = float(min((b.max_context or _INF for b in self), default=_INF))
         return self._smallest_context
 
     @classmethod
@@ -103,18 +119,24 @@ class Candidates(tuple[BackendSnapshot, ...]):
 
     def replaced(self, changes: Iterable[tuple[int, BackendSnapshot]],
                  snapshots: list[BackendSnapshot] | None = None) -> Candidates:
-        """These candidates with the snapshot at some rows replaced: the columns copied and patched in
-        those rows only (copy-on-write: `self` stays as it was), the shortest context carried over
-        unless a patched row's changed. `snapshots`: the caller's list of these candidates, updated in
-        place and used instead of a copy."""
+        """These candidates with the snapshot at some rows replaced (copy-on-write: `self` stays as it
+        was): built columns are copied and patched in those rows only, the shortest context carried
+        over unless a patched row's changed. `snapshots`: the caller's list of these candidates,
+        updated in place and used instead of a copy."""
         snapshots = list(self) if snapshots is None else snapshots
-        columns = self.columns.copy()
-        contexts = columns[MAX_CONTEXT]
         smallest = self._smallest_context
+        if self._columns is None:
+            for k, b in changes:
+                if b.max_context != snapshots[k].max_context:   # rare (a new max_model_len): worked out again
+                    smallest = None
+                snapshots[k] = b
+            return Candidates(snapshots, None, smallest)
+        columns = self._columns.copy()
+        contexts = columns[MAX_CONTEXT]
         for k, b in changes:
             snapshots[k] = b
             values = column_values(b)
-            if values[MAX_CONTEXT] != contexts[k]:   # rare (a new max_model_len): worked out again
+            if values[MAX_CONTEXT] != contexts[k]:
                 smallest = None
             columns[:, k] = values
         return Candidates(snapshots, columns, smallest)
@@ -131,9 +153,10 @@ class Candidates(tuple[BackendSnapshot, ...]):
         return self if fits.all() else self.take(fits.nonzero()[0])
 
     def extended(self, more: Sequence[BackendSnapshot]) -> Candidates:
-        """These candidates followed by `more` (e.g. work stealers), columns joined, not rebuilt."""
+        """These candidates followed by `more` (e.g. work stealers), built columns joined, not rebuilt."""
         if not more:
             return self
-        added = column_array(more)
-        return Candidates((*self, *more), np.concatenate((self.columns, added), axis=1),
-                          min(self.smallest_context, float(added[MAX_CONTEXT].min())))
+        smallest = min(self.smallest_context, float(min(b.max_context or _INF for b in more)))
+        if self._columns is None:
+            return Candidates((*self, *more), None, smallest)
+        return Candidates((*self, *more), np.concatenate((self._columns, column_array(more)), axis=1), smallest)

@@ -103,11 +103,13 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         got = table.candidates(roles, exclude=exclude)
         want = reference(table, roles, clock.now, exclude)
         assert list(got) == want, step
-        np.testing.assert_array_equal(got.columns, column_array(want), err_msg=str(step))
-        # the shortest context is carried from one decision's columns to the next, not recomputed
+        # the shortest context is carried from one decision's candidates to the next, not recomputed
         assert got.smallest_context == min((b.max_context or float("inf") for b in want), default=float("inf"))
         tokens = rng.choice([100, 4096, 4097, 32_768, 40_000])
         assert list(got.fitting(tokens)) == [b for b in want if b.fits(tokens)], step
+        # columns are built on first read, so the next patch copies them or leaves them unbuilt: both paths
+        if rng.random() < 0.5 or step % 50 == 0:
+            np.testing.assert_array_equal(got.columns, column_array(want), err_msg=str(step))
         assert table.language_backlog() == sum(e.reported.waiting for e in table.entries() if e.role != "vision")
         assert table.largest_context() == max(table.context(e)[0] for e in table.entries()
                                               if e.role != "vision" or e.steal)
