@@ -38,6 +38,9 @@ COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "k
 ITL_SLACKS = slice(KV_USED + 1, KV_USED + 1 + EXPOSED)   # the rows of itl_slack_s, +inf past its end
 _INF = float("inf")
 _NO_SLACK = (_INF,) * EXPOSED
+# Up to this many candidates a policy loops over them: each numpy operation costs ~1 µs however small
+# its arrays, and a few candidates' columns then need not be built at all.
+LOOP_UP_TO = 8
 
 
 def column_values(b: BackendSnapshot) -> tuple[float, ...]:

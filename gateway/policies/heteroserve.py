@@ -10,7 +10,8 @@ Reads: prefill_s_per_token (2P/F_i), queue_depth (Q_i), mean_service_s, kv_free_
 kv_bytes_per_token. Parameters: w1, w2, w3 (defaults 1, 1, 100; seconds, so w3 ≫ the others).
 w2 = 0 is device-specific shortest-job-first; w1 = 0 is shortest queue (ties: first candidate).
 Computed over the candidates' columns (`gateway.policies.candidates`), one array operation per
-term; the per-candidate `CostTerms` are built only when `Decision.costs` is read.
+term, the per-candidate `CostTerms` built only when `Decision.costs` is read; up to LOOP_UP_TO
+candidates, by a loop over them (`cost`), the same arithmetic.
 Limits: no decode or bandwidth term (only through T̄_service), the queue term counts requests, not
 their lengths, and the veto is binary.
 """
@@ -22,9 +23,20 @@ from collections.abc import Sequence
 import numpy as np
 from pydantic import Field
 
-from gateway.policies.candidates import KV_FIT, PREFILL, QUEUE, QUEUE_S, SERVICE, Candidates, first_argmin
-from gateway.policies.contracts import BackendSnapshot, CostColumns, Decision, RequestProfile
+from gateway.policies.candidates import (
+    KV_FIT,
+    LOOP_UP_TO,
+    PREFILL,
+    QUEUE,
+    QUEUE_S,
+    SERVICE,
+    Candidates,
+    first_argmin,
+)
+from gateway.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
 from heterogate.yaml_files import StrictModel
+
+_INF = float("inf")
 
 
 class HeteroServeParams(StrictModel):
@@ -42,6 +54,14 @@ class HeteroServe:
         self.w1, self.w2, self.w3 = p.w1, p.w2, p.w3
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
+        if len(candidates) <= LOOP_UP_TO:   # a few candidates: Algorithm 1's loop is cheaper than arrays
+            length = request.input_tokens
+            costs = tuple(self.cost(length, b) for b in candidates)
+            best_i, best = 0, _INF
+            for k, c in enumerate(costs):   # the first strictly lowest below infinity, as first_argmin
+                if c.total < best:
+                    best_i, best = k, c.total
+            return Decision(candidates[best_i], self.name, costs)
         # Algorithm 1, lines 2-6, one array operation per term over the candidates' columns. Each
         # element is the same IEEE arithmetic, in the same order, as the scalar form
         # (w1·L)·p_i + (w2·Q_i)·T̄_i + w3·1[L > fit_i], so costs and ties are exactly the loop's
@@ -64,3 +84,14 @@ class HeteroServe:
                 total += oom
         i = first_argmin(total)
         return Decision(chosen[i], self.name, CostColumns(chosen, prefill, queue, oom, total, i))
+
+    def cost(self, length: int, b: BackendSnapshot) -> CostTerms:
+        """One candidate's terms, with the arithmetic of the columns: (w1·L)·p_i, (w2·Q_i)·T̄_i (Q_i·T̄_i
+        when w2 = 1) and the veto when L exceeds M_free_i / KV-per-token rounded down."""
+        prefill = (self.w1 * length) * b.prefill_s_per_token
+        queue = b.queue_depth * b.mean_service_s if self.w2 == 1.0 else (b.queue_depth * self.w2) * b.mean_service_s
+        per_token = b.kv_bytes_per_token
+        total = prefill + queue
+        if (b.kv_free_bytes // per_token < length) if per_token else b.kv_free_bytes < 0:
+            return CostTerms(b.id, prefill, queue, self.w3, total + self.w3)
+        return CostTerms(b.id, prefill, queue, 0.0, total)

@@ -59,6 +59,7 @@ from gateway.policies.candidates import (
     ITL_SLACKS,
     KV_CAPACITY,
     KV_USED,
+    LOOP_UP_TO,
     PREFILL_BACKLOG,
     SERVICE,
     SPEED_PREFILL,
@@ -67,8 +68,6 @@ from gateway.policies.candidates import (
 )
 from gateway.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
 from heterogate.yaml_files import StrictModel
-
-LOOP_UP_TO = 8   # candidates; each numpy operation costs ~1 µs however small its arrays
 
 
 class MarginalDelayParams(StrictModel):
