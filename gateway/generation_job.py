@@ -14,8 +14,12 @@ from heterogate.wire import engine_pb2
 Handoff = Literal["direct", "inline", "none"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GenerationJob:
+    """Treated as immutable (`dataclasses.replace` makes a changed copy), but not declared frozen: one is
+    built per request, and a frozen dataclass's __init__ sets each of its fields through
+    object.__setattr__ (about twice the time)."""
+
     request_id: str
     prompt: str
     prompt_tokens: int

@@ -192,8 +192,9 @@ class Pipeline:
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
         if self.settings.stealing:
             vision = self.table.candidates(VISION_ROLES, now, exclude)
-            candidates = candidates.extended(stealers(vision, self.table.language_backlog(),
-                                                      self.settings.steal_threshold, self.settings.steal_max_batch))
+            if vision:   # no vision backend (a text-only cluster): nobody to steal
+                candidates = candidates.extended(stealers(vision, self.table.language_backlog(),
+                                                          self.settings.steal_threshold, self.settings.steal_max_batch))
         candidates = candidates.fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 

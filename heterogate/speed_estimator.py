@@ -25,7 +25,7 @@ out; no clock, no I/O.
 
 from __future__ import annotations
 
-import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -43,27 +43,42 @@ class SpeedParams:
 
 
 class RobustEstimate:
-    """A prior blended with the median of recent clipped samples (see the module docstring)."""
+    """A prior blended with the median of recent clipped samples (see the module docstring).
 
-    __slots__ = ("_params", "_window", "prior", "samples", "value")
+    The window is also kept sorted (an insertion and a removal a sample), so the median is read, not
+    sorted for: every request adds a sample or two."""
+
+    __slots__ = ("_params", "_sorted", "_window", "prior", "samples", "value")
 
     def __init__(self, prior: float, params: SpeedParams) -> None:
         self.prior = self.value = prior
         self.samples = 0
         self._params = params
         self._window: deque[float] = deque(maxlen=params.window)
+        self._sorted: list[float] = []
 
     def add(self, sample: float) -> None:
         p = self._params
-        self._window.append(min(self.value * p.clip, max(self.value / p.clip, sample)))
+        clipped = min(self.value * p.clip, max(self.value / p.clip, sample))
+        window, ordered = self._window, self._sorted
+        if len(window) == window.maxlen:   # the oldest leaves the window
+            del ordered[bisect_left(ordered, window[0])]
+        window.append(clipped)
+        insort(ordered, clipped)
         self.samples += 1
         w = p.prior_weight / (p.prior_weight + self.samples)
-        self.value = w * self.prior + (1.0 - w) * statistics.median(self._window)
+        self.value = w * self.prior + (1.0 - w) * _median(ordered)
 
     @property
     def prior_share(self) -> float:
         """The prior's weight w in the estimate now."""
         return self._params.prior_weight / (self._params.prior_weight + self.samples)
+
+
+def _median(ordered: list[float]) -> float:
+    """The median of a sorted, non-empty list, as `statistics.median` gives it."""
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class BackendSpeed:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import statistics
+from collections import deque
 
 import pytest
 
@@ -29,6 +31,23 @@ def test_the_prior_weighs_k0_samples_and_fades() -> None:
         est.add(2.0)
     assert est.prior_share == pytest.approx(0.1)
     assert est.value == pytest.approx(0.1 * 1.0 + 0.9 * 2.0)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 32])
+def test_the_estimate_is_the_formula_over_the_last_window_of_clipped_samples(window: int) -> None:
+    """The window kept sorted gives the very estimates of the formula with `statistics.median` over
+    the last `window` clipped samples: repeated values, old values leaving, odd and even counts."""
+    params = SpeedParams(window=window)
+    est, rng = RobustEstimate(1.0, params), random.Random(window)
+    recent: deque[float] = deque(maxlen=window)
+    value = 1.0
+    for n in range(1, 400):
+        sample = rng.choice([0.5, 1.0, 2.0, rng.uniform(0.0, 8.0), rng.uniform(0.9, 1.1)])
+        est.add(sample)
+        recent.append(min(value * params.clip, max(value / params.clip, sample)))
+        w = params.prior_weight / (params.prior_weight + n)
+        value = w * 1.0 + (1.0 - w) * statistics.median(recent)
+        assert est.value == value, n
 
 
 def test_outliers_do_not_move_the_median() -> None:
