@@ -1,8 +1,12 @@
-"""Heartbeat ordering in the state table: per sender, so a backend's own engine always wins back its entry."""
+"""Heartbeat ordering in the state table: per sender, so a backend's own engine always wins back its
+entry; and what a snapshot says, field by field."""
 
 from __future__ import annotations
 
-from gateway.state_table import Reported, StateTable
+import dataclasses
+
+from gateway.state_table import PeerLoad, Reported, StateTable
+from heterogate import perf_model
 from tests.snapshots import catalog
 
 
@@ -40,3 +44,31 @@ def test_a_relaunched_backend_is_no_candidate_until_ready_again() -> None:
     assert not t.candidates(("language",))
     t.set_lifecycle("h100-0", "ready")
     assert [b.id for b in t.candidates(("language",))] == ["h100-0"]
+
+
+def test_a_snapshot_holds_each_signal_in_the_field_of_its_name() -> None:
+    """Every input of a snapshot set to a value of its own: each field must show the one it is named for."""
+    model, gpu = catalog().model("llava-1.5-7b"), catalog().gpu("L40S")
+    t = StateTable(model, 0.1, 3, clock=lambda: 1.0)
+    e = t.register("l40s-0", "both", gpu, address=None, managed=True, steal=True)
+    per_token = model.kv_bytes_per_token
+    t.apply_heartbeat("l40s-0", 1, "127.0.0.1:7000", Reported(
+        seq=1, waiting=40, running=50, kv_free_bytes=1_000 * per_token, kv_total_bytes=3_000 * per_token,
+        vision_backlog=2, mean_service_s=0.7, max_model_len=4096, kv_source="engine"))
+    e.in_flight, e.vision_in_flight_tokens, e.prefilling = 3, 19, 23
+    e.prefill_backlog_tokens, e.kv_reserved_tokens = 29, 31
+    e.peer = PeerLoad(in_flight=5, vision_tokens=7, prefilling=11, prefill_backlog_tokens=13, kv_reserved_tokens=17)
+    e.speed.prefill.value, e.speed.decode.value = 1.25e-4, 0.0375
+    e.slack.add(100, 64, 1e-4, 0.01)
+    e.snapshot = None
+    got = dataclasses.asdict(t.snapshot(e))
+    assert got == {
+        "id": "l40s-0", "role": "both", "gpu": "L40S", "tflops": gpu.tflops, "bandwidth_gbs": gpu.bandwidth_gbs,
+        "price_per_hour": gpu.price_per_hour, "queue_depth": 90, "in_flight": 8, "kv_free_bytes": 1_000 * per_token,
+        "kv_total_bytes": 3_000 * per_token, "kv_bytes_per_token": per_token, "vision_backlog": 26,
+        "mean_service_s": 0.7, "prefill_s_per_token": perf_model.prefill_seconds_per_token(model, gpu),
+        "weight_bytes": model.weight_bytes, "encode_s_per_token": perf_model.encode_seconds(model, gpu, 1),
+        "steal": True, "max_context": 4096, "learned_prefill_s_per_token": 1.25e-4, "decode_step_s": 0.0375,
+        "prefilling": 34, "prefill_backlog_tokens": 42, "kv_reserved_tokens": 48, "itl_slack_s": e.slack.slacks(),
+    }
+    assert got["itl_slack_s"]   # a lease's slack is there to be misplaced too
