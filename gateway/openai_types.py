@@ -87,8 +87,11 @@ def message_text(message: ChatMessage) -> str:
 
 def render_chat(messages: list[ChatMessage]) -> tuple[str, int]:
     """A plain chat template: `role: text` lines; returns (prompt, estimated text tokens)."""
-    lines = [f"{m.role}: {message_text(m)}" for m in messages]
-    tokens = sum(count_text_tokens(message_text(m)) + CHAT_MESSAGE_OVERHEAD for m in messages)
+    lines, tokens = [], 0
+    for m in messages:
+        text = message_text(m)
+        lines.append(f"{m.role}: {text}")
+        tokens += count_text_tokens(text) + CHAT_MESSAGE_OVERHEAD
     return "\n".join(lines), tokens
 
 

@@ -190,11 +190,10 @@ class Pipeline:
         now = time.monotonic()
         exclude = exclude + self.breakers.blocked()
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
-        if self.settings.stealing:
+        if self.settings.stealing and self.table.has_role(VISION_ROLES):   # a text-only cluster: nobody to steal
             vision = self.table.candidates(VISION_ROLES, now, exclude)
-            if vision:   # no vision backend (a text-only cluster): nobody to steal
-                candidates = candidates.extended(stealers(vision, self.table.language_backlog(),
-                                                          self.settings.steal_threshold, self.settings.steal_max_batch))
+            candidates = candidates.extended(stealers(vision, self.table.language_backlog(),
+                                                      self.settings.steal_threshold, self.settings.steal_max_batch))
         candidates = candidates.fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 

@@ -166,6 +166,7 @@ class StateTable:
         self.miss_limit = miss_limit
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
+        self._roles: set[Role] = set()   # of the backends registered
         self._fixed: dict[str, _Fixed] = {}   # per backend, what its snapshots take from the model and GPU
         self._changes: set[str] = set()
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
@@ -186,6 +187,7 @@ class StateTable:
                              InterTokenSlack(self.itl_target_s), steal, external, max_model_len=max_model_len,
                              kv_capacity_tokens=kv_capacity_tokens, changes=self._changes)
         self._entries[backend_id] = entry
+        self._roles.add(role)
         self._fixed[backend_id] = _Fixed(
             (backend_id, role, gpu.name, gpu.tflops, gpu.bandwidth_gbs, gpu.price_per_hour),
             self.model.kv_bytes_per_token, perf_model.prefill_seconds_per_token(self.model, gpu),
@@ -292,6 +294,10 @@ class StateTable:
         entry.snapshot = None
 
     # -- readers -----------------------------------------------------------------------------
+
+    def has_role(self, roles: tuple[Role, ...]) -> bool:
+        """Whether a backend with one of `roles` is registered (healthy or not)."""
+        return not self._roles.isdisjoint(roles)
 
     def get(self, backend_id: str) -> BackendEntry | None:
         return self._entries.get(backend_id)

@@ -72,3 +72,12 @@ def test_a_snapshot_holds_each_signal_in_the_field_of_its_name() -> None:
         "prefilling": 34, "prefill_backlog_tokens": 42, "kv_reserved_tokens": 48, "itl_slack_s": e.slack.slacks(),
     }
     assert got["itl_slack_s"]   # a lease's slack is there to be misplaced too
+
+
+def test_the_table_knows_which_roles_it_has() -> None:
+    """The router skips work stealing in a cluster without vision backends: the table must say so, and
+    stop saying so as soon as one registers."""
+    t = table()
+    assert t.has_role(("language", "both")) and not t.has_role(("vision",))
+    t.register("l4-0", "vision", catalog().gpu("L4"), address=None, managed=True, steal=True)
+    assert t.has_role(("vision",))
