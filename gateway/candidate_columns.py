@@ -32,9 +32,13 @@ class CandidateColumns:
         self._entries = list(entries)
         self._snapshot = snapshot
         self._serves = serves   # False: never a candidate, fresh or stale
+        # Each row's serving flag and heartbeat twice: as arrays for the whole-pool operations, and as
+        # lists for the per-row reads of `_note` (a numpy element read and compare is a few times slower).
         self._serving = np.ones(len(self._entries), dtype=bool)
-        self._rows = {e.id: k for k, e in enumerate(self._entries)}
+        self._serving_rows = [True] * len(self._entries)
         self._heartbeat = np.full(len(self._entries), _NEVER)
+        self._heartbeat_rows = [_NEVER] * len(self._entries)
+        self._rows = {e.id: k for k, e in enumerate(self._entries)}
         self._oldest: float | None = None   # min(self._heartbeat), None when to be recomputed
         self._newest = _NEVER               # max(self._heartbeat), recomputed with _oldest
         self._unheard: tuple[BackendEntry, ...] | None = None   # external serving rows; None: recompute
@@ -93,13 +97,13 @@ class CandidateColumns:
 
     def _note(self, k: int, e: BackendEntry) -> None:
         serving = self._serves(e)
-        if serving != self._serving[k]:
-            self._serving[k] = serving
+        if serving != self._serving_rows[k]:
+            self._serving[k] = self._serving_rows[k] = serving
             self._unheard = None
         heartbeat = _NEVER if e.last_heartbeat is None or not serving else e.last_heartbeat
-        old = float(self._heartbeat[k])
+        old = self._heartbeat_rows[k]
         if heartbeat != old:
-            self._heartbeat[k] = heartbeat
+            self._heartbeat[k] = self._heartbeat_rows[k] = heartbeat
             # A heartbeat moving forward in a row that was not the oldest leaves the oldest as it was
             # (the usual case: one row changes per heartbeat); anything else recomputes both ends.
             if self._oldest is not None and self._oldest < old <= heartbeat:

@@ -26,7 +26,7 @@ Each lease also holds an inter-token deadline (`heterogate.itl_slack`, against
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
@@ -174,7 +174,7 @@ class StateTable:
         self.failing_open = False
         # Failing open, every decision reads the blind snapshots: kept until their base snapshot changes.
         self._blind_snapshots: dict[str, tuple[BackendSnapshot, BackendSnapshot]] = {}
-        self._open: dict[tuple[Role, ...], Candidates] = {}
+        self._open: dict[tuple[Role, ...], tuple[Sequence[BackendEntry], Candidates]] = {}   # (stale, candidates)
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -326,21 +326,23 @@ class StateTable:
         if "language" in roles:   # the flag reports on the language pool
             self.failing_open = failing_open
         if failing_open:
-            return self._open_candidates(roles, [self._blind(e) for e in stale])
+            return self._open_candidates(roles, stale)
         return fresh.extended([self._saturated(e) for e in stale])
 
-    def _open_candidates(self, roles: tuple[Role, ...], blind: list[BackendSnapshot]) -> Candidates:
+    def _open_candidates(self, roles: tuple[Role, ...], stale: Sequence[BackendEntry]) -> Candidates:
         """The failing-open candidates, the same object while none of their snapshots changed, else the
-        last ones patched in the rows that did (each request changes its backend's in-flight count)."""
-        cached = self._open.get(roles)
-        if cached is not None and len(cached) == len(blind):
+        last ones patched in the rows that did (each request changes its backend's in-flight count).
+        The pool hands out the same `stale` object while its members stay the same: then the rows line up."""
+        blind = [self._blind(e) for e in stale]
+        members, cached = self._open.get(roles, ((), None))
+        if cached is not None and members is stale:
             changes = [(k, b) for k, (a, b) in enumerate(zip(cached, blind, strict=True)) if a is not b]
-            if not changes:
-                return cached
-            if all(cached[k].id == b.id for k, b in changes):
-                self._open[roles] = cached = cached.replaced(changes)
-                return cached
-        self._open[roles] = cached = Candidates(blind)
+            if changes:
+                cached = cached.replaced(changes)
+                self._open[roles] = (stale, cached)
+            return cached
+        cached = Candidates(blind)
+        self._open[roles] = (stale, cached)
         return cached
 
     def _pool(self, roles: tuple[Role, ...]) -> CandidateColumns:
