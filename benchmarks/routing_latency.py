@@ -8,17 +8,18 @@ heartbeats as the gateway's heartbeat service does. Two paths are timed per (pol
 
 - `gateway`: what the live gateway runs per decision, `Pipeline.route_language` of a pipeline built
   as `gateway.runtime.build_runtime` builds it (default settings, work stealing on): candidate
-  assembly from the state table (both pools, stealers), the policy, the decision metrics.
+  assembly from the state table (both pools, stealers where there are vision backends), the policy,
+  the decision metrics.
 - `policy`: `policy.choose` alone, on the candidates the state table hands out.
 
 Between decisions, untimed, the signals a busy gateway sees: one backend's heartbeat changes, the
 chosen backend takes the request's lease and a request routed `LEASES` decisions earlier completes,
 so every decision starts from a table that changed. Each decision is timed alone with
-time.perf_counter_ns after a warm-up, the garbage collector on as in the gateway; the table and
-benchmarks/results/routing_latency.json report p50 / p99 / mean in microseconds over all rounds, and
-the p99 of the quietest round (on a shared machine the pooled p99 holds other processes'
-preemptions). `--clock cpu` times with this thread's CPU time instead (blind to preemption, writes
-routing_latency_cpu.json). The targets are checked on the pooled p99 of heteroserve's gateway path;
+time.perf_counter_ns after a warm-up, the garbage collector on as in the gateway (its thresholds, the
+set-up frozen); the table and benchmarks/results/routing_latency.json report p50 / p99 / mean in
+microseconds over all rounds, and the p99 of the quietest round (on a shared machine the pooled p99
+holds other processes' preemptions). `--clock cpu` times with this thread's CPU time instead (blind to
+preemption, writes routing_latency_cpu.json). The targets are checked on the pooled p99 of heteroserve's gateway path;
 the exit status is 1 when one is missed.
 """
 
@@ -53,6 +54,7 @@ from gateway.pipeline import LANGUAGE_ROLES, Pipeline  # noqa: E402
 from gateway.policies import REGISTRY, build_policy  # noqa: E402
 from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
 from gateway.runtime import pipeline_settings  # noqa: E402
+from gateway.server import GC_THRESHOLDS  # noqa: E402
 from gateway.state_table import Lease, Reported, StateTable  # noqa: E402
 from heterogate import perf_model  # noqa: E402
 from heterogate.catalog import Catalog, load_catalog  # noqa: E402
@@ -203,6 +205,7 @@ def run(sizes: Sequence[int], budget: int, seed: int, clock: Clock, rounds: int 
         warmup = max(200, count // 10)
         longest = catalog.model(MODEL).max_context - OUTPUT_TOKENS   # prompt + max_tokens fit every backend
         requests = [RequestProfile(f"r{k}", rng.randint(16, longest), OUTPUT_TOKENS) for k in range(warmup + count)]
+        gc.set_threshold(*GC_THRESHOLDS)
         gateways = {(name, path): Gateway(catalog, backends, name, seed) for name in names for path in PATHS}
         for key, g in gateways.items():
             g.timed(key[1], requests[:warmup], clock)
@@ -211,6 +214,7 @@ def run(sizes: Sequence[int], budget: int, seed: int, clock: Clock, rounds: int 
         for k in range(rounds):
             part = requests[warmup + k * chunk : warmup + (k + 1) * chunk]
             gc.collect()
+            gc.freeze()   # as the gateway does after start-up, with its collection thresholds
             for key, g in gateways.items():
                 samples[key].append(g.timed(key[1], part, clock))
         results += [summarize(name, path, n, samples[(name, path)]) for name, path in gateways]
