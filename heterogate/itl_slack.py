@@ -62,8 +62,10 @@ class InterTokenSlack:
     def slacks(self, k: int = EXPOSED) -> tuple[float, ...]:
         """The k smallest slacks of at least 0, smallest first."""
         d, now = self._deadlines, self.clock_s
+        if not d:
+            return ()
         i = bisect.bisect_left(d, now)
-        return tuple(x - now for x in d[i:i + k])
+        return tuple([x - now for x in d[i:i + k]])   # a list first: a generator costs more for a few items
 
     def __len__(self) -> int:
         return len(self._deadlines)

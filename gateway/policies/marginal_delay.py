@@ -103,17 +103,17 @@ class MarginalDelay:
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p
             stall, slacks = length * p, c[ITL_SLACKS]
-            if (slacks[0] < stall).any():   # else T_itl is 0 everywhere, and x + 0.0 == x
+            if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
                 prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
             queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
             over = c[KV_USED] + reserve - capacity
             waits = (capacity > 0) & (over > 0)
-            if waits.any():
+            if np.count_nonzero(waits):   # .any() costs three times as much on small arrays
                 queue = np.where(waits, queue + over / capacity * c[SERVICE], queue)
             total = prefill + queue
             vetoed = (capacity > 0) & (reserve > capacity)
             oom = None
-            if vetoed.any():
+            if np.count_nonzero(vetoed):
                 oom = np.where(vetoed, self.veto, 0.0)
                 prefill, queue = np.where(vetoed, 0.0, prefill), np.where(vetoed, 0.0, queue)
                 total = np.where(vetoed, self.veto, total)
