@@ -167,7 +167,7 @@ class StateTable:
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
         self._roles: set[Role] = set()   # of the backends registered
-        self._fixed: dict[str, _Fixed] = {}   # per backend, what its snapshots take from the model and GPU
+        self._fixed: dict[str, _Fixed] = {}   # per backend, what its snapshots take from its registration
         self._changes: set[str] = set()
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
         self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
