@@ -108,13 +108,11 @@ class JobBuilder:
                              token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
-        """The client's own body for upstreams (as sent: validated by `req`, not rewritten by it), less
-        `stream` (the gateway decides how it asks)."""
+        """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not
+        copied: its readers copy what they change; the upstream client sets `stream` itself)."""
         if req.n is not None and req.n > self._limits.max_choices:
             raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
-        out = dict(body)
-        out.pop("stream", None)
-        return out
+        return body
 
     async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
         parts = image_parts(req.messages)

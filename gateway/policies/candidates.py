@@ -60,8 +60,13 @@ def first_argmin(totals: FloatArray) -> int:
     i = int(totals.argmin())
     if totals[i] < _INF:   # neither NaN (argmin stops at the first) nor inf: argmin is the loop's answer
         return i
+    return first_lowest(totals.tolist())
+
+
+def first_lowest(totals: Iterable[float]) -> int:
+    """The loop `first_argmin` answers for: the first strictly lowest total below infinity, else 0."""
     best_i, best = 0, _INF
-    for k, total in enumerate(totals.tolist()):
+    for k, total in enumerate(totals):
         if total < best:
             best_i, best = k, total
     return best_i

@@ -32,11 +32,10 @@ from gateway.policies.candidates import (
     SERVICE,
     Candidates,
     first_argmin,
+    first_lowest,
 )
 from gateway.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
 from heterogate.yaml_files import StrictModel
-
-_INF = float("inf")
 
 
 class HeteroServeParams(StrictModel):
@@ -56,12 +55,8 @@ class HeteroServe:
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
         if len(candidates) <= LOOP_UP_TO:   # a few candidates: Algorithm 1's loop is cheaper than arrays
             length = request.input_tokens
-            costs = tuple(self.cost(length, b) for b in candidates)
-            best_i, best = 0, _INF
-            for k, c in enumerate(costs):   # the first strictly lowest below infinity, as first_argmin
-                if c.total < best:
-                    best_i, best = k, c.total
-            return Decision(candidates[best_i], self.name, costs)
+            costs = tuple([self.cost(length, b) for b in candidates])
+            return Decision(candidates[first_lowest([c.total for c in costs])], self.name, costs)
         # Algorithm 1, lines 2-6, one array operation per term over the candidates' columns. Each
         # element is the same IEEE arithmetic, in the same order, as the scalar form
         # (w1·L)·p_i + (w2·Q_i)·T̄_i + w3·1[L > fit_i], so costs and ties are exactly the loop's
