@@ -20,6 +20,7 @@ slack, +inf where it has fewer.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -38,6 +39,10 @@ COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "k
 ITL_SLACKS = slice(KV_USED + 1, KV_USED + 1 + EXPOSED)   # the rows of itl_slack_s, +inf past its end
 _INF = float("inf")
 _NO_SLACK = (_INF,) * EXPOSED
+# The policies compute on columns as Python computes on floats: 0 · inf is NaN, an overflow inf, x / 0 inf or
+# NaN, all silently (the scalar forms of the same costs never warn). One filter for the policy modules, set
+# here once, instead of np.errstate around every decision: entering and leaving it cost 1.5-3 µs a call.
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"gateway\.policies\.")
 # Up to this many candidates a policy loops over them: each numpy operation costs ~1 µs however small
 # its arrays, and a few candidates' columns then need not be built at all.
 LOOP_UP_TO = 8
@@ -83,23 +88,33 @@ class Candidates(tuple[BackendSnapshot, ...]):
     """Snapshots in candidate order, with `columns` (see the module docstring); immutable like them.
 
     The columns are built on first read: a policy that loops over a few candidates never reads them,
-    and then neither the table's patches nor the candidates pay for them.
+    and then neither the table's patches nor the candidates pay for them. So are `ids`, which the
+    table's patches carry over (a patch replaces a backend's snapshot with its next one).
     """
 
     _columns: FloatArray | None
     _smallest_context: float | None
+    _ids: tuple[str, ...] | None
 
     def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None,
-                smallest_context: float | None = None) -> Candidates:
+                smallest_context: float | None = None, ids: tuple[str, ...] | None = None) -> Candidates:
         """`columns`: these snapshots' columns when the caller has them (None: built on first read);
         `smallest_context`: the least of the max_context column when the caller knows it (None: worked
-        out on first use)."""
+        out on first use); `ids`: the snapshots' ids when the caller has them."""
         self = super().__new__(cls, snapshots)
         if columns is not None:
             columns.flags.writeable = False
         self._columns = columns
         self._smallest_context = smallest_context
+        self._ids = ids
         return self
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """The candidates' backend ids, in order."""
+        if self._ids is None:
+            self._ids = tuple([b.id for b in self])
+        return self._ids
 
     @property
     def columns(self) -> FloatArray:
@@ -129,25 +144,30 @@ class Candidates(tuple[BackendSnapshot, ...]):
                  snapshots: list[BackendSnapshot] | None = None) -> Candidates:
         """These candidates with the snapshot at some rows replaced (copy-on-write: `self` stays as it
         was): built columns are copied and patched in those rows only, the shortest context carried
-        over unless a patched row's changed. `snapshots`: the caller's list of these candidates,
-        updated in place and used instead of a copy."""
+        over unless a patched row's changed, the ids unless a row's backend did. `snapshots`: the
+        caller's list of these candidates, updated in place and used instead of a copy."""
         snapshots = list(self) if snapshots is None else snapshots
-        smallest = self._smallest_context
+        smallest, ids = self._smallest_context, self._ids
         if self._columns is None:
             for k, b in changes:
-                if b.max_context != snapshots[k].max_context:   # rare (a new max_model_len): worked out again
+                old = snapshots[k]
+                if b.max_context != old.max_context:   # rare (a new max_model_len): worked out again
                     smallest = None
+                if b.id != old.id:
+                    ids = None
                 snapshots[k] = b
-            return Candidates(snapshots, None, smallest)
+            return Candidates(snapshots, None, smallest, ids)
         columns = self._columns.copy()
         contexts = columns[MAX_CONTEXT]
         for k, b in changes:
+            if b.id != snapshots[k].id:
+                ids = None
             snapshots[k] = b
             values = column_values(b)
             if values[MAX_CONTEXT] != contexts[k]:
                 smallest = None
             columns[:, k] = values
-        return Candidates(snapshots, columns, smallest)
+        return Candidates(snapshots, columns, smallest, ids)
 
     def take(self, rows: npt.NDArray[np.intp]) -> Candidates:
         """The candidates at `rows` (ascending), in order."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -87,7 +88,7 @@ class CostColumns(NamedTuple):
     """A cost breakdown kept as arrays (one entry per candidate, in order), made into `CostTerms`
     only when read: a decision over N candidates allocates nothing per candidate. `oom` None: all 0."""
 
-    candidates: Sequence[BackendSnapshot]
+    backend_ids: Sequence[str]    # the candidates'
     prefill: npt.NDArray[np.float64]
     queue: npt.NDArray[np.float64]
     oom: npt.NDArray[np.float64] | None
@@ -97,12 +98,12 @@ class CostColumns(NamedTuple):
     def terms(self) -> tuple[CostTerms, ...]:
         oom = [0.0] * len(self.total) if self.oom is None else self.oom.tolist()
         columns = (self.prefill.tolist(), self.queue.tolist(), oom, self.total.tolist())
-        return tuple(map(CostTerms._make, zip([b.id for b in self.candidates], *columns, strict=True)))
+        return tuple(map(CostTerms._make, zip(self.backend_ids, *columns, strict=True)))
 
     def vetoed(self) -> tuple[str, ...]:
         if self.oom is None:
             return ()
-        return tuple(self.candidates[i].id for i in (self.oom > 0).nonzero()[0].tolist())
+        return tuple(compress(self.backend_ids, (self.oom > 0).tolist()))
 
 
 class Decision:

@@ -64,21 +64,20 @@ class HeteroServe:
         chosen = Candidates.of(candidates)
         columns = chosen.columns
         length = request.input_tokens
-        with np.errstate(invalid="ignore", over="ignore"):   # 0 · inf is NaN, overflow inf, as in Python
-            prefill = columns[PREFILL] * (self.w1 * length)
-            if self.w2 == 1.0:
-                queue = columns[QUEUE_S]
-            else:
-                queue = columns[QUEUE] * self.w2
-                queue *= columns[SERVICE]
-            total = prefill + queue
-            veto = columns[KV_FIT] < length
-            oom = None
-            if np.count_nonzero(veto):   # .any() costs three times as much on small arrays
-                oom = np.where(veto, self.w3, 0.0)
-                total += oom
+        prefill = columns[PREFILL] * (self.w1 * length)   # 0 · inf is NaN, overflow inf, as in Python
+        if self.w2 == 1.0:
+            queue = columns[QUEUE_S]
+        else:
+            queue = columns[QUEUE] * self.w2
+            queue *= columns[SERVICE]
+        total = prefill + queue
+        veto = columns[KV_FIT] < length
+        oom = None
+        if np.count_nonzero(veto):   # .any() costs three times as much on small arrays
+            oom = np.where(veto, self.w3, 0.0)
+            total += oom
         i = first_argmin(total)
-        return Decision(chosen[i], self.name, CostColumns(chosen, prefill, queue, oom, total, i))
+        return Decision(chosen[i], self.name, CostColumns(chosen.ids, prefill, queue, oom, total, i))
 
     def cost(self, length: int, b: BackendSnapshot) -> CostTerms:
         """One candidate's terms, with the arithmetic of the columns: (w1·L)·p_i, (w2·Q_i)·T̄_i (Q_i·T̄_i

@@ -100,25 +100,24 @@ class MarginalDelay:
         length, new_tokens = request.input_tokens, request.max_output_tokens
         reserve = length + new_tokens
         p, step, capacity = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY]
-        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p
-            stall, slacks = length * p, c[ITL_SLACKS]
-            if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
-                prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
-            queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
-            over = c[KV_USED] + reserve - capacity
-            waits = (capacity > 0) & (over > 0)
-            if np.count_nonzero(waits):   # .any() costs three times as much on small arrays
-                queue = np.where(waits, queue + over / capacity * c[SERVICE], queue)
-            total = prefill + queue
-            vetoed = (capacity > 0) & (reserve > capacity)
-            oom = None
-            if np.count_nonzero(vetoed):
-                oom = np.where(vetoed, self.veto, 0.0)
-                prefill, queue = np.where(vetoed, 0.0, prefill), np.where(vetoed, 0.0, queue)
-                total = np.where(vetoed, self.veto, total)
+        prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p
+        stall, slacks = length * p, c[ITL_SLACKS]
+        if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
+            prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
+        queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
+        over = c[KV_USED] + reserve - capacity
+        waits = (capacity > 0) & (over > 0)
+        if np.count_nonzero(waits):   # .any() costs three times as much on small arrays
+            queue = np.where(waits, queue + over / capacity * c[SERVICE], queue)
+        total = prefill + queue
+        vetoed = (capacity > 0) & (reserve > capacity)
+        oom = None
+        if np.count_nonzero(vetoed):
+            oom = np.where(vetoed, self.veto, 0.0)
+            prefill, queue = np.where(vetoed, 0.0, prefill), np.where(vetoed, 0.0, queue)
+            total = np.where(vetoed, self.veto, total)
         i = first_argmin(total)
-        return Decision(chosen[i], self.name, CostColumns(chosen, prefill, queue, oom, total, i))
+        return Decision(chosen[i], self.name, CostColumns(chosen.ids, prefill, queue, oom, total, i))
 
     def cost(self, request: RequestProfile, b: BackendSnapshot) -> CostTerms:
         """Cost terms: prefill = T_first + T_stall, queue = T_kv + T_dec, oom = veto."""

@@ -13,7 +13,7 @@ from gateway.policies.contracts import BackendSnapshot, Role
 from gateway.state_table import SERVING, Lease, Reported, StateTable
 from heterogate import perf_model
 from heterogate.metric_tables import SATURATED_QUEUE
-from tests.snapshots import MODEL, catalog
+from tests.snapshots import MODEL, catalog, snapshot
 
 LANGUAGE: tuple[Role, ...] = ("language", "both")
 VISION: tuple[Role, ...] = ("vision",)
@@ -103,6 +103,7 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         got = table.candidates(roles, exclude=exclude)
         want = reference(table, roles, clock.now, exclude)
         assert list(got) == want, step
+        assert got.ids == tuple(b.id for b in want), step   # carried from one decision's candidates to the next
         # the shortest context is carried from one decision's candidates to the next, not recomputed
         assert got.smallest_context == min((b.max_context or float("inf") for b in want), default=float("inf"))
         tokens = rng.choice([100, 4096, 4097, 32_768, 40_000])
@@ -119,6 +120,16 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         assert tuple(candidates) == snapshots
         np.testing.assert_array_equal(candidates.columns, columns)
         assert not candidates.columns.flags.writeable
+
+
+def test_a_row_given_another_backend_has_its_id_read_again() -> None:
+    a, b, c = (snapshot(name, "H100") for name in "abc")
+    first = Candidates([a, b])
+    assert first.ids == ("a", "b")
+    assert first.replaced([(1, dataclasses.replace(b, queue_depth=7))]).ids == ("a", "b")
+    assert first.replaced([(1, c)]).ids == ("a", "c")
+    assert first.columns.shape[1] == 2   # the same with columns built
+    assert first.replaced([(0, c)]).ids == ("c", "b")
 
 
 def test_a_snapshot_dropped_anywhere_reaches_the_columns() -> None:
