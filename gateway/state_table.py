@@ -414,7 +414,7 @@ class StateTable:
         return self._pool(("language", "both")).backlog()
 
     def snapshot(self, entry: BackendEntry) -> BackendSnapshot:
-        return entry.snapshot or self._rebuild(entry)
+        return entry.cached or self._rebuild(entry)
 
     def mean_service_s(self, entry: BackendEntry) -> float:
         """T̄_service: what a managed engine measures (admission to last token, model time), else the
@@ -447,5 +447,5 @@ class StateTable:
             e.kv_reserved_tokens + peer.kv_reserved_tokens,
             e.slack.slacks(),                                                       # itl_slack_s
         )
-        e.snapshot = snap
+        e.cached = snap   # not through the `snapshot` setter: only dropping a snapshot is news to the pools
         return snap

@@ -148,25 +148,16 @@ class Candidates(tuple[BackendSnapshot, ...]):
         caller's list of these candidates, updated in place and used instead of a copy."""
         snapshots = list(self) if snapshots is None else snapshots
         smallest, ids = self._smallest_context, self._ids
-        if self._columns is None:
-            for k, b in changes:
-                old = snapshots[k]
-                if b.max_context != old.max_context:   # rare (a new max_model_len): worked out again
-                    smallest = None
-                if b.id != old.id:
-                    ids = None
-                snapshots[k] = b
-            return Candidates(snapshots, None, smallest, ids)
-        columns = self._columns.copy()
-        contexts = columns[MAX_CONTEXT]
+        columns = None if self._columns is None else self._columns.copy()
         for k, b in changes:
-            if b.id != snapshots[k].id:
+            old = snapshots[k]
+            if b.max_context != old.max_context:   # rare (a new max_model_len): worked out again
+                smallest = None
+            if b.id != old.id:
                 ids = None
             snapshots[k] = b
-            values = column_values(b)
-            if values[MAX_CONTEXT] != contexts[k]:
-                smallest = None
-            columns[:, k] = values
+            if columns is not None:
+                columns[:, k] = column_values(b)
         return Candidates(snapshots, columns, smallest, ids)
 
     def take(self, rows: npt.NDArray[np.intp]) -> Candidates:

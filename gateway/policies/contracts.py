@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -103,7 +102,8 @@ class CostColumns(NamedTuple):
     def vetoed(self) -> tuple[str, ...]:
         if self.oom is None:
             return ()
-        return tuple(compress(self.backend_ids, (self.oom > 0).tolist()))
+        ids = self.backend_ids   # oom is 0 or a veto cost ≥ 0, so its nonzero rows are those with oom > 0
+        return tuple([ids[k] for k in self.oom.nonzero()[0].tolist()])
 
 
 class Decision:

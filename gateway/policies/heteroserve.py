@@ -71,7 +71,7 @@ class HeteroServe:
             queue = columns[QUEUE] * self.w2
             queue *= columns[SERVICE]
         total = prefill + queue
-        veto = columns[KV_FIT] < length
+        veto = columns[KV_FIT] < float(length)   # exact (L < 2^53), and a float compares faster than an int
         oom = None
         if np.count_nonzero(veto):   # .any() costs three times as much on small arrays
             oom = np.where(veto, self.w3, 0.0)
