@@ -1,6 +1,7 @@
 """Per-decision latency of every registered routing policy on synthetic clusters of N backends.
 
     python benchmarks/routing_latency.py [--decisions 20000] [--sizes 8 64 1024] [--seed 0] [--clock wall|cpu]
+                                         [--baseline DIR [--pairs 4]]
 
 Backends are drawn from the GPU catalog (mixed types) with random queue depths and free KV, their
 prefill and service times from the performance model, registered in a real state table and fed
@@ -21,6 +22,12 @@ microseconds over all rounds, and the p99 of the quietest round (on a shared mac
 holds other processes' preemptions). `--clock cpu` times with this thread's CPU time instead (blind to
 preemption, writes routing_latency_cpu.json). The targets are checked on the pooled p99 of heteroserve's gateway path;
 the exit status is 1 when one is missed.
+
+`--baseline DIR` compares this checkout with another (say `git worktree add /tmp/base <commit>`) side
+by side: `--pairs` runs of each, alternating, every run its own process with the same arguments; the
+table and routing_latency_side_by_side.json give the medians over the runs of each one's p50 and p99
+and their ratio. On a machine whose speed drifts from minute to minute, only such ratios compare
+two versions.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -244,6 +253,53 @@ def target_checks(results: Sequence[Result]) -> list[dict[str, Any]]:
     return checks
 
 
+def run_script(checkout: Path, args: Sequence[str], out: Path) -> dict[tuple[str, str, int], dict[str, float]]:
+    """One run of `checkout`'s routing_latency.py in its own process: its results by (policy, path, N)."""
+    done = subprocess.run([sys.executable, str(checkout / "benchmarks" / "routing_latency.py"), *args,
+                           "--out", str(out)], capture_output=True, text=True, timeout=3600)
+    if done.returncode not in (0, 1):   # 1: a target missed, the results still written
+        raise SystemExit(f"{checkout}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    report = json.loads(out.read_text())
+    return {(r["policy"], r["path"], r["n"]): r for r in report["results"]}
+
+
+def side_by_side(baseline: Path, args: Sequence[str], pairs: int) -> list[dict[str, Any]]:
+    """`pairs` runs of the baseline and of this checkout, alternating; per (policy, path, N) the
+    median over runs of each one's p50 and p99."""
+    runs: dict[str, list[dict[tuple[str, str, int], dict[str, float]]]] = {"baseline": [], "this": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(pairs):
+            for name, checkout in (("baseline", baseline), ("this", ROOT)):
+                runs[name].append(run_script(checkout, args, Path(tmp) / f"{name}-{k}.json"))
+                print(f"pair {k + 1}/{pairs}: {name} done", file=sys.stderr)
+    rows = []
+    for key in runs["this"][0]:
+        row: dict[str, Any] = {"policy": key[0], "path": key[1], "n": key[2]}
+        for name in runs:
+            for q in ("p50_us", "p99_us"):
+                row[f"{name}_{q}"] = statistics.median(run[key][q] for run in runs[name])
+        row["p50_ratio"] = row["this_p50_us"] / row["baseline_p50_us"]
+        row["p99_ratio"] = row["this_p99_us"] / row["baseline_p99_us"]
+        rows.append(row)
+    return rows
+
+
+def side_by_side_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [f"{'policy':<16} {'path':<8} {'N':>5} {'base p50':>9} {'this p50':>9} {'ratio':>6} {'base p99':>9}"
+             f" {'this p99':>9} {'ratio':>6}"]
+    for r in rows:
+        lines.append(f"{r['policy']:<16} {r['path']:<8} {r['n']:>5}"
+                     f" {r['baseline_p50_us']:>9.2f} {r['this_p50_us']:>9.2f} {r['p50_ratio']:>6.2f}"
+                     f" {r['baseline_p99_us']:>9.2f} {r['this_p99_us']:>9.2f} {r['p99_ratio']:>6.2f}")
+    return "\n".join(lines)
+
+
+def git_commit(checkout: Path) -> str:
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          timeout=30)
+    return done.stdout.strip() or "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=20_000, help="timed decisions per (policy, path, N), at most")
@@ -252,7 +308,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/routing_latency[_cpu].json")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run side by side with this one")
+    ap.add_argument("--pairs", type=int, default=4, help="with --baseline: runs of each, alternating")
     args = ap.parse_args(argv)
+    if args.baseline is not None:
+        forwarded = ["--decisions", str(args.decisions), "--sizes", *map(str, args.sizes), "--seed", str(args.seed),
+                     "--clock", args.clock, *(["--policies", *args.policies] if args.policies else [])]
+        rows = side_by_side(args.baseline.resolve(), forwarded, args.pairs)
+        print(side_by_side_table(rows))
+        out = args.out or RESULTS / "routing_latency_side_by_side.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "baseline": {"path": str(args.baseline), "commit": git_commit(args.baseline)},
+            "this": {"commit": git_commit(ROOT)},
+            "arguments": forwarded, "pairs": args.pairs, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+            "results": rows,
+        }, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     out: Path = args.out or RESULTS / ("routing_latency.json" if args.clock == "wall" else "routing_latency_cpu.json")
 
     results = run(args.sizes, args.decisions, args.seed, CLOCKS[args.clock], policies=args.policies)
