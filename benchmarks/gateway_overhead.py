@@ -184,9 +184,9 @@ def added(summary: dict[str, Any], concurrencies: tuple[int, ...]) -> dict[str, 
     return out
 
 
-def git_state() -> dict[str, Any]:
+def git_state(checkout: Path = ROOT) -> dict[str, Any]:
     def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        out = subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, check=False, timeout=30)
         return out.stdout.strip()
 
     return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(git("status", "--porcelain").splitlines())}

@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gateway_overhead import git_state  # noqa: E402
 from gateway.admission import AdmissionQueue  # noqa: E402
 from gateway.circuit_breaker import Breakers  # noqa: E402
 from gateway.config import GatewaySettings  # noqa: E402
@@ -294,12 +295,6 @@ def side_by_side_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def git_commit(checkout: Path) -> str:
-    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          timeout=30)
-    return done.stdout.strip() or "unknown"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=20_000, help="timed decisions per (policy, path, N), at most")
@@ -320,8 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "baseline": {"path": str(args.baseline), "commit": git_commit(args.baseline)},
-            "this": {"commit": git_commit(ROOT)},
+            "baseline": {"path": str(args.baseline), **git_state(args.baseline)},
+            "this": git_state(),
             "arguments": forwarded, "pairs": args.pairs, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
             "results": rows,
         }, indent=2) + "\n")

@@ -65,6 +65,7 @@ from gateway.policies.candidates import (
     SPEED_PREFILL,
     Candidates,
     first_argmin,
+    first_lowest,
 )
 from gateway.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
 from heterogate.yaml_files import StrictModel
@@ -90,11 +91,7 @@ class MarginalDelay:
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
         if len(candidates) <= LOOP_UP_TO:   # a few candidates: a loop is cheaper than array operations
             costs = tuple([self.cost(request, b) for b in candidates])
-            best_i, best = 0, costs[0].total
-            for k, terms in enumerate(costs):   # the first lowest
-                if terms.total < best:
-                    best_i, best = k, terms.total
-            return Decision(candidates[best_i], self.name, costs)
+            return Decision(candidates[first_lowest([c.total for c in costs])], self.name, costs)
         chosen = Candidates.of(candidates)
         c = chosen.columns
         length, new_tokens = request.input_tokens, request.max_output_tokens
