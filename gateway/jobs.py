@@ -11,7 +11,7 @@ from typing import Any
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.generation_job import GenerationJob
 from gateway.images import ImageInput, load_image
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest, image_parts, render_chat
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest, ImagePart, image_parts, render_chat
 from gateway.runtime import Runtime
 from gateway.tokens import count_text_tokens
 
@@ -66,7 +66,8 @@ class JobBuilder:
                 f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
             )
         self.check_model(req.model)
-        images = await self._images(req)
+        parts = image_parts(req.messages)
+        images = await self._images(parts) if parts else ()   # text only: no coroutine to run
         prompt, tokens = render_chat(req.messages)
         exact = self._runtime.exact_prompts
         ids: tuple[int, ...] = ()
@@ -75,7 +76,7 @@ class JobBuilder:
             prompt_ids = exact.chat(req.messages, images)
             ids, spans, tokens = tuple(prompt_ids.ids), tuple(prompt_ids.image_spans), prompt_ids.text_tokens
         asked = req.requested_max_tokens()
-        max_tokens = self.max_tokens(tokens + sum(i.tokens for i in images), asked)
+        max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
@@ -114,10 +115,7 @@ class JobBuilder:
             raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
         return body
 
-    async def _images(self, req: ChatCompletionRequest) -> tuple[ImageInput, ...]:
-        parts = image_parts(req.messages)
-        if not parts:
-            return ()
+    async def _images(self, parts: list[tuple[int, int, ImagePart]]) -> tuple[ImageInput, ...]:
         model = self._config.model
         if model.vision is None:
             raise InvalidRequest(f"model {self.model_name!r} does not accept images", param="messages")

@@ -118,10 +118,10 @@ class OpenAIUpstreamClient:
         # inline: takes embeddings in the request body; none: the upstream encodes its own images
         self.handoff: Handoff = "inline" if upstream.embeds_model is not None else "none"
 
-    async def _body(self, job: GenerationJob) -> dict[str, Any]:
-        body = dict(job.body)
-        if job.embeddings and self._embeds_model is not None:
-            body = await asyncio.to_thread(with_image_embeds, body, self._embeds_model, job.images, job.embeddings)
+    def _body(self, job: GenerationJob, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The upstream's request body: the client's (or `body`, the client's with its images' embeddings)
+        with the upstream's model, stream and max_tokens."""
+        body = dict(job.body) if body is None else body
         if self._model:
             body["model"] = self._model
         body.update(stream=not job.whole, max_tokens=job.max_tokens)
@@ -130,6 +130,16 @@ class OpenAIUpstreamClient:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         body.pop("max_completion_tokens", None)
         return body
+
+    async def _body_with_embeds(self, job: GenerationJob) -> dict[str, Any]:
+        """`_body` for an upstream that takes the images' embeddings in its request (built off the loop)."""
+        assert self._embeds_model is not None
+        body = await asyncio.to_thread(with_image_embeds, dict(job.body), self._embeds_model, job.images,
+                                       job.embeddings)
+        return self._body(job, body)
+
+    def _inline_embeds(self, job: GenerationJob) -> bool:
+        return bool(job.embeddings) and self._embeds_model is not None
 
     def generate(
         self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
@@ -147,11 +157,12 @@ class OpenAIUpstreamClient:
         its last token, so only the request's deadline bounds it (the connection's timer, one for the
         whole exchange)."""
         try:
-            body = orjson.dumps(await self._body(job))
-            resp = await self._pool.post(_path(job), body, self._request_headers(job),
+            payload = await self._body_with_embeds(job) if self._inline_embeds(job) else self._body(job)
+            resp = await self._pool.post(_path(job), orjson.dumps(payload), self._request_headers(job),
                                          connect_timeout_s=min(5.0, timeout_s), until=deadline)
             try:
-                await self._check(resp)
+                if resp.status != 200:
+                    await self._refuse(resp)
                 raw = await resp.read()
             finally:
                 resp.release()
@@ -166,11 +177,13 @@ class OpenAIUpstreamClient:
         timeout), and all of them by the deadline."""
         started = False
         try:
-            body = orjson.dumps(await self._body(job))
-            post = self._pool.post(_path(job), body, self._request_headers(job), connect_timeout_s=min(5.0, timeout_s))
+            payload = await self._body_with_embeds(job) if self._inline_embeds(job) else self._body(job)
+            post = self._pool.post(_path(job), orjson.dumps(payload), self._request_headers(job),
+                                   connect_timeout_s=min(5.0, timeout_s))
             resp = await _bounded(post, deadline, read_s)
             try:
-                await self._check(resp, deadline)
+                if resp.status != 200:
+                    await self._refuse(resp, deadline)
                 async for chunk in self._chunks(resp, deadline, read_s, job):
                     started = True
                     yield chunk
@@ -192,11 +205,9 @@ class OpenAIUpstreamClient:
         return BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
                               backend_id=self.backend_id, retryable=not started)
 
-    async def _check(self, resp: UpstreamResponse, until: float | None = None) -> None:
+    async def _refuse(self, resp: UpstreamResponse, until: float | None = None) -> None:
         """A response other than 200 → the gateway's error for it (the body read for its message, by
         loop time `until`)."""
-        if resp.status == 200:
-            return
         message = _error_message(await resp.read(until))
         # 401/403: the gateway's credentials for this backend, not the client's request
         if resp.status >= 500 or resp.status in (401, 403, 429):

@@ -197,17 +197,17 @@ class Pipeline:
         candidates = candidates.fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
-    async def _admit(self, profile: RequestProfile, context_tokens: int, deadline: float) -> Decision | None:
-        """Wait in the admission queue while every language backend is saturated. A request that finds
-        nobody waiting routes at once, and a language backend below the queue-depth limit chosen for it
-        proves the pool is not saturated: that decision is returned for the first attempt (one read of
-        the candidates instead of two). Otherwise the full check, and None: route after it."""
+    def _admitted(self, profile: RequestProfile, context_tokens: int) -> Decision | None:
+        """The first attempt's decision when the request may go at once: it finds nobody waiting in the
+        admission queue, and the language backend chosen for it is below the queue-depth limit, which
+        proves the pool is not saturated (one read of the candidates instead of two). None: it waits in
+        the queue while every language backend is saturated (`AdmissionQueue.wait_for_capacity`), then
+        routes. A plain function: most requests never wait, and a coroutine per request costs."""
         if not self.admission.waiting:
             decision = self.route_language(profile, [], context_tokens)
             if (decision is not None and decision.backend.role in LANGUAGE_ROLES
                     and decision.backend.queue_depth < self.admission.config.saturated_queue_depth):
                 return decision
-        await self.admission.wait_for_capacity(self.saturated, deadline)
         return None
 
     def deadline(self, job: GenerationJob, record: RequestRecord) -> float:
@@ -223,7 +223,9 @@ class Pipeline:
         record = record or RequestRecord(job.request_id, job.kind)
         deadline = self.deadline(job, record)
         profile = job.profile()
-        admitted = await self._admit(profile, job.context_tokens, deadline)
+        admitted = self._admitted(profile, job.context_tokens)
+        if admitted is None:
+            await self.admission.wait_for_capacity(self.saturated, deadline)
         tried: list[str] = []
         last_error: BackendFailure | None = None
         out_of_time = False

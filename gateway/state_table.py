@@ -334,15 +334,14 @@ class StateTable:
         """The failing-open candidates, the same object while none of their snapshots changed, else the
         last ones patched in the rows that did (each request changes its backend's in-flight count).
         The pool hands out the same `stale` object while its members stay the same: then the rows line up."""
-        blind = [self._blind(e) for e in stale]
         members, cached = self._open.get(roles, ((), None))
         if cached is not None and members is stale:
-            changes = [(k, b) for k, (a, b) in enumerate(zip(cached, blind, strict=True)) if a is not b]
+            changes = [(k, b) for k, e in enumerate(stale) if (b := self._blind(e)) is not cached[k]]
             if changes:
                 cached = cached.replaced(changes)
                 self._open[roles] = (stale, cached)
             return cached
-        cached = Candidates(blind)
+        cached = Candidates([self._blind(e) for e in stale])
         self._open[roles] = (stale, cached)
         return cached
 

@@ -138,6 +138,10 @@ class _Connection(asyncio.Protocol):
             if self.complete:
                 return b""
             await self._wait(until)
+        return self.take()
+
+    def take(self) -> bytes:
+        """The body bytes that arrived since the last read (b"": none)."""
         data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body, self._buffered = [], 0
         if self._paused and self._transport is not None:
@@ -247,6 +251,9 @@ class UpstreamResponse:
 
     async def read(self, until: float | None = None) -> bytes:
         """The whole body (TimeoutError at loop time `until`)."""
+        conn = self._conn
+        if conn is not None and conn.complete:   # all of it is here already, as a small reply mostly is
+            return conn.take()
         parts = []
         while data := await self.read_some(until):
             parts.append(data)

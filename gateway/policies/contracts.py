@@ -65,8 +65,11 @@ class BackendSnapshot:
         return self.kv_free_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestProfile:
+    """What a policy knows of a request. Treated as immutable, as `BackendSnapshot` is, but not declared
+    frozen: one is built per request, and a frozen dataclass's __init__ took twice as long."""
+
     request_id: str
     input_tokens: int             # L_r: text tokens + image tokens
     max_output_tokens: int = 256
@@ -141,7 +144,7 @@ class Decision:
     def vetoed(self) -> tuple[str, ...]:
         if self._columns is not None:
             return self._columns.vetoed()
-        return tuple(c.backend_id for c in self.costs if c.oom > 0)
+        return tuple([c.backend_id for c in self.costs if c.oom > 0])   # a list first: cheaper for a few
 
     def _key(self) -> tuple[BackendSnapshot, str, tuple[CostTerms, ...]]:
         return self.backend, self.policy, self.costs

@@ -148,6 +148,32 @@ async def test_chunked_and_connection_delimited_bodies() -> None:
         await pool.close()
 
 
+async def test_a_body_that_came_in_pieces_before_it_is_read_is_read_whole() -> None:
+    """`read()` takes a body already complete at once: every piece, in order, and the connection kept."""
+    async def pieces(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n")
+            for piece in (b"hel", b"lo ", b"world"):
+                await writer.drain()
+                await asyncio.sleep(0.01)
+                writer.write(piece)
+            await writer.drain()
+
+    async with Server(pieces) as server:
+        pool = UpstreamPool(server.url, max_connections=1, idle_s=5)
+        for _ in range(2):
+            async with asyncio.timeout(5):
+                resp = await pool.post("/v1/x", b"", [], connect_timeout_s=2)
+                try:
+                    await asyncio.sleep(0.2)   # the whole body arrives meanwhile, in three reads
+                    assert await resp.read() == b"hello world"
+                    assert await resp.read() == b""
+                finally:
+                    resp.release()
+        await pool.close()
+    assert server.connections == 1
+
+
 async def test_a_body_left_unread_closes_its_connection() -> None:
     async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         while await read_request(reader) is not None:
