@@ -2,6 +2,7 @@
 
     python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers | --managed-only]
                                     [--baseline DIR] [--out FILE]
+    python benchmarks/front_door.py --from FILE      # the tables of a results file again, nothing run
 
 Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
 
@@ -30,7 +31,9 @@ over rounds (targets alternate within a round, so background load hits them alik
     engine    CPU µs of the managed engines per non-streamed request at c=64 (managed targets)
     errors    socket errors + non-2xx over every run
 
-Writes benchmarks/results/front_door.json and prints the table that docs/FRONT_DOOR.md quotes.
+Writes benchmarks/results/front_door.json and prints the table that docs/FRONT_DOOR.md quotes, then
+each gateway target's ratios to vllm-router round by round (the targets: its share of vllm-router's
+req/s, its added p50 at c=1 against vllm-router's), since one run's medians can rest on one round.
 """
 
 from __future__ import annotations
@@ -246,6 +249,51 @@ def print_table(summary: dict[str, dict[str, float]], say: Callable[[str], None]
         say(f"| {name} | " + " | ".join(cells) + " |")
 
 
+# The issue's targets for the gateway: (check, what it reads, the bound)
+TARGETS = (("non-streamed share of vllm-router", "rps64", 0.5), ("streamed share of vllm-router", "rps64s", 0.5),
+           ("added p50 c=1, times vllm-router's", "added_p50_c1_ms", 2.0))
+
+
+def target_checks(runs: list[dict[str, dict[str, Any]]], gateway: str = "heterogate-openai",
+                  peer: str = "vllm-router") -> dict[str, list[float]] | None:
+    """The targets' ratios of `gateway` to `peer`, one per round: both ran in that round, back to back,
+    so a ratio per round shows how much of a run's verdict rests on the machine's moment (the peer's
+    rate moved by half between rounds of one run). None when either target is not in the run."""
+    if gateway not in runs[0] or peer not in runs[0]:
+        return None
+    out: dict[str, list[float]] = {name: [] for name, _, _ in TARGETS}
+    for run in runs:
+        row = {**run[gateway]}
+        base = {**run[peer]}
+        for r in (row, base):
+            r["added_p50_c1_ms"] = r["p50_c1_ms"] - run["direct"]["p50_c1_ms"]
+        for name, key, _ in TARGETS:
+            out[name].append(row[key] / base[key] if base[key] > 0 else float("inf"))
+    return out
+
+
+def print_targets(checks: dict[str, list[float]], gateway: str, say: Callable[[str], None] = print) -> None:
+    say(f"\n{gateway} against vllm-router, round by round:")
+    say("| target | bound | " + " | ".join(f"round {i + 1}" for i in range(len(next(iter(checks.values()))))) +
+        " | met in |")
+    say("|---|---:|" + "---:|" * (len(next(iter(checks.values()))) + 1))
+    for name, key, bound in TARGETS:
+        values = checks[name]
+        fmt = "{:.0%}" if key.startswith("rps") else "{:.2f}×"
+        met = sum(v >= bound if key.startswith("rps") else v <= bound for v in values)
+        say(f"| {name} | {'≥' if key.startswith('rps') else '≤'} {fmt.format(bound)} | " +
+            " | ".join(fmt.format(v) for v in values) + f" | {met} of {len(values)} |")
+
+
+def print_checks(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
+    """Each gateway target's checks against the targets, printed; returned for the results file."""
+    checks = {name: c for name in ("heterogate-openai", "heterogate-openai-2w")
+              if (c := target_checks(runs, name)) is not None}
+    for name, c in checks.items():
+        print_targets(c, name)
+    return checks
+
+
 def run_rounds(targets: list[Target], rounds: int, duration_s: float, ttft_n: int) -> list[dict[str, dict[str, Any]]]:
     """Every target once per round, in alternating order, so a change of background load hits them alike."""
     runs = []
@@ -271,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="results file")
     p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
                    help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
+    p.add_argument("--from", dest="saved", type=Path, help="print the tables of this results file; run nothing")
     args = p.parse_args(argv)
+    if args.saved is not None:
+        saved = json.loads(args.saved.read_text())
+        print_table(saved["summary"])
+        print_checks(saved["runs"])
+        return 0
     rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
@@ -281,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = run_rounds(targets, rounds, duration, 50 if args.quick else 200)
     summary = summarise(runs)
     print_table(summary)
+    checks = print_checks(runs)
     save_report(args.out, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
-                          "cpus": os.cpu_count(), "git": git_state(), "summary": summary, "runs": runs})
+                          "cpus": os.cpu_count(), "git": git_state(), "summary": summary,
+                          "targets_by_round": checks, "runs": runs})
     return 0
 
 
