@@ -1,7 +1,7 @@
 """The front door side by side with the Rust routers, in front of the same fast engines, in one run.
 
     python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers | --managed-only]
-                                    [--baseline DIR] [--out FILE]
+                                    [--baseline DIR] [--python EXE ...] [--out FILE]
     python benchmarks/front_door.py --from FILE      # the tables of a results file again, nothing run
 
 Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
@@ -20,7 +20,14 @@ The routers are installed on first use into benchmarks/.peers-venv (`pip install
 sglang-router`); `--no-peers` leaves them out, `--managed-only` leaves them and `heterogate-openai` out.
 `--baseline DIR` adds `heterogate-managed@base` and (unless `--managed-only`) `heterogate-openai@base`,
 the same targets run from another checkout (`git archive <commit> | tar -x -C DIR`), for before and
-after in one run. Cells, each the median
+after in one run. `--python EXE` (repeatable) adds `heterogate-openai@pyX.Y.Z`, `heterogate-openai-2w@pyX.Y.Z`
+and `heterogate-managed@pyX.Y.Z`: this checkout's gateway on another CPython build (its engines too);
+the mocks, the load and the peers stay as they are. A base interpreter gets a venv of its own with this
+checkout installed, made on first use in benchmarks/.gateway-venvs/; a venv's interpreter is used as
+it is. Why: the gateway's CPU a request depends on how the interpreter was built (docs/FRONT_DOOR.md,
+"The interpreter"), and the interpreter that runs this script may not be the one the gateway is
+deployed on. Every interpreter in the run is recorded in the results (`interpreters`), with the
+seconds it takes for the same plain-Python loop (`probe_s`). Cells, each the median
 over rounds (targets alternate within a round, so background load hits them alike):
 
     rps64     req/s at c=64, non-streamed, max_tokens 4          (wrk)
@@ -49,6 +56,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +73,7 @@ from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from tests.harness import free_port, run_gateway, write_config  # noqa: E402
 
 PEERS_VENV = ROOT / "benchmarks" / ".peers-venv"
+GATEWAY_VENVS = ROOT / "benchmarks" / ".gateway-venvs"
 RESULTS = ROOT / "benchmarks" / "results" / "front_door.json"
 MODEL = "mock"
 PROMPT = [{"role": "user", "content": "Hello there, how are you today?"}]
@@ -96,6 +105,69 @@ def ensure_peers() -> Path:
     return bin_dir
 
 
+@dataclass(frozen=True)
+class GatewayBuild:
+    """One way to run the gateway's processes: a checkout's code on an interpreter. `suffix` goes after
+    each of its targets' names ("" for this checkout on this script's interpreter)."""
+
+    suffix: str
+    checkout: Path = ROOT
+    python: str = sys.executable
+
+    @property
+    def command(self) -> list[str]:
+        return [self.python, "-m", "gateway.cli"]
+
+    @property
+    def default(self) -> bool:
+        return self.checkout == ROOT and self.python == sys.executable
+
+
+# The same plain-Python loop in every interpreter of a run: how fast each runs Python code, at that moment.
+PROBE = """
+import time
+class S:
+    __slots__ = ("a", "b")
+    def __init__(self, a, b): self.a, self.b = a, b
+def loop():
+    t0 = time.process_time()
+    total = 0
+    for i in range(500_000):
+        s = S(i, i + 1)
+        total += s.b + len({"k": i, "v": s.a})
+    return time.process_time() - t0
+print(min(loop() for _ in range(3)))
+"""
+INFO = ("import json, platform, sys, sysconfig; print(json.dumps({'executable': sys.executable, "
+        "'version': platform.python_version(), 'venv': sys.prefix != sys.base_prefix, "
+        "'shared_libpython': bool(sysconfig.get_config_var('Py_ENABLE_SHARED')), "
+        "'config_args': sysconfig.get_config_var('CONFIG_ARGS')}))")
+
+
+def interpreter(python: str) -> dict[str, Any]:
+    """What `python` is (version, venv or not, how it was configured) and its probe time in seconds."""
+    info: dict[str, Any] = json.loads(subprocess.run([python, "-c", INFO], capture_output=True, text=True,
+                                                     check=True, timeout=60).stdout)
+    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=True, timeout=120)
+    info["probe_s"] = float(probe.stdout)
+    return info
+
+
+def gateway_python(python: str) -> GatewayBuild:
+    """The build of this checkout on `python`: a venv's interpreter as it is; a base interpreter through a
+    venv of its own with this checkout installed, made on first use."""
+    info = interpreter(python)
+    if not info["venv"]:
+        venv = GATEWAY_VENVS / Path(info["executable"]).resolve().as_posix().strip("/").replace("/", "_")
+        exe = venv / "bin" / "python"
+        if not exe.exists():
+            print(f"making a venv of {python} with this checkout installed in {venv}")
+            subprocess.run([python, "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(exe), "-m", "pip", "install", "-q", "-e", str(ROOT)], check=True)
+        python = str(exe)
+    return GatewayBuild(f"@py{info['version']}", ROOT, python)
+
+
 @contextmanager
 def process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with open(log, "wb") as out:
@@ -111,18 +183,30 @@ class Target:
         self.name, self.url, self.pid, self.model, self.engine_pids = name, url, pid, model, engine_pids
 
 
-def managed_target(stack: ExitStack, tmp: Path, name: str, checkout: Path = ROOT) -> Target:
-    """The gateway with two managed simulated engines, both run from `checkout`."""
+def managed_target(stack: ExitStack, tmp: Path, build: GatewayBuild) -> Target:
+    """The gateway with two managed simulated engines, both run by `build` (the engines on its interpreter)."""
+    name = f"heterogate-managed{build.suffix}"
     (tmp / name).mkdir()
-    command = None if checkout == ROOT else [sys.executable, "-m", "gateway.cli"]
-    cluster = stack.enter_context(running_cluster("sim", 2, tmp / name, command, cwd=checkout))
+    command = None if build.default else build.command
+    cluster = stack.enter_context(running_cluster("sim", 2, tmp / name, command, cwd=build.checkout.resolve()))
     return Target(name, cluster.url, cluster.gateway_pid, "llava-1.5-7b", tuple(cluster.engine_pids))
 
 
+def openai_config(tmp: Path, urls: list[str], **gateway: Any) -> Path:
+    """The two mocks as kind: openai backends."""
+    return write_config(tmp, {
+        "model": "llava-1.5-7b", "served_model_name": MODEL, **({"gateway": gateway} if gateway else {}),
+        "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
+                     for i, u in enumerate(urls)],
+    })
+
+
 def start_targets(
-    stack: ExitStack, tmp: Path, peers: bool, openai: bool = True, baseline: Path | None = None,
+    stack: ExitStack, tmp: Path, peers: bool, openai: bool = True, builds: tuple[GatewayBuild, ...] = (),
     workers_redis: str | None = None,
 ) -> list[Target]:
+    """`builds`: the gateway's builds beside this checkout on this interpreter (`--baseline`, `--python`)."""
+    builds = (GatewayBuild(""), *builds)
     engines = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in engines]
     for port in engines:
@@ -151,35 +235,27 @@ def start_targets(
                  "--worker-urls", *urls], tmp / f"{name}.log"))
             wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
             targets.append(Target(name, f"http://127.0.0.1:{port}", proc.pid))
-    if openai:
-        for name, checkout in (("heterogate-openai", ROOT), ("heterogate-openai@base", baseline)):
-            if checkout is None:
-                continue
-            (tmp / name).mkdir()
-            config = write_config(tmp / name, {
-                "model": "llava-1.5-7b", "served_model_name": MODEL,
-                "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
-                             for i, u in enumerate(urls)],
-            })
-            if checkout == ROOT:
-                gw = stack.enter_context(run_gateway(config, healthy=0))
-            else:   # `python -m` in the other checkout imports its code
-                gw = stack.enter_context(launch(config, [sys.executable, "-m", "gateway.cli"], checkout.resolve()))
-            targets.append(Target(name, gw.url, gw.process.pid))
-    if openai and workers_redis:   # both cores, as the Rust routers use them: two workers sharing state
-        (tmp / "openai-2w").mkdir()
-        config = write_config(tmp / "openai-2w", {
-            "model": "llava-1.5-7b", "served_model_name": MODEL,
-            "gateway": {"redis": {"key_prefix": f"heterogate-front-door-{os.getpid()}:"}},
-            "backends": [{"id": f"up{i}", "kind": "openai", "role": "language", "gpu": "H100", "address": u}
-                         for i, u in enumerate(urls)],
-        })
-        gw = stack.enter_context(run_gateway(config, "--workers", "2", "--redis-url", workers_redis, healthy=0))
+    for build in builds if openai else ():
+        name = f"heterogate-openai{build.suffix}"
+        (tmp / name).mkdir()
+        config = openai_config(tmp / name, urls)
+        if build.default:
+            gw = stack.enter_context(run_gateway(config, healthy=0))
+        else:   # `python -m` in the build's checkout imports its code
+            gw = stack.enter_context(launch(config, build.command, build.checkout.resolve()))
+        targets.append(Target(name, gw.url, gw.process.pid))
+    # Both cores, as the Rust routers use them: two workers sharing state (not for an older checkout,
+    # whose workers may not exist)
+    for build in [b for b in builds if b.checkout == ROOT] if openai and workers_redis else ():
+        name = f"heterogate-openai-2w{build.suffix}"
+        (tmp / name).mkdir()
+        config = openai_config(tmp / name, urls,
+                               redis={"key_prefix": f"heterogate-front-door-{os.getpid()}{build.suffix}:"})
+        gw = stack.enter_context(launch(config, [*build.command, "--workers", "2", "--redis-url", workers_redis]))
         wait_http(f"{gw.url}/v1/chat/completions", gw.process)
-        targets.append(Target("heterogate-openai-2w", gw.url, 0))   # two processes: no CPU column
-    if baseline is not None:
-        targets.append(managed_target(stack, tmp, "heterogate-managed@base", baseline.resolve()))
-    targets.append(managed_target(stack, tmp, "heterogate-managed"))
+        targets.append(Target(name, gw.url, 0))   # two processes: no CPU column
+    for build in builds[::-1]:
+        targets.append(managed_target(stack, tmp, build))
     return targets
 
 
@@ -290,8 +366,8 @@ def print_targets(checks: dict[str, list[float]], gateway: str, say: Callable[[s
 
 def print_checks(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
     """Each gateway target's checks against the targets, printed; returned for the results file."""
-    checks = {name: c for name in ("heterogate-openai", "heterogate-openai-2w")
-              if (c := target_checks(runs, name)) is not None}
+    checks = {name: c for name in runs[0] if name.startswith("heterogate-openai") and not name.endswith("@base")
+              and (c := target_checks(runs, name)) is not None}
     for name, c in checks.items():
         print_targets(c, name)
     return checks
@@ -319,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--managed-only", action="store_true", help="only direct and the managed target(s)")
     p.add_argument("--baseline", type=Path,
                    help="also run the managed and kind: openai targets from this checkout (before/after)")
+    p.add_argument("--python", action="append", default=[], metavar="EXE",
+                   help="also run the gateway's targets on this interpreter (repeatable; a base interpreter "
+                        "gets a venv of its own in benchmarks/.gateway-venvs)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results file")
     p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
                    help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
@@ -331,16 +410,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
     started = time.monotonic()
+    builds = [gateway_python(exe) for exe in args.python]
+    if args.baseline is not None:
+        builds.insert(0, GatewayBuild("@base", args.baseline))
+    interpreters: dict[str, dict[str, Any]] = {}   # by path: this script's, then each --python's venv
+    for build in [GatewayBuild(""), *builds]:
+        if build.python not in interpreters:
+            interpreters[build.python] = interpreter(build.python)
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         targets = start_targets(stack, Path(tmp), not (args.no_peers or args.managed_only),
-                                openai=not args.managed_only, baseline=args.baseline,
+                                openai=not args.managed_only, builds=tuple(builds),
                                 workers_redis=args.workers_redis_url or None)
         runs = run_rounds(targets, rounds, duration, 50 if args.quick else 200)
     summary = summarise(runs)
     print_table(summary)
     checks = print_checks(runs)
     save_report(args.out, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
-                          "cpus": os.cpu_count(), "git": git_state(), "summary": summary,
+                          "cpus": os.cpu_count(), "git": git_state(), "interpreters": interpreters,
+                          "summary": summary,
                           "targets_by_round": checks, "runs": runs})
     return 0
 
