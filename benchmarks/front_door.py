@@ -2,6 +2,7 @@
 
     python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers | --managed-only]
                                     [--baseline DIR] [--python EXE ...] [--out FILE]
+    python benchmarks/front_door.py --pairs N [--duration 4] [--baseline DIR] [--python EXE ...] [--out FILE]
     python benchmarks/front_door.py --from FILE      # the tables of a results file again, nothing run
 
 Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
@@ -27,7 +28,10 @@ checkout installed, made on first use in benchmarks/.gateway-venvs/; a venv's in
 it is. Why: the gateway's CPU a request depends on how the interpreter was built (docs/FRONT_DOOR.md,
 "The interpreter"), and the interpreter that runs this script may not be the one the gateway is
 deployed on. Every interpreter in the run is recorded in the results (`interpreters`), with the
-seconds it takes for the same plain-Python loop (`probe_s`). Cells, each the median
+seconds it takes for the same plain-Python loop (`probe_s`). `--pairs N` measures only the builds'
+`heterogate-openai` targets against each other: the non-streamed rate at c=64 and the CPU a request,
+N rounds alternating, with each build's ratio to this checkout round by round (a tenth or two between
+builds is within the spread of the full table's three rounds on a noisy machine). Cells, each the median
 over rounds (targets alternate within a round, so background load hits them alike):
 
     rps64     req/s at c=64, non-streamed, max_tokens 4          (wrk)
@@ -141,6 +145,7 @@ print(min(loop() for _ in range(3)))
 INFO = ("import json, platform, sys, sysconfig; print(json.dumps({'executable': sys.executable, "
         "'version': platform.python_version(), 'venv': sys.prefix != sys.base_prefix, "
         "'shared_libpython': bool(sysconfig.get_config_var('Py_ENABLE_SHARED')), "
+        "'libpython_mapped': any('libpython' in line for line in open('/proc/self/maps')), "
         "'config_args': sysconfig.get_config_var('CONFIG_ARGS')}))")
 
 
@@ -203,7 +208,7 @@ def openai_config(tmp: Path, urls: list[str], **gateway: Any) -> Path:
 
 def start_targets(
     stack: ExitStack, tmp: Path, peers: bool, openai: bool = True, builds: tuple[GatewayBuild, ...] = (),
-    workers_redis: str | None = None,
+    workers_redis: str | None = None, managed: bool = True,
 ) -> list[Target]:
     """`builds`: the gateway's builds beside this checkout on this interpreter (`--baseline`, `--python`)."""
     builds = (GatewayBuild(""), *builds)
@@ -254,7 +259,7 @@ def start_targets(
         gw = stack.enter_context(launch(config, [*build.command, "--workers", "2", "--redis-url", workers_redis]))
         wait_http(f"{gw.url}/v1/chat/completions", gw.process)
         targets.append(Target(name, gw.url, 0))   # two processes: no CPU column
-    for build in builds[::-1]:
+    for build in builds[::-1] if managed else ():
         targets.append(managed_target(stack, tmp, build))
     return targets
 
@@ -274,19 +279,25 @@ async def _ttft(url: str, model: str, n: int) -> list[float]:
     return sorted(out)
 
 
-def measure(t: Target, duration_s: float, ttft_n: int) -> dict[str, Any]:
-    url = t.url + "/v1/chat/completions"
+def measure_rate(t: Target, duration_s: float) -> dict[str, Any]:
+    """req/s at c=64, non-streamed, and the CPU a request of the target's process (and its engines)."""
     row: dict[str, Any] = {}
-    errors = 0
     before = loadgen.cpu_ticks(t.pid) if t.pid else 0
     engines_before = sum(map(loadgen.cpu_ticks, t.engine_pids))
-    r = loadgen.wrk(url, 64, duration_s, body(4, False, t.model))
+    r = loadgen.wrk(t.url + "/v1/chat/completions", 64, duration_s, body(4, False, t.model))
     if t.pid:
         row["cpu_us_per_req"] = (loadgen.cpu_ticks(t.pid) - before) / loadgen.CLK_TCK / max(1, r.requests) * 1e6
     if t.engine_pids:
         engines = sum(map(loadgen.cpu_ticks, t.engine_pids)) - engines_before
         row["engine_cpu_us_per_req"] = engines / loadgen.CLK_TCK / max(1, r.requests) * 1e6
-    row["rps64"], errors = r.rps, errors + r.errors
+    row["rps64"], row["errors"] = r.rps, r.errors
+    return row
+
+
+def measure(t: Target, duration_s: float, ttft_n: int) -> dict[str, Any]:
+    url = t.url + "/v1/chat/completions"
+    row = measure_rate(t, duration_s)
+    errors = row.pop("errors")
     r = loadgen.wrk(url, 64, duration_s, body(32, True, t.model))
     row["rps64s"], errors = r.rps, errors + r.errors
     for c in (1, 16):
@@ -386,6 +397,43 @@ def run_rounds(targets: list[Target], rounds: int, duration_s: float, ttft_n: in
     return runs
 
 
+def run_pairs(targets: list[Target], pairs: int, duration_s: float) -> list[dict[str, dict[str, Any]]]:
+    """Only the non-streamed rate at c=64 and the CPU a request, `pairs` rounds, the targets alternating:
+    a difference of a tenth or two between builds of the gateway is within the full table's spread over
+    three rounds on a noisy machine, but shows in the same round's ratio, round after round."""
+    rounds = []
+    for i in range(pairs):
+        order = targets if i % 2 == 0 else targets[::-1]
+        row = {}
+        for t in order:
+            print(f"pair {i + 1}/{pairs}: {t.name}", flush=True)
+            row[t.name] = measure_rate(t, duration_s)
+        rounds.append({t.name: row[t.name] for t in targets})
+    return rounds
+
+
+def print_pairs(rounds: list[dict[str, dict[str, Any]]], say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each round's CPU a request and req/s, then each build's medians and its ratios to the first target."""
+    names = list(rounds[0])
+    first = names[0]
+    say("| round | " + " | ".join(f"{n} µs/req (req/s)" for n in names) + " |")
+    say("|---:|" + "---:|" * len(names))
+    for i, row in enumerate(rounds):
+        say(f"| {i + 1} | " + " | ".join(f"{row[n]['cpu_us_per_req']:,.0f} ({row[n]['rps64']:,.0f})" for n in names)
+            + " |")
+    out: dict[str, Any] = {}
+    say(f"\n| build | CPU µs/req, median | req/s, median | CPU ratio to {first}, median | rounds with less CPU |")
+    say("|---|---:|---:|---:|---:|")
+    for n in names:
+        cpu = [r[n]["cpu_us_per_req"] / r[first]["cpu_us_per_req"] for r in rounds]
+        out[n] = {"cpu_us_per_req": statistics.median(r[n]["cpu_us_per_req"] for r in rounds),
+                  "rps64": statistics.median(r[n]["rps64"] for r in rounds),
+                  "cpu_ratio": statistics.median(cpu), "rounds_with_less_cpu": sum(c < 1 for c in cpu)}
+        say(f"| {n} | {out[n]['cpu_us_per_req']:,.0f} | {out[n]['rps64']:,.0f} | {out[n]['cpu_ratio']:.2f} | "
+            f"{out[n]['rounds_with_less_cpu']} of {len(rounds)} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--rounds", type=int, default=3)
@@ -398,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", action="append", default=[], metavar="EXE",
                    help="also run the gateway's targets on this interpreter (repeatable; a base interpreter "
                         "gets a venv of its own in benchmarks/.gateway-venvs)")
+    p.add_argument("--pairs", type=int, metavar="N",
+                   help="instead of the table: only the gateway's kind: openai builds (this checkout, --baseline, "
+                        "--python), non-streamed at c=64, N rounds alternating; CPU a request and ratios per round")
     p.add_argument("--out", type=Path, default=RESULTS, help="results file")
     p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
                    help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
@@ -405,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.saved is not None:
         saved = json.loads(args.saved.read_text())
+        if "pairs" in saved:
+            print_pairs(saved["pairs"])
+            return 0
         print_table(saved["summary"])
         print_checks(saved["runs"])
         return 0
@@ -417,6 +471,16 @@ def main(argv: list[str] | None = None) -> int:
     for build in [GatewayBuild(""), *builds]:
         if build.python not in interpreters:
             interpreters[build.python] = interpreter(build.python)
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "git": git_state(), "interpreters": interpreters}
+    if args.pairs:
+        with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+            targets = start_targets(stack, Path(tmp), False, builds=tuple(builds), managed=False)
+            pairs = run_pairs([t for t in targets if t.name.startswith("heterogate-openai")], args.pairs,
+                              args.duration)
+        medians = print_pairs(pairs)
+        save_report(args.out, {"wall_s": time.monotonic() - started, "duration_s": args.duration, **report,
+                               "medians": medians, "pairs": pairs})
+        return 0
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         targets = start_targets(stack, Path(tmp), not (args.no_peers or args.managed_only),
                                 openai=not args.managed_only, builds=tuple(builds),
@@ -426,9 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(summary)
     checks = print_checks(runs)
     save_report(args.out, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
-                          "cpus": os.cpu_count(), "git": git_state(), "interpreters": interpreters,
-                          "summary": summary,
-                          "targets_by_round": checks, "runs": runs})
+                          **report, "summary": summary, "targets_by_round": checks, "runs": runs})
     return 0
 
 
