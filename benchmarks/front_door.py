@@ -31,7 +31,8 @@ deployed on. Every interpreter in the run is recorded in the results (`interpret
 seconds it takes for the same plain-Python loop (`probe_s`). `--pairs N` measures only the builds'
 `heterogate-openai` targets against each other: the non-streamed rate at c=64 and the CPU a request,
 N rounds alternating, with each build's ratio to this checkout round by round (a tenth or two between
-builds is within the spread of the full table's three rounds on a noisy machine). Cells, each the median
+builds is within the spread of the full table's three rounds on a noisy machine); `--pairs-managed`
+adds their managed targets (`--managed-only`: only those). Cells, each the median
 over rounds (targets alternate within a round, so background load hits them alike):
 
     rps64     req/s at c=64, non-streamed, max_tokens 4          (wrk)
@@ -413,18 +414,19 @@ def run_pairs(targets: list[Target], pairs: int, duration_s: float) -> list[dict
 
 
 def print_pairs(rounds: list[dict[str, dict[str, Any]]], say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Each round's CPU a request and req/s, then each build's medians and its ratios to the first target."""
+    """Each round's CPU a request and req/s, then each build's medians and its ratios to this checkout's
+    target of the same kind (`heterogate-openai@X` to `heterogate-openai`)."""
     names = list(rounds[0])
-    first = names[0]
     say("| round | " + " | ".join(f"{n} µs/req (req/s)" for n in names) + " |")
     say("|---:|" + "---:|" * len(names))
     for i, row in enumerate(rounds):
         say(f"| {i + 1} | " + " | ".join(f"{row[n]['cpu_us_per_req']:,.0f} ({row[n]['rps64']:,.0f})" for n in names)
             + " |")
     out: dict[str, Any] = {}
-    say(f"\n| build | CPU µs/req, median | req/s, median | CPU ratio to {first}, median | rounds with less CPU |")
+    say("\n| build | CPU µs/req, median | req/s, median | CPU ratio to this checkout, median | less CPU |")
     say("|---|---:|---:|---:|---:|")
     for n in names:
+        first = n.partition("@")[0]
         cpu = [r[n]["cpu_us_per_req"] / r[first]["cpu_us_per_req"] for r in rounds]
         out[n] = {"cpu_us_per_req": statistics.median(r[n]["cpu_us_per_req"] for r in rounds),
                   "rps64": statistics.median(r[n]["rps64"] for r in rounds),
@@ -447,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the gateway's targets on this interpreter (repeatable; a base interpreter "
                         "gets a venv of its own in benchmarks/.gateway-venvs)")
     p.add_argument("--pairs", type=int, metavar="N",
-                   help="instead of the table: only the gateway's kind: openai builds (this checkout, --baseline, "
-                        "--python), non-streamed at c=64, N rounds alternating; CPU a request and ratios per round")
+                   help="instead of the table: only the gateway's builds (this checkout, --baseline, --python), "
+                        "kind: openai, non-streamed at c=64, N rounds alternating; CPU a request and ratios per round")
+    p.add_argument("--pairs-managed", action="store_true",
+                   help="with --pairs: the managed targets too (--managed-only: only them)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results file")
     p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
                    help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
@@ -474,9 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"cpus": os.cpu_count(), "git": git_state(), "interpreters": interpreters}
     if args.pairs:
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            targets = start_targets(stack, Path(tmp), False, builds=tuple(builds), managed=False)
-            pairs = run_pairs([t for t in targets if t.name.startswith("heterogate-openai")], args.pairs,
-                              args.duration)
+            targets = start_targets(stack, Path(tmp), False, openai=not args.managed_only, builds=tuple(builds),
+                                    managed=args.managed_only or args.pairs_managed)
+            pairs = run_pairs([t for t in targets if t.name.startswith(("heterogate-openai", "heterogate-managed"))],
+                              args.pairs, args.duration)
         medians = print_pairs(pairs)
         save_report(args.out, {"wall_s": time.monotonic() - started, "duration_s": args.duration, **report,
                                "medians": medians, "pairs": pairs})
