@@ -46,6 +46,7 @@ over rounds (targets alternate within a round, so background load hits them alik
 Writes benchmarks/results/front_door.json and prints the table that docs/FRONT_DOOR.md quotes, then
 each gateway target's ratios to vllm-router round by round (the targets: its share of vllm-router's
 req/s, its added p50 at c=1 against vllm-router's), since one run's medians can rest on one round.
+`--pairs` writes benchmarks/results/front_door_pairs.json.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from tests.harness import free_port, run_gateway, write_config  # noqa: E402
 PEERS_VENV = ROOT / "benchmarks" / ".peers-venv"
 GATEWAY_VENVS = ROOT / "benchmarks" / ".gateway-venvs"
 RESULTS = ROOT / "benchmarks" / "results" / "front_door.json"
+PAIRS_RESULTS = ROOT / "benchmarks" / "results" / "front_door_pairs.json"
 MODEL = "mock"
 PROMPT = [{"role": "user", "content": "Hello there, how are you today?"}]
 
@@ -453,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                         "kind: openai, non-streamed at c=64, N rounds alternating; CPU a request and ratios per round")
     p.add_argument("--pairs-managed", action="store_true",
                    help="with --pairs: the managed targets too (--managed-only: only them)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results file")
+    p.add_argument("--out", type=Path, help=f"results file (default: {RESULTS.relative_to(ROOT)}, "
+                                             f"with --pairs {PAIRS_RESULTS.relative_to(ROOT)})")
     p.add_argument("--workers-redis-url", default="redis://127.0.0.1:6379/0",
                    help="Redis for the `gateway --workers 2` target (empty: leave that target out)")
     p.add_argument("--from", dest="saved", type=Path, help="print the tables of this results file; run nothing")
@@ -483,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             pairs = run_pairs([t for t in targets if t.name.startswith(("heterogate-openai", "heterogate-managed"))],
                               args.pairs, args.duration)
         medians = print_pairs(pairs)
-        save_report(args.out, {"wall_s": time.monotonic() - started, "duration_s": args.duration, **report,
-                               "medians": medians, "pairs": pairs})
+        save_report(args.out or PAIRS_RESULTS, {"wall_s": time.monotonic() - started,
+                                                "duration_s": args.duration, **report, "medians": medians,
+                                                "pairs": pairs})
         return 0
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         targets = start_targets(stack, Path(tmp), not (args.no_peers or args.managed_only),
@@ -494,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs)
     print_table(summary)
     checks = print_checks(runs)
-    save_report(args.out, {"wall_s": time.monotonic() - started, "rounds": rounds, "duration_s": duration,
-                          **report, "summary": summary, "targets_by_round": checks, "runs": runs})
+    save_report(args.out or RESULTS, {"wall_s": time.monotonic() - started, "rounds": rounds,
+                                      "duration_s": duration, **report, "summary": summary,
+                                      "targets_by_round": checks, "runs": runs})
     return 0
 
 
