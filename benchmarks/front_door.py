@@ -403,10 +403,13 @@ def run_rounds(targets: list[Target], rounds: int, duration_s: float, ttft_n: in
 def run_pairs(targets: list[Target], pairs: int, duration_s: float) -> list[dict[str, dict[str, Any]]]:
     """Only the non-streamed rate at c=64 and the CPU a request, `pairs` rounds, the targets alternating:
     a difference of a tenth or two between builds of the gateway is within the full table's spread over
-    three rounds on a noisy machine, but shows in the same round's ratio, round after round."""
+    three rounds on a noisy machine, but shows in the same round's ratio, round after round. The order
+    rotates from round to round, so that each target runs first, in the middle and last alike (reversed
+    rounds would keep the middle one of three in the middle every time)."""
     rounds = []
     for i in range(pairs):
-        order = targets if i % 2 == 0 else targets[::-1]
+        k = i % len(targets)
+        order = targets[k:] + targets[:k]
         row = {}
         for t in order:
             print(f"pair {i + 1}/{pairs}: {t.name}", flush=True)
