@@ -30,7 +30,7 @@ it is. Why: the gateway's CPU a request depends on how the interpreter was built
 deployed on. Every interpreter in the run is recorded in the results (`interpreters`), with the
 seconds it takes for the same plain-Python loop (`probe_s`). `--pairs N` measures only the builds'
 `heterogate-openai` targets against each other: the non-streamed rate at c=64 and the CPU a request,
-N rounds alternating, with each build's ratio to this checkout round by round (a tenth or two between
+N rounds in rotating order, with each build's ratio to this checkout round by round (a tenth or two between
 builds is within the spread of the full table's three rounds on a noisy machine); `--pairs-managed`
 adds their managed targets (`--managed-only`: only those). Cells, each the median
 over rounds (targets alternate within a round, so background load hits them alike):
@@ -152,19 +152,23 @@ INFO = ("import json, platform, sys, sysconfig; print(json.dumps({'executable': 
         "'config_args': sysconfig.get_config_var('CONFIG_ARGS')}))")
 
 
-def interpreter(python: str) -> dict[str, Any]:
-    """What `python` is (version, venv or not, how it was configured) and its probe time in seconds."""
+def describe(python: str) -> dict[str, Any]:
+    """What `python` is: version, venv or not, how it was configured."""
     info: dict[str, Any] = json.loads(subprocess.run([python, "-c", INFO], capture_output=True, text=True,
                                                      check=True, timeout=60).stdout)
-    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=True, timeout=120)
-    info["probe_s"] = float(probe.stdout)
     return info
+
+
+def interpreter(python: str) -> dict[str, Any]:
+    """`describe(python)` and its probe time in seconds, for the results file."""
+    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=True, timeout=120)
+    return {**describe(python), "probe_s": float(probe.stdout)}
 
 
 def gateway_python(python: str) -> GatewayBuild:
     """The build of this checkout on `python`: a venv's interpreter as it is; a base interpreter through a
     venv of its own with this checkout installed, made on first use."""
-    info = interpreter(python)
+    info = describe(python)
     if not info["venv"]:
         venv = GATEWAY_VENVS / Path(info["executable"]).resolve().as_posix().strip("/").replace("/", "_")
         exe = venv / "bin" / "python"
@@ -401,7 +405,7 @@ def run_rounds(targets: list[Target], rounds: int, duration_s: float, ttft_n: in
 
 
 def run_pairs(targets: list[Target], pairs: int, duration_s: float) -> list[dict[str, dict[str, Any]]]:
-    """Only the non-streamed rate at c=64 and the CPU a request, `pairs` rounds, the targets alternating:
+    """Only the non-streamed rate at c=64 and the CPU a request, `pairs` rounds, the targets in turn:
     a difference of a tenth or two between builds of the gateway is within the full table's spread over
     three rounds on a noisy machine, but shows in the same round's ratio, round after round. The order
     rotates from round to round, so that each target runs first, in the middle and last alike (reversed
@@ -455,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                         "gets a venv of its own in benchmarks/.gateway-venvs)")
     p.add_argument("--pairs", type=int, metavar="N",
                    help="instead of the table: only the gateway's builds (this checkout, --baseline, --python), "
-                        "kind: openai, non-streamed at c=64, N rounds alternating; CPU a request and ratios per round")
+                        "kind: openai, non-streamed at c=64, N rounds in turn; CPU a request and ratios per round")
     p.add_argument("--pairs-managed", action="store_true",
                    help="with --pairs: the managed targets too (--managed-only: only them)")
     p.add_argument("--out", type=Path, help=f"results file (default: {RESULTS.relative_to(ROOT)}, "
