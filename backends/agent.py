@@ -8,7 +8,7 @@ The cluster token comes from --token-file, else from $HETEROGATE_CLUSTER_TOKEN; 
 $HETEROGATE_CONTROL_CA) makes the control stream TLS, trusting that CA.
 
 Polls the engine's Prometheus endpoint every interval and pushes the result on the gateway's Control
-stream (`heterogate.engine_scraper`), with the context length the engine lists in `GET /v1/models`.
+stream (`common.engine_scraper`), with the context length the engine lists in `GET /v1/models`.
 The heartbeat's `address` is the engine's base URL (scheme included): the gateway forwards OpenAI HTTP
 there.
 """
@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import structlog
 
-from heterogate.catalog import GpuProfile, ModelProfile, load_catalog
-from heterogate.control_credentials import ControlCredentials, read_secret_file
-from heterogate.engine_scraper import AgentConfig, MetricsAgent, make_client
-from heterogate.errors import ConfigError
-from heterogate.logs import configure_logging
-from heterogate.metric_tables import TABLES
+from common.catalog import GpuProfile, ModelProfile, load_catalog
+from common.control_credentials import ControlCredentials, read_secret_file
+from common.engine_scraper import AgentConfig, MetricsAgent, make_client
+from common.errors import ConfigError
+from common.logs import configure_logging
+from common.metric_tables import TABLES
 
 log = structlog.get_logger("agent")
 

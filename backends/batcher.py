@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
 
 
 @dataclass(slots=True, eq=False)

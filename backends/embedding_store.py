@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from heterogate.wire import engine_pb2
+from common.wire import engine_pb2
 
 
 class EmbeddingTimeout(Exception):

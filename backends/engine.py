@@ -27,13 +27,13 @@ from backends.executor_factory import build_executors
 from backends.executors import GenerateInput, InvalidInput, Sampling
 from backends.gpu_scheduler import GpuScheduler
 from backends.vision_executor import TokenCountMismatch
-from heterogate.catalog import GpuProfile, ModelProfile, load_catalog
-from heterogate.control_credentials import ControlCredentials
-from heterogate.errors import ConfigError
-from heterogate.event_loop import run
-from heterogate.heartbeat_sender import HeartbeatSender, gpu_message
-from heterogate.logs import configure_logging
-from heterogate.wire import control_pb2, engine_pb2, engine_pb2_grpc
+from common.catalog import GpuProfile, ModelProfile, load_catalog
+from common.control_credentials import ControlCredentials
+from common.errors import ConfigError
+from common.event_loop import run
+from common.heartbeat_sender import HeartbeatSender, gpu_message
+from common.logs import configure_logging
+from common.wire import control_pb2, engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger("engine")
 

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal
 
-from heterogate import perf_model
+from common import perf_model
 
 Role = Literal["language", "vision", "both"]
 Executor = Literal["simulated", "torch"]

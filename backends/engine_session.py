@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 import grpc
 import structlog
 
-from heterogate.wire import engine_pb2
+from common.wire import engine_pb2
 
 log = structlog.get_logger("engine")
 

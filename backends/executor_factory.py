@@ -13,8 +13,8 @@ from backends.executors import LanguageExecutor, VisionEncoder
 from backends.sim_encoder import SimulatedEncoder
 from backends.sim_executor import SimulatedExecutor
 from backends.vision_executor import Deliver, VisionExecutor
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
 
 
 def build_executors(

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from heterogate.wire import engine_pb2
+from common.wire import engine_pb2
 
 
 @dataclass(slots=True)

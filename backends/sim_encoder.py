@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.executors import EncodedImage
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
-from heterogate.wire import engine_pb2
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
+from common.wire import engine_pb2
 
 
 @dataclass(slots=True)

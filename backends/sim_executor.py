@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from backends.batcher import ContinuousBatcher, Sequence
 from backends.executors import GenerateInput, LoadReport, Token
 from backends.token_streams import TokenStreams
-from heterogate.catalog import GpuProfile, ModelProfile
+from common.catalog import GpuProfile, ModelProfile
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 from backends.batcher import ContinuousBatcher, Sequence
 from backends.executors import LoadReport, Token
-from heterogate.service_time import prior_service_s, updated_mean_service
+from common.service_time import prior_service_s, updated_mean_service
 
 
 class TokenStreams:

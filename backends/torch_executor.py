@@ -29,8 +29,8 @@ from backends.sampling import choose, generator
 from backends.slot_kv import DecoderRunner, SlotKV
 from backends.token_streams import TokenStreams
 from backends.torch_models import LoadedModel
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
 
 
 @dataclass(eq=False)

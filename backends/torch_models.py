@@ -34,9 +34,9 @@ from transformers import (
 )
 
 from backends.torch_weights import build_half, init_random, load_safetensors
-from heterogate.catalog import HF_CONFIG_DIR, ModelProfile, load_catalog
-from heterogate.errors import ConfigError
-from heterogate.tokenizer import image_token, load_tokenizer
+from common.catalog import HF_CONFIG_DIR, ModelProfile, load_catalog
+from common.errors import ConfigError
+from common.tokenizer import image_token, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -24,8 +24,8 @@ from transformers import LlavaImageProcessorPil, Qwen2VLImageProcessorPil
 
 from backends.executors import EncodedImage
 from backends.torch_models import LoadedModel
-from heterogate.catalog import ModelProfile
-from heterogate.wire import engine_pb2
+from common.catalog import ModelProfile
+from common.wire import engine_pb2
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-from heterogate.errors import ConfigError
+from common.errors import ConfigError
 
 # a checkpoint tensor's name -> (the module parameter it loads, the conversion it needs or None)
 CheckpointNames = Callable[[str], tuple[str, "str | None"]]

@@ -2,7 +2,7 @@
 
     python benchmarks/embedding_handoff.py [--quick] [--requests 100] [--text-tokens 124]
 
-Sizes (heterogate.perf_model, configs/models.yaml), per model with a vision encoder and image size:
+Sizes (common.perf_model, configs/models.yaml), per model with a vision encoder and image size:
     embedding bytes = image tokens · hidden · dtype bytes                (what the vision GPU sends)
     KV bytes        = (image tokens + text tokens) · 2 · layers · kv_heads · head_dim · dtype bytes
                       (what the language GPU would receive if the split were after prefill instead)
@@ -13,7 +13,7 @@ as MiB; the KV of the image tokens alone is given too. No generated tokens are c
 Hand-off, measured: for each model, a real language engine (H100) and a real vision engine
 (RTX-4090) run as `python -m backends.engine ... --time-scale 0 --vision-batch 1` (no simulated
 GPU time, no batch wait), heartbeating a grpc.aio Control server inside this script
-(gateway.heartbeat_service.ControlService over a StateTable with both registered). Per request,
+(gateway.control.heartbeat_service.ControlService over a StateTable with both registered). Per request,
 sequentially (one in flight), as the gateway's pipeline does: Generate(embedding_count=1,
 max_tokens=1) on the language engine and Encode(deliver_to=language engine) on the vision engine at
 once. Reported p50/p99 over --requests: the Encode RPC end to end (client side), the vision
@@ -52,13 +52,13 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 from benchmarks.bench_cluster import stop_process  # noqa: E402
 from benchmarks.loadgen import percentile  # noqa: E402
+from common import perf_model  # noqa: E402
+from common.catalog import Catalog, ModelProfile, load_catalog  # noqa: E402
+from common.logs import configure_logging  # noqa: E402
+from common.wire import control_pb2_grpc, engine_pb2, engine_pb2_grpc  # noqa: E402
 from gateway.cli import run  # noqa: E402
-from gateway.heartbeat_service import ControlService  # noqa: E402
-from gateway.state_table import StateTable  # noqa: E402
-from heterogate import perf_model  # noqa: E402
-from heterogate.catalog import Catalog, ModelProfile, load_catalog  # noqa: E402
-from heterogate.logs import configure_logging  # noqa: E402
-from heterogate.wire import control_pb2_grpc, engine_pb2, engine_pb2_grpc  # noqa: E402
+from gateway.control.heartbeat_service import ControlService  # noqa: E402
+from gateway.routing.state_table import StateTable  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "embedding_handoff.json"
 CASES: tuple[tuple[str, int, int], ...] = (

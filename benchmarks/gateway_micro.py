@@ -2,7 +2,7 @@
 
     python benchmarks/gateway_micro.py [--quick] [--requests 3000] [--repeats 5]
 
-The real front door (`gateway.http_app.create_server` over `gateway.runtime.build_runtime`, one
+The real front door (`gateway.doors.routes.create_server` over `gateway.runtime.build_runtime`, one
 backend) is called in process, on uvloop: each request is handed to the server's handler for its path
 (the completions door, or the FastAPI app through the server's ASGI adapter) as the server would
 after parsing it, with the response written to a sink instead of a socket, and a fake engine client in
@@ -40,21 +40,21 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 from benchmarks.bench_cluster import cluster_config  # noqa: E402
 from benchmarks.gateway_overhead import CHAT, git_state, save_report  # noqa: E402
-from gateway.config import load_cluster  # noqa: E402
-from gateway.generation_job import GenerationJob  # noqa: E402
-from gateway.http_app import create_server  # noqa: E402
-from gateway.http_server import Exchange, HttpServer, Request  # noqa: E402
+from common.logs import configure_logging  # noqa: E402
+from common.wire import engine_pb2  # noqa: E402
+from gateway.config.cluster import load_cluster  # noqa: E402
+from gateway.doors.http_server import Exchange, HttpServer, Request  # noqa: E402
+from gateway.doors.routes import create_server  # noqa: E402
+from gateway.requests.job import GenerationJob  # noqa: E402
+from gateway.routing.backend_entry import Reported  # noqa: E402
 from gateway.runtime import Runtime, build_runtime  # noqa: E402
-from gateway.state_table import Reported  # noqa: E402
-from heterogate.logs import configure_logging  # noqa: E402
-from heterogate.wire import engine_pb2  # noqa: E402
 from tests.harness import write_config  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gateway_micro.json"
 
 
 class FakeEngineClient:
-    """Stands in for gateway.engine_client.EngineClient: the chunks a fast engine sends, no I/O."""
+    """Stands in for gateway.clients.engine_client.EngineClient: the chunks a fast engine sends, no I/O."""
 
     handoff = "none"
 

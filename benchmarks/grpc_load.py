@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import percentile  # noqa: E402
-from heterogate.wire import engine_pb2, engine_pb2_grpc  # noqa: E402
+from common.wire import engine_pb2, engine_pb2_grpc  # noqa: E402
 
 PROMPT = "user: Hello there, how are you?"
 

@@ -5,7 +5,7 @@
 POST /v1/chat/completions and /v1/completions are forwarded to the upstreams in turn, the client's
 body as it came, and the upstream's status and body relayed as they come (streamed when the upstream
 streams). No parsing, validation, routing, admission, leases, retries, metrics or logs: what this
-process spends per request is what `gateway.http_server` and `gateway.upstream_http` cost on this
+process spends per request is what `gateway.doors.http_server` and `gateway.clients.upstream_http` cost on this
 machine, so that `benchmarks/front_door.py` can show how much of the gateway's CPU per request is
 its I/O and how much its own logic. Not a product: it has no error handling beyond a 502.
 """
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from gateway.http_server import Exchange, HttpServer, Request  # noqa: E402
-from gateway.upstream_http import UpstreamPool  # noqa: E402
-from gateway.workers import reuse_port_socket  # noqa: E402
-from heterogate.event_loop import run  # noqa: E402
+from common.event_loop import run  # noqa: E402
+from gateway.clients.upstream_http import UpstreamPool  # noqa: E402
+from gateway.doors.http_server import Exchange, HttpServer, Request  # noqa: E402
+from gateway.replicas.workers import reuse_port_socket  # noqa: E402
 
 _SSE = [(b"content-type", b"text/event-stream")]
 _HEADERS = (("content-type", "application/json"),)

@@ -59,8 +59,8 @@ from benchmarks.emulated_engine import MODEL, TIERS  # noqa: E402
 from benchmarks.front_door import ensure_peers, process, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_workload import Request, saturated_rate, trace  # noqa: E402
-from gateway.config import RoutingConfig  # noqa: E402
-from gateway.policies import REGISTRY  # noqa: E402
+from gateway.config.cluster import RoutingConfig  # noqa: E402
+from gateway.routing.policies import REGISTRY  # noqa: E402
 from tests.harness import free_port, run_gateway, write_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier.json"

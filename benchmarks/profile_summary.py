@@ -39,10 +39,10 @@ PYTHON_LIBS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pydantic (request validation)", ("pydantic/",)),
     ("prometheus_client (counters, histograms)", ("prometheus_client/",)),
     ("structlog", ("structlog/",)),
-    ("gateway: control stream (heartbeats)", ("gateway/heartbeat_service.py",)),
-    ("gateway: HTTP server (parse, handler task, response writes)", ("gateway/http_server.py",)),
-    ("gateway: HTTP door (completions door, openai_*)", ("gateway/completions_door.py", "gateway/http_app.py",
-                                                         "gateway/openai_", "gateway/tokens.py", "gateway/errors.py")),
+    ("gateway: control stream (heartbeats)", ("gateway/control/heartbeat_service.py",)),
+    ("gateway: HTTP server (parse, handler task, response writes)", ("gateway/doors/http_server.py",)),
+    ("gateway: HTTP door (completions door, openai_*)", ("gateway/doors/completions.py", "gateway/doors/routes.py",
+                                                         "gateway/requests/", "gateway/clients/openai_upstream.py")),
     ("gateway: pipeline, routing, state table, engine client", ("gateway/",)),
     ("asyncio (tasks, wait, timeout, events)", ("asyncio/", "contextlib.py", "_weakrefset.py")),
 )
@@ -54,7 +54,7 @@ LOOP_NATIVE: tuple[tuple[str, tuple[str, ...]], ...] = (
 EVENT_LOOP = "event loop (uvloop/libuv: polling, callbacks, task steps)"
 OTHER = "other Python"
 HOTSPOTS: dict[str, tuple[str, ...]] = {
-    "parse(): orjson.loads + pydantic validation": ("parse (gateway/completions_door.py",),
+    "parse(): orjson.loads + pydantic validation": ("parse (gateway/doors/completions.py",),
     "completion_body (orjson.dumps)": ("completion_body",),
     "Pipeline.start (route + dispatch + first token)": ("Pipeline.start",),
     "Pipeline._decide (policy.choose + decision metrics)": ("Pipeline._decide",),

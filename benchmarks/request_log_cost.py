@@ -1,4 +1,4 @@
-"""CPU cost of the per-request log line and counters (gateway.request_log), in process.
+"""CPU cost of the per-request log line and counters (gateway.pipeline.request_log), in process.
 
     python benchmarks/request_log_cost.py [--requests 20000] [--repeats 5]
 
@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gateway.metrics import GatewayMetrics  # noqa: E402
-from gateway.request_log import RequestLog, RequestRecord  # noqa: E402
-from gateway.state_table import StateTable  # noqa: E402
-from heterogate.catalog import load_catalog  # noqa: E402
-from heterogate.logs import configure_logging  # noqa: E402
+from common.catalog import load_catalog  # noqa: E402
+from common.logs import configure_logging  # noqa: E402
+from gateway.pipeline.metrics import GatewayMetrics  # noqa: E402
+from gateway.pipeline.request_log import RequestLog, RequestRecord  # noqa: E402
+from gateway.routing.state_table import StateTable  # noqa: E402
 
 FIELDS = dict(request_id="0123456789abcdef0123456789abcdef", endpoint="chat", status=200, attempts=1,
               backends=["h100-0"], vision_backends=[], policy="heteroserve", latency_s=0.1234, ttft_s=0.0123,

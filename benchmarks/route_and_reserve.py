@@ -45,10 +45,11 @@ from redis.asyncio import Redis  # noqa: E402
 from benchmarks import loadgen  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_tier import CLUSTER  # noqa: E402
-from gateway.policies import build_policy  # noqa: E402
-from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
-from gateway.state_table import Reported, StateTable  # noqa: E402
-from heterogate.catalog import load_catalog  # noqa: E402
+from common.catalog import load_catalog  # noqa: E402
+from gateway.routing.backend_entry import Reported  # noqa: E402
+from gateway.routing.policies import build_policy  # noqa: E402
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
+from gateway.routing.state_table import StateTable  # noqa: E402
 from tests.replicas.herding import l1, route_trace, seeded_trace, shares  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "route_and_reserve.json"

@@ -55,19 +55,20 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gateway_overhead import git_state  # noqa: E402
-from gateway.admission import AdmissionQueue  # noqa: E402
-from gateway.circuit_breaker import Breakers  # noqa: E402
-from gateway.config import GatewaySettings  # noqa: E402
-from gateway.engine_client import EngineClients  # noqa: E402
-from gateway.metrics import GatewayMetrics  # noqa: E402
-from gateway.pipeline import LANGUAGE_ROLES, Pipeline  # noqa: E402
-from gateway.policies import REGISTRY, build_policy  # noqa: E402
-from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
+from common import perf_model  # noqa: E402
+from common.catalog import Catalog, load_catalog  # noqa: E402
+from gateway.clients.engine_client import EngineClients  # noqa: E402
+from gateway.config.cluster import GatewaySettings  # noqa: E402
+from gateway.daemon import GC_THRESHOLDS  # noqa: E402
+from gateway.pipeline.admission import AdmissionQueue  # noqa: E402
+from gateway.pipeline.breakers import Breakers  # noqa: E402
+from gateway.pipeline.dispatch import LANGUAGE_ROLES, Pipeline  # noqa: E402
+from gateway.pipeline.metrics import GatewayMetrics  # noqa: E402
+from gateway.routing.backend_entry import Lease, Reported  # noqa: E402
+from gateway.routing.policies import REGISTRY, build_policy  # noqa: E402
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
+from gateway.routing.state_table import StateTable  # noqa: E402
 from gateway.runtime import pipeline_settings  # noqa: E402
-from gateway.server import GC_THRESHOLDS  # noqa: E402
-from gateway.state_table import Lease, Reported, StateTable  # noqa: E402
-from heterogate import perf_model  # noqa: E402
-from heterogate.catalog import Catalog, load_catalog  # noqa: E402
 
 MODEL = "llava-1.5-7b"
 SIZES = (8, 64, 1024)

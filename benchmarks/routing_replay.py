@@ -40,10 +40,11 @@ if str(ROOT) not in sys.path:
 from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_workload import Request, saturated_rate, trace  # noqa: E402
-from gateway.policies import build_policy  # noqa: E402
-from gateway.policies.contracts import RequestProfile  # noqa: E402
-from gateway.state_table import Lease, Reported, StateTable  # noqa: E402
-from heterogate.catalog import load_catalog  # noqa: E402
+from common.catalog import load_catalog  # noqa: E402
+from gateway.routing.backend_entry import Lease, Reported  # noqa: E402
+from gateway.routing.policies import build_policy  # noqa: E402
+from gateway.routing.policies.contracts import RequestProfile  # noqa: E402
+from gateway.routing.state_table import StateTable  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "routing_replay.json"
 CLUSTER = (("h100-0", "H100"), ("h100-1", "H100"), ("a100-0", "A100-80GB"), ("a100-1", "A100-80GB"),

@@ -34,8 +34,8 @@ from backends.gpu_scheduler import GpuScheduler
 from backends.torch_executor import TorchLanguageExecutor
 from backends.torch_models import load_model
 from backends.torch_vision import TorchEncoder
-from heterogate.catalog import load_catalog
-from heterogate.wire import engine_pb2
+from common.catalog import load_catalog
+from common.wire import engine_pb2
 
 RESULTS = Path(__file__).resolve().parent / "results" / "torch_engine_cpu.json"
 BATCHES = (1, 8, 32)

@@ -26,7 +26,7 @@ CHILD = """
 import json, resource, sys, time
 import torch, transformers
 from backends.torch_models import load_model
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 model, path, dtype, keep = sys.argv[1:5]
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()

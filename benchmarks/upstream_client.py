@@ -1,4 +1,4 @@
-"""CPU per request of the upstream HTTP client: aiohttp's ClientSession against gateway.upstream_http.
+"""CPU per request of the upstream HTTP client: aiohttp's ClientSession against gateway.clients.upstream_http.
 
     python benchmarks/upstream_client.py [--requests 6000] [--concurrency 64] [--rounds 3]
 
@@ -30,7 +30,7 @@ import uvloop  # noqa: E402
 
 from benchmarks.front_door import body, process, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
-from gateway.upstream_http import UpstreamPool  # noqa: E402
+from gateway.clients.upstream_http import UpstreamPool  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "upstream_client.json"

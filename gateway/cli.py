@@ -9,14 +9,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from gateway.config import DEFAULT_BACKENDS, ClusterConfig, load_cluster
-from gateway.policies import REGISTRY
-from gateway.server import PortUnavailable, ServeOptions, serve
-from gateway.workers import run_workers
-from heterogate import __version__
-from heterogate.errors import ConfigError
-from heterogate.event_loop import run
-from heterogate.logs import configure_logging
+from common import __version__
+from common.errors import ConfigError
+from common.event_loop import run
+from common.logs import configure_logging
+from gateway.config.cluster import DEFAULT_BACKENDS, ClusterConfig, load_cluster
+from gateway.daemon import PortUnavailable, ServeOptions, serve
+from gateway.replicas.workers import run_workers
+from gateway.routing.policies import REGISTRY
 
 CHECK_CONFIG = "check-config"
 

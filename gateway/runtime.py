@@ -7,17 +7,18 @@ from typing import Any
 
 import httpx
 
-from gateway.admission import AdmissionQueue
-from gateway.auth import KeyRing
-from gateway.circuit_breaker import Breakers
-from gateway.config import ClusterConfig, GatewaySettings, Limits
-from gateway.engine_client import EngineClients
-from gateway.exact_prompt import ExactPrompts
-from gateway.metrics import GatewayMetrics
-from gateway.openai_upstream import Upstream
-from gateway.pipeline import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
-from gateway.policies import build_policy
-from gateway.state_table import SERVING, StateTable
+from gateway.clients.engine_client import EngineClients
+from gateway.clients.openai_upstream import Upstream
+from gateway.config.auth import KeyRing
+from gateway.config.cluster import ClusterConfig, GatewaySettings, Limits
+from gateway.pipeline.admission import AdmissionQueue
+from gateway.pipeline.breakers import Breakers
+from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
+from gateway.pipeline.metrics import GatewayMetrics
+from gateway.requests.exact_prompt import ExactPrompts
+from gateway.routing.backend_entry import SERVING
+from gateway.routing.policies import build_policy
+from gateway.routing.state_table import StateTable
 
 
 @dataclass

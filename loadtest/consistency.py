@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from backends.sim_executor import NATURAL_MAX_TOKENS
-from gateway.policies import build_policy
-from heterogate import perf_model
-from heterogate.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
-from heterogate.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
+from common import perf_model
+from common.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
+from common.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
+from gateway.routing.policies import build_policy
 from loadtest.live_replay import ReplayOutcome, ReplayRequest, replay, replay_client, request_id_for, warm_up
 from loadtest.sim import capacity, workloads
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from backends.sim_executor import NATURAL_MAX_TOKENS, NATURAL_MIN_TOKENS, natural_length
-from gateway.tokens import BYTES_PER_TOKEN
+from gateway.requests.tokens import BYTES_PER_TOKEN
 
 START_DELAY_S = 0.2     # lead time before the first arrival, so that arrival 0 is not already late
 LAG_PROBE_S = 0.01      # the client's clock probe: how late a sleep this long wakes up (CPU contention)
@@ -63,7 +63,7 @@ def request_id_for(output_tokens: int, prefix: str) -> str:
 
 
 def prompt_text(tokens: int) -> str:
-    """A prompt of exactly `tokens` estimated tokens (gateway.tokens.count_text_tokens)."""
+    """A prompt of exactly `tokens` estimated tokens (gateway.requests.tokens.count_text_tokens)."""
     return ("a" * (BYTES_PER_TOKEN - 1) + " ") * tokens     # ASCII: BYTES_PER_TOKEN bytes per token
 
 

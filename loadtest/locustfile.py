@@ -32,7 +32,7 @@ from locust.argument_parser import LocustArgumentParser
 from locust.env import Environment
 from PIL import Image
 
-from gateway.tokens import BYTES_PER_TOKEN, CHAT_MESSAGE_OVERHEAD
+from gateway.requests.tokens import BYTES_PER_TOKEN, CHAT_MESSAGE_OVERHEAD
 from loadtest.sim.workloads import WORKLOADS, Lengths, lengths, multimodal
 
 SAMPLES = 10_000
@@ -133,7 +133,7 @@ class Plan:
         return ChatRequest(("image" if n_images else "text") + (" stream" if stream else ""), stream, body)
 
     def prompt(self, i: int, tokens: int, n_images: int) -> str:
-        """ASCII text that the gateway counts as `tokens` tokens in one chat message (see gateway/tokens.py)."""
+        """ASCII text that the gateway counts as `tokens` tokens in one chat message (gateway/requests/tokens.py)."""
         nbytes = max(1, tokens - CHAT_MESSAGE_OVERHEAD) * BYTES_PER_TOKEN
         lead = "" if not n_images else "Describe this image. " if n_images == 1 else "Describe these images. "
         start = (i * 7919) % (len(self.corpus) - nbytes)

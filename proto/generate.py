@@ -1,8 +1,8 @@
-"""Regenerate the Python gRPC code in heterogate/wire/ from proto/heterogate/*.proto.
+"""Regenerate the Python gRPC code in common/wire/ from proto/heterogate/*.proto.
 
 Run `python proto/generate.py` after editing a .proto file. protoc writes absolute imports
 (`import engine_pb2`) into the *_grpc.py files; they are rewritten as package-relative imports so the
-generated code lives inside the `heterogate.wire` package. `tests/test_wire_fresh.py` regenerates into a
+generated code lives inside the `common.wire` package. `tests/test_wire_fresh.py` regenerates into a
 temporary folder and fails when the committed code is stale.
 """
 
@@ -16,7 +16,7 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto" / "heterogate"
-OUT_DIR = ROOT / "heterogate" / "wire"
+OUT_DIR = ROOT / "common" / "wire"
 _ABSOLUTE_IMPORT = re.compile(r"^import (\w+_pb2) as", re.MULTILINE)
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_cluster
-from heterogate.errors import ConfigError
+from common.errors import ConfigError
+from gateway.config.cluster import load_cluster
 from tests.snapshots import catalog
 
 

@@ -292,7 +292,7 @@ class StandaloneEngines:
     """
 
     def __init__(self, model: str, log_dir: Path, heartbeat_ms: int = 100) -> None:
-        from heterogate.catalog import load_catalog
+        from common.catalog import load_catalog
 
         self.catalog = load_catalog()
         self.model = model
@@ -311,9 +311,9 @@ class StandaloneEngines:
 
         import grpc
 
-        from gateway.heartbeat_service import ControlService
-        from gateway.state_table import StateTable
-        from heterogate.wire import control_pb2_grpc
+        from common.wire import control_pb2_grpc
+        from gateway.control.heartbeat_service import ControlService
+        from gateway.routing.state_table import StateTable
 
         started = threading.Event()
 

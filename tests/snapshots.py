@@ -6,9 +6,9 @@ import random
 from collections.abc import Sequence
 from functools import cache
 
-from gateway.policies.contracts import BackendSnapshot, Role
-from heterogate import perf_model
-from heterogate.catalog import Catalog, load_catalog
+from common import perf_model
+from common.catalog import Catalog, load_catalog
+from gateway.routing.policies.contracts import BackendSnapshot, Role
 
 MODEL = "llava-1.5-7b"
 # The state table's prior for T̄_service: one 512-token prompt, 128 output tokens, unloaded.

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import DEFAULT_BACKENDS, load_cluster
-from heterogate.catalog import CONFIG_DIR, load_catalog
-from heterogate.errors import ConfigError
+from common.catalog import CONFIG_DIR, load_catalog
+from common.errors import ConfigError
+from gateway.config.cluster import DEFAULT_BACKENDS, load_cluster
 from tests.config_files import config_error, write
 from tests.snapshots import catalog
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import heterogate
+import common
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60
@@ -47,9 +47,9 @@ def group_alive(pgid: int) -> bool:
 def test_version_matches_package_and_pyproject() -> None:
     result = gateway("--version")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"heterogate {heterogate.__version__}"
+    assert result.stdout.strip() == f"heterogate {common.__version__}"
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert pyproject["project"]["version"] == heterogate.__version__
+    assert pyproject["project"]["version"] == common.__version__
 
 
 def test_check_config_accepts_the_demo_cluster() -> None:

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import yaml
 
 from gateway.cli import parse_args
-from gateway.config import load_cluster
+from gateway.config.cluster import load_cluster
 from tests.harness import ROOT
 
 K8S = ROOT / "deploy" / "k8s"

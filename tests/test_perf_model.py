@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
 from tests.snapshots import catalog
 
 MiB = 1 << 20

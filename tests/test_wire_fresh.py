@@ -1,4 +1,4 @@
-"""The committed gRPC code in heterogate/wire/ must match what proto/generate.py makes from proto/."""
+"""The committed gRPC code in common/wire/ must match what proto/generate.py makes from proto/."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fresh = {p.name: p.read_text() for p in module.generate(tmp_path)}
-    committed = {p.name: p.read_text() for p in (ROOT / "heterogate" / "wire").glob("*_pb2*.py*")}
+    committed = {p.name: p.read_text() for p in (ROOT / "common" / "wire").glob("*_pb2*.py*")}
     assert fresh.keys() == committed.keys()
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated code: {stale}; run `python proto/generate.py`"

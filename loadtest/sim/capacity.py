@@ -18,8 +18,8 @@ from functools import cache
 
 import numpy as np
 
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
 from loadtest.sim import workloads
 from loadtest.sim.engines import BatchEngine, EngineSpec, Recorder
 

@@ -6,7 +6,7 @@ requests that finished plus the time of the following event (None when the GPU g
 engine owns its signals (queue, in-flight, free KV, an EWMA of completed service times) and exposes
 them as the router's `BackendSnapshot`, rebuilt lazily only after its state changed. What the
 gateway learns from its own requests (prefill backlog, reserved KV, the learned speed of
-`heterogate.speed_estimator`) is kept here the same way, from the same first tokens and completions.
+`common.speed_estimator`) is kept here the same way, from the same first tokens and completions.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
-from gateway.policies.contracts import BackendSnapshot, Role
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
-from heterogate.itl_slack import DEFAULT_TARGET_S, InterTokenSlack
-from heterogate.service_time import updated_mean_service
-from heterogate.speed_estimator import prior_speed
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
+from common.itl_slack import DEFAULT_TARGET_S, InterTokenSlack
+from common.service_time import updated_mean_service
+from common.speed_estimator import prior_speed
+from gateway.routing.policies.contracts import BackendSnapshot, Role
 from loadtest.sim.workloads import Lengths
 
 
@@ -71,7 +71,7 @@ class Engine:
         self.id, self.model, self.gpu, self.rec, self.role = spec.backend_id, model, gpu, rec, spec.role
         self.kv_capacity = spec.kv_capacity
         self.prior_service_s = spec.prior_service_s
-        self.measured_service_s = spec.prior_service_s   # as the engines measure it (heterogate.service_time)
+        self.measured_service_s = spec.prior_service_s   # as the engines measure it (common.service_time)
         self.in_flight = 0
         self.speed = prior_speed(model, gpu)
         self.prefilling = self.prefill_backlog = self.kv_reserved = 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 from loadtest.sim import capacity, oracle
 from loadtest.sim.modality import DEPLOYMENTS, VlmRunSpec, a100_rate, run_vlm
 from loadtest.sim.simulator import MODES, RunSpec, run

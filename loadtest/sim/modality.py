@@ -1,7 +1,7 @@
 """Modality-level disaggregation in virtual time (modality paper §5-§6): monolithic vs split, ± stealing.
 
-The dispatch mirrors gateway/pipeline.py: the language backend is chosen first (language pool, plus
-the vision GPUs that `gateway.policies.stealing.stealers` admits), and counted in flight at once;
+The dispatch mirrors gateway/pipeline/dispatch.py: the language backend is chosen first (language pool, plus
+the vision GPUs that `gateway.routing.policies.stealing.stealers` admits), and counted in flight at once;
 an image request is then encoded on the vision backend chosen by the vision policy (`encode_cost`)
 and its embedding (perf_model.embedding_bytes) travels over PCIe to the language backend; a
 monolithic (`both`) GPU encodes its own images and moves nothing. Text-only requests skip vision.
@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from gateway.policies import build_policy
-from gateway.policies.contracts import Policy, RequestProfile, Role
-from gateway.policies.stealing import DEFAULT_THRESHOLD, stealers
-from heterogate import perf_model
-from heterogate.catalog import Catalog, load_catalog
+from common import perf_model
+from common.catalog import Catalog, load_catalog
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import Policy, RequestProfile, Role
+from gateway.routing.policies.stealing import DEFAULT_THRESHOLD, stealers
 from loadtest.sim import capacity
 from loadtest.sim.engines import EngineSpec, Recorder
 from loadtest.sim.metrics import summarize

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
-from heterogate import perf_model
-from heterogate.catalog import GpuProfile, ModelProfile
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
+from gateway.routing.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
 from loadtest.sim.engines import BatchEngine, Engine, SerialEngine
 
 NAME = "oracle"
@@ -47,7 +47,7 @@ _INF = float("inf")
 
 @dataclass(frozen=True, slots=True)
 class Roofline:
-    """One GPU's decode-step terms from `heterogate.perf_model`, read once (the catalog computes them)."""
+    """One GPU's decode-step terms from `common.perf_model`, read once (the catalog computes them)."""
 
     weights_s: float          # weight bytes / B: the floor of every decode step
     kv_s_per_token: float     # KV bytes per token / B

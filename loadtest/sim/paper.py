@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from heterogate import perf_model
-from heterogate.catalog import Catalog
+from common import perf_model
+from common.catalog import Catalog
 from loadtest.sim import capacity
 
 # capability-weighted routing paper, Table 2 (8 GPUs, Llama-70B, ShareGPT, 1.0×): tok/s, P95 TTFT, P99 E2E

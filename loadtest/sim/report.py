@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 from loadtest.sim import capacity, plots, sections_extra, sections_routing
 from loadtest.sim.experiments import NON_LABEL_KEYS, Settings, aggregate, all_cells, run_all
 from loadtest.sim.summary import Summary
@@ -49,10 +49,10 @@ Raw runs: `results/runs.csv` (beside this file); aggregates: `results/summary.js
 
 ## How the simulator works and what it assumes
 
-- **Same router, same model.** Each arrival asks the policy object from `gateway.policies.build_policy` to
+- **Same router, same model.** Each arrival asks the policy object from `gateway.routing.policies.build_policy` to
   choose among `BackendSnapshot`s built from the simulated GPUs (queue_depth = max(in-flight, waiting + running),
   T̄_service = EWMA (α = 0.1) of completed service times with the performance model's estimate as prior,
-  prefill_s_per_token from `heterogate.perf_model`, free KV from the engine). Signals are exact and fresh:
+  prefill_s_per_token from `common.perf_model`, free KV from the engine). Signals are exact and fresh:
   no heartbeat lag.
 - **Engines.** `serial` is the paper's simulator: one request at a time, prefill 2·P·L/F, then 2·P/B per output
   token. `continuous` is the shared `backends.batcher.ContinuousBatcher`; virtual time advances by each

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gateway.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
+from gateway.routing.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
 from loadtest.sim import paper
 from loadtest.sim.experiments import BATCH_AWARE_ABLATION, POLICIES, VLM_POLICIES
 from loadtest.sim.modality import DEPLOYMENTS
@@ -41,7 +41,7 @@ def improved_policy(s: Summary, rows: list[dict[str, Any]]) -> str:
     header = ["policy (continuous, 1.0×)", "tok/s", "batch_aware vs it", "seeds won", "steady tok/s",
               "seeds won (steady)", "P95 TTFT s", "P99 E2E s"]
     return (
-        "## Beyond the paper: `batch_aware` (gateway/policies/batch_aware.py)\n\n"
+        "## Beyond the paper: `batch_aware` (gateway/routing/policies/batch_aware.py)\n\n"
         "HeteroServe's queue term Q_i · T̄_service assumes a serial GPU. Under continuous batching the Q_i requests "
         "run together and a newcomer waits only when the KV cache is full, for part of it to turn over. "
         "`batch_aware` estimates time to first token per GPU: the admission wait from KV occupancy (reserved KV, "
@@ -101,7 +101,7 @@ def bursty(s: Summary) -> str:
 def modality(s: Summary) -> str:
     parts = ["## Modality-level split (modality paper §6): LLaVA-1.5-7B\n",
              "Language pool routed by `heteroserve`, vision pool by `encode_cost`, stealing by "
-             f"`gateway.policies.stealing.stealers` (τ = {DEFAULT_THRESHOLD}; a stealer holds at most "
+             f"`gateway.routing.policies.stealing.stealers` (τ = {DEFAULT_THRESHOLD}; a stealer holds at most "
              f"{DEFAULT_MAX_BATCH} language requests, and a stealing 4090 runs half the batch cap with a 100 ms "
              "prefill bound per step). Hardware $3k per RTX 4090, $16k per A100; hourly $0.55 / $2.21. "
              "CER = tok/s per $1k of hardware. Saturated = offered 1.3× the 4×A100 capacity (throughput); "

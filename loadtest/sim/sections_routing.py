@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from heterogate.catalog import Catalog
+from common.catalog import Catalog
 from loadtest.sim import paper
 from loadtest.sim.experiments import (
     CLUSTERS,

@@ -1,7 +1,7 @@
 """The event loop: arrivals → the gateway's router → simulated GPUs, in virtual time.
 
 Every arrival builds a `RequestProfile` and the candidates' `BackendSnapshot`s and asks the policy
-object from `gateway.policies.build_policy` to choose, exactly as the live gateway does; the chosen
+object from `gateway.routing.policies.build_policy` to choose, exactly as the live gateway does; the chosen
 engine's in-flight count rises at once (the paper's feedback loop). Engines report their next event
 time; a heap merges them with the arrival stream. Signals are exact and fresh here (no heartbeat lag).
 The one policy that is not the gateway's, `oracle` (oracle.py), reads the engines instead of snapshots.
@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from gateway.policies import build_policy
-from gateway.policies.contracts import Policy, RequestProfile
-from heterogate import perf_model
-from heterogate.catalog import Catalog, load_catalog
+from common import perf_model
+from common.catalog import Catalog, load_catalog
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import Policy, RequestProfile
 from loadtest.sim import capacity, oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder, SerialEngine
 from loadtest.sim.metrics import summarize

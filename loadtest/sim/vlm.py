@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from heterogate import perf_model
+from common import perf_model
 from loadtest.sim.engines import BatchEngine, EngineSpec, Recorder
 
 VISION_BATCH = 32           # images per encode batch (modality paper §5.2 default)

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.control_auth import ControlAuth
-from gateway.heartbeat_service import ControlService
-from gateway.state_table import StateTable
-from heterogate.wire import control_pb2_grpc
+from common.wire import control_pb2_grpc
+from gateway.control.control_auth import ControlAuth
+from gateway.control.heartbeat_service import ControlService
+from gateway.routing.state_table import StateTable
 from tests.agent.test_agent_heartbeats import GPU, MODEL, MetricsEndpoint, endpoint, vllm_text, wait_for
 from tests.harness import ROOT
 from tests.tls_certs import self_signed

@@ -20,12 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.heartbeat_service import ControlService
-from gateway.state_table import BackendEntry, StateTable
-from heterogate.catalog import load_catalog
-from heterogate.engine_scraper import STALE_INTERVALS
-from heterogate.metric_tables import SATURATED_QUEUE
-from heterogate.wire import control_pb2_grpc
+from common.catalog import load_catalog
+from common.engine_scraper import STALE_INTERVALS
+from common.metric_tables import SATURATED_QUEUE
+from common.wire import control_pb2_grpc
+from gateway.control.heartbeat_service import ControlService
+from gateway.routing.backend_entry import BackendEntry
+from gateway.routing.state_table import StateTable
 from tests.harness import ROOT
 
 pytestmark = pytest.mark.timeout(30)

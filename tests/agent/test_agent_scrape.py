@@ -7,11 +7,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from backends.agent import config_from_args, parse_args
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
-from heterogate.engine_scraper import AgentConfig, MetricsAgent, make_client
-from heterogate.metric_tables import SATURATED_QUEUE, TABLES
-from heterogate.wire import control_pb2
+from common import perf_model
+from common.catalog import load_catalog
+from common.engine_scraper import AgentConfig, MetricsAgent, make_client
+from common.metric_tables import SATURATED_QUEUE, TABLES
+from common.wire import control_pb2
 
 CATALOG = load_catalog()
 MODEL, GPU = CATALOG.model("llava-1.5-7b"), CATALOG.gpu("H100")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from heterogate.metric_tables import TABLES, EngineMetrics, parse
+from common.metric_tables import TABLES, EngineMetrics, parse
 
 # Label shapes as vLLM ≥ 0.10 exports them with --data-parallel-size 2 (one series per `engine`).
 VLLM_DP2 = """\

@@ -19,8 +19,8 @@ import grpc
 import httpx
 import pytest
 
-from heterogate.control_credentials import ControlCredentials
-from heterogate.wire import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from common.control_credentials import ControlCredentials
+from common.wire import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
 from tests.tls_certs import self_signed
 

@@ -24,7 +24,7 @@ import grpc
 import httpx
 import pytest
 
-from heterogate.wire import inference_pb2, inference_pb2_grpc
+from common.wire import inference_pb2, inference_pb2_grpc
 from tests.harness import (
     Gateway,
     engine_pid,

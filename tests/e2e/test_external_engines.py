@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from heterogate.wire import inference_pb2, inference_pb2_grpc
+from common.wire import inference_pb2, inference_pb2_grpc
 from tests.harness import Gateway, run_gateway, write_config
 
 USER, ADMIN = "user-secret", "admin-secret"

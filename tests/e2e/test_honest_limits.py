@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
+from common import perf_model
+from common.catalog import load_catalog
 from tests.e2e.test_errors import assert_openai_error
 from tests.e2e.test_external_engines import MODEL, spawn, stop
 from tests.harness import Gateway, free_port, metric_total, run_gateway, write_config

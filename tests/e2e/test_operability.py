@@ -19,12 +19,12 @@ import httpx
 import orjson
 import pytest
 
-from heterogate import __version__
+from common import __version__
 from tests.harness import ROOT, Gateway, data_url, free_port, image_bytes, image_part, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 VISION = "vis-0"
-GRPC_CORE_LINE = re.compile(r"^[IWEF]\d{4} ")   # grpc's C core writes its own lines (see heterogate.logs)
+GRPC_CORE_LINE = re.compile(r"^[IWEF]\d{4} ")   # grpc's C core writes its own lines (see common.logs)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_a_malformed_request_gets_a_400_and_a_json_log_line(gateway: tuple[Gatew
 
 def test_library_logs_are_json_lines() -> None:
     """A library logging through the standard `logging` module comes out in the same JSON lines."""
-    code = ("from heterogate.logs import configure_logging; configure_logging('info'); import logging; "
+    code = ("from common.logs import configure_logging; configure_logging('info'); import logging; "
             "logging.getLogger('some.library').warning('disk %s', 'full')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     line = orjson.loads(done.stderr.strip().splitlines()[-1])

@@ -1,5 +1,5 @@
 """The control port's rules, over a real gRPC server on loopback: who may heartbeat, and what a
-heartbeat may change (gateway.control_auth). A refused heartbeat ends with a gRPC status and its
+heartbeat may change (gateway.control.control_auth). A refused heartbeat ends with a gRPC status and its
 reason, and leaves the state table as it was."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from gateway.control_auth import ControlAuth
-from gateway.engine_identities import EngineIdentities
-from gateway.heartbeat_service import ControlService
-from gateway.state_table import StateTable
-from heterogate.catalog import load_catalog
-from heterogate.control_credentials import ControlCredentials
-from heterogate.wire import control_pb2, control_pb2_grpc
+from common.catalog import load_catalog
+from common.control_credentials import ControlCredentials
+from common.wire import control_pb2, control_pb2_grpc
+from gateway.control.control_auth import ControlAuth
+from gateway.control.engine_identities import EngineIdentities
+from gateway.control.heartbeat_service import ControlService
+from gateway.routing.state_table import StateTable
 
 TOKEN = "cluster-token-for-tests"
 MANAGED, EXTERNAL = "managed-0", "ext-0"

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from backends.sim_executor import natural_length
-from gateway.engine_client import EngineClient
-from gateway.errors import BackendFailure, BackendTimeout
-from gateway.generation_job import GenerationJob
-from gateway.state_table import Reported
-from heterogate.wire import engine_pb2
+from common.wire import engine_pb2
+from gateway.clients.engine_client import EngineClient
+from gateway.requests.errors import BackendFailure, BackendTimeout
+from gateway.requests.job import GenerationJob
+from gateway.routing.backend_entry import Reported
 from tests.harness import StandaloneEngines, free_port, long_request_id, standalone_engines
 
 MODEL = "llava-1.5-7b"

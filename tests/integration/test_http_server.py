@@ -1,4 +1,4 @@
-"""The front door's HTTP/1.1 server (gateway.http_server) as a real server on loopback: raw sockets and
+"""The front door's HTTP/1.1 server (gateway.doors.http_server) as a real server on loopback: raw sockets and
 httpx against small handlers written here. Keep-alive and close, pipelining, `Expect: 100-continue`,
 body and header limits, garbage, disconnects, the idle timeout, chunked streaming and write flow
 control, the ASGI fallback, handler errors, the drain on stop, and TLS."""
@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.http_server import MAX_HEADER_BYTES, MAX_PIPELINED, Exchange, HttpServer, Request
+from gateway.doors.http_server import MAX_HEADER_BYTES, MAX_PIPELINED, Exchange, HttpServer, Request
 from tests.tls_certs import self_signed
 
 pytestmark = pytest.mark.timeout(30)   # a backstop; every test also bounds its own waits

@@ -14,11 +14,11 @@ from contextlib import asynccontextmanager
 import orjson
 import pytest
 
-from gateway.errors import BackendFailure
-from gateway.generation_job import GenerationJob
-from gateway.openai_upstream import OpenAIUpstreamClient, Upstream
-from gateway.upstream_http import UpstreamPool
-from heterogate.wire import engine_pb2
+from common.wire import engine_pb2
+from gateway.clients.openai_upstream import OpenAIUpstreamClient, Upstream
+from gateway.clients.upstream_http import UpstreamPool
+from gateway.requests.errors import BackendFailure
+from gateway.requests.job import GenerationJob
 
 
 def event(i: int, text: str, finish: str | None = None) -> bytes:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.upstream_http import UpstreamClosed, UpstreamPool, UpstreamProtocolError
+from gateway.clients.upstream_http import UpstreamClosed, UpstreamPool, UpstreamProtocolError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

@@ -23,9 +23,9 @@ import grpc
 import numpy as np
 import pytest
 
-from heterogate import perf_model, service_time
-from heterogate.catalog import load_catalog
-from heterogate.wire import engine_pb2, engine_pb2_grpc
+from common import perf_model, service_time
+from common.catalog import load_catalog
+from common.wire import engine_pb2, engine_pb2_grpc
 from tests.harness import StandaloneEngines, image_bytes, standalone_engines
 
 MODEL = "llava-1.5-7b"

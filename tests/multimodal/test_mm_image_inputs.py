@@ -1,6 +1,6 @@
 """Image inputs: vision-token counting, validation errors that name the offending part, the SSRF guard.
 
-Unit tests of `heterogate.catalog` / `gateway.images` against hand-computed cases, then one real gateway
+Unit tests of `common.catalog` / `gateway.requests.images` against hand-computed cases, then one real gateway
 serving Qwen2.5-VL-7B (dynamic vision tokens) on one language and one vision engine, with small image
 limits and remote image URLs switched on (private addresses still refused):
 
@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import GatewaySettings
-from gateway.errors import InvalidRequest
-from gateway.images import ImageLimits, decode_data_url, fetch, inspect
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
+from gateway.config.cluster import GatewaySettings
+from gateway.requests.errors import InvalidRequest
+from gateway.requests.images import ImageLimits, decode_data_url, fetch, inspect
 from tests.harness import (
     Gateway,
     ImageServer,

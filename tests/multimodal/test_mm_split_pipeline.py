@@ -29,7 +29,7 @@ import httpx
 import openai
 import pytest
 
-from heterogate.wire import engine_pb2, engine_pb2_grpc
+from common.wire import engine_pb2, engine_pb2_grpc
 from tests.harness import (
     Gateway,
     data_url,

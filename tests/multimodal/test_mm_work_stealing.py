@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
+from common import perf_model
+from common.catalog import load_catalog
 from tests.harness import (
     Gateway,
     data_url,

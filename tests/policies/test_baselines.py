@@ -8,13 +8,13 @@ from collections import Counter
 
 import pytest
 
-from gateway.policies import REGISTRY, build_policy
-from gateway.policies.capacity_proportional import CapacityProportional
-from gateway.policies.contracts import BackendSnapshot, RequestProfile
-from gateway.policies.power_of_two import PowerOfTwo, PowerOfTwoParams
-from gateway.policies.round_robin import RoundRobin
-from gateway.policies.shortest_queue import ShortestQueue
-from heterogate.errors import ConfigError
+from common.errors import ConfigError
+from gateway.routing.policies import REGISTRY, build_policy
+from gateway.routing.policies.capacity_proportional import CapacityProportional
+from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
+from gateway.routing.policies.power_of_two import PowerOfTwo, PowerOfTwoParams
+from gateway.routing.policies.round_robin import RoundRobin
+from gateway.routing.policies.shortest_queue import ShortestQueue
 from tests.snapshots import cluster, random_cluster, snapshot
 
 REQ = RequestProfile(request_id="r", input_tokens=512)

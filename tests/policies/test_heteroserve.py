@@ -10,10 +10,10 @@ from typing import Any, cast
 
 import pytest
 
-from gateway.policies import build_policy
-from gateway.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
-from gateway.policies.heteroserve import HeteroServe, HeteroServeParams
-from gateway.policies.shortest_queue import ShortestQueue
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
+from gateway.routing.policies.heteroserve import HeteroServe, HeteroServeParams
+from gateway.routing.policies.shortest_queue import ShortestQueue
 from tests.snapshots import cluster, random_cluster, snapshot
 
 DEMO = {"H100": 2, "A100-80GB": 3, "L40S": 3}   # configs/backends.yaml

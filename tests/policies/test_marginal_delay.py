@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from gateway.config import RoutingConfig
-from gateway.policies import build_policy
-from gateway.policies.contracts import BackendSnapshot, RequestProfile
-from gateway.policies.marginal_delay import MarginalDelay, MarginalDelayParams
+from gateway.config.cluster import RoutingConfig
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
+from gateway.routing.policies.marginal_delay import MarginalDelay, MarginalDelayParams
 from tests.snapshots import random_cluster, snapshot
 
 

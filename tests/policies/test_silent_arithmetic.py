@@ -1,5 +1,5 @@
 """The policies' array arithmetic is as silent as Python's on floats (0 · inf, x / 0), with no
-np.errstate per decision: the filter gateway/policies/candidates.py sets at import does it.
+np.errstate per decision: the filter gateway/routing/policies/candidates.py sets at import does it.
 
 Run in a fresh interpreter with RuntimeWarnings as errors, because pytest replaces the warning
 filters around each test (pyproject restates the filter for the rest of the suite)."""
@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import dataclasses, math, random
 import numpy as np
-from gateway.policies import build_policy
-from gateway.policies.contracts import RequestProfile
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import RequestProfile
 from tests.snapshots import random_cluster
 
 backends = random_cluster(random.Random(5), 32)

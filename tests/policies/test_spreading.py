@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway.policies import build_policy
-from gateway.policies.contracts import RequestProfile
-from gateway.policies.spreading import Spreading
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import RequestProfile
+from gateway.routing.policies.spreading import Spreading
 from tests.snapshots import snapshot
 
 REQ = RequestProfile("r", 512)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.policies.contracts import BackendSnapshot
-from gateway.policies.stealing import stealers
+from gateway.routing.policies.contracts import BackendSnapshot
+from gateway.routing.policies.stealing import stealers
 from tests.snapshots import snapshot
 
 

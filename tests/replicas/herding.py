@@ -24,14 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from gateway.policies import build_policy
-from gateway.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile
-from gateway.policies.spreading import Spreading
-from gateway.redis_config import RedisConfig
-from gateway.shared_state import SharedState, connect
-from gateway.state_table import Reported, StateTable
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
+from common import perf_model
+from common.catalog import load_catalog
+from gateway.config.sections import RedisConfig
+from gateway.replicas.shared_state import SharedState, connect
+from gateway.routing.backend_entry import Reported
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile
+from gateway.routing.policies.spreading import Spreading
+from gateway.routing.state_table import StateTable
 
 Mode = Literal["single", "shared", "shared_no_spread", "isolated"]
 CLUSTER = {"H100": 1, "A100-80GB": 2, "L40S": 2}    # three tiers

@@ -12,10 +12,10 @@ from contextlib import asynccontextmanager, contextmanager
 
 import redis
 
-from gateway.redis_config import RedisConfig
-from gateway.shared_state import SharedState, connect
-from gateway.state_table import StateTable
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
+from gateway.config.sections import RedisConfig
+from gateway.replicas.shared_state import SharedState, connect
+from gateway.routing.state_table import StateTable
 from tests.harness import free_port
 
 SYSTEM_REDIS = "redis://127.0.0.1:6379/0"

@@ -23,8 +23,8 @@ import grpc
 import httpx
 import pytest
 
-from heterogate.control_credentials import ENV_ENGINE_IDENTITY, IDENTITY_METADATA
-from heterogate.wire import control_pb2, control_pb2_grpc
+from common.control_credentials import ENV_ENGINE_IDENTITY, IDENTITY_METADATA
+from common.wire import control_pb2, control_pb2_grpc
 from tests.harness import ROOT, Gateway, free_port, long_request_id, metric_total, run_gateway, write_config
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, redis_server
 
@@ -63,7 +63,7 @@ def engine_processes(control_ports: set[int]) -> dict[str, list[int]]:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "backends.engine" not in argv or "--gateway" not in argv or "heterogate.process_guard" in argv:
+        if "backends.engine" not in argv or "--gateway" not in argv or "gateway.control.process_guard" in argv:
             continue   # not an engine (a guard's command line carries its engine's too)
         port = int(argv[argv.index("--gateway") + 1].rsplit(":", 1)[1])
         if port in control_ports:

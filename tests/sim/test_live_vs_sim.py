@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 from loadtest.consistency import CLUSTER, arrival_rate, conservation_errors, measure, replay_trace, run_live, run_sim
 
 N_REQUESTS, LOAD, TIME_SCALE, SEED = 40, 0.7, 2.0, 1

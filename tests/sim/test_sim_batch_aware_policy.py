@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from gateway.policies import REGISTRY, build_policy
-from gateway.policies.batch_aware import BatchAware, BatchAwareParams
-from gateway.policies.contracts import RequestProfile
-from gateway.policies.heteroserve import HeteroServe
-from heterogate.errors import ConfigError
+from common.errors import ConfigError
+from gateway.routing.policies import REGISTRY, build_policy
+from gateway.routing.policies.batch_aware import BatchAware, BatchAwareParams
+from gateway.routing.policies.contracts import RequestProfile
+from gateway.routing.policies.heteroserve import HeteroServe
 from tests.snapshots import cluster, snapshot
 
 REQ = RequestProfile("r", input_tokens=800, max_output_tokens=256)

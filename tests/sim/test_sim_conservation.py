@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends.batcher import ContinuousBatcher, StepResult
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 from loadtest.sim.engines import BatchEngine, Recorder
 from loadtest.sim.experiments import THREE_TIER
 from loadtest.sim.simulator import RunSpec, arrival_rate, build_engines, make_policy, simulate

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
+from common import perf_model
+from common.catalog import load_catalog
 from loadtest.sim.engines import Recorder
 from loadtest.sim.modality import DEPLOYMENTS, VlmRunSpec, VlmSimulation, build, run_vlm
 from loadtest.sim.workloads import make_trace

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
+from common import perf_model
+from common.catalog import load_catalog
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
 from loadtest.sim import oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder, SerialEngine
 from loadtest.sim.experiments import THREE_TIER

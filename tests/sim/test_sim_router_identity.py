@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import gateway.policies as policies
-from gateway.policies.contracts import BackendSnapshot, Decision, RequestProfile
-from gateway.policies.heteroserve import HeteroServe
-from heterogate.catalog import load_catalog
+import gateway.routing.policies as policies
+from common.catalog import load_catalog
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
+from gateway.routing.policies.heteroserve import HeteroServe
 from loadtest.sim import simulator
 from loadtest.sim.engines import Recorder
 from loadtest.sim.experiments import THREE_TIER

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 from loadtest.sim import capacity
 from loadtest.sim.engines import EngineSpec, Recorder, SerialEngine
 from loadtest.sim.workloads import Lengths
@@ -48,7 +48,7 @@ def test_requests_run_one_at_a_time_in_fifo_order() -> None:
 
 
 def test_service_time_starts_at_the_prior_and_the_first_completion_moves_it_by_a_fifth() -> None:
-    """As the engines measure T̄_service (heterogate.service_time.updated_mean_service)."""
+    """As the engines measure T̄_service (common.service_time.updated_mean_service)."""
     catalog = load_catalog()
     model, gpu = catalog.model("llama-2-70b"), catalog.gpu("H100")
     rec = Recorder.for_lengths(_lengths([100], [64]))

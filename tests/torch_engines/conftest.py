@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from backends.torch_models import save_random_model
-from heterogate.catalog import load_catalog
+from common.catalog import load_catalog
 
 TINY = "llava-1.5-tiny"
 TINY_QWEN = "qwen2.5-vl-tiny"

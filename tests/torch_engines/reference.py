@@ -17,7 +17,7 @@ import torch
 import transformers
 from PIL import Image
 
-from heterogate.tokenizer import LLAVA_CHAT_TEMPLATE, QWEN_IMAGE_TOKEN, load_tokenizer
+from common.tokenizer import LLAVA_CHAT_TEMPLATE, QWEN_IMAGE_TOKEN, load_tokenizer
 
 
 class Reference:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.detokenizer import IncrementalText
-from heterogate.tokenizer import byte_tokenizer
+from common.tokenizer import byte_tokenizer
 
 TOK = byte_tokenizer()
 

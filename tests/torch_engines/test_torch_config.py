@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from backends.torch_models import FAMILIES, hf_config
-from gateway.config import load_cluster
-from gateway.launchers import engine_argv
-from heterogate.catalog import load_catalog
-from heterogate.errors import ConfigError
+from common.catalog import load_catalog
+from common.errors import ConfigError
+from gateway.config.cluster import load_cluster
+from gateway.control.launchers import engine_argv
 from tests.harness import write_config
 
 

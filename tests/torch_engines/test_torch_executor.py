@@ -12,8 +12,8 @@ from backends.executor_factory import build_executors
 from backends.executors import GenerateInput, LanguageExecutor, Sampling, Token
 from backends.gpu_scheduler import GpuScheduler
 from backends.torch_executor import TorchLanguageExecutor
-from heterogate.catalog import load_catalog
-from heterogate.wire import engine_pb2
+from common.catalog import load_catalog
+from common.wire import engine_pb2
 from tests.torch_engines.conftest import TINY
 
 

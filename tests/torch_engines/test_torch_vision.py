@@ -11,9 +11,9 @@ import torch
 
 from backends.torch_models import load_model
 from backends.torch_vision import TorchEncoder
-from heterogate.catalog import load_catalog
-from heterogate.errors import ConfigError
-from heterogate.wire import engine_pb2
+from common.catalog import load_catalog
+from common.errors import ConfigError
+from common.wire import engine_pb2
 from tests.harness import ROOT, image_bytes
 from tests.torch_engines.conftest import TINY, TINY_QWEN
 from tests.torch_engines.reference import Reference

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backends.torch_models import FAMILIES, load_model
-from heterogate.catalog import load_catalog
-from heterogate.errors import ConfigError
+from common.catalog import load_catalog
+from common.errors import ConfigError
 from tests.torch_engines.conftest import TINY, TINY_QWEN
 from tests.torch_engines.reference import Reference
 

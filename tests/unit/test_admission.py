@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
-from gateway.admission import AdmissionConfig, AdmissionQueue
-from gateway.errors import Overloaded
+from gateway.config.sections import AdmissionConfig
+from gateway.pipeline.admission import AdmissionQueue
+from gateway.requests.errors import Overloaded
 
 
 async def test_passes_straight_through_when_not_saturated() -> None:

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import AuthConfig, KeyRing
-from gateway.control_auth import ControlAuth
-from gateway.errors import Unauthorized
-from heterogate.errors import ConfigError
+from common.errors import ConfigError
+from gateway.config.auth import AuthConfig, KeyRing
+from gateway.control.control_auth import ControlAuth
+from gateway.requests.errors import Unauthorized
 
 
 def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> KeyRing:

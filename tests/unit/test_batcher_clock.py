@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from backends.batcher import ContinuousBatcher, Sequence
-from heterogate import perf_model
-from heterogate.service_time import updated_mean_service
+from common import perf_model
+from common.service_time import updated_mean_service
 from tests.snapshots import catalog
 
 

@@ -8,11 +8,12 @@ import random
 
 import numpy as np
 
-from gateway.policies.candidates import Candidates, column_array
-from gateway.policies.contracts import BackendSnapshot, Role
-from gateway.state_table import SERVING, Lease, Reported, StateTable
-from heterogate import perf_model
-from heterogate.metric_tables import SATURATED_QUEUE
+from common import perf_model
+from common.metric_tables import SATURATED_QUEUE
+from gateway.routing.backend_entry import SERVING, Lease, Reported
+from gateway.routing.policies.candidates import Candidates, column_array
+from gateway.routing.policies.contracts import BackendSnapshot, Role
+from gateway.routing.state_table import StateTable
 from tests.snapshots import MODEL, catalog, snapshot
 
 LANGUAGE: tuple[Role, ...] = ("language", "both")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from gateway.circuit_breaker import BreakerConfig, Breakers, State
+from gateway.config.sections import BreakerConfig
+from gateway.pipeline.breakers import Breakers, State
 
 
 class Clock:

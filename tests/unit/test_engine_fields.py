@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engine_fields import check_engine_can_honour, refused_fields
-from gateway.errors import InvalidRequest
+from gateway.clients.engine_fields import check_engine_can_honour, refused_fields
+from gateway.requests.errors import InvalidRequest
 
 
 def test_plain_requests_and_fields_that_ask_nothing_pass() -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engine_identities import EngineIdentities, digest
-from gateway.leadership import LOST, RENEWED, LeaderLease
-from gateway.redis_config import RedisConfig
-from gateway.shared_state import SharedState, connect
+from gateway.config.sections import RedisConfig
+from gateway.control.engine_identities import EngineIdentities, digest
+from gateway.replicas.leadership import LOST, RENEWED, LeaderLease
+from gateway.replicas.shared_state import SharedState, connect
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, table
 
 pytestmark = pytest.mark.timeout(30)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.generation_job import GenerationJob
+from gateway.requests.job import GenerationJob
 
 
 def test_context_need_and_fit() -> None:

@@ -8,11 +8,11 @@ import contextlib
 import grpc
 import pytest
 
-from gateway.heartbeat_service import ControlService
-from gateway.state_table import StateTable
-from heterogate.catalog import load_catalog
-from heterogate.heartbeat_sender import HeartbeatSender
-from heterogate.wire import control_pb2, control_pb2_grpc
+from common.catalog import load_catalog
+from common.heartbeat_sender import HeartbeatSender
+from common.wire import control_pb2, control_pb2_grpc
+from gateway.control.heartbeat_service import ControlService
+from gateway.routing.state_table import StateTable
 from tests.harness import free_port
 
 pytestmark = pytest.mark.timeout(30)

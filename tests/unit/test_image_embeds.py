@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.errors import BackendFailure
-from gateway.image_embeds import with_image_embeds
-from gateway.images import ImageInput
-from heterogate.catalog import load_catalog
-from heterogate.wire import engine_pb2
+from common.catalog import load_catalog
+from common.wire import engine_pb2
+from gateway.clients.image_embeds import with_image_embeds
+from gateway.requests.errors import BackendFailure
+from gateway.requests.images import ImageInput
 
 CATALOG = load_catalog()
 LLAVA, QWEN = CATALOG.model("llava-1.5-7b"), CATALOG.model("qwen2.5-vl-7b")

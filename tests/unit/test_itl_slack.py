@@ -1,10 +1,10 @@
-"""`heterogate.itl_slack`: each request's room for prefill stall before it misses its inter-token target."""
+"""`common.itl_slack`: each request's room for prefill stall before it misses its inter-token target."""
 
 from __future__ import annotations
 
 import pytest
 
-from heterogate.itl_slack import InterTokenSlack
+from common.itl_slack import InterTokenSlack
 
 P, STEP = 0.3e-3, 0.04   # an L40S-like backend: s/prompt token, decode step
 

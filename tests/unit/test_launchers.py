@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import CommandLaunchSpec, load_cluster
-from gateway.launchers import CommandLauncher, EngineLauncher, build_launchers, managed_ports
+from gateway.config.cluster import CommandLaunchSpec, load_cluster
+from gateway.control.launchers import CommandLauncher, EngineLauncher, build_launchers, managed_ports
+from gateway.routing.backend_entry import Reported
 from gateway.runtime import build_runtime
-from gateway.state_table import Reported
 from tests.config_files import config_error, write
 from tests.snapshots import catalog
 

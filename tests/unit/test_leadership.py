@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from gateway.leadership import LOST, MISSING, RENEWED, LeaderLease, Supervision
-from gateway.redis_config import RedisConfig
-from gateway.shared_state import connect
+from gateway.config.sections import RedisConfig
+from gateway.replicas.leadership import LOST, MISSING, RENEWED, LeaderLease, Supervision
+from gateway.replicas.shared_state import connect
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix
 
 pytestmark = pytest.mark.timeout(30)

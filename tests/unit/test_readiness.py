@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_cluster
+from gateway.config.cluster import load_cluster
 from gateway.runtime import needs_vision_pool
 
 LANG = "{id: l0, role: language, gpu: H100, launch: {}}"

@@ -7,7 +7,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from gateway.request_metrics import CounterTable, HistogramTable, TablesCollector
+from gateway.pipeline.request_metrics import CounterTable, HistogramTable, TablesCollector
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

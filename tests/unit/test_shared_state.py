@@ -9,7 +9,7 @@ import time
 import pytest
 from redis.exceptions import RedisError
 
-from gateway.state_table import Reported
+from gateway.routing.backend_entry import Reported
 from tests.harness import free_port
 from tests.replicas.redis_helpers import redis_prefix, replica, table
 

@@ -1,4 +1,4 @@
-"""The learned per-backend speed: warm-up, outliers, convergence (heterogate.speed_estimator)."""
+"""The learned per-backend speed: warm-up, outliers, convergence (common.speed_estimator)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from heterogate.speed_estimator import BackendSpeed, RobustEstimate, SpeedParams, prior_speed
+from common.speed_estimator import BackendSpeed, RobustEstimate, SpeedParams, prior_speed
 from tests.snapshots import catalog
 
 PARAMS = SpeedParams()

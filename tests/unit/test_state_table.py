@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.state_table import PeerLoad, Reported, StateTable
-from heterogate import perf_model
+from common import perf_model
+from gateway.routing.state_table import PeerLoad, Reported, StateTable
 from tests.snapshots import catalog
 
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_cluster
+from gateway.config.cluster import load_cluster
+from gateway.routing.backend_entry import Reported
+from gateway.routing.state_table import StateTable
 from gateway.runtime import build_runtime
-from gateway.state_table import Reported, StateTable
 from tests.config_files import write
 from tests.snapshots import catalog
 

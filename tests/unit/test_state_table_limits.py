@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from gateway.state_table import Reported, StateTable
-from heterogate import perf_model
-from heterogate.catalog import load_catalog
+from common import perf_model
+from common.catalog import load_catalog
+from gateway.routing.backend_entry import Reported
+from gateway.routing.state_table import StateTable
 
 CATALOG = load_catalog()
 MODEL, GPU = CATALOG.model("llava-1.5-7b"), CATALOG.gpu("A100-80GB")

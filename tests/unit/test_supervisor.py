@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gateway.launchers import LaunchPlan
-from gateway.state_table import Lifecycle
-from gateway.supervisor import Supervisor
+from gateway.control.launchers import LaunchPlan
+from gateway.control.supervisor import Supervisor
+from gateway.routing.backend_entry import Lifecycle
 
 
 class FakeClock:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from heterogate.upstream_models import max_model_len
+from common.upstream_models import max_model_len
 
 VLLM = {"object": "list", "data": [
     {"id": "base", "object": "model", "max_model_len": 32768},

@@ -1,0 +1,123 @@
+"""What each backend actually delivers, learned online from what the router already sees.
+
+Datasheet peaks say what a GPU could do; an engine on it does less (3-4x less prefill in practice),
+and a tier's engines differ by configuration. Per backend, from each request it routed there:
+
+    prefill rate  p̂ (s / token)  sample = max(0, TTFT − ŝ) / tokens_ahead
+                                   tokens_ahead = prompt tokens this router had sent there and not yet
+                                   seen a first token for, the request's own included (chunked
+                                   prefill serves them in order), taken only when >= 64 tokens
+    decode step   ŝ (s)           sample = (last token − first token) / (completion tokens − 1)
+    T̄_service     (s)             sample = prompt tokens · p̂ + (last token − first token): the
+                                   request's own prefill and decode, not the time it queued
+
+p̂ and ŝ are each the performance-model prior blended with the median of the last `window` samples:
+
+    estimate = w · prior + (1 − w) · median(window),      w = k0 / (k0 + n)
+
+with n the samples seen so far and k0 = `prior_weight` (4: the prior counts as four samples, weighs
+one half after 4 samples and a tenth after 36). A sample is clipped to [estimate / C, estimate · C]
+(C = 4) before it enters the window, and the median ignores the rest of an outlier, so neither a
+warm-up request nor a stall moves an estimate far; a true change of speed is followed within half a
+window. T̄_service is `common.service_time` (prior, clipped EWMA). Pure: numbers in, numbers
+out; no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import deque
+from dataclasses import dataclass
+
+from common import perf_model
+from common.catalog import GpuProfile, ModelProfile
+from common.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS, prior_service_s, updated_mean_service
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedParams:
+    prior_weight: float = 4.0        # k0: the prior counts as this many samples
+    window: int = 32                 # samples the median runs over
+    clip: float = 4.0                # C
+    min_prefill_tokens: int = 64     # fewer tokens ahead: TTFT is mostly step overhead, not prefill
+
+
+class RobustEstimate:
+    """A prior blended with the median of recent clipped samples (see the module docstring).
+
+    The window is also kept sorted (an insertion and a removal a sample), so the median is read, not
+    sorted for: every request adds a sample or two."""
+
+    __slots__ = ("_params", "_sorted", "_window", "prior", "samples", "value")
+
+    def __init__(self, prior: float, params: SpeedParams) -> None:
+        self.prior = self.value = prior
+        self.samples = 0
+        self._params = params
+        self._window: deque[float] = deque(maxlen=params.window)
+        self._sorted: list[float] = []
+
+    def add(self, sample: float) -> None:
+        p = self._params
+        clipped = min(self.value * p.clip, max(self.value / p.clip, sample))
+        window, ordered = self._window, self._sorted
+        if len(window) == window.maxlen:   # the oldest leaves the window
+            del ordered[bisect_left(ordered, window[0])]
+        window.append(clipped)
+        insort(ordered, clipped)
+        self.samples += 1
+        w = p.prior_weight / (p.prior_weight + self.samples)
+        self.value = w * self.prior + (1.0 - w) * _median(ordered)
+
+    @property
+    def prior_share(self) -> float:
+        """The prior's weight w in the estimate now."""
+        return self._params.prior_weight / (self._params.prior_weight + self.samples)
+
+
+def _median(ordered: list[float]) -> float:
+    """The median of a sorted, non-empty list, as `statistics.median` gives it."""
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+class BackendSpeed:
+    """p̂, ŝ and T̄_service of one backend."""
+
+    __slots__ = ("_params", "decode", "prefill", "service_s", "service_samples")
+
+    def __init__(
+        self, prefill_s_per_token: float, decode_step_s: float, service_s: float, params: SpeedParams | None = None
+    ) -> None:
+        self._params = params or SpeedParams()
+        self.prefill = RobustEstimate(prefill_s_per_token, self._params)
+        self.decode = RobustEstimate(decode_step_s, self._params)
+        self.service_s = service_s
+        self.service_samples = 0
+
+    def first_token(self, ttft_s: float, tokens_ahead: int) -> None:
+        """A request's first token came `ttft_s` after dispatch with `tokens_ahead` tokens to prefill."""
+        if tokens_ahead >= self._params.min_prefill_tokens:
+            self.prefill.add(max(0.0, ttft_s - self.decode.value) / tokens_ahead)
+
+    def completed(self, prompt_tokens: int, completion_tokens: int, decode_s: float) -> None:
+        """A request finished: `decode_s` from its first token to its last."""
+        if completion_tokens >= 2:
+            self.decode.add(decode_s / (completion_tokens - 1))
+        self.service_s = updated_mean_service(self.service_s, prompt_tokens * self.prefill.value + decode_s)
+        self.service_samples += 1
+
+    def describe(self) -> dict[str, float | int]:
+        return {
+            "prefill_s_per_token": self.prefill.value, "prefill_prior_s_per_token": self.prefill.prior,
+            "prefill_samples": self.prefill.samples, "decode_step_s": self.decode.value,
+            "decode_prior_s": self.decode.prior, "decode_samples": self.decode.samples,
+            "service_s": self.service_s, "service_samples": self.service_samples,
+        }
+
+
+def prior_speed(model: ModelProfile, gpu: GpuProfile, params: SpeedParams | None = None) -> BackendSpeed:
+    """A backend's estimates before any sample: the performance model's unloaded figures."""
+    ctx = PRIOR_PROMPT_TOKENS + PRIOR_OUTPUT_TOKENS // 2
+    return BackendSpeed(perf_model.prefill_seconds_per_token(model, gpu),
+                        perf_model.decode_step_seconds(model, gpu, 1, ctx), prior_service_s(model, gpu), params)

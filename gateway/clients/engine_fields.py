@@ -1,0 +1,51 @@
+"""What the gateway's own engines (`kind: engine`, simulated or torch) can honour of an OpenAI request.
+
+Engines take a prompt, `max_tokens`, `temperature`, `top_p` and `stop`, and give one choice. A request
+that asks for anything else (tools, logprobs, a response format, `n` > 1, a seed, penalties, vendor
+fields, tool calls in its messages) would get an answer that silently ignores it: an engine refuses
+it with a 400 that names the fields instead. A field sent with a value that asks nothing (null,
+false, 0, empty, `n: 1`, `tool_choice: "none"`, `response_format: {"type": "text"}`) is no request.
+`kind: openai` backends get every field (`gateway.clients.openai_upstream`). Torch engines also honour `seed`:
+a request the gateway tokenised for them (an exact request) may carry one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.requests.errors import InvalidRequest
+
+HONOURED = frozenset({
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
+    "stream", "stream_options", "user", "echo",
+})
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_NO_REQUEST: dict[str, Any] = {"n": 1, "tool_choice": "none", "response_format": {"type": "text"}}
+
+
+def _asks_nothing(key: str, value: Any) -> bool:
+    return not value or _NO_REQUEST.get(key) == value
+
+
+EXACT_HONOURED = HONOURED | {"seed"}
+
+
+def refused_fields(body: dict[str, Any], *, exact: bool = False) -> list[str]:
+    """The fields of `body` an engine cannot honour, as dotted paths (`messages.2.tool_calls`)."""
+    honoured = EXACT_HONOURED if exact else HONOURED
+    refused = [k for k, v in body.items() if k not in honoured and not _asks_nothing(k, v)]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if isinstance(message, dict):
+                refused += [f"messages.{i}.{k}" for k, v in message.items() if k not in MESSAGE_FIELDS and v]
+    return refused
+
+
+def check_engine_can_honour(body: dict[str, Any], *, exact: bool = False) -> None:
+    refused = refused_fields(body, exact=exact)
+    if refused:
+        raise InvalidRequest(
+            f"this gateway's engines cannot honour {', '.join(refused)}; "
+            "such requests need a kind: openai backend (vLLM, SGLang, ...)", param=refused[0],
+        )

@@ -1,0 +1,385 @@
+"""Client of an existing OpenAI-compatible engine (vLLM, SGLang, ...): `kind: openai` backends.
+
+The client's body goes upstream with every field it sent (tools, tool_choice, tool_calls and
+tool_call_id in messages, response_format, logprobs, seed, n, penalties, logit_bias, vendor fields
+such as top_k or chat_template_kwargs); the gateway changes only what it must: the model name (to
+the upstream's), `stream`, `max_tokens` (the gateway's bound; `max_completion_tokens` folded in),
+`stream_options.include_usage` (the gateway counts tokens) and, with `image_embeds`, image parts
+replaced by their embeddings. An `api_key` of the backend goes as `Authorization: Bearer`. A streamed
+request is read back from the upstream SSE as the same chunk stream the gRPC engines give; a
+non-streamed one is asked of the upstream non-streamed and its reply comes back whole, as one chunk
+whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
+every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
+and both front doors work unchanged. Transport errors are mapped at this boundary: connection errors,
+timeouts, 5xx, 429 and 401/403 (the backend's api_key) are backend failures (retryable before the
+first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
+
+With `image_embeds: true` the backend is the language side of the modality split: the pipeline has a
+vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
+`image_embeds` content parts (see `gateway.clients.image_embeds`). The overall request deadline bounds every
+read, not only the first.
+
+The HTTP client is `gateway.clients.upstream_http`, one keep-alive pool per backend: httpx's pool cost about
+half of the gateway's CPU per request in front of a fast engine, aiohttp's request path 87 µs, the
+lean httptools client 18 µs (see that module).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+
+from common.catalog import ModelProfile
+from common.wire import engine_pb2
+from gateway.clients.image_embeds import with_image_embeds
+from gateway.clients.upstream_http import UpstreamPool, UpstreamResponse
+from gateway.requests.errors import BackendFailure, BackendTimeout, InvalidRequest
+from gateway.requests.job import GenerationJob, Handoff
+from gateway.requests.openai_format import completion_id
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """How to talk to one kind: openai backend."""
+
+    model: str | None = None                  # the model name it serves under (default: the client's)
+    embeds_model: ModelProfile | None = None  # it takes this model's image embeddings inline
+    api_key: str | None = None                # sent as Authorization: Bearer
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(orjson.loads(body)["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
+class _Relay:
+    """An upstream reply or SSE event as the client will see it: the gateway's completion id and model name.
+
+    The two values are swapped in the bytes (compact JSON, as vLLM and SGLang write it); only a body
+    written some other way is re-encoded. Everything else the upstream sent passes through untouched,
+    byte for byte. An upstream's id and model are the same in every event of a stream, so their bytes
+    are worked out once and checked for in each event.
+    """
+
+    def __init__(self, completion_id: str, served_model: str) -> None:
+        self._id = b'"id":' + orjson.dumps(completion_id)
+        self._model = b'"model":' + orjson.dumps(served_model) if served_model else b""
+        self._served = (completion_id, served_model)
+        self._seen: tuple[Any, Any] | None = None
+        self._swaps: list[tuple[bytes, bytes]] = []
+
+    def swapped(self, raw: bytes, parsed: dict[str, Any]) -> bytes:
+        """`raw` (whose JSON is `parsed`) with the gateway's id and model."""
+        if not self._has_swaps(raw):   # the first body, or one whose id or model differs from the last's
+            seen = (parsed.get("id"), parsed.get("model"))
+            if seen != self._seen:
+                self._seen = seen
+                self._swaps = [(b'"id":' + orjson.dumps(seen[0]), self._id)]
+                if self._model:
+                    self._swaps.append((b'"model":' + orjson.dumps(seen[1]), self._model))
+            if not self._has_swaps(raw):   # not compact JSON: re-encoded
+                served_id, served_model = self._served
+                return orjson.dumps({**parsed, "id": served_id, **({"model": served_model} if self._model else {})})
+        for old, new in self._swaps:
+            raw = raw.replace(old, new, 1)
+        return raw
+
+    def _has_swaps(self, raw: bytes) -> bool:
+        if not self._swaps:
+            return False
+        for old, _ in self._swaps:
+            if old not in raw:
+                return False
+        return True
+
+    def event(self, raw: bytes, event: dict[str, Any]) -> bytes:
+        """An SSE payload as the client's `data:` event."""
+        return b"data: " + self.swapped(raw, event) + b"\n\n"
+
+
+class OpenAIUpstreamClient:
+    def __init__(self, backend_id: str, base_url: str, pool: UpstreamPool, upstream: Upstream) -> None:
+        self.backend_id = backend_id
+        self.address = base_url.rstrip("/")
+        self._pool = pool
+        self._model = upstream.model
+        self._embeds_model = upstream.embeds_model
+        self._headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
+        if upstream.api_key:
+            self._headers += (("authorization", f"Bearer {upstream.api_key}"),)
+        # inline: takes embeddings in the request body; none: the upstream encodes its own images
+        self.handoff: Handoff = "inline" if upstream.embeds_model is not None else "none"
+
+    def _body(self, job: GenerationJob, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The upstream's request body: the client's (or `body`, the client's with its images' embeddings)
+        with the upstream's model, stream and max_tokens."""
+        body = dict(job.body) if body is None else body
+        if self._model:
+            body["model"] = self._model
+        body.update(stream=not job.whole, max_tokens=job.max_tokens)
+        options = body.pop("stream_options", None)
+        if not job.whole:
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        body.pop("max_completion_tokens", None)
+        return body
+
+    async def _body_with_embeds(self, job: GenerationJob) -> dict[str, Any]:
+        """`_body` for an upstream that takes the images' embeddings in its request (built off the loop)."""
+        assert self._embeds_model is not None
+        body = await asyncio.to_thread(with_image_embeds, dict(job.body), self._embeds_model, job.images,
+                                       job.embeddings)
+        return self._body(job, body)
+
+    def _inline_embeds(self, job: GenerationJob) -> bool:
+        return bool(job.embeddings) and self._embeds_model is not None
+
+    def generate(
+        self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
+        timeout_s: float,
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """The job's chunks: a non-streamed job's one chunk from one exchange, a streamed job's from
+        the upstream's events as they come."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        if job.whole:
+            return _OneChunk(self._exchange(job, deadline, timeout_s))
+        return self._stream(job, deadline, first_token_timeout_s, timeout_s)
+
+    async def _exchange(self, job: GenerationJob, deadline: float, timeout_s: float) -> engine_pb2.GenerateChunk:
+        """A non-streamed request: asked non-streamed, its reply read whole. A reply arrives only after
+        its last token, so only the request's deadline bounds it (the connection's timer, one for the
+        whole exchange)."""
+        try:
+            payload = await self._body_with_embeds(job) if self._inline_embeds(job) else self._body(job)
+            resp = await self._pool.post(_path(job), orjson.dumps(payload), self._request_headers(job),
+                                         connect_timeout_s=min(5.0, timeout_s), until=deadline)
+            try:
+                if resp.status != 200:
+                    await self._refuse(resp)
+                raw = await resp.read()
+            finally:
+                resp.release()
+        except OSError as exc:   # TimeoutError included
+            raise self._failure(exc, started=False) from None
+        return self._whole(raw, job)
+
+    async def _stream(
+        self, job: GenerationJob, deadline: float, read_s: float, timeout_s: float
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """A streamed request: each read of the stream must come within `read_s` (the first-token
+        timeout), and all of them by the deadline."""
+        started = False
+        try:
+            payload = await self._body_with_embeds(job) if self._inline_embeds(job) else self._body(job)
+            post = self._pool.post(_path(job), orjson.dumps(payload), self._request_headers(job),
+                                   connect_timeout_s=min(5.0, timeout_s))
+            resp = await _bounded(post, deadline, read_s)
+            try:
+                if resp.status != 200:
+                    await self._refuse(resp, deadline)
+                async for chunk in self._chunks(resp, deadline, read_s, job):
+                    started = True
+                    yield chunk
+            finally:
+                resp.release()   # back to the pool when the body was read to its end, else closed
+        except OSError as exc:   # TimeoutError included
+            raise self._failure(exc, started) from None
+
+    def _request_headers(self, job: GenerationJob) -> tuple[tuple[str, str], ...]:
+        return (*self._headers, ("x-request-id", job.request_id))
+
+    def _failure(self, exc: OSError, started: bool) -> BackendFailure:
+        """Transport errors → the backend's failure: retryable while nothing reached the client."""
+        if isinstance(exc, TimeoutError):
+            what = str(exc) if isinstance(exc, _Silent) else "request deadline exceeded"
+            return BackendTimeout(f"backend {self.backend_id}: {what}", backend_id=self.backend_id,
+                                  retryable=not started)
+        # connect errors, resets, an upstream that does not speak HTTP/1.1
+        return BackendFailure(f"backend {self.backend_id}: {type(exc).__name__}: {exc}",
+                              backend_id=self.backend_id, retryable=not started)
+
+    async def _refuse(self, resp: UpstreamResponse, until: float | None = None) -> None:
+        """A response other than 200 → the gateway's error for it (the body read for its message, by
+        loop time `until`)."""
+        message = _error_message(await resp.read(until))
+        # 401/403: the gateway's credentials for this backend, not the client's request
+        if resp.status >= 500 or resp.status in (401, 403, 429):
+            raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
+                                 backend_id=self.backend_id)
+        raise InvalidRequest(f"upstream rejected the request: {message}")
+
+    def _whole(self, raw: bytes, job: GenerationJob) -> engine_pb2.GenerateChunk:
+        """A non-streamed reply → one chunk carrying the upstream's body as it came, with the gateway's id
+        and model swapped in."""
+        try:
+            reply = orjson.loads(raw)
+            choices = reply["choices"]
+            first = choices[0]
+            text = (first.get("message") or {}).get("content") or first.get("text") or ""
+            finish = first.get("finish_reason") or "stop"
+            usage = reply.get("usage") or {}
+        except (orjson.JSONDecodeError, KeyError, IndexError, AttributeError, TypeError) as exc:
+            raise BackendFailure(f"backend {self.backend_id}: malformed reply: {exc!r}",
+                                 backend_id=self.backend_id) from None
+        relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
+        chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=relay.swapped(raw, reply))
+        chunk.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+        chunk.usage.completion_tokens = usage.get("completion_tokens", 0)
+        return chunk
+
+    async def _chunks(
+        self, resp: UpstreamResponse, deadline: float, read_s: float | None, job: GenerationJob
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """SSE → chunks, each carrying its upstream events for verbatim relay; the last chunk with a finish
+        reason is held back until usage arrives. With several choices (`n`) only that last one ends the
+        stream: the finish event of an earlier choice is relayed as is, in a chunk without a finish.
+
+        Events that arrive in one read leave as one chunk (their relays and texts joined): under load a
+        fast engine's events come in bursts, and every chunk costs a trip through the pipeline, the
+        door and a socket write.
+        """
+        index, held = 0, None
+        relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
+        finished = False
+        pending = b""
+        loop = asyncio.get_running_loop()
+        while True:
+            until = deadline if read_s is None else min(deadline, loop.time() + read_s)
+            try:
+                data = await resp.read_some(until)   # the bound never spans a yield
+            except TimeoutError:
+                if read_s is not None and until < deadline:
+                    raise _Silent.after(read_s) from None
+                raise
+            if not data:
+                break
+            # After [DONE] the body is still read to its end: a response closed early takes its
+            # connection with it, and the next request pays a new TCP handshake.
+            if finished:
+                continue
+            *lines, pending = (pending + data).split(b"\n")
+            batch: list[tuple[str, bytes]] = []
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    finished = True
+                    break
+                text, finish, usage, event = self._event(payload, index == 0)
+                if event is not None:
+                    index += 1
+                    if finish:
+                        if held is not None:   # an earlier choice's end, not the stream's
+                            batch.append((held.text, held.relay))
+                        if batch:
+                            yield _joined(batch, index - 1)
+                            batch = []
+                        held = engine_pb2.GenerateChunk(text=text, index=index - 1, finish_reason=finish,
+                                                        relay=relay.event(payload, event))
+                    else:
+                        batch.append((text, relay.event(payload, event)))
+                if usage and held is not None:
+                    held.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+                    held.usage.completion_tokens = usage.get("completion_tokens", 0)
+            if batch:
+                yield _joined(batch, index - 1)
+        if held is None:
+            raise BackendFailure(f"backend {self.backend_id}: stream ended without a finish reason",
+                                 backend_id=self.backend_id, retryable=index == 0)
+        if not held.usage.completion_tokens:
+            held.usage.completion_tokens = index
+        yield held
+
+    def _event(self, payload: bytes, first: bool) -> tuple[str, str, dict[str, Any], dict[str, Any] | None]:
+        """One SSE payload → (text, finish reason, usage, the event when it has choices)."""
+        try:
+            event = orjson.loads(payload)
+            if "error" in event:
+                message = event["error"].get("message", "error")
+                raise BackendFailure(f"backend {self.backend_id}: {message}", backend_id=self.backend_id,
+                                     retryable=first)
+            choices: list[Any] = event.get("choices") or []
+            if len(choices) == 1:   # the usual event: one choice, read without a pass over a list
+                choice = choices[0]
+                text, finish = _text(choice), choice.get("finish_reason") or ""
+            else:
+                text = "".join(_text(c) for c in choices)
+                finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), "")
+            usage = event.get("usage") or {}
+        except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError) as exc:
+            raise BackendFailure(f"backend {self.backend_id}: malformed event: {exc!r}",
+                                 backend_id=self.backend_id, retryable=first) from None
+        return text, finish, usage, event if choices else None
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+def _text(choice: dict[str, Any]) -> str:
+    """A choice's text: its delta's content (chat) or its text (completions)."""
+    delta = choice.get("delta")
+    return (delta.get("content") if delta else None) or choice.get("text") or ""
+
+
+def _path(job: GenerationJob) -> str:
+    return "/v1/chat/completions" if job.kind == "chat" else "/v1/completions"
+
+
+class _OneChunk:
+    """The one-chunk stream of a non-streamed exchange, read as the pipeline reads every backend's
+    stream (`anext`, then `aclose`). A plain object: an async generator per request is registered
+    with the event loop and finalized after, which cost ~5% of a request's CPU in front of a fast
+    upstream (docs/FRONT_DOOR.md)."""
+
+    def __init__(self, exchange: Coroutine[Any, Any, engine_pb2.GenerateChunk]) -> None:
+        self._exchange: Coroutine[Any, Any, engine_pb2.GenerateChunk] | None = exchange
+
+    def __aiter__(self) -> _OneChunk:
+        return self
+
+    async def __anext__(self) -> engine_pb2.GenerateChunk:
+        exchange, self._exchange = self._exchange, None
+        if exchange is None:
+            raise StopAsyncIteration
+        return await exchange
+
+    async def aclose(self) -> None:
+        if self._exchange is not None:   # never read: the exchange never started
+            self._exchange.close()
+            self._exchange = None
+
+
+class _Silent(TimeoutError):
+    """The upstream sent nothing for longer than a read may take (before the request's deadline)."""
+
+    @classmethod
+    def after(cls, read_s: float) -> _Silent:
+        return cls(f"no data from the upstream within {read_s:g} s")
+
+
+async def _bounded(wait: Awaitable[T], deadline: float, read_s: float | None) -> T:
+    """`wait`, within the request's deadline and, when `read_s` is set, within `read_s` from now."""
+    if read_s is None or asyncio.get_running_loop().time() + read_s >= deadline:
+        async with asyncio.timeout_at(deadline):
+            return await wait
+    try:
+        async with asyncio.timeout(read_s):
+            return await wait
+    except TimeoutError:
+        raise _Silent.after(read_s) from None
+
+
+def _joined(batch: list[tuple[str, bytes]], last_index: int) -> engine_pb2.GenerateChunk:
+    if len(batch) == 1:
+        text, relay = batch[0]
+    else:
+        text, relay = "".join(t for t, _ in batch), b"".join(r for _, r in batch)
+    return engine_pb2.GenerateChunk(text=text, index=last_index, relay=relay)

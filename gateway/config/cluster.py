@@ -1,0 +1,318 @@
+"""backends.yaml: the one config path, parsed strictly (unknown keys are errors naming file and key)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, field_validator, model_validator
+
+from common import yaml_files
+from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
+from common.errors import ConfigError
+from common.yaml_files import StrictModel
+from gateway.config.auth import AuthConfig
+from gateway.config.sections import AdmissionConfig, BreakerConfig, RedisConfig, TlsConfig, require_torch
+from gateway.requests.images import ImageLimits
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
+
+DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
+
+
+class LaunchSpec(StrictModel):
+    """How the gateway starts a managed engine (`python -m backends.engine ...`).
+
+    `executor: torch` runs the real model: from `model_path` (a local Hugging Face directory) or with
+    `random_weights` built from the catalog's Hugging Face config (`seed` picks the weights).
+    """
+
+    executor: Literal["simulated", "torch"] = "simulated"
+    model_path: str | None = None
+    random_weights: bool = False
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    seed: int = 0
+    max_model_len: PositiveInt | None = None     # KV tokens per sequence slot (default: the model's context)
+    time_scale: float = Field(default=1.0, ge=0)
+    max_batch: PositiveInt = 256
+    memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    vision_batch: PositiveInt = 32                 # aligned encode batch: images ...
+    vision_batch_timeout_ms: PositiveFloat = 50.0  # ... or this long after the first one
+    steal_episode_ms: PositiveFloat = 100.0        # bound on one work-stealing step
+    extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _weights(self) -> LaunchSpec:
+        if self.executor == "simulated":
+            if self.model_path is not None or self.random_weights:
+                raise ValueError("`model_path` and `random_weights` need `executor: torch`")
+            return self
+        if (self.model_path is None) == (not self.random_weights):
+            raise ValueError("`executor: torch` needs exactly one of `model_path` and `random_weights: true`")
+        if self.model_path is not None and not Path(self.model_path, "config.json").is_file():
+            raise ValueError(f"model_path {self.model_path}: no config.json there (a local Hugging Face directory "
+                             "is needed; nothing is downloaded)")
+        return self
+
+
+class CommandLaunchSpec(StrictModel):
+    """How the gateway starts an OpenAI-compatible engine of a `kind: openai` entry (`vllm serve ...`).
+
+    `{port}` in the command is replaced by `port` (a free loopback port picked at start-up when not
+    given); `devices` become CUDA_VISIBLE_DEVICES. The backend is `starting` until `GET ready_path`
+    answers 200, for at most `start_timeout_s` (then the process group is killed and started again).
+    """
+
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    devices: list[Annotated[int, Field(ge=0)]] | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    ready_path: str = Field(default="/health", pattern=r"^/")
+    start_timeout_s: PositiveFloat = 900.0     # model loads take minutes
+    probe_interval_s: PositiveFloat = 0.5
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        """A string is split as a shell would (no shell runs it)."""
+        return shlex.split(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _port_reaches_the_engine(self) -> CommandLaunchSpec:
+        if self.port is None and not any("{port}" in arg for arg in self.command):
+            raise ValueError("the command needs `{port}` where the engine takes its port (or give `port`)")
+        return self
+
+
+def _launch_kind(value: Any) -> str:
+    command = isinstance(value, CommandLaunchSpec) or (isinstance(value, dict) and "command" in value)
+    return "command" if command else "engine"
+
+
+Launch = Annotated[
+    Annotated[LaunchSpec, Tag("engine")] | Annotated[CommandLaunchSpec, Tag("command")],
+    Discriminator(_launch_kind),
+]
+
+
+class ScrapeSpec(StrictModel):
+    """Gateway-side scraping of an engine's Prometheus /metrics (for engines without an agent)."""
+
+    engine: Literal["vllm", "sglang", "trtllm"]
+    metrics_url: str | None = None       # default: <address>/metrics
+    interval_ms: PositiveInt = 500
+
+
+class BackendSpec(StrictModel):
+    id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    kind: Literal["engine", "openai"] = "engine"   # engine: our gRPC engine; openai: vLLM/SGLang/... over HTTP
+    role: Literal["language", "vision", "both"] = "language"
+    gpu: str
+    address: str | None = None      # engine: host:port; openai: base URL. Managed engines report theirs.
+    launch: Launch | None = None
+    steal: bool = False
+    upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
+    scrape: ScrapeSpec | None = None
+    # openai: the upstream takes vLLM `image_embeds` parts (vllm serve --enable-mm-embeds), so a vision
+    # backend encodes the images and the upstream runs only the language model
+    image_embeds: bool = False
+    # Where the engine does not report them (see README "Honest limits"): context (prompt + completion
+    # tokens) and KV capacity in tokens. The engine's own figures win; without either, the catalog
+    # model's context and the performance model's KV estimate.
+    max_model_len: PositiveInt | None = None
+    kv_capacity_tokens: PositiveInt | None = None
+    # openai: sent upstream as `Authorization: Bearer ...` (vllm serve --api-key); the env var is read at start-up
+    api_key: str | None = Field(default=None, min_length=1)
+    api_key_env: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _managed_or_external(self) -> BackendSpec:
+        if self.launch is None and self.address is None:
+            raise ValueError("an entry needs `launch` (managed) or `address` (external)")
+        if self.steal and self.role != "vision":
+            raise ValueError("`steal` applies to vision backends only")
+        if self.kind == "openai":
+            if self.role != "language":
+                raise ValueError("kind: openai backends are language backends (role language)")
+            if self.launch is not None and not isinstance(self.launch, CommandLaunchSpec):
+                raise ValueError("a kind: openai `launch` needs `command` (e.g. vllm serve ... --port {port})")
+            if self.launch is None and not (self.address or "").startswith(("http://", "https://")):
+                raise ValueError("kind: openai needs `address` as a base URL, e.g. http://10.0.0.5:8000")
+            if self.launch is not None and self.address is not None:
+                raise ValueError("a managed kind: openai entry gets its address from `launch.port`; drop `address`")
+            if self.api_key is not None and self.api_key_env is not None:
+                raise ValueError("give `api_key` or `api_key_env`, not both")
+        else:
+            if isinstance(self.launch, CommandLaunchSpec):
+                raise ValueError("`launch.command` applies to kind: openai backends only")
+            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env")
+            given = [f"`{name}`" for name in openai_only if getattr(self, name) not in (None, False)]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to kind: openai backends only")
+        return self
+
+    def upstream_api_key(self) -> str | None:
+        """The key sent upstream; an `api_key_env` naming an unset variable is a ConfigError."""
+        if self.api_key_env is None:
+            return self.api_key
+        value = os.environ.get(self.api_key_env)
+        if not value:
+            raise ConfigError(f"environment variable {self.api_key_env} is not set (api_key_env)")
+        return value
+
+
+class Limits(StrictModel):
+    max_prompt_tokens: PositiveInt | None = None   # default: no cap beyond the backends' contexts
+    max_tokens: PositiveInt = 4096                 # upper bound a client may ask for
+    default_max_tokens: PositiveInt = 256
+    max_body_bytes: PositiveInt = 32 << 20         # images arrive base64-encoded inside the body
+    max_messages: PositiveInt = 256
+    max_choices: PositiveInt = 8                   # `n`: kind: openai backends only (engines give one choice)
+    max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
+    first_token_timeout_s: PositiveFloat = 60.0
+    request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
+
+
+class KeepAliveConfig(StrictModel):
+    """Idle keep-alive on both sides of the gateway.
+
+    The front door keeps an idle client connection longer than common client pools do (aiohttp 15 s,
+    httpx 5 s), so the client always closes first and never writes into a connection the server is
+    closing. Towards upstreams the gateway is the client: its pool drops an idle connection before the
+    engine does (vLLM and SGLang close after 5 s), for the same reason.
+    """
+
+    client_idle_s: PositiveFloat = 75.0      # HTTP front door
+    upstream_idle_s: PositiveFloat = 4.0     # pooled connections to kind: openai backends
+    upstream_max_connections: PositiveInt = 1024   # per kind: openai backend
+
+
+class RoutingConfig(StrictModel):
+    policy: str = "marginal_delay"           # language pool
+    vision_policy: str = "encode_cost"       # vision pool
+    params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    itl_target_ms: PositiveFloat = 100.0     # mean inter-token time each request's slack is counted against
+
+
+class StealingConfig(StrictModel):
+    enabled: bool = True
+    threshold: PositiveInt = DEFAULT_THRESHOLD   # τ: language backlog that lets vision GPUs steal
+    max_batch: PositiveInt = DEFAULT_MAX_BATCH   # language requests a stealing GPU holds at most
+
+
+class GatewaySettings(StrictModel):
+    heartbeat_interval_ms: PositiveInt = 200
+    heartbeat_miss_limit: PositiveInt = 3
+    engine_start_timeout_s: PositiveFloat = 60.0     # kind: engine; kind: openai has launch.start_timeout_s
+    engine_stop_timeout_s: PositiveFloat = 10.0      # managed engines: SIGTERM, SIGKILL after half of it
+    handoff_timeout_s: PositiveFloat = 10.0   # a language engine waits this long for embeddings
+    drain_timeout_s: PositiveFloat = 30.0     # on SIGTERM: finish in-flight requests for up to this long
+    retry_backoff_s: PositiveFloat = 0.02     # first retry waits U(0.5, 1) × this; doubles per retry
+    retry_backoff_max_s: PositiveFloat = 1.0
+    routing: RoutingConfig = RoutingConfig()
+    limits: Limits = Limits()
+    images: ImageLimits = ImageLimits()
+    stealing: StealingConfig = StealingConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    auth: AuthConfig = AuthConfig()
+    tls: TlsConfig = TlsConfig()
+    keep_alive: KeepAliveConfig = KeepAliveConfig()
+    redis: RedisConfig = RedisConfig()
+    # A simulated vision engine sends random numbers as embeddings: a real `image_embeds` upstream would
+    # answer from noise, so such a cluster is refused unless this says the upstream is a simulation too.
+    simulated_embeddings: bool = False
+
+
+class ClusterFile(StrictModel):
+    model: str
+    served_model_name: str | None = None
+    gateway: GatewaySettings = GatewaySettings()
+    backends: list[BackendSpec] = Field(min_length=1)
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_ids(cls, backends: list[BackendSpec]) -> list[BackendSpec]:
+        seen: dict[str, int] = {}
+        for i, b in enumerate(backends):
+            if b.id in seen:
+                raise ValueError(f"duplicate backend id {b.id!r} (entries {seen[b.id]} and {i})")
+            seen[b.id] = i
+        return backends
+
+
+class ClusterConfig:
+    """A validated backends.yaml resolved against the catalogs."""
+
+    def __init__(self, path: Path, raw: ClusterFile, catalog: Catalog) -> None:
+        self.path = path
+        self.raw = raw
+        self.catalog = catalog
+        self.model: ModelProfile = _resolve(path, "model", lambda: catalog.model(raw.model))
+        self.gpus: dict[str, GpuProfile] = {
+            b.id: _resolve(path, f"backends.{i} ({b.id}).gpu", lambda b=b: catalog.gpu(b.gpu))
+            for i, b in enumerate(raw.backends)
+        }
+        routing = raw.gateway.routing
+        for key, name in (("policy", routing.policy), ("vision_policy", routing.vision_policy)):
+            _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))
+        for i, b in enumerate(raw.backends):
+            if self.model.vision is None and (b.role != "language" or b.image_embeds):
+                field = "role" if b.role != "language" else "image_embeds"
+                raise ConfigError(f"{path}: backends.{i} ({b.id}).{field}: model {raw.model!r} has no vision encoder")
+            if b.image_embeds:
+                _resolve(path, f"backends.{i} ({b.id}).image_embeds", require_torch)
+            if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and self.model.hf_config is None:
+                raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {raw.model!r} has no Hugging "
+                                  "Face config in the catalog (hf_config); it runs on simulated engines only")
+        simulated_vision = [b.id for b in raw.backends if b.role == "vision" and isinstance(b.launch, LaunchSpec)
+                            and b.launch.executor == "simulated"]
+        embeds = [(i, b.id) for i, b in enumerate(raw.backends) if b.image_embeds]
+        if embeds and simulated_vision and not raw.gateway.simulated_embeddings:
+            i, bid = embeds[0]
+            raise ConfigError(
+                f"{path}: backends.{i} ({bid}).image_embeds: vision backend(s) {', '.join(simulated_vision)} run "
+                "the simulated executor, whose embeddings are random numbers; give them `launch.executor: torch` "
+                "with the upstream's weights, or set gateway.simulated_embeddings: true if the upstream is a "
+                "simulation too")
+        self.api_keys: dict[str, str | None] = {
+            b.id: _resolve(path, f"backends.{i} ({b.id}).api_key_env", b.upstream_api_key)
+            for i, b in enumerate(raw.backends) if b.kind == "openai"
+        }
+        self.torch_weights = _torch_weights(path, raw.backends)
+        for name, params in routing.params.items():
+            _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))
+
+    @property
+    def served_model_name(self) -> str:
+        return self.raw.served_model_name or self.raw.model
+
+    @property
+    def settings(self) -> GatewaySettings:
+        return self.raw.gateway
+
+
+def _torch_weights(path: Path, backends: list[BackendSpec]) -> tuple[str | None, int] | None:
+    """The weights every torch engine runs ((model_path or None for random weights, seed)); None without
+    torch engines. They must agree: a split's halves must be one model, and the gateway tokenises for it."""
+    found = {(b.launch.model_path, b.launch.seed if b.launch.random_weights else 0): b.id
+             for b in backends if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch"}
+    if len(found) > 1:
+        raise ConfigError(f"{path}: torch engines {', '.join(found.values())} run different weights "
+                          "(model_path / seed); a split needs one model")
+    return next(iter(found), None)
+
+
+def _resolve(path: Path, where: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {where}: {exc}") from None
+
+
+def load_cluster(path: Path = DEFAULT_BACKENDS, catalog: Catalog | None = None) -> ClusterConfig:
+    raw: ClusterFile = yaml_files.load(path, ClusterFile)
+    return ClusterConfig(path, raw, catalog or load_catalog())

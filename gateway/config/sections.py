@@ -1,0 +1,54 @@
+"""The `gateway:` section's smaller schemas: admission, breakers, TLS files, Redis.
+
+They live here, not beside the code that uses them, so the config room imports no feature module: a
+feature imports its settings from here, never the other way round.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+
+from common.errors import ConfigError
+from common.yaml_files import StrictModel
+
+
+class AdmissionConfig(StrictModel):
+    max_waiting: NonNegativeInt = 1024      # 0 = no queue: 429 as soon as everything is saturated
+    saturated_queue_depth: PositiveInt = 256  # a backend with Q_i at least this is saturated
+    max_wait_s: float = Field(default=30.0, gt=0)
+
+
+class BreakerConfig(StrictModel):
+    failure_threshold: PositiveInt = 5
+    open_s: float = Field(default=5.0, gt=0)
+
+
+class TlsFiles(StrictModel):
+    cert_file: Path
+    key_file: Path
+
+
+class TlsConfig(StrictModel):
+    http: TlsFiles | None = None
+    grpc: TlsFiles | None = None
+    ca_file: Path | None = None
+
+
+class RedisConfig(StrictModel):
+    url: str | None = None                # redis://host:6379/0; `--redis-url` overrides
+    key_prefix: str = Field(default="heterogate:", min_length=1)   # every key this deployment writes
+    refresh_ms: PositiveInt = Field(default=50, le=1000)    # one pipelined round trip per refresh
+    replica_ttl_ms: PositiveInt = 600     # a replica's in-flight counts outlive its last refresh this long
+    timeout_ms: PositiveInt = 250         # connect and read timeout of every Redis call
+    spread: float = Field(default=0.05, ge=0, le=1)   # near-best tolerance of the spreading layer (relative)
+    leader_lease_ms: PositiveInt = Field(default=3000, ge=300)   # managed engines' supervisor lease
+    fail_open_hold_s: PositiveFloat = 60.0   # Redis down: backends last heard through it stay assumed alive
+
+
+def require_torch() -> None:
+    """Config-time check, so a missing torch fails at start-up rather than on the first image."""
+    if importlib.util.find_spec("torch") is None:
+        raise ConfigError('image_embeds needs PyTorch: pip install -e ".[vllm-embeds]" (or torch==2.13.0)')

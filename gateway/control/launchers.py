@@ -1,0 +1,150 @@
+"""How each kind of managed backend is started and known to be ready: one `Launcher` per backend kind.
+
+- `EngineLauncher` (kind: engine): `python -m backends.engine ...` pointed at the gateway's control
+  port; ready once it has heartbeated (the table forgets the last heartbeat when it is relaunched).
+- `CommandLauncher` (kind: openai): the entry's own command (`vllm serve ...`,
+  `python -m sglang.launch_server ...`), `{port}` replaced by its port, `devices` as
+  CUDA_VISIBLE_DEVICES; ready once `GET ready_path` answers 200.
+
+The supervisor knows nothing of either: it asks a launcher for a `LaunchPlan`, starts it, and polls
+`ready()` until the launcher's start timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec
+from gateway.routing.state_table import StateTable
+
+Probe = Callable[[str], Awaitable[bool]]   # GET url → answered 200 in time
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)   # added to the gateway's own environment
+
+
+class Launcher(Protocol):
+    backend_id: str
+    start_timeout_s: float
+    probe_interval_s: float
+
+    def plan(self) -> LaunchPlan: ...
+
+    async def ready(self) -> bool: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EngineLauncher:
+    def __init__(
+        self, config: ClusterConfig, spec: BackendSpec, control_address: str, table: StateTable, log_level: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        assert isinstance(spec.launch, LaunchSpec)
+        self.backend_id = spec.id
+        self.start_timeout_s = config.settings.engine_start_timeout_s
+        self.probe_interval_s = config.settings.heartbeat_interval_ms / 1000 / 4
+        # env: the engine's identity towards the control port, the cluster token, the CA (gateway.control.control_auth)
+        self._plan = LaunchPlan(engine_argv(config, spec, control_address, log_level), env or {})
+        self._table = table
+
+    def plan(self) -> LaunchPlan:
+        return self._plan
+
+    async def ready(self) -> bool:
+        entry = self._table.get(self.backend_id)
+        return entry is not None and entry.last_heartbeat is not None
+
+
+class CommandLauncher:
+    def __init__(self, spec: BackendSpec, port: int, probe: Probe) -> None:
+        assert isinstance(spec.launch, CommandLaunchSpec)
+        launch = spec.launch
+        self.backend_id = spec.id
+        self.start_timeout_s = launch.start_timeout_s
+        self.probe_interval_s = launch.probe_interval_s
+        self.port = port
+        self.address = managed_address(port)
+        self.ready_url = self.address + launch.ready_path
+        env = dict(launch.env)
+        if launch.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in launch.devices)
+        self._plan = LaunchPlan([arg.replace("{port}", str(port)) for arg in launch.command], env)
+        self._probe = probe
+
+    def plan(self) -> LaunchPlan:
+        return self._plan
+
+    async def ready(self) -> bool:
+        return await self._probe(self.ready_url)
+
+
+def managed_address(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def managed_ports(config: ClusterConfig) -> dict[str, int]:
+    """The port of every managed kind: openai engine: its own, or a free one picked now."""
+    return {
+        spec.id: spec.launch.port or free_port()
+        for spec in config.raw.backends
+        if isinstance(spec.launch, CommandLaunchSpec)
+    }
+
+
+def build_launchers(
+    config: ClusterConfig, ports: dict[str, int], control_address: str, table: StateTable, probe: Probe,
+    log_level: str, engine_env: Callable[[str], dict[str, str]] = lambda backend_id: {},
+) -> list[Launcher]:
+    launchers: list[Launcher] = []
+    for spec in config.raw.backends:
+        if isinstance(spec.launch, CommandLaunchSpec):
+            launchers.append(CommandLauncher(spec, ports[spec.id], probe))
+        elif isinstance(spec.launch, LaunchSpec):
+            launchers.append(EngineLauncher(config, spec, control_address, table, log_level, engine_env(spec.id)))
+    return launchers
+
+
+def engine_argv(config: ClusterConfig, spec: BackendSpec, control_address: str, log_level: str) -> list[str]:
+    launch = spec.launch
+    assert isinstance(launch, LaunchSpec)
+    return [
+        sys.executable, "-m", "backends.engine",
+        "--backend-id", spec.id,
+        "--role", spec.role,
+        "--gpu", spec.gpu,
+        "--model", config.raw.model,
+        "--gateway", control_address,
+        "--time-scale", str(launch.time_scale),
+        "--max-batch", str(launch.max_batch),
+        "--memory-utilization", str(launch.memory_utilization),
+        "--heartbeat-ms", str(config.settings.heartbeat_interval_ms),
+        "--vision-batch", str(launch.vision_batch),
+        "--vision-batch-timeout-ms", str(launch.vision_batch_timeout_ms),
+        "--steal-episode-ms", str(launch.steal_episode_ms),
+        "--log-level", log_level,
+        *(["--steal"] if spec.steal else []),
+        *torch_argv(launch),
+        *launch.extra_args,
+    ]
+
+
+def torch_argv(launch: LaunchSpec) -> list[str]:
+    if launch.executor != "torch":
+        return []
+    return [
+        "--executor", "torch", "--device", launch.device, "--dtype", launch.dtype, "--seed", str(launch.seed),
+        *(["--model-path", launch.model_path] if launch.model_path is not None else ["--random-weights"]),
+        *(["--max-model-len", str(launch.max_model_len)] if launch.max_model_len is not None else []),
+    ]

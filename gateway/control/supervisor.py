@@ -1,0 +1,194 @@
+"""Launches the managed backends of backends.yaml, restarts them when they die, stops them all on exit.
+
+Each managed backend has a `Launcher` (`gateway.control.launchers`) that says what to run and when it is
+ready. A backend is `starting` from launch until ready (at most the launcher's start timeout, after
+which it is stopped and launched again), `ready` while it runs, `restarting` during the backoff after
+an exit, and `stopped` once the gateway stops. The backoff doubles from `backoff_min_s` to
+`backoff_max_s` and resets once a backend has stayed up for `stable_after_s`.
+
+Processes start through `gateway.control.process_guard`: each engine gets a process group of its own,
+which is stopped as a whole (SIGTERM, SIGKILL after the grace period) when it is stopped or its
+leader dies, and which is taken down by the kernel's parent-death signal if the gateway is killed,
+even with SIGKILL.
+
+Time and processes come in through `Clock` and `Spawner`, so the state machine is tested without
+sleeps or real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from gateway.control.launchers import Launcher
+from gateway.routing.backend_entry import Lifecycle
+
+log = structlog.get_logger("supervisor")
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class Process(Protocol):
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class Spawner(Protocol):
+    async def spawn(self, argv: list[str], env: dict[str, str]) -> Process: ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class GuardedSpawner:
+    """Real processes, each under a `process_guard` that leads a session of its own."""
+
+    def __init__(self, grace_s: float) -> None:
+        self._grace_s = grace_s
+
+    async def spawn(self, argv: list[str], env: dict[str, str]) -> Process:
+        guard = [sys.executable, "-m", "gateway.control.process_guard", "--parent", str(os.getpid()),
+                 "--grace-s", str(self._grace_s), "--"]
+        return await asyncio.create_subprocess_exec(
+            *guard, *argv, env={**os.environ, **env}, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+        )
+
+
+@dataclass
+class Child:
+    launcher: Launcher
+    state: Lifecycle = "starting"
+    process: Process | None = None
+    restarts: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def backend_id(self) -> str:
+        return self.launcher.backend_id
+
+
+class Supervisor:
+    def __init__(
+        self,
+        launchers: list[Launcher],
+        *,
+        on_state: Callable[[str, Lifecycle], None] = lambda backend_id, state: None,
+        clock: Clock | None = None,
+        spawner: Spawner | None = None,
+        backoff_min_s: float = 0.25,
+        backoff_max_s: float = 10.0,
+        stable_after_s: float = 30.0,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self._children = [Child(launcher) for launcher in launchers]
+        self._on_state = on_state
+        self._clock = clock or MonotonicClock()
+        # The guard's SIGTERM → SIGKILL delay fits inside the supervisor's own stop timeout.
+        self._spawner = spawner or GuardedSpawner(grace_s=stop_timeout_s / 2)
+        self._backoff = (backoff_min_s, backoff_max_s)
+        self._stable_after_s = stable_after_s
+        self._stop_timeout_s = stop_timeout_s
+        self._stopping = False
+
+    @property
+    def children(self) -> list[Child]:
+        return self._children
+
+    def start(self) -> None:
+        for child in self._children:
+            self._set(child, "starting")
+            child.task = asyncio.create_task(self._keep_running(child), name=f"supervise-{child.backend_id}")
+
+    def _set(self, child: Child, state: Lifecycle) -> None:
+        child.state = state
+        self._on_state(child.backend_id, state)
+
+    async def _keep_running(self, child: Child) -> None:
+        backoff = self._backoff[0]
+        while not self._stopping:
+            plan = child.launcher.plan()
+            self._set(child, "starting")
+            process = child.process = await self._spawner.spawn(plan.argv, plan.env)
+            started = self._clock.now()
+            log.info("engine_launched", backend=child.backend_id, pid=process.pid, restarts=child.restarts)
+            if await self._wait_ready(child, process, started):
+                self._set(child, "ready")
+                log.info("engine_ready", backend=child.backend_id, pid=process.pid,
+                         start_s=round(self._clock.now() - started, 3))
+                code = await process.wait()
+            elif process.returncode is None:
+                log.error("engine_start_timeout", backend=child.backend_id, pid=process.pid,
+                          timeout_s=child.launcher.start_timeout_s)
+                code = await self._stop_process(process)
+            else:
+                code = process.returncode
+            if self._stopping:
+                return
+            if self._clock.now() - started >= self._stable_after_s:
+                backoff = self._backoff[0]
+            self._set(child, "restarting")
+            log.warning("engine_exited", backend=child.backend_id, code=code, restart_in_s=backoff)
+            await self._clock.sleep(backoff)
+            backoff = min(self._backoff[1], backoff * 2)
+            child.restarts += 1
+
+    async def _wait_ready(self, child: Child, process: Process, started: float) -> bool:
+        """Poll the launcher's readiness until it says yes, the process exits, or the start timeout."""
+        launcher = child.launcher
+        deadline = started + launcher.start_timeout_s
+        while process.returncode is None:
+            if await launcher.ready():
+                return process.returncode is None
+            if self._clock.now() >= deadline:
+                return False
+            await self._clock.sleep(launcher.probe_interval_s)
+        return False
+
+    async def _stop_process(self, process: Process) -> int:
+        """SIGTERM (the guard stops the engine's group), SIGKILL if it outlives the stop timeout."""
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            return await asyncio.wait_for(process.wait(), self._stop_timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            return await process.wait()
+
+    async def stop(self) -> None:
+        """Stop every managed process and wait for all of them."""
+        self._stopping = True
+        for child in self._children:
+            if child.task is not None:
+                child.task.cancel()
+        running = [c.process for c in self._children if c.process is not None and c.process.returncode is None]
+        await asyncio.gather(*(self._stop_process(p) for p in running))
+        for child in self._children:
+            if child.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await child.task
+            self._set(child, "stopped")

@@ -1,0 +1,145 @@
+"""The gateway-side producer of load signals for `kind: openai` backends it can watch itself.
+
+Two kinds of such backends, neither with an agent of its own:
+- with `scrape:` (managed or not): the engine's Prometheus /metrics are scraped by the agent's
+  `MetricsAgent` (the same metric tables and staleness rule as the standalone agent), and what it
+  would send as a heartbeat is written straight into the state table;
+- managed without `scrape:`: the readiness probe doubles as liveness, each success a heartbeat with
+  no load figures (routing then rests on the gateway's own in-flight counts), and the context length
+  is read from its /v1/models once per launch.
+
+A managed backend is watched only while the supervisor has it `ready`; a failed probe or scrape
+simply writes nothing, so the entry goes stale after the heartbeat miss limit like any other.
+The standalone agent (`backends.agent`) remains the producer for engines on other hosts. A backend
+with an api key is asked with it (vLLM's --api-key guards /v1/models).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import structlog
+
+from common.engine_scraper import AgentConfig, MetricsAgent
+from common.metric_tables import TABLES
+from common.upstream_models import ModelsUnavailable, fetch_max_model_len
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec
+from gateway.control.heartbeat_service import reported_from
+from gateway.routing.backend_entry import Reported
+from gateway.routing.state_table import StateTable
+
+log = structlog.get_logger("upstream_monitor")
+PROBE_TIMEOUT_S = 2.0
+
+
+async def probe(client: httpx.AsyncClient, url: str) -> bool:
+    """GET url answered 200 (within the client's timeout)."""
+    try:
+        return (await client.get(url)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def make_probe(client: httpx.AsyncClient) -> Callable[[str], Awaitable[bool]]:
+    return lambda url: probe(client, url)
+
+
+@dataclass
+class Watched:
+    spec: BackendSpec
+    address: str
+    interval_s: float
+    agent: MetricsAgent | None      # None: probe only
+    ready_url: str | None           # managed: its readiness URL
+    client: httpx.AsyncClient
+    seq: int = 0
+    max_model_len: int | None = None   # probe only: from /v1/models, read once per launch
+    context_read: bool = False
+
+
+class UpstreamMonitor:
+    def __init__(
+        self, config: ClusterConfig, table: StateTable, addresses: dict[str, str], client: httpx.AsyncClient,
+    ) -> None:
+        self._table = table
+        self._model = config.served_model_name
+        self._watched: list[Watched] = []
+        self._own_clients: list[httpx.AsyncClient] = []
+        heartbeat_s = config.settings.heartbeat_interval_ms / 1000
+        for spec in config.raw.backends:
+            managed = isinstance(spec.launch, CommandLaunchSpec)
+            if spec.kind != "openai" or not (managed or spec.scrape is not None):
+                continue
+            address = addresses.get(spec.id) or (spec.address or "").rstrip("/")
+            key = config.api_keys.get(spec.id)
+            own = client
+            if key:
+                own = httpx.AsyncClient(timeout=client.timeout, follow_redirects=True, trust_env=False,
+                                        headers={"authorization": f"Bearer {key}"})
+                self._own_clients.append(own)
+            agent, interval_s = None, heartbeat_s
+            if spec.scrape is not None:
+                engine = TABLES[spec.scrape.engine]
+                interval_s = spec.scrape.interval_ms / 1000
+                agent = MetricsAgent(AgentConfig(
+                    backend_id=spec.id, table=engine, address=address,
+                    metrics_url=spec.scrape.metrics_url or address + engine.metrics_path,
+                    gateway="", interval_s=interval_s, kv_total_tokens=spec.kv_capacity_tokens,
+                    upstream_model=spec.upstream_model or config.served_model_name,
+                ), config.model, config.gpus[spec.id], own)
+            ready_url = address + spec.launch.ready_path if isinstance(spec.launch, CommandLaunchSpec) else None
+            self._watched.append(Watched(spec, address, interval_s, agent, ready_url, own, time.time_ns() // 1000))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if not self._watched:
+            return
+        tasks = [asyncio.create_task(self._watch(w)) for w in self._watched]
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(c.aclose() for c in self._own_clients))
+
+    async def _watch(self, w: Watched) -> None:
+        next_at = time.monotonic()
+        while True:
+            await self.tick(w)
+            next_at += w.interval_s
+            delay = next_at - time.monotonic()
+            if delay < 0:   # a tick ran past its slot: skip the slots it missed
+                next_at, delay = time.monotonic(), 0.0
+            await asyncio.sleep(delay)
+
+    async def tick(self, w: Watched) -> bool:
+        """One look at the backend; True when it wrote a heartbeat into the table."""
+        entry = self._table.get(w.spec.id)
+        if entry is None or (w.ready_url is not None and entry.lifecycle != "ready"):
+            w.context_read = False   # a relaunched engine may serve another context
+            return False
+        if w.agent is not None:
+            await w.agent.scrape_once()
+            if not w.agent.first_scrape.is_set():
+                return False
+            reported = reported_from(w.agent.state())
+        elif w.ready_url is not None and await probe(w.client, w.ready_url):
+            if not w.context_read:
+                await self._read_context(w)
+            reported = Reported(max_model_len=w.max_model_len or 0)
+        else:
+            return False
+        w.seq += 1
+        reported.seq = w.seq
+        return self._table.apply_heartbeat(w.spec.id, w.seq, w.address, reported) is not None
+
+    async def _read_context(self, w: Watched) -> None:
+        try:
+            w.max_model_len = await fetch_max_model_len(w.client, w.address, w.spec.upstream_model or self._model)
+        except ModelsUnavailable:
+            return   # asked again on the next tick
+        w.context_read = True

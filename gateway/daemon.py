@@ -1,0 +1,180 @@
+"""Runs one gateway process: gRPC server (control + front door), managed engines, HTTP door; stops them in order.
+
+Both ports are bound before any engine is launched, and neither is shared (no SO_REUSEPORT): a
+second gateway pointed at a taken port exits with an error naming it, launches nothing, and leaves
+the first one serving. The exception is `--workers` (gateway/replicas/workers.py): its processes bind both
+ports with SO_REUSEPORT on purpose. With Redis (`--redis-url`) the process joins its replicas
+(gateway/replicas/replica.py) and runs the managed engines only while it holds the leader lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import structlog
+
+from common.errors import HeteroGateError
+from common.wire import control_pb2_grpc
+from gateway.config.cluster import ClusterConfig
+from gateway.control.control_auth import ControlAuth
+from gateway.control.heartbeat_service import ControlService
+from gateway.control.launchers import build_launchers, managed_address, managed_ports
+from gateway.control.supervisor import Supervisor
+from gateway.control.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
+from gateway.doors.grpc_door import add_front_door
+from gateway.doors.routes import create_server
+from gateway.doors.tls import GrpcTls, http_ssl_context, load_grpc_tls
+from gateway.replicas.leadership import Supervision
+from gateway.replicas.replica import Replication, join
+from gateway.replicas.workers import reuse_port_socket
+from gateway.runtime import Runtime, build_runtime
+
+# The youngest generation is collected once 10,000 more objects were allocated than freed, not 700: what
+# a collection walks is mostly the requests in flight, however long the wait before it, so fewer
+# collections cost less in all (kind: openai in front of fast engines, c=64: 4% of the CPU a request).
+GC_THRESHOLDS = (10_000, 20, 20)
+
+log = structlog.get_logger("gateway")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50061
+    policy: str | None = None
+    log_level: str = "info"
+    engine_log_level: str = "warning"
+    redis_url: str | None = None     # replicas share state through this Redis
+    reuse_port: bool = False         # SO_REUSEPORT on both doors (`--workers`)
+
+
+class PortUnavailable(HeteroGateError):
+    """A port the gateway must listen on cannot be bound (taken, or not allowed)."""
+
+
+def bind_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    try:
+        return reuse_port_socket(host, port) if reuse_port else socket.create_server((host, port), backlog=2048)
+    except OSError as exc:
+        raise PortUnavailable(f"cannot bind the HTTP port {host}:{port}: {exc.strerror or exc}") from None
+
+
+async def start_control(
+    runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None,
+    on_heartbeat: Callable[[str, str], None] | None = None, reuse_port: bool = False,
+) -> tuple[grpc.aio.Server, int]:
+    # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
+    # No SO_REUSEPORT (but for --workers): with it, a second gateway would bind the same port and take
+    # half the heartbeats.
+    max_bytes = runtime.limits.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
+                                      ("grpc.so_reuseport", int(reuse_port))])
+    service = ControlService(runtime.table, on_heartbeat=on_heartbeat or runtime.clients.ensure, auth=auth)
+    control_pb2_grpc.add_ControlServicer_to_server(service, server)
+    await add_front_door(server, runtime)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError:   # grpcio ≥ 1.60 raises instead of returning 0
+        bound = 0
+    if bound == 0:
+        await server.stop(None)
+        raise PortUnavailable(f"cannot bind the control gRPC port {host}:{port}: address in use or not allowed")
+    await server.start()
+    return server, bound
+
+
+def local_control_host(grpc_host: str) -> str:
+    """Where engines on this host dial the control port: loopback when it listens on every interface."""
+    return "127.0.0.1" if grpc_host in ("0.0.0.0", "::", "[::]", "") else grpc_host
+
+
+def engines_silent(runtime: Runtime, ids: list[str]) -> Callable[[], bool]:
+    """None of the managed backends heartbeats (a new leader waits for this before launching)."""
+    return lambda: not any((e := runtime.table.get(i)) is not None and runtime.table.is_healthy(e) for i in ids)
+
+
+async def serve(config: ClusterConfig, options: ServeOptions) -> None:
+    """Secrets and certificates are read, and both ports bound, before any engine is launched."""
+    ports = managed_ports(config)
+    addresses = {backend_id: managed_address(port) for backend_id, port in ports.items()}
+    runtime = build_runtime(config, options.policy, addresses)
+    managed = [s.id for s in config.raw.backends if s.launch is not None]
+    replication: Replication | None = None
+    try:
+        grpc_tls = load_grpc_tls(config.settings.tls)
+        ssl_context = http_ssl_context(config.settings.tls)
+        # A replica launches the engines only once it leads; a single gateway from the start.
+        auth = ControlAuth.load(
+            config.settings.auth, managed=managed, api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
+            ca_file=grpc_tls.ca_file if grpc_tls else None, launching=options.redis_url is None,
+        )
+        replication = join(runtime, options.redis_url, auth.identities) if options.redis_url else None
+        http_socket = bind_http(options.host, options.port, options.reuse_port)
+        try:
+            control, grpc_port = await start_control(
+                runtime, options.grpc_host, options.grpc_port, auth, grpc_tls,
+                replication.on_heartbeat if replication else None, options.reuse_port)
+        except BaseException:
+            http_socket.close()
+            raise
+    except BaseException:
+        await runtime.close()
+        raise
+    probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
+    launchers = build_launchers(config, ports, f"{local_control_host(options.grpc_host)}:{grpc_port}", runtime.table,
+                                make_probe(probes), options.engine_log_level, engine_env=auth.engine_env)
+    supervision = Supervision(
+        lambda: Supervisor(launchers, on_state=runtime.table.set_lifecycle,
+                           stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s)),
+        replication.lease if replication else None, engines_silent(runtime, managed),
+        takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic,
+        on_term=auth.identities.set_launching)
+    runtime.metrics.backends.restarts = lambda: {
+        c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
+    server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context)
+    # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
+             policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name,
+             replica=replication.replica_id if replication else None)
+    await server.start(http_socket)
+    monitor = asyncio.create_task(UpstreamMonitor(config, runtime.table, addresses, probes).run(stop))
+    drained = asyncio.Event()   # engines, the leader lease and shared counts outlive the drain
+    supervising = asyncio.create_task(supervision.run(drained))
+    sharing = asyncio.create_task(replication.shared.run(drained)) if replication else None
+    try:
+        await stop.wait()
+    finally:
+        log.info("gateway_stopping")
+        stop.set()
+        await server.stop(config.settings.drain_timeout_s)
+        await monitor
+        # The engines' streams close from this side before the engines are stopped: an engine that
+        # stops under an open Session stream logs the cancellation as an error.
+        await runtime.clients.close()
+        drained.set()
+        await supervising
+        if sharing is not None:
+            await sharing
+        await probes.aclose()
+        await control.stop(grace=1.0)
+        if replication is not None:
+            await replication.close()
+        await runtime.close()
+        log.info("gateway_stopped")

@@ -1,0 +1,181 @@
+"""The two routes that carry every generation, POST /v1/chat/completions and /v1/completions.
+
+Why not FastAPI here: in front of a fast engine, FastAPI's routing, request objects, dependency
+solving and exception middleware were the largest single share of the gateway's CPU per request
+after the upstream client (docs/FRONT_DOOR.md). These two routes are handlers of the front door's
+own HTTP server (`gateway.doors.http_server`): they get the parsed request and write their response
+straight to the connection. Every other route (models, health, readiness, metrics, admin) stays on
+the FastAPI app. The contract: OpenAI bodies and error shapes, `x-request-id`,
+`x-request-timeout`, API keys, 499 when the client leaves.
+
+A client that disconnects cancels its request: the server cancels the handler's task when the
+connection is lost (`Exchange.gone`), which cancels the engine call with it.
+
+Each request has a `RequestRecord` from its arrival: the pipeline fills in its deadline, attempts and
+backends, and `RequestLog.finish` counts it and writes its one log line, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.doors.http_server import Exchange, Handler, Request
+from gateway.doors.jobs import JobBuilder
+from gateway.doors.request_ids import new_request_id
+from gateway.pipeline.dispatch import Dispatch
+from gateway.pipeline.request_log import RequestLog, RequestRecord
+from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError, openai_error_body
+from gateway.requests.job import GenerationJob
+from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
+from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.runtime import Runtime
+
+S = TypeVar("S", ChatCompletionRequest, CompletionRequest)
+
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no")]
+# The `endpoint` label of the request counters, by path: the same on the success and the error paths.
+ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat"),
+                                          "/v1/completions": ("completions", "text")}
+_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout"})
+
+
+def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
+    """The request validated by `model`, and the client's body as sent (for upstreams that take it)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(data), data
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequest(f"{where}: {err['msg']}", param=where or None) from None
+
+
+def client_timeout(raw: str | None) -> float | None:
+    """The client's `x-request-timeout` in seconds (the server maximum still caps it)."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise InvalidRequest("x-request-timeout must be a positive number of seconds", param="x-request-timeout")
+    return value
+
+
+def error_headers(err: RequestError, request_id: str) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-request-id", request_id.encode())]
+    if err.retry_after_s is not None:
+        headers.append((b"retry-after", b"%d" % max(1, round(err.retry_after_s))))
+    return headers
+
+
+def backend_headers(dispatch: Dispatch) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-request-id", dispatch.request_id.encode()), (b"x-heterogate-backend", dispatch.backend_id.encode())]
+    if dispatch.vision_backend_id is not None:
+        headers.append((b"x-heterogate-vision-backend", dispatch.vision_backend_id.encode()))
+    return headers
+
+
+class CompletionsDoor:
+    """The handlers of the two completion routes, for `gateway.doors.http_server.HttpServer`."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._jobs = JobBuilder(runtime)
+        self._model_name = self._jobs.model_name
+        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
+
+    def routes(self) -> dict[str, Handler]:
+        # partial, not a wrapping coroutine: one frame fewer to pass through on every resume
+        return {path: functools.partial(self._serve, path=path, endpoint=endpoint, kind=kind)
+                for path, (endpoint, kind) in ENDPOINTS.items()}
+
+    async def _serve(self, request: Request, exchange: Exchange, *, path: str, endpoint: str, kind: Kind) -> None:
+        headers = {k.decode(): v.decode("latin-1") for k, v in request.headers if k in _WANTED}
+        rid = new_request_id(headers.get("x-request-id"))
+        record = RequestRecord(rid, endpoint)
+        try:
+            if request.method != "POST":
+                raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")
+            self._runtime.keys.check(headers.get("authorization"), admin=False)
+            timeout_s = client_timeout(headers.get("x-request-timeout"))
+            job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s)
+            if stream:
+                await self._stream(exchange, kind, job, include_usage, record)
+            else:
+                await self._complete(exchange, kind, job, record)
+        except RequestError as exc:
+            exchange.respond(exc.status, error_headers(exc, rid), orjson.dumps(openai_error_body(exc)))
+            self._requests.finish(record, exc.status, error=exc.message)
+        except asyncio.CancelledError:
+            if not exchange.gone:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self._requests.finish(record, 499)   # not an error of anyone's (nginx's 499); nobody reads a reply
+
+    async def _job(self, kind: Kind, raw: bytes, rid: str, timeout_s: float | None) -> tuple[GenerationJob, bool, bool]:
+        req: ChatCompletionRequest | CompletionRequest
+        if kind == "chat":
+            req, body = parse(ChatCompletionRequest, raw)
+            job = await self._jobs.chat(req, body, rid, timeout_s)
+        else:
+            req, body = parse(CompletionRequest, raw)
+            job = self._jobs.completion(req, body, rid, timeout_s)
+        return job, req.stream, bool(req.stream_options and req.stream_options.include_usage)
+
+    async def _complete(self, exchange: Exchange, kind: Kind, job: GenerationJob, record: RequestRecord) -> None:
+        dispatch, chunks = await self._runtime.pipeline.complete(job, record)
+        last = chunks[-1]
+        if len(chunks) == 1 and last.relay:   # an upstream's whole reply, already in the client's shape
+            body = last.relay
+        else:
+            use = usage(last.usage.prompt_tokens, last.usage.completion_tokens)
+            text = "".join(c.text for c in chunks)
+            body = orjson.dumps(completion_body(kind, job.request_id, self._model_name, text, last.finish_reason, use))
+        exchange.respond(200, backend_headers(dispatch), body)   # the client first, the log line after
+        self._requests.finish(record, 200, prompt_tokens=last.usage.prompt_tokens,
+                              completion_tokens=last.usage.completion_tokens)
+
+    async def _stream(self, exchange: Exchange, kind: Kind, job: GenerationJob, include_usage: bool,
+                      record: RequestRecord) -> None:
+        dispatch = await self._runtime.pipeline.start(job, record)
+        exchange.start_stream(200, [*_SSE, *backend_headers(dispatch)])
+        w = ChunkWriter(kind, job.request_id, self._model_name)
+        status, error, last = 500, None, dispatch.first
+        tail: bytes | None = None   # the stream's end, when it ends with one
+        try:
+            if kind == "chat" and not dispatch.first.relay:   # an upstream sends its own role event
+                exchange.send(w.role())
+            async for chunk in dispatch.rest():
+                exchange.send(chunk.relay or w.token(chunk.text, chunk.finish_reason or None))
+                await exchange.drain()
+                last = chunk
+            tail = DONE
+            if include_usage:
+                tail = w.usage(usage(last.usage.prompt_tokens, last.usage.completion_tokens)) + DONE
+            status = 200
+        except RequestError as exc:   # after the first token the status is sent: the error goes in the stream
+            status, error = exc.status, exc.message
+            tail = error_event(exc) + DONE
+        except asyncio.CancelledError:
+            if not exchange.gone:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            status = 499   # mid-stream: the request log keeps its backend and latency
+        finally:
+            if tail is not None:   # the client first, the log line after
+                exchange.end_stream(tail)
+            self._requests.finish(record, status, prompt_tokens=last.usage.prompt_tokens,
+                                  completion_tokens=last.usage.completion_tokens, error=error)

@@ -1,0 +1,117 @@
+"""The gRPC front door (Inference.Generate), with the gRPC health and reflection services.
+
+Requests are turned into the same OpenAI request models as on the HTTP door (images as data URLs),
+so validation, limits and routing are identical; errors become gRPC status codes with a message.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+
+from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
+from gateway.doors.jobs import JobBuilder
+from gateway.pipeline.request_log import RequestLog, RequestRecord
+from gateway.requests.errors import InvalidRequest, RequestError, grpc_code_name
+from gateway.requests.images import FORMATS
+from gateway.requests.job import GenerationJob
+from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.runtime import Runtime
+
+_SNIFF = {b"\x89PNG": "PNG", b"\xff\xd8\xff": "JPEG", b"RIFF": "WEBP"}
+
+
+def _data_url(data: bytes) -> str:
+    fmt = next((f for magic, f in _SNIFF.items() if data.startswith(magic)), "PNG")
+    return f"data:{FORMATS[fmt]};base64,{base64.b64encode(data).decode()}"
+
+
+def _openai_body(request: inference_pb2.GenerateRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": request.model, "stream": True}   # Generate streams its replies
+    if request.max_tokens:
+        body["max_tokens"] = request.max_tokens
+    if request.has_temperature:
+        body["temperature"] = request.temperature
+    if request.prompt and not request.messages:
+        body["prompt"] = request.prompt
+        return body
+    messages = []
+    for m in request.messages:
+        if not m.images:
+            messages.append({"role": m.role, "content": m.text})
+            continue
+        parts: list[dict[str, Any]] = [{"type": "text", "text": m.text}] if m.text else []
+        parts += [{"type": "image_url", "image_url": {"url": _data_url(img)}} for img in m.images]
+        messages.append({"role": m.role, "content": parts})
+    body["messages"] = messages
+    return body
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._jobs = JobBuilder(runtime)
+        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
+
+    async def _job(
+        self, request: inference_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
+    ) -> GenerationJob:
+        metadata = dict(context.invocation_metadata() or ())
+        self._runtime.keys.check(metadata.get("authorization"), admin=False)
+        remaining = context.time_remaining()
+        body = _openai_body(request)
+        try:
+            if "prompt" in body:
+                return self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining)
+            return await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise InvalidRequest(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateReply]:
+        record = RequestRecord(request.request_id or uuid.uuid4().hex, "grpc")
+        status, error, usage = 499, None, None   # closed early: the client went away
+        try:
+            job = await self._job(request, record.request_id, context)
+            dispatch = await self._runtime.pipeline.start(job, record)
+            first = True
+            async for chunk in dispatch.rest():
+                reply = inference_pb2.GenerateReply(text=chunk.text, finish_reason=chunk.finish_reason)
+                if first:
+                    reply.request_id, reply.backend = job.request_id, dispatch.backend_id
+                    reply.vision_backend = dispatch.vision_backend_id or ""
+                    first = False
+                if chunk.finish_reason:
+                    reply.prompt_tokens = chunk.usage.prompt_tokens
+                    reply.completion_tokens = chunk.usage.completion_tokens
+                    usage = chunk.usage
+                yield reply
+            status = 200
+        except RequestError as exc:
+            status, error = exc.status, exc.message
+            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), exc.message)
+        finally:
+            self._requests.finish(record, status, error=error,
+                                  prompt_tokens=usage.prompt_tokens if usage else 0,
+                                  completion_tokens=usage.completion_tokens if usage else 0)
+
+
+async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> None:
+    """Inference + health (overall and per service) + reflection on the gateway's gRPC server."""
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(runtime), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    control = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+    for name in ("", inference):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([inference, control, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -1,0 +1,503 @@
+"""The front door's HTTP/1.1 server: an asyncio protocol over httptools (the C parser uvicorn uses).
+
+Why not uvicorn: in front of a fast engine, uvicorn's ASGI cycle (scope and message dicts, header
+checks, two writes a response) and the task a raw-ASGI route needs to hear a disconnect were about a
+quarter of the gateway's CPU per request (docs/FRONT_DOOR.md). Here the hot routes (the completions
+door) get the parsed request and write their response to the transport themselves, in one write; a
+client that leaves cancels its handler from `connection_lost`, with no watcher task. Every other
+route (models, health, metrics, admin) goes to an ASGI app (FastAPI) through a small adapter.
+
+What it does: keep-alive with an idle timeout (which also bounds how long a request's line and
+headers may take to arrive), pipelined requests answered in order, `Expect:
+100-continue`, bodies capped before they are buffered (413), header blocks capped (431), malformed
+requests answered 400 and logged, chunked streaming with write flow control, TLS through the loop,
+and a drain on stop (no new requests; those in flight finish, up to a deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import http
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httptools
+import orjson
+import structlog
+
+from gateway.doors.request_ids import new_request_id
+from gateway.requests.errors import http_error, openai_error_body
+
+log = structlog.get_logger("gateway.http")
+
+Headers = list[tuple[bytes, bytes]]
+Message = dict[str, Any]
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
+                   Awaitable[None]]
+
+MAX_HEADER_BYTES = 64 * 1024     # request line and headers; more gets 431
+MAX_PIPELINED = 16               # complete requests queued behind the one in flight before reading pauses
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_JSON = b"application/json"
+
+
+class Request:
+    """One parsed request; header names are lower case."""
+
+    __slots__ = ("body", "headers", "http_11", "method", "path", "query")
+
+    def __init__(self, method: str, path: str, query: bytes, headers: Headers, body: bytes, http_11: bool) -> None:
+        self.method, self.path, self.query, self.headers, self.body, self.http_11 = \
+            method, path, query, headers, body, http_11
+
+
+Handler = Callable[[Request, "Exchange"], Awaitable[None]]
+
+
+def find_header(headers: Headers, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case)."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+class _Date:
+    """The `date` header, formatted once a second."""
+
+    def __init__(self) -> None:
+        self._second = 0
+        self._line = b""
+
+    def line(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._line = b"date: " + time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now)).encode() + b"\r\n"
+        return self._line
+
+
+_DATE = _Date()
+
+
+def _head(status: int, headers: Headers, framing: bytes, keep_alive: bool) -> bytes:
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"")), _DATE.line()]
+    parts.extend(b"%s: %s\r\n" % kv for kv in headers)
+    parts.append(framing)
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+class Exchange:
+    """The response side of one request, written straight to its connection.
+
+    `respond` writes a whole response in one write; `start_stream` / `send` / `end_stream` write one in
+    pieces, chunked (`drain` waits while the client reads slower than the gateway writes). The head of
+    a streamed response goes out with its first piece: one write fewer, and the first piece follows
+    the head at once anyway. `gone` turns true when the client disconnected before the response was
+    complete: the handler is cancelled then.
+    """
+
+    __slots__ = ("_chunked", "_conn", "_head", "_head_only", "_http_11", "done", "gone", "started")
+
+    def __init__(self, conn: _Connection, head_only: bool, http_11: bool) -> None:
+        self._conn = conn
+        self._head_only = head_only
+        self._http_11 = http_11
+        self._chunked = False
+        self._head = b""
+        self.started = self.done = self.gone = False
+
+    def respond(self, status: int, headers: Headers, body: bytes, content_type: bytes = _JSON) -> None:
+        self.started = self.done = True
+        conn = self._conn
+        head = _head(status, [(b"content-type", content_type), *headers],
+                     b"content-length: %d\r\n" % len(body), conn.keep_alive)
+        conn.write(head if self._head_only else head + body)
+
+    def start_stream(self, status: int, headers: Headers, *, sized: bool = False) -> None:
+        """Chunked unless `sized` (the headers carry content-length) or the client speaks HTTP/1.0 (then
+        the body runs to the end of the connection)."""
+        self.started = True
+        conn = self._conn
+        self._chunked = self._http_11 and not sized
+        if not self._http_11 and not sized:
+            conn.keep_alive = False
+        self._head = _head(status, headers, b"transfer-encoding: chunked\r\n" if self._chunked else b"",
+                           conn.keep_alive)
+
+    def send(self, data: bytes) -> None:
+        if self._head_only or not data:
+            return
+        piece = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+        if self._head:
+            piece, self._head = self._head + piece, b""
+        self._conn.write(piece)
+
+    async def drain(self) -> None:
+        await self._conn.drain()
+
+    def end_stream(self, tail: bytes = b"") -> None:
+        self.done = True
+        last = b"%x\r\n%b\r\n" % (len(tail), tail) if self._chunked and tail else tail
+        if self._chunked:
+            last += b"0\r\n\r\n"
+        self._conn.write(self._head + (b"" if self._head_only else last))
+        self._head = b""
+
+
+class _Reject(Exception):
+    """A request refused while it is read (too large, bad framing): answered, then the connection closes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_body(status: int, message: str) -> bytes:
+    return orjson.dumps(openai_error_body(http_error(status, message)))
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers: Headers = []
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._pending: collections.deque[tuple[Request, bool]] = collections.deque()   # (request, keep-alive)
+        self._task: asyncio.Task[None] | None = None
+        self._exchange: Exchange | None = None
+        self.keep_alive = True
+        self._idle: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None   # loop time it last became idle; None: a request's head is in
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._closed = False
+        self._disconnected: asyncio.Future[None] | None = None   # for ASGI receive() after the body
+        self._last_read = False     # a request without keep-alive, or a refused one, was read: no more are
+        self._queue_full = False    # reading paused while MAX_PIPELINED requests wait
+        self._owe_continue = False  # a 100 Continue to send once the responses before it are written
+        self._refusal = b""         # the answer to a request that could not be read, after those before it
+        self._in_head = False       # a request's line and headers are being read
+        self._head_seen = 0         # bytes received since its first byte
+
+    # -- transport events ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport   # type: ignore[assignment]  # asyncio and uvloop set TCP_NODELAY
+        self._server.connections.add(self)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self._last_read:
+            return    # discarded, but still read: with reading paused, a client that leaves would go unheard
+        if self._in_head:   # httptools holds a header line until it ends: an endless one is capped here
+            self._head_seen += len(data)
+            if self._head_seen > 2 * MAX_HEADER_BYTES:
+                self._refuse(431, f"request headers over {MAX_HEADER_BYTES} bytes")
+                return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass      # upgrades (h2c, websocket) are not offered: the request is served as plain HTTP/1.1
+        except httptools.HttpParserCallbackError as exc:
+            reject = exc.__context__
+            if not isinstance(reject, _Reject):
+                raise
+            self._refuse(reject.status, str(reject))
+        except httptools.HttpParserError as exc:
+            if self._last_read:
+                return    # bytes after a request that closes the connection: never read, not an error
+            log.warning("invalid_http_request", error=str(exc))
+            self._refuse(400, "invalid HTTP request")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server.connections.discard(self)
+        if self._idle is not None:
+            self._idle.cancel()
+        self._pending.clear()
+        exchange = self._exchange
+        if exchange is not None and not exchange.done and self._task is not None:
+            exchange.gone = True
+            self._task.cancel()
+        for waiter in (self._drained, self._disconnected):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_seen = 0
+        self._url = b""
+        self._headers = []
+        self._header_bytes = 0
+        self._body = []
+        self._body_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._header_bytes += len(url)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise _Reject(414, "request line too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise _Reject(431, f"request headers over {MAX_HEADER_BYTES} bytes")
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._idle_since = None   # the idle timer also bounds how long a request's head may take: until now
+        limit = self._server.max_body_bytes
+        declared = find_header(self._headers, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Reject(413, f"request body is {int(declared)} bytes; the limit is {limit}")
+        expect = find_header(self._headers, b"expect")
+        if expect is not None and expect.lower() == b"100-continue" and self._transport is not None:
+            if self._task is None and not self._pending:
+                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:   # a 1xx answers the request being read: not before (or inside) the responses ahead of it
+                self._owe_continue = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self._server.max_body_bytes:
+            raise _Reject(413, f"request body is over the limit of {self._server.max_body_bytes} bytes")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self._parser
+        path, _, query = self._url.partition(b"?")
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = Request(parser.get_method().decode("ascii", "replace"), path.decode("latin-1"), query,
+                          self._headers, body, parser.get_http_version() == "1.1")
+        keep = parser.should_keep_alive()
+        self._pending.append((request, keep))
+        self._owe_continue = False       # the body came without it
+        transport = self._transport
+        if not keep:
+            self._last_read = True       # nothing after this request is served on this connection
+        if self._task is None:
+            self._next()
+        elif len(self._pending) > MAX_PIPELINED and transport is not None:
+            self._queue_full = True
+            transport.pause_reading()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Starts the next queued request, or waits idle for one. After a response that said `connection:
+        close` nothing more is served, queued or not (RFC 9112 §9.6)."""
+        if not self.keep_alive:
+            self.close()
+            return
+        if not self._pending:
+            if self._refusal:
+                self.write(self._refusal)
+                self.close()
+                return
+            if self._owe_continue and self._transport is not None:
+                self._owe_continue = False
+                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._arm_idle()
+            return
+        request, keep = self._pending.popleft()
+        if self._queue_full and self._transport is not None:
+            self._queue_full = False     # room in the queue again: read what the client sent meanwhile
+            self._transport.resume_reading()
+        if not keep or self._server.draining:
+            self.keep_alive = False
+        exchange = Exchange(self, request.method == "HEAD", request.http_11)
+        self._exchange = exchange
+        handler = self._server.routes.get(request.path)
+        coro = handler(request, exchange) if handler is not None else self._server.asgi(self, request, exchange)
+        self._task = self._loop.create_task(self._run(coro, exchange))
+
+    async def _run(self, coro: Awaitable[None], exchange: Exchange) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            if not exchange.gone:
+                raise
+        except Exception:   # a handler's bug: the client gets a 500, the connection goes
+            log.exception("http_handler_failed")
+            self.keep_alive = False
+            if not exchange.started:
+                exchange.respond(500, [], error_body(500, "internal error"))
+        finally:
+            if not exchange.done:
+                self.keep_alive = False
+                self.close()
+            self._task = None
+            self._exchange = None
+            if not self._closed:
+                self._next()
+
+    def write(self, data: bytes) -> None:
+        if not self._closed and self._transport is not None:
+            self._transport.write(data)
+
+    async def drain(self) -> None:
+        if self._paused and not self._closed:
+            self._drained = self._loop.create_future()
+            await self._drained
+
+    def disconnected(self) -> asyncio.Future[None]:
+        if self._disconnected is None:
+            self._disconnected = self._loop.create_future()
+            if self._closed:
+                self._disconnected.set_result(None)
+        return self._disconnected
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answers a request that could not be read and closes: at once when nothing is in flight, else
+        after the responses to the requests read before it (they were well formed; they are served)."""
+        given = find_header(self._headers, b"x-request-id")
+        rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
+        body = error_body(status, message)
+        self._refusal = _head(status, [(b"content-type", _JSON), (b"x-request-id", rid)],
+                              b"content-length: %d\r\n" % len(body), False) + body
+        self._last_read = True
+        self._owe_continue = False
+        if self._task is None:
+            self._next()
+
+    def _arm_idle(self) -> None:
+        """The connection is idle from now: it closes `idle_s` on unless a request's head completes first.
+        One timer lives across requests (checked when it fires, armed again only if needed), not one
+        armed and cancelled per request."""
+        self._idle_since = self._loop.time()
+        if self._idle is None:
+            self._idle = self._loop.call_at(self._idle_since + self._server.idle_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle = None
+        if self._idle_since is None:   # busy: the timer is armed again when the connection is idle again
+            return
+        due = self._idle_since + self._server.idle_s
+        if self._loop.time() >= due:
+            self.close()
+        else:   # idle again since the timer was armed
+            self._idle = self._loop.call_at(due, self._idle_expired)
+
+    def close(self) -> None:
+        if not self._closed and self._transport is not None:
+            self._closed = True
+            self._transport.close()
+
+    def idle(self) -> bool:
+        return self._task is None and not self._pending
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class HttpServer:
+    """Serves `routes` (exact paths) natively and everything else through the ASGI app `fallback`."""
+
+    def __init__(self, routes: dict[str, Handler], fallback: ASGIApp, *, max_body_bytes: int, idle_s: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.routes = routes
+        self.fallback = fallback
+        self.max_body_bytes = max_body_bytes
+        self.idle_s = idle_s
+        self.connections: set[_Connection] = set()
+        self.draining = False
+        self._ssl = ssl_context
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), sock=sock, ssl=self._ssl,
+                                                backlog=2048)
+
+    async def stop(self, drain_s: float) -> None:
+        """Stops accepting, lets requests in flight finish for up to `drain_s`, then closes the rest."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        deadline = time.monotonic() + drain_s
+        while True:
+            for conn in list(self.connections):
+                if conn.idle():
+                    conn.close()
+                else:
+                    conn.keep_alive = False
+            if not self.connections or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def asgi(self, conn: _Connection, request: Request, exchange: Exchange) -> None:
+        """Runs the fallback ASGI app for one request: the body is already read, a disconnect ends receive()."""
+        transport = conn._transport
+        server = transport.get_extra_info("sockname") if transport is not None else None
+        client = transport.get_extra_info("peername") if transport is not None else None
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1" if request.http_11 else "1.0", "method": request.method,
+            "scheme": "https" if self._ssl is not None else "http", "path": request.path,
+            "raw_path": request.path.encode("latin-1"), "query_string": request.query, "root_path": "",
+            "headers": request.headers, "server": tuple(server[:2]) if server else None,
+            "client": tuple(client[:2]) if client else None,
+        }
+        sent_body = False
+
+        async def receive() -> Message:
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            await conn.disconnected()
+            return {"type": "http.disconnect"}
+
+        start: Message = {}
+
+        async def send(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or exchange.done:
+                return
+            body, more = message.get("body", b""), message.get("more_body", False)
+            if not exchange.started:
+                headers = [(bytes(k).lower(), bytes(v)) for k, v in start.get("headers", [])]
+                sized = any(k == b"content-length" for k, _ in headers)
+                if not sized and not more:
+                    headers.append((b"content-length", b"%d" % len(body)))
+                    sized = True
+                exchange.start_stream(start["status"], headers, sized=sized)
+            exchange.send(body)
+            if not more:
+                exchange.end_stream()
+            else:
+                await exchange.drain()   # ASGI's send() is where an app waits for a slow client
+
+        await self.fallback(scope, receive, send)

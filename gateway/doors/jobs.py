@@ -1,0 +1,129 @@
+"""Validated OpenAI requests → `GenerationJob`s: limits, model name, images, token counts.
+
+Shared by the HTTP and gRPC front doors so that both enforce the very same rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.requests.errors import InvalidRequest, ModelNotFound
+from gateway.requests.images import ImageInput, load_image
+from gateway.requests.job import GenerationJob
+from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, ImagePart, image_parts, render_chat
+from gateway.requests.tokens import count_text_tokens
+from gateway.runtime import Runtime
+
+
+class JobBuilder:
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._config = runtime.config
+        self._limits = runtime.limits
+        self.model_name = runtime.config.served_model_name
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ModelNotFound(
+                f"model {model!r} does not exist; this gateway serves {self.model_name!r}", param="model"
+            )
+
+    def max_tokens(self, prompt_tokens: int, asked: int | None, prompt_param: str = "messages") -> int:
+        """Check the prompt and max_tokens against the limits; return the max_tokens to use.
+
+        Context as vLLM counts it: prompt + max_tokens ≤ max_model_len. The request is refused (400)
+        only when no backend serves a context it fits in; which of them can take it is the router's
+        business (`Pipeline.route_language`).
+        """
+        limit = self._limits.max_prompt_tokens
+        if limit is not None and prompt_tokens > limit:
+            raise InvalidRequest(f"prompt is {prompt_tokens} tokens; the limit is {limit}",
+                                 param=prompt_param, code="context_length_exceeded")
+        if asked is not None and asked > self._limits.max_tokens:
+            raise InvalidRequest(f"max_tokens is {asked}; the limit is {self._limits.max_tokens}", param="max_tokens")
+        context = self._runtime.table.largest_context()
+        room = context - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(
+                f"this model's maximum context length is {context} tokens (the longest any backend serves); "
+                f"the prompt is {prompt_tokens} tokens",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if asked is not None and asked > room:
+            raise InvalidRequest(
+                f"this model's maximum context length is {context} tokens (the longest any backend serves); "
+                f"the request needs {prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} in max_tokens)",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        return asked if asked is not None else min(self._limits.default_max_tokens, room)
+
+    async def chat(self, req: ChatCompletionRequest, body: dict[str, Any], request_id: str,
+                   timeout_s: float | None) -> GenerationJob:
+        """`body`: the client's body that `req` was validated from."""
+        if len(req.messages) > self._limits.max_messages:
+            raise InvalidRequest(
+                f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
+            )
+        self.check_model(req.model)
+        parts = image_parts(req.messages)
+        images = await self._images(parts) if parts else ()   # text only: no coroutine to run
+        prompt, tokens = render_chat(req.messages)
+        exact = self._runtime.exact_prompts
+        ids: tuple[int, ...] = ()
+        spans: tuple[tuple[int, int], ...] = ()
+        if exact is not None:
+            prompt_ids = exact.chat(req.messages, images)
+            ids, spans, tokens = tuple(prompt_ids.ids), tuple(prompt_ids.image_spans), prompt_ids.text_tokens
+        asked = req.requested_max_tokens()
+        max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
+                             self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
+                             token_ids=ids, image_spans=spans,
+                             image_grids=exact.grids(images) if exact else (),
+                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
+
+    def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
+                   timeout_s: float | None) -> GenerationJob:
+        self.check_model(req.model)
+        if isinstance(req.prompt, list):
+            if len(req.prompt) != 1:
+                raise InvalidRequest("prompt must be one string (batched prompts are not supported)", param="prompt")
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        tokens = count_text_tokens(prompt)
+        exact = self._runtime.exact_prompts
+        ids: tuple[int, ...] = ()
+        if exact is not None:
+            ids = tuple(exact.text(prompt).ids)
+            tokens = len(ids)
+        asked = req.requested_max_tokens()
+        max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
+                             self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
+                             token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
+
+    def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not
+        copied: its readers copy what they change; the upstream client sets `stream` itself)."""
+        if req.n is not None and req.n > self._limits.max_choices:
+            raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
+        return body
+
+    async def _images(self, parts: list[tuple[int, int, ImagePart]]) -> tuple[ImageInput, ...]:
+        model = self._config.model
+        if model.vision is None:
+            raise InvalidRequest(f"model {self.model_name!r} does not accept images", param="messages")
+        limits = self._config.settings.images
+        if len(parts) > limits.max_images:
+            raise InvalidRequest(f"{len(parts)} images; the limit is {limits.max_images} per request",
+                                 param="messages")
+        fetcher = self._runtime.fetcher
+        return tuple(await asyncio.gather(*(
+            load_image(p.image_url.url, f"messages.{i}.content.{j}", limits, model, fetcher) for i, j, p in parts
+        )))

@@ -1,0 +1,73 @@
+"""TLS for the gateway's doors: the HTTP door, and the gRPC server that carries both the gRPC front door
+and the control port (one listener). Certificates are PEM files named in the config and read once at
+start-up; a file that cannot be read stops the gateway with an error naming the setting.
+
+    gateway:
+      tls:
+        http: {cert_file: /etc/heterogate/tls.crt, key_file: /etc/heterogate/tls.key}
+        grpc: {cert_file: /etc/heterogate/tls.crt, key_file: /etc/heterogate/tls.key}
+        ca_file: /etc/heterogate/ca.crt   # what engines the gateway launches trust; default: grpc.cert_file
+
+Engines the gateway launches dial the control port at the address the gateway gives them (127.0.0.1
+for a wildcard listen address), so the gRPC certificate must name that address.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from common.errors import ConfigError
+from gateway.config.sections import TlsConfig
+
+
+def read_pem(path: Path, setting: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise ConfigError(f"{setting}: {path} is not a PEM file")
+    return data
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    """The gRPC server's key pair, and the CA the engines it launches trust."""
+
+    cert: bytes
+    key: bytes
+    ca_file: Path
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)])
+
+
+def load_grpc_tls(config: TlsConfig) -> GrpcTls | None:
+    if config.grpc is None:
+        if config.ca_file is not None:
+            raise ConfigError("gateway.tls.ca_file: applies only with gateway.tls.grpc")
+        return None
+    cert = read_pem(config.grpc.cert_file, "gateway.tls.grpc.cert_file")
+    key = read_pem(config.grpc.key_file, "gateway.tls.grpc.key_file")
+    ca_file = config.ca_file or config.grpc.cert_file
+    read_pem(ca_file, "gateway.tls.ca_file")
+    return GrpcTls(cert, key, ca_file)
+
+
+def http_ssl_context(config: TlsConfig) -> ssl.SSLContext | None:
+    """The HTTP door's server context, loaded at start-up so a bad certificate or key stops it with a
+    message naming the setting."""
+    if config.http is None:
+        return None
+    read_pem(config.http.cert_file, "gateway.tls.http.cert_file")
+    read_pem(config.http.key_file, "gateway.tls.http.key_file")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.http.cert_file, config.http.key_file)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"gateway.tls.http: the certificate and key do not load: {exc.reason or exc}") from None
+    return context

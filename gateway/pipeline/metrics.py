@@ -1,0 +1,192 @@
+"""Prometheus metrics of one gateway process, on its own registry (no module globals).
+
+Per-backend gauges are not pushed on every change: a collector reads the state table at scrape
+time, so they are exact and cost nothing on the request path. The counters and histograms every
+request touches are plain tables rendered at scrape time too (`gateway.pipeline.request_metrics`); the rare
+ones (retries, encodes, hand-offs, stolen requests) are prometheus_client objects. Counters carry no
+`_created` series (one per label set, which doubles the scrape for nothing a rate() needs).
+"""
+
+from __future__ import annotations
+
+import collections
+import platform
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common import __version__
+from gateway.pipeline.request_metrics import CounterTable, HistogramTable, TablesCollector
+from gateway.routing.state_table import StateTable
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
+
+
+class BackendCollector(Collector):
+    def __init__(self, table: StateTable) -> None:
+        self._table = table
+        # Restarts per managed backend, from the supervisor once it runs (a callable: read at scrape time).
+        self.restarts: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["backend", "role", "gpu"]
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "queue": GaugeMetricFamily("heterogate_backend_queue_depth", "Q_i as routed on", labels=labels),
+            "in_flight": GaugeMetricFamily("heterogate_backend_in_flight", "Requests in flight", labels=labels),
+            "kv_free": GaugeMetricFamily("heterogate_backend_kv_free_bytes", "Free KV cache bytes", labels=labels),
+            "kv_total": GaugeMetricFamily("heterogate_backend_kv_total_bytes", "KV cache bytes", labels=labels),
+            "context": GaugeMetricFamily(
+                "heterogate_backend_max_model_len", "Context routed on, prompt + completion tokens", labels=labels
+            ),
+            "vision": GaugeMetricFamily(
+                "heterogate_backend_vision_backlog_tokens", "Image tokens waiting to be encoded", labels=labels
+            ),
+            "healthy": GaugeMetricFamily("heterogate_backend_healthy", "1 if heartbeats are current", labels=labels),
+            "service": GaugeMetricFamily(
+                "heterogate_backend_mean_service_seconds", "T̄_service used by the router", labels=labels
+            ),
+            "prefill": GaugeMetricFamily(
+                "heterogate_backend_prefill_seconds_per_token", "Learned prefill rate p̂ (prior blended with "
+                "observations)", labels=labels
+            ),
+            "decode": GaugeMetricFamily(
+                "heterogate_backend_decode_step_seconds", "Learned decode step ŝ (mean inter-token time)", labels=labels
+            ),
+            "prior_share": GaugeMetricFamily(
+                "heterogate_backend_speed_prior_share", "Weight of the performance-model prior in p̂", labels=labels
+            ),
+            "backlog": GaugeMetricFamily(
+                "heterogate_backend_prefill_backlog_tokens", "Prompt tokens sent, first token not seen", labels=labels
+            ),
+            "episodes": CounterMetricFamily(
+                "heterogate_backend_steal_episodes", "Work-stealing episodes (engine-reported)", labels=labels
+            ),
+            "stolen": CounterMetricFamily(
+                "heterogate_backend_tokens_stolen", "Tokens generated while stealing (engine-reported)", labels=labels
+            ),
+            "age": GaugeMetricFamily(
+                "heterogate_backend_heartbeat_age_seconds", "Seconds since the last heartbeat (absent before the "
+                "first)", labels=labels,
+            ),
+            "restarts": CounterMetricFamily(
+                "heterogate_backend_restarts", "Times the gateway restarted this managed engine", labels=labels
+            ),
+        }
+        now = self._table.clock()
+        restarts = self.restarts()
+        for e in self._table.entries():
+            values = [e.id, e.role, e.gpu.name]
+            snap = self._table.snapshot(e)
+            families["queue"].add_metric(values, snap.queue_depth)
+            families["in_flight"].add_metric(values, e.in_flight)
+            families["kv_free"].add_metric(values, snap.kv_free_bytes)
+            families["kv_total"].add_metric(values, snap.kv_total_bytes)
+            families["context"].add_metric(values, snap.max_context)
+            families["vision"].add_metric(values, snap.vision_backlog)
+            families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
+            families["service"].add_metric(values, snap.mean_service_s)
+            families["prefill"].add_metric(values, e.speed.prefill.value)
+            families["decode"].add_metric(values, e.speed.decode.value)
+            families["prior_share"].add_metric(values, e.speed.prefill.prior_share)
+            families["backlog"].add_metric(values, e.prefill_backlog_tokens)
+            families["episodes"].add_metric(values, e.reported.steal_episodes)
+            families["stolen"].add_metric(values, e.reported.tokens_stolen)
+            if e.last_heartbeat is not None:
+                families["age"].add_metric(values, max(0.0, now - e.last_heartbeat))
+            if e.managed:
+                families["restarts"].add_metric(values, restarts.get(e.id, 0))
+        yield from families.values()
+        fail_open = GaugeMetricFamily(
+            "heterogate_routing_failing_open", "1 when every candidate's metrics are stale and routing uses "
+            "the gateway's own in-flight counts")
+        fail_open.add_metric([], 1.0 if self._table.failing_open else 0.0)
+        yield fail_open
+
+
+class VetoCollector(Collector):
+    """Candidates vetoed for lack of KV room, per backend. A decision may veto many candidates: they
+    are counted in one Counter.update and rendered at scrape time (a labelled prometheus Counter
+    costs about a microsecond per increment)."""
+
+    def __init__(self, counts: collections.Counter[str]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "heterogate_routing_oom_vetoes", "Candidates vetoed for lack of KV room", labels=["backend"]
+        )
+        for backend, count in list(self._counts.items()):
+            family.add_metric([backend], count)
+        yield family
+
+
+class GatewayMetrics:
+    def __init__(self, table: StateTable) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide in prometheus_client; no registry of ours wants them
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        Info("heterogate_build", "Version of the running gateway", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
+        # The request path's: plain tables (gateway.pipeline.request_metrics), label values given in this order.
+        self.prompt_tokens = CounterTable(
+            "heterogate_prompt_tokens", "Prompt tokens of served requests (as the backend counted them)", ["backend"]
+        )
+        self.generation_tokens = CounterTable(
+            "heterogate_generation_tokens", "Tokens generated for served requests", ["backend"]
+        )
+        self.requests = CounterTable(
+            "heterogate_requests", "Requests by outcome", ["endpoint", "policy", "backend", "status"]
+        )
+        self.decisions = CounterTable("heterogate_routing_decisions", "Routing decisions", ["policy", "backend"])
+        self.decision_seconds = HistogramTable(
+            "heterogate_routing_decision_seconds", "Time to choose a backend", ["policy"], _DECISION_BUCKETS
+        )
+        self.ttft_seconds = HistogramTable("heterogate_ttft_seconds", "Time to first token", ["backend"],
+                                           _LATENCY_BUCKETS)
+        self.e2e_seconds = HistogramTable("heterogate_e2e_seconds", "End-to-end request latency", ["backend"],
+                                          _LATENCY_BUCKETS)
+        r.register(TablesCollector([self.prompt_tokens, self.generation_tokens, self.requests, self.decisions,
+                                    self.decision_seconds, self.ttft_seconds, self.e2e_seconds]))
+        self.admission_waiting = Gauge(
+            "heterogate_admission_queue_waiting", "Requests waiting in the admission queue", registry=r
+        )
+        self.oom_vetoes: collections.Counter[str] = collections.Counter()   # backend id -> vetoes
+        self.retries = Counter(
+            "heterogate_dispatch_retries", "Re-dispatches before the first token", ["backend"], registry=r
+        )
+        self.encode_seconds = Histogram(
+            "heterogate_encode_seconds", "Encode RPC latency (queue + encode + hand-off)", ["backend"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.embedding_bytes = Counter(
+            "heterogate_embedding_bytes", "Embedding bytes sent vision -> language", ["backend"], registry=r
+        )
+        self.handoff_wait_seconds = Histogram(
+            "heterogate_handoff_wait_seconds", "Time a language engine waited for embeddings", ["backend"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.stolen_requests = Counter(
+            "heterogate_stolen_requests", "Language requests routed to a vision backend (work stealing)",
+            ["backend"], registry=r,
+        )
+        self.backends = BackendCollector(table)
+        r.register(self.backends)
+        r.register(VetoCollector(self.oom_vetoes))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

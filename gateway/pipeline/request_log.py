@@ -1,0 +1,79 @@
+"""One JSON line per inference request, and the request counters, written in one place.
+
+A `RequestRecord` is opened by a front door when a request arrives and filled by the pipeline (its
+deadline, every dispatch attempt and the backends tried); `RequestLog.finish` closes it exactly once,
+whatever the outcome (served, refused with a 4xx, failed with a 5xx, or abandoned by the client):
+
+    {"event": "request", "request_id": ..., "endpoint": "chat", "status": 200, "attempts": 2,
+     "backends": ["a100-0", "h100-1"], "vision_backend": null, "latency_s": 0.84, "ttft_s": 0.12,
+     "prompt_tokens": 31, "completion_tokens": 64, ...}
+
+The hot path pays for one small object, a few appends, three counter increments (plain tables,
+`gateway.pipeline.request_metrics`) and one log call; the line is rendered by the logging set-up of
+`common.logs` (orjson). `benchmarks/request_log_cost.py` measures it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from gateway.pipeline.metrics import GatewayMetrics
+
+log = structlog.get_logger("http")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+    deadline: float | None = None        # monotonic; set by the pipeline from the client's timeout
+    attempts: int = 0                    # language dispatch attempts, restarts included
+    backends: list[str] = field(default_factory=list)          # in attempt order
+    vision_backends: list[str] = field(default_factory=list)   # encode attempts, in order
+    policy: str = ""
+    ttft_s: float | None = None
+    finished: bool = False
+
+    def attempt(self, backend_id: str) -> None:
+        self.attempts += 1
+        self.backends.append(backend_id)
+
+
+class RequestLog:
+    def __init__(self, metrics: GatewayMetrics, default_policy: str) -> None:
+        self._metrics = metrics
+        self._policy = default_policy
+        # The line's level is on (set by common.logs.configure_logging before the doors are built):
+        # with it off, the line's fields are not even gathered.
+        self._lines = logging.getLogger().isEnabledFor(logging.INFO)
+
+    def finish(
+        self, record: RequestRecord, status: int, *, prompt_tokens: int = 0, completion_tokens: int = 0,
+        error: str | None = None,
+    ) -> None:
+        """Count and log the request once; later calls for the same record are no-ops."""
+        if record.finished:
+            return
+        record.finished = True
+        backend = record.backends[-1] if record.backends else "none"
+        policy = record.policy or self._policy
+        m = self._metrics
+        m.requests.inc((record.endpoint, policy, backend, str(status)))
+        if prompt_tokens or completion_tokens:
+            m.prompt_tokens.inc((backend,), prompt_tokens)
+            m.generation_tokens.inc((backend,), completion_tokens)
+        if not self._lines:
+            return
+        log.info(
+            "request", request_id=record.request_id, endpoint=record.endpoint, status=status,
+            attempts=record.attempts, backends=record.backends,
+            vision_backends=record.vision_backends, policy=policy,
+            latency_s=round(time.monotonic() - record.started, 4),
+            ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error,
+        )

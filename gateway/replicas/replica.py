@@ -1,0 +1,62 @@
+"""Joins one gateway process to the other replicas of its deployment through Redis.
+
+Wires the pieces of scale-out into a runtime built for one process: the shared state (published and
+refreshed in the background, see shared_state.py), the spreading layer over both pools' policies
+(policies/spreading.py), the leader lease that picks the one replica running the managed engines
+(leadership.py) and the engines' identities that every replica checks (engine_identities.py). A
+process without a Redis URL uses none of them and supervises the engines itself.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from gateway.control.engine_identities import EngineIdentities
+from gateway.replicas.leadership import LeaderLease
+from gateway.replicas.shared_state import SharedState, SharedStateCollector, connect
+from gateway.routing.policies.spreading import Spreading
+from gateway.runtime import Runtime
+
+
+def new_replica_id() -> str:
+    """Unique per process and readable in Redis: host, pid and a random tail (pids repeat across hosts)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Replication:
+    replica_id: str
+    redis: Redis
+    shared: SharedState
+    lease: LeaderLease
+    runtime: Runtime
+
+    def on_heartbeat(self, backend_id: str, address: str) -> None:
+        """A heartbeat received by this replica's Control service (or its own scraper)."""
+        self.runtime.clients.ensure(backend_id, address)
+        self.shared.note_heartbeat(backend_id, address)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replication:
+    """`identities`: this replica's engine identities (announced while it leads, adopted otherwise)."""
+    config = runtime.config.settings.redis
+    replica_id = new_replica_id()
+    redis = connect(config, url)
+    shared = SharedState(runtime.table, redis, config, replica_id, on_remote_heartbeat=runtime.clients.ensure,
+                         on_identities=identities.adopt)
+    runtime.metrics.registry.register(SharedStateCollector(shared, runtime.table))
+    pipeline = runtime.pipeline
+    pipeline.policy = Spreading(pipeline.policy, config.spread, seed=replica_id)
+    pipeline.vision_policy = Spreading(pipeline.vision_policy, config.spread, seed=replica_id + "/vision")
+    lease = LeaderLease(redis, config.key_prefix + "leader", replica_id, config.leader_lease_ms,
+                        config.timeout_ms / 1000, shared.identities_key, identities.own)
+    return Replication(replica_id, redis, shared, lease, runtime)
+

@@ -1,0 +1,280 @@
+"""Cluster state shared by gateway replicas through Redis, refreshed off the request path.
+
+Keys under the prefix P (`gateway.redis.key_prefix`):
+
+    P replicas            SET     replica ids that publish counts (a member whose key is gone is pruned)
+    P inflight:<replica>  HASH    backend -> this replica's in-flight requests, `v:<backend>` -> image
+                                  tokens it has sent to that encoder, `p:`/`b:`/`k:<backend>` -> its
+                                  leases there: requests before their first token, their prompt tokens
+                                  (the prefill backlog), KV tokens reserved; PX replica_ttl_ms,
+                                  rewritten on every refresh, so a replica killed with SIGKILL drops
+                                  out of every view within replica_ttl_ms + one refresh
+    P hb:<backend>        STRING  the backend's last heartbeat (JSON) as received by whichever replica
+                                  it pushes to (or that scrapes it); PX = miss limit × heartbeat interval
+    P identities          HASH    managed backend -> digest of its engine's identity, written by the
+                                  leader (leadership.py, engine_identities.py), read on every refresh
+
+Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
+received since the last refresh, and reads the members, every peer's counts, every backend's
+heartbeat with its remaining TTL (from which the heartbeat's age follows without comparing clocks
+across hosts) and the engines' identity digests. The request path never waits on Redis: policies
+read the state table, whose in-flight count for a backend is this replica's live count + the peers'
+counts as of the last refresh, so a decision between refreshes already counts this replica's own new
+dispatches.
+
+Redis unreachable or restarted: each replica fails open on its own view. Peers' counts drop to zero;
+backends last heard through Redis keep their last reported state and stay candidates for at most
+`fail_open_hold_s` (retries and the circuit breaker handle one that died meanwhile);
+`heterogate_shared_state_up` is 0 and one warning is logged. The first refresh that succeeds resumes
+sharing and logs that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway.config.sections import RedisConfig
+from gateway.routing.backend_entry import NO_PEER_LOAD, PeerLoad, Reported
+from gateway.routing.state_table import StateTable
+
+log = structlog.get_logger("shared_state")
+
+# Hash fields of a replica's counts: backend id, or one of these prefixes + backend id, in the order
+# of PeerLoad's fields (in-flight requests have no prefix).
+FIELD_PREFIXES = ("", "v:", "p:", "b:", "k:")
+_REPORTED_FIELDS = tuple(f.name for f in dataclasses.fields(Reported))
+# A refresh that fails is retried after this long at first, doubling up to the cap (refreshes keep
+# running at `refresh_ms` while Redis answers).
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 1.0
+
+
+def connect(config: RedisConfig, url: str) -> Redis:
+    """One pooled client per process; every call bounded by `timeout_ms`, no hidden retries."""
+    timeout_s = config.timeout_ms / 1000
+    return Redis.from_url(
+        url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0), health_check_interval=0,
+    )
+
+
+def encode_heartbeat(address: str | None, reported: Reported) -> str:
+    return orjson.dumps({"address": address or "", **dataclasses.asdict(reported)}).decode()
+
+
+def decode_heartbeat(raw: str) -> tuple[str, Reported]:
+    data = orjson.loads(raw)
+    return str(data["address"]), Reported(**{k: data[k] for k in _REPORTED_FIELDS if k in data})
+
+
+class SharedState:
+    """This replica's side of the shared state: publishes, refreshes, fails open."""
+
+    def __init__(
+        self, table: StateTable, redis: Redis, config: RedisConfig, replica_id: str,
+        on_remote_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
+        on_identities: Callable[[dict[str, str]], None] = lambda digests: None,
+    ) -> None:
+        self._table = table
+        self._on_identities = on_identities
+        self._redis = redis
+        self._config = config
+        self.replica_id = replica_id
+        self._on_remote_heartbeat = on_remote_heartbeat
+        prefix = config.key_prefix
+        self.members_key = f"{prefix}replicas"
+        self.identities_key = f"{prefix}identities"
+        self._counts_prefix = f"{prefix}inflight:"
+        self._backend_ids = [e.id for e in table.entries()]
+        self._fields = [p + b for b in self._backend_ids for p in FIELD_PREFIXES]
+        self._hb_key = {b: f"{prefix}hb:{b}" for b in self._backend_ids}
+        self._hb_keys = list(self._hb_key.values())
+        self._hb_ttl_ms = max(1, round(table.miss_limit * table.heartbeat_interval_s * 1000))
+        self._dirty: set[str] = set()        # heartbeats received here since the last refresh
+        self._remote: set[str] = set()       # backends whose latest heartbeat came through Redis
+        self._held: set[str] = set()         # ... and that are kept alive while Redis is away
+        self._peers: list[str] = []
+        self._gone: list[str] = []           # members whose counts key has expired
+        self._down_since: float | None = None
+        self._hold_until = 0.0
+        self.up = False
+        self.errors = 0
+        self.peer_count = 0
+
+    def key(self, replica_id: str) -> str:
+        return self._counts_prefix + replica_id
+
+    def note_heartbeat(self, backend_id: str, address: str) -> None:
+        """A heartbeat arrived on this replica's Control service: publish it on the next refresh."""
+        self._dirty.add(backend_id)
+        self._remote.discard(backend_id)
+        self._held.discard(backend_id)
+
+    async def refresh(self) -> None:
+        """One round trip: publish own counts and new heartbeats; read peers' counts and heartbeats."""
+        table = self._table
+        own_key = self.key(self.replica_id)
+        counts: dict[str, int] = {}
+        for e in table.entries():
+            own = (e.in_flight, e.vision_in_flight_tokens, e.prefilling, e.prefill_backlog_tokens, e.kv_reserved_tokens)
+            for prefix, value in zip(FIELD_PREFIXES, own, strict=True):
+                counts[prefix + e.id] = value
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(own_key, mapping=counts)   # type: ignore[arg-type]
+        pipe.pexpire(own_key, self._config.replica_ttl_ms)
+        pipe.sadd(self.members_key, self.replica_id)
+        if self._gone:
+            pipe.srem(self.members_key, *self._gone)
+        dirty, self._dirty = self._dirty, set()
+        for backend_id in dirty:
+            entry = table.get(backend_id)
+            if entry is not None:
+                pipe.set(self._hb_key[backend_id], encode_heartbeat(entry.address, entry.reported),
+                         px=self._hb_ttl_ms)
+        pipe.smembers(self.members_key)
+        peers = self._peers
+        for peer in peers:
+            pipe.hgetall(self.key(peer))
+        for k in self._hb_keys:
+            pipe.get(k)
+            pipe.pttl(k)
+        pipe.hgetall(self.identities_key)
+        results: list[Any] = await pipe.execute()
+        tail = results[-(2 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
+        members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):-1]
+        self._on_identities(tail[-1])
+        self._apply_peers(peers, peer_maps)
+        self._apply_heartbeats(heartbeats)
+        self._peers = sorted(m for m in members if m != self.replica_id)
+        self._resumed()
+
+    def _apply_peers(self, peers: list[str], maps: list[dict[str, str]]) -> None:
+        self._gone = [p for p, m in zip(peers, maps, strict=True) if not m]
+        summed = {field: 0 for field in self._fields}
+        for m in maps:
+            for field, value in m.items():
+                if field in summed:
+                    summed[field] += int(value)
+        self.peer_count = len(peers) - len(self._gone)
+        for backend_id in self._backend_ids:
+            self._table.set_peer_load(backend_id, PeerLoad(*(summed[p + backend_id] for p in FIELD_PREFIXES)))
+
+    def _apply_heartbeats(self, values: list[Any]) -> None:
+        now = self._table.clock()
+        for i, backend_id in enumerate(self._backend_ids):
+            raw, ttl_ms = values[2 * i], values[2 * i + 1]
+            if raw is None:
+                continue
+            try:
+                address, reported = decode_heartbeat(raw)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("shared_heartbeat_unreadable", backend=backend_id, error=str(exc))
+                continue
+            age_s = max(0, self._hb_ttl_ms - ttl_ms) / 1000 if ttl_ms > 0 else 0.0
+            entry = self._table.apply_heartbeat(backend_id, reported.seq, address, reported, at=now - age_s)
+            if entry is not None:
+                self._remote.add(backend_id)
+                self._held.discard(backend_id)
+                self._on_remote_heartbeat(backend_id, address)
+
+    def _resumed(self) -> None:
+        if not self.up:
+            log.info("shared_state_up", replica=self.replica_id, peers=self.peer_count,
+                     after_s=None if self._down_since is None else round(self._table.clock() - self._down_since, 3))
+        if self._down_since is not None:   # the writers of the heartbeats may still be backing off
+            self._hold_until = self._table.clock() + RETRY_MAX_S + 2 * self._hb_ttl_ms / 1000
+        self.up = True
+        self._down_since = None
+
+    def failed(self, exc: BaseException) -> None:
+        """Fail open: own view only; backends last heard through Redis stay candidates for a while."""
+        now = self._table.clock()
+        self.errors += 1
+        if self._down_since is None:
+            self._down_since = now
+            self._held = {b for b in self._remote if (e := self._table.get(b)) and self._table.is_healthy(e, now)}
+            log.warning("shared_state_down", replica=self.replica_id, error=repr(exc), failing_open=True,
+                        held_backends=sorted(self._held))
+        self.up = False
+        self.peer_count = 0
+        for backend_id in self._backend_ids:
+            self._table.set_peer_load(backend_id, NO_PEER_LOAD)
+        self.hold()
+
+    def hold(self) -> None:
+        """While Redis is away (up to fail_open_hold_s), and after it is back until their heartbeats
+        arrive through it again, backends last heard through Redis stay candidates."""
+        if not self._held:
+            return
+        now = self._table.clock()
+        down = self._down_since
+        if now <= (down + self._config.fail_open_hold_s if down is not None else self._hold_until):
+            for backend_id in self._held:
+                self._table.assume_alive(backend_id)
+        else:
+            self._held.clear()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Refresh every `refresh_ms` until `stop`, then withdraw this replica's counts. While Redis is
+        away, retry with backoff and keep holding the backends heard through it on every tick."""
+        interval_s = self._config.refresh_ms / 1000
+        bound_s = 2 * self._config.timeout_ms / 1000
+        retry_s, next_try = RETRY_MIN_S, 0.0
+        clock = self._table.clock
+        while not stop.is_set():
+            if clock() >= next_try:
+                try:
+                    await asyncio.wait_for(self.refresh(), bound_s)
+                    retry_s, next_try = RETRY_MIN_S, 0.0
+                    self.hold()
+                except (RedisError, OSError, TimeoutError) as exc:
+                    self.failed(exc)
+                    next_try, retry_s = clock() + retry_s, min(RETRY_MAX_S, retry_s * 2)
+            else:
+                self.hold()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+        await self.withdraw()
+
+    async def withdraw(self) -> None:
+        """A replica that stops cleanly takes its counts out at once instead of letting them expire."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.delete(self.key(self.replica_id))
+            pipe.srem(self.members_key, self.replica_id)
+            await asyncio.wait_for(pipe.execute(), self._config.timeout_ms / 1000)
+
+
+class SharedStateCollector(Collector):
+    """/metrics: whether sharing works, how many peers this replica sees, their load per backend."""
+
+    def __init__(self, shared: SharedState, table: StateTable) -> None:
+        self._shared = shared
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("heterogate_shared_state_up",
+                               "1 while Redis refreshes succeed; 0: failing open on this replica's own view "
+                               "(labelled with the replica that answered the scrape)", labels=["replica"])
+        up.add_metric([self._shared.replica_id], 1.0 if self._shared.up else 0.0)
+        peers = GaugeMetricFamily("heterogate_shared_state_peers", "Other replicas seen at the last refresh")
+        peers.add_metric([], self._shared.peer_count)
+        errors = CounterMetricFamily("heterogate_shared_state_errors", "Refreshes that failed (Redis away)")
+        errors.add_metric([], self._shared.errors)
+        load = GaugeMetricFamily("heterogate_backend_peer_in_flight",
+                                 "Requests in flight on the backend from other replicas", labels=["backend"])
+        for e in self._table.entries():
+            load.add_metric([e.id], e.peer_in_flight)
+        yield from (up, peers, errors, load)

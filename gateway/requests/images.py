@@ -1,0 +1,134 @@
+"""Image inputs: data URLs (and, when enabled, http(s) URLs) to validated images with a token count.
+
+Only the image header is parsed (Pillow opens lazily and reads the size without decoding pixels);
+`verify()` then checks the file structure, so an undecodable or truncated file is a 400 here rather
+than a failure inside an engine. Remote fetches refuse loopback, private, link-local and other
+non-global addresses unless the config allows them, follow no redirects, and stop at the byte limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import ipaddress
+import socket
+import warnings
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+from PIL import Image, UnidentifiedImageError
+
+from common.catalog import ModelProfile
+from common.yaml_files import StrictModel
+from gateway.requests.errors import InvalidRequest
+
+FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+INLINE_INSPECT_BYTES = 256 << 10
+
+
+class ImageLimits(StrictModel):
+    max_images: int = 8                    # per request
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 4096 * 4096
+    remote_urls: bool = False              # fetch http(s) image URLs at all
+    allow_private_addresses: bool = False  # let remote URLs reach loopback/private/link-local hosts
+    fetch_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    data: bytes
+    width: int
+    height: int
+    format: str
+    tokens: int
+
+
+def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile) -> ImageInput:
+    """Validate one image file and count its vision tokens; errors name `where` (the content part)."""
+    if len(data) > limits.max_image_bytes:
+        raise InvalidRequest(f"{where}: image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param=where)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                fmt, (width, height) = img.format or "", img.size
+                img.verify()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        raise InvalidRequest(f"{where}: image has too many pixels", param=where) from None
+    except UnidentifiedImageError:
+        raise InvalidRequest(f"{where}: not a PNG, JPEG or WebP image", param=where) from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise InvalidRequest(f"{where}: image is corrupt or truncated ({exc})", param=where) from None
+    if fmt == "JPEG" and not data.rstrip(b"\x00").endswith(b"\xff\xd9"):   # verify() does not check JPEG
+        raise InvalidRequest(f"{where}: image is corrupt or truncated (JPEG without an end marker)", param=where)
+    if fmt not in FORMATS:
+        raise InvalidRequest(f"{where}: {fmt or 'unknown'} images are not supported (PNG, JPEG, WebP)", param=where)
+    if width * height > limits.max_image_pixels:
+        raise InvalidRequest(
+            f"{where}: image is {width}x{height} pixels; the limit is {limits.max_image_pixels} pixels", param=where
+        )
+    return ImageInput(data, width, height, fmt, model.image_tokens(width, height))
+
+
+def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:") or not header.endswith(";base64"):
+        raise InvalidRequest(f"{where}: data URLs must look like data:image/png;base64,...", param=where)
+    if len(payload) > (limits.max_image_bytes * 4) // 3 + 4:
+        raise InvalidRequest(f"{where}: image is over the limit of {limits.max_image_bytes} bytes", param=where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{where}: data URL payload is not valid base64", param=where) from None
+
+
+async def check_public_host(host: str, port: int, where: str) -> None:
+    """Refuse hosts that resolve to any non-global address (SSRF guard)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise InvalidRequest(f"{where}: cannot resolve image host {host!r}", param=where) from None
+    for info in infos:
+        addr = ipaddress.ip_address(info[4][0])
+        if not addr.is_global:
+            raise InvalidRequest(
+                f"{where}: image URL host {host!r} resolves to a non-public address; refused", param=where
+            )
+
+
+async def fetch(url: str, where: str, limits: ImageLimits, client: httpx.AsyncClient) -> bytes:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidRequest(f"{where}: image URL must be a data: URL or an http(s) URL", param=where)
+    if not limits.remote_urls:
+        raise InvalidRequest(
+            f"{where}: remote image URLs are disabled on this gateway; send the image as a data: URL", param=where
+        )
+    if not limits.allow_private_addresses:
+        await check_public_host(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), where)
+    try:
+        async with client.stream("GET", url, timeout=limits.fetch_timeout_s, follow_redirects=False) as resp:
+            if resp.status_code != 200:
+                raise InvalidRequest(f"{where}: fetching the image URL gave HTTP {resp.status_code}", param=where)
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > limits.max_image_bytes:
+                    raise InvalidRequest(f"{where}: image is over {limits.max_image_bytes} bytes", param=where)
+                chunks.append(chunk)
+    except httpx.HTTPError as exc:
+        raise InvalidRequest(f"{where}: fetching the image URL failed: {type(exc).__name__}", param=where) from None
+    return b"".join(chunks)
+
+
+async def load_image(url: str, where: str, limits: ImageLimits, model: ModelProfile, client: httpx.AsyncClient) -> (
+    ImageInput
+):
+    data = decode_data_url(url, where, limits) if url.startswith("data:") else await fetch(url, where, limits, client)
+    if len(data) > INLINE_INSPECT_BYTES:   # verify() reads the whole file: keep big ones off the loop
+        return await asyncio.to_thread(inspect, data, where, limits, model)
+    return inspect(data, where, limits, model)

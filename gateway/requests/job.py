@@ -1,0 +1,69 @@
+"""One validated request as the pipeline and the backend clients see it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from common.wire import engine_pb2
+from gateway.requests.images import ImageInput
+from gateway.routing.policies.contracts import RequestProfile
+
+# How a backend gets image embeddings: direct from the vision engine (DeliverEmbedding), inline in its
+# request body (vLLM image_embeds), or none (it encodes its own images).
+Handoff = Literal["direct", "inline", "none"]
+
+
+@dataclass(slots=True)
+class GenerationJob:
+    """Treated as immutable (`dataclasses.replace` makes a changed copy), but not declared frozen: one is
+    built per request, and a frozen dataclass's __init__ sets each of its fields through
+    object.__setattr__ (about twice the time)."""
+
+    request_id: str
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    temperature: float = 1.0
+    images: tuple[ImageInput, ...] = ()
+    timeout_s: float | None = None     # the client's deadline, capped by the server's request timeout
+    kind: Literal["chat", "text"] = "chat"
+    # The client's OpenAI body (validated), forwarded as-is to OpenAI-compatible upstream engines.
+    body: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The client wants one reply, not a stream: an engine may send everything after the first token at once.
+    whole: bool = False
+    # The images' embeddings, for a backend that takes them in its request (handoff "inline").
+    embeddings: tuple[engine_pb2.Embedding, ...] = field(default=(), compare=False)
+    # The client gave max_tokens: the request needs prompt + max_tokens of context. Otherwise max_tokens
+    # is the gateway's default, shortened to the room the chosen backend has (as vLLM does).
+    max_tokens_asked: bool = True
+    # Exact requests (torch engines): the model's token ids with image placeholders expanded, where each
+    # image goes in them, and the sampling the engine applies.
+    token_ids: tuple[int, ...] = field(default=(), compare=False)
+    image_spans: tuple[tuple[int, int], ...] = ()
+    image_grids: tuple[tuple[int, int, int], ...] = ()   # Qwen2-VL family: (t, h, w) per image
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(img.tokens for img in self.images) if self.images else 0
+
+    @property
+    def context_tokens(self) -> int:
+        """Context a backend must serve for this request: prompt (text + image tokens) + max_tokens,
+        or + 1 when the client left max_tokens to the gateway."""
+        return self.prompt_tokens + self.image_tokens + (self.max_tokens if self.max_tokens_asked else 1)
+
+    def for_context(self, max_context: int) -> GenerationJob:
+        """This job as sent to a backend of `max_context`: an unasked max_tokens fits the room left."""
+        room = max_context - self.prompt_tokens - self.image_tokens
+        if self.max_tokens_asked or not max_context or self.max_tokens <= room:
+            return self
+        return replace(self, max_tokens=max(1, room))
+
+    def profile(self) -> RequestProfile:
+        return RequestProfile(
+            self.request_id, self.prompt_tokens + self.image_tokens, self.max_tokens, self.image_tokens
+        )

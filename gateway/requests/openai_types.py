@@ -1,0 +1,104 @@
+"""OpenAI request bodies as pydantic models, and their translation into a prompt.
+
+Types are strict (a string where a number belongs is a 400, not a coercion) for the fields the
+gateway acts on. Every other field (`tools`, `logprobs`, `seed`, vendor fields such as `top_k`,
+`tool_calls` in messages, ...) is accepted: the models validate the client's body, which the caller
+keeps as sent and which goes to kind: openai upstreams unchanged (`gateway.doors.jobs`); the gateway's own
+engines refuse what they cannot honour (`gateway.clients.engine_fields`). The models hold no copy of the
+body: a pydantic private attribute cost a few µs a request to set and read.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.requests.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1)   # bounded by limits.max_choices
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None   # honoured by torch engines (see gateway.clients.engine_fields)
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    return "".join(p.text for p in message.content if isinstance(p, TextPart))
+
+
+def render_chat(messages: list[ChatMessage]) -> tuple[str, int]:
+    """A plain chat template: `role: text` lines; returns (prompt, estimated text tokens)."""
+    lines, tokens = [], 0
+    for m in messages:
+        text = message_text(m)
+        lines.append(f"{m.role}: {text}")
+        tokens += count_text_tokens(text) + CHAT_MESSAGE_OVERHEAD
+    return "\n".join(lines), tokens
+
+
+def image_parts(messages: list[ChatMessage]) -> list[tuple[int, int, ImagePart]]:
+    """Every image part as (message index, part index, part), in order."""
+    out: list[tuple[int, int, ImagePart]] = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            out.extend((i, j, p) for j, p in enumerate(m.content) if isinstance(p, ImagePart))
+    return out

@@ -1,0 +1,1 @@
+"""Where a request goes: the live state table of every backend, its column snapshot, and the pure routing policies."""

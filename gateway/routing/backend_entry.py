@@ -1,0 +1,118 @@
+"""One backend's record in the state table, and the lease a dispatch holds on it.
+
+Plain data, shared by the table (state_table.py), its column pools (candidate_columns.py) and every
+producer of signals; kept apart from the table so that the pools can name the record without importing
+the table that owns them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from common.catalog import GpuProfile
+from common.itl_slack import InterTokenSlack
+from common.metric_tables import KvSource
+from common.speed_estimator import BackendSpeed
+from gateway.routing.policies.contracts import BackendSnapshot, Role
+
+# Set by the supervisor for the backends it launched; None for the others. Only `ready` ones serve.
+Lifecycle = Literal["starting", "ready", "restarting", "stopped"]
+SERVING: tuple[Lifecycle | None, ...] = (None, "ready")
+
+
+@dataclass(slots=True)
+class Reported:
+    """The last heartbeat's numbers."""
+
+    seq: int = -1
+    waiting: int = 0
+    running: int = 0
+    kv_free_bytes: int = 0
+    kv_total_bytes: int = 0
+    vision_backlog: int = 0
+    mean_service_s: float = 0.0
+    tokens_generated: int = 0
+    requests_completed: int = 0
+    images_encoded: int = 0
+    pid: int = 0
+    steal_episodes: int = 0
+    tokens_stolen: int = 0
+    embedding_bytes_sent: int = 0
+    max_model_len: int = 0                    # 0: the engine does not say
+    kv_source: KvSource | None = None         # None: the sender does not say
+
+
+class PeerLoad(NamedTuple):
+    """The other replicas' load on one backend, as last shared through Redis (shared_state.py)."""
+
+    in_flight: int = 0
+    vision_tokens: int = 0
+    prefilling: int = 0
+    prefill_backlog_tokens: int = 0
+    kv_reserved_tokens: int = 0
+
+
+NO_PEER_LOAD = PeerLoad()
+
+
+@dataclass(slots=True)
+class BackendEntry:
+    id: str
+    role: Role
+    gpu: GpuProfile
+    address: str | None
+    managed: bool
+    speed: BackendSpeed                       # learned from this gateway's own requests
+    slack: InterTokenSlack                    # this gateway's leases' inter-token deadlines
+    steal: bool = False
+    external: bool = False                    # kind: openai: reachable without heartbeats (see candidates)
+    last_heartbeat: float | None = None       # monotonic seconds
+    reported: Reported = field(default_factory=Reported)
+    in_flight: int = 0
+    vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded
+    peer: PeerLoad = NO_PEER_LOAD             # other replicas' load here, as last shared
+    max_model_len: int | None = None          # configured: where the engine does not say
+    kv_capacity_tokens: int | None = None     # configured: where the engine does not say
+    prefilling: int = 0                       # leases without a first token
+    prefill_backlog_tokens: int = 0           # their prompt tokens
+    kv_reserved_tokens: int = 0               # prompt + max tokens of every lease
+    lifecycle: Lifecycle | None = None
+    cached: BackendSnapshot | None = field(default=None, repr=False)
+    blind: BackendSnapshot | None = field(default=None, repr=False)   # the snapshot failing open (`_blind`)
+    changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots
+
+    @property
+    def peer_in_flight(self) -> int:
+        return self.peer.in_flight
+
+    @property
+    def snapshot(self) -> BackendSnapshot | None:
+        """None = stale, rebuilt on next read; dropping it tells the table's column pools too."""
+        return self.cached
+
+    @snapshot.setter
+    def snapshot(self, value: BackendSnapshot | None) -> None:
+        self.cached = value
+        if value is None:
+            self.blind = None
+            if self.changes is not None:
+                self.changes.add(self.id)
+
+
+def serves(entry: BackendEntry) -> bool:
+    """Whether the entry may be routed to at all (a launched engine only once ready)."""
+    return entry.lifecycle in SERVING
+
+
+@dataclass(slots=True)
+class Lease:
+    """One dispatch to one backend, from `acquire` to `release`."""
+
+    backend_id: str
+    prompt_tokens: int
+    reserve_tokens: int
+    tokens_ahead: int                         # prompt tokens to prefill there before this one's first token
+    dispatched_s: float
+    first_token_s: float | None = None
+    itl_deadline: float | None = None         # in the backend's InterTokenSlack; None: a single token
