@@ -4,9 +4,10 @@ With no keys configured the gateway is open (the default, as for a loopback demo
 /v1 endpoint needs `Authorization: Bearer <key>`; /admin and /metrics need an admin key. Keys are
 compared in constant time against every configured key, and are never logged.
 
-A setting that names a file that cannot be read, or an environment variable that is not set, is a
-ConfigError naming the setting: the gateway never starts open because a secret went missing. The
-cluster token of the control port (`gateway.control.control_auth`) is configured here too.
+A setting that names a file that cannot be read or holds no key, or an environment variable that is
+not set or holds no key (only separators), is a ConfigError naming the setting: the gateway never
+starts open because a secret went missing. The cluster token of the control port
+(`gateway.control.control_auth`) is configured here too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ def _read(file: Path | None, env: str | None, kind: str) -> tuple[bytes, ...]:
         if not keys:
             raise ConfigError(f"gateway.auth.{kind}_keys_file: {file} holds no keys")
     if env is not None:
-        keys += [k.strip() for k in env_setting(env, f"{kind}_keys_env").split(",") if k.strip()]
+        from_env = [k.strip() for k in env_setting(env, f"{kind}_keys_env").split(",") if k.strip()]
+        if not from_env:   # e.g. " , ": set, yet zero keys would leave the gateway open
+            raise ConfigError(f"gateway.auth.{kind}_keys_env: environment variable {env} holds no keys "
+                              "(only separators)")
+        keys += from_env
     return tuple(k.encode() for k in keys)
 
 

@@ -60,3 +60,13 @@ def test_cluster_token_required_with_keys_or_beyond_loopback(monkeypatch: pytest
     auth = ControlAuth.load(AuthConfig(cluster_token_env="TOKEN"), managed=["a"], api_keys_on=True,
                             control_host="0.0.0.0")
     assert auth.engine_env("a")["HETEROGATE_CLUSTER_TOKEN"] == "t0k"
+
+
+@pytest.mark.parametrize("setting", ["api_keys_env", "admin_keys_env"])
+@pytest.mark.parametrize("value", [" , ", ",", " ,, , "])
+def test_keys_env_of_only_separators_stops_start_up(monkeypatch: pytest.MonkeyPatch, setting: str, value: str) -> None:
+    """A variable that is set but holds no key would turn auth off without a word: it is refused, named."""
+    monkeypatch.setenv("ONLY_SEPARATORS", value)
+    with pytest.raises(ConfigError, match=rf"gateway\.auth\.{setting}: environment variable ONLY_SEPARATORS holds "
+                                          "no keys"):
+        KeyRing.load(AuthConfig(**{setting: "ONLY_SEPARATORS"}))
