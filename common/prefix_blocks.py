@@ -1,0 +1,179 @@
+"""Prefix-cache blocks: chained block hashes of a prompt, an LRU of them, and an engine's block cache.
+
+An engine with automatic prefix caching (vLLM, SGLang) keeps a prompt's KV in fixed blocks of tokens,
+each named by a hash of its tokens and of the hash of the block before it, so a block is reused only
+when everything before it is the same too. The gateway's prefix index and the simulated engines name
+blocks the same way:
+
+- from token ids where the prompt has them: `block_tokens` ids a block (16, vLLM's default);
+- else from the rendered prompt text: `block_tokens · BYTES_PER_TOKEN` UTF-8 bytes a block (64), the
+  gateway's estimate of 4 bytes a token. An approximation: a tokenizer's block boundaries fall
+  elsewhere, but two prompts share a prefix of blocks exactly when they share that many leading bytes,
+  and a block of 64 bytes stands for about 16 tokens.
+
+Only full blocks are hashed (an engine caches full blocks only), and a hit never covers the whole
+prompt: the last token is always computed (`cached_tokens`).
+
+Hashes are Python's `hash((previous, block))`: about 0.15 µs a block, and deterministic for token ids
+but seeded per process for text (bytes hashing is randomised), so hashes are compared only within one
+process: nothing here is sent across. Not collision-resistant against crafted input: a collision makes
+a router predict a hit that is not there (a routing error, never a wrong answer; a real engine keys its
+own cache with its own hash).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+BLOCK_TOKENS = 16      # tokens a KV block holds (vLLM's default block size)
+BYTES_PER_TOKEN = 4    # the gateway's token estimate for text (gateway.requests.tokens)
+
+
+def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
+                 max_blocks: int | None = None) -> list[int]:
+    """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
+    else from `text`. At most `max_blocks` (None: all)."""
+    out: list[int] = []
+    previous = 0
+    if token_ids:
+        count = len(token_ids) // block_tokens
+        if max_blocks is not None:
+            count = min(count, max_blocks)
+        ids = tuple(token_ids[:count * block_tokens])
+        for start in range(0, count * block_tokens, block_tokens):
+            previous = hash((previous, ids[start:start + block_tokens]))
+            out.append(previous)
+        return out
+    data = text.encode()
+    size = block_tokens * BYTES_PER_TOKEN
+    count = len(data) // size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    for start in range(0, count * size, size):
+        previous = hash((previous, data[start:start + size]))
+        out.append(previous)
+    return out
+
+
+def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:
+    """Prompt tokens a hit of `hit_tokens` (leading blocks × block size) saves: never the last token
+    (it is computed to produce the first output token)."""
+    return max(0, min(hit_tokens, prompt_tokens - 1))
+
+
+def session_key(session: str) -> int:
+    """The key a named session takes among block hashes (its own namespace: a tuple of two strings)."""
+    return hash(("session", session))
+
+
+class BlockLru:
+    """Block hashes (each with an int value, 0 for a plain block) in least-recently-used order, at most
+    `capacity` of them. O(1) per block touched; about 100 bytes a block."""
+
+    __slots__ = ("_order", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._order: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._order
+
+    def get(self, block: int) -> int | None:
+        """The block's value, None when absent (does not touch it)."""
+        return self._order.get(block)
+
+    def touch(self, blocks: Sequence[int], value: int = 0) -> tuple[list[int], list[int]]:
+        """Make `blocks` the most recent, later blocks first so that a prefix's first blocks go last
+        (as vLLM frees a sequence's blocks tail first); set each one's value. Returns (the blocks that
+        were not held before, the blocks evicted to stay within capacity), in that order of effect."""
+        order = self._order
+        added: list[int] = []
+        for block in reversed(blocks):
+            if block in order:
+                order.move_to_end(block)
+            else:
+                added.append(block)
+            order[block] = value
+        return added, self._evict(self.capacity)
+
+    def discard(self, block: int) -> bool:
+        return self._order.pop(block, None) is not None
+
+    def resize(self, capacity: int) -> list[int]:
+        """Set the capacity; returns the blocks evicted to meet it, least recent first."""
+        self.capacity = max(0, capacity)
+        return self._evict(self.capacity)
+
+    def _evict(self, capacity: int) -> list[int]:
+        order = self._order
+        evicted: list[int] = []
+        while len(order) > capacity:
+            evicted.append(order.popitem(last=False)[0])
+        return evicted
+
+    def blocks(self) -> Iterable[int]:
+        """Least recent first."""
+        return iter(self._order)
+
+
+class EnginePrefixCache:
+    """An engine's automatic prefix cache, block by block, as vLLM keeps it.
+
+    A running sequence pins its prompt's blocks (reference counts): they are never evicted. A block
+    no sequence holds stays cached in the free part of the KV cache, least recently used out first;
+    the engine says how many blocks are free (`fit`), and blocks are evicted down to that. A new
+    sequence's hit is the longest run of its leading blocks that are pinned or cached. The counters
+    are vLLM's `prefix_cache_queries` / `prefix_cache_hits`, in tokens, counted at admission.
+    """
+
+    def __init__(self, block_tokens: int = BLOCK_TOKENS) -> None:
+        self.block_tokens = block_tokens
+        self.pinned: dict[int, int] = {}
+        self.free = BlockLru(0)
+        self.queries = 0
+        self.hits = 0
+
+    def lookup(self, blocks: Sequence[int], prompt_tokens: int) -> int:
+        """Prompt tokens of this prompt already cached (counted in the counters)."""
+        hit = 0
+        pinned, free = self.pinned, self.free
+        for block in blocks:
+            if block not in pinned and block not in free:
+                break
+            hit += 1
+        tokens = cached_tokens(hit * self.block_tokens, prompt_tokens)
+        self.queries += prompt_tokens
+        self.hits += tokens
+        return tokens
+
+    def pin(self, blocks: Iterable[int]) -> None:
+        pinned, free = self.pinned, self.free
+        for block in blocks:
+            if block not in pinned:
+                free.discard(block)
+            pinned[block] = pinned.get(block, 0) + 1
+
+    def unpin(self, blocks: Sequence[int], free_blocks: int) -> None:
+        """A sequence let go of its blocks, leaving `free_blocks` free: those nobody else holds become
+        cached and evictable."""
+        self.free.resize(free_blocks)
+        pinned = self.pinned
+        released = []
+        for block in blocks:
+            count = pinned[block] - 1
+            if count:
+                pinned[block] = count
+            else:
+                del pinned[block]
+                released.append(block)
+        if released:
+            self.free.touch(released)
+
+    def fit(self, free_blocks: int) -> None:
+        """The KV cache has `free_blocks` blocks not held by running sequences: evict down to that."""
+        self.free.resize(free_blocks)

@@ -1,0 +1,220 @@
+"""The gateway's prefix index: what each backend's prefix cache holds, as far as routing can tell.
+
+For every request it routes, the gateway remembers the prompt's chained block hashes
+(`common.prefix_blocks`: token ids where the gateway has them, else 64-byte blocks of the rendered
+prompt, about 16 tokens each) on the backend it chose, in an LRU per backend bounded by that backend's
+KV capacity in blocks (K_i / block_tokens, at most `max_blocks_per_backend`) and evicted
+least-recently-used first, as the engine evicts. A lookup gives, per backend, the prompt tokens whose
+KV it is predicted to hold: the longest run of the prompt's leading blocks routed there and not
+evicted since, never the whole prompt (the last token is always computed).
+
+Session affinity: a request that names a session (the OpenAI `user` field, or the `x-session-id`
+header) also touches a key for the session in its backend's LRU, holding its prompt's length; a later
+request of the session is predicted to find that many tokens there (or more, by its blocks). So a
+conversation whose text the gateway cannot match (a rewritten history, a template that changes early
+tokens) still sticks, and it yields under load by the same cost as any hit.
+
+Engine reports. An engine that reports vLLM's `prefix_cache_queries` / `prefix_cache_hits` counters
+(heartbeats of the managed engines, scraped `vllm:` metrics) corrects the prediction: over a decaying
+window (DECAY a reading), trust_i = min(1, reported hit rate / predicted hit rate), and a lookup's
+tokens are scaled by trust_i. It catches what the index cannot see: the engine's cache holds less than
+K_i while requests run (their blocks are its KV too), other clients' traffic, an engine that caches
+nothing (hits 0: trust 0). `source` says which: "estimate" until an engine reports, then "engine".
+
+Cost: a lookup walks the prompt's blocks once, keeping the backends that hold every block so far as
+a bit mask (one dict read and an AND a block, stopping when no backend is left), then O(backends
+with a hit): O(prompt blocks + N). Recording is O(prompt blocks) on one backend's LRU. Memory: at most
+Σ_i min(K_i / block_tokens, max_blocks_per_backend) entries in the LRUs and as many in the holders
+map, about 200 bytes each (measured in tests/unit/test_prefix_index.py): 8 backends of 50k tokens
+are 25k blocks, ~5 MB.
+Limits: the index knows only what this gateway routed (with replicas, each its own); it counts a
+request's blocks as cached from the moment it is routed, before the engine has computed them; it does
+not see the KV an engine drops early, other than through trust_i; responses are not indexed (the
+next turn's copy of an answer is a miss until it has been routed once as a prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from common.prefix_blocks import BLOCK_TOKENS, BlockLru, block_hashes, cached_tokens, session_key
+
+DECAY = 0.98                  # weight of the window per engine reading that moved the counters
+MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before trust moves off 1
+Source = Literal["estimate", "engine"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixQuery:
+    """One request's view of the index: its blocks, its session key and the predicted cached tokens
+    per backend (only backends with a hit), before (`raw`) and after trust (`cached`)."""
+
+    blocks: Sequence[int]
+    session: int | None
+    prompt_tokens: int
+    raw: Mapping[str, int]
+    cached: Mapping[str, int]
+
+
+@dataclass(slots=True)
+class _Backend:
+    id: str
+    bit: int
+    lru: BlockLru
+    predicted_queries: int = 0          # prompt tokens this gateway routed here
+    predicted_hits: int = 0             # of them, predicted cached (before trust)
+    reported_queries: int = 0           # the engine's counters, summed since the first reading
+    reported_hits: int = 0
+    last: tuple[int, int] | None = None  # the engine's counters as last read
+    mark: tuple[int, int] = (0, 0)      # predicted totals at the last reading
+    window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])   # decayed pq, ph, rq, rh
+    trust: float = 1.0
+
+    @property
+    def source(self) -> Source:
+        return "engine" if self.reported_queries else "estimate"
+
+
+class PrefixIndex:
+    def __init__(self, block_tokens: int = BLOCK_TOKENS, max_blocks_per_backend: int = 1 << 20) -> None:
+        self.block_tokens = block_tokens
+        self.max_blocks = max_blocks_per_backend
+        self._backends: dict[str, _Backend] = {}
+        self._by_bit: list[_Backend] = []
+        self._holders: dict[int, int] = {}   # block hash -> bit mask of the backends whose LRU holds it
+        self._all = 0
+
+    def add_backend(self, backend_id: str, capacity_tokens: int) -> None:
+        bit = len(self._by_bit)
+        b = _Backend(backend_id, bit, BlockLru(self._blocks(capacity_tokens)))
+        self._backends[backend_id] = b
+        self._by_bit.append(b)
+        self._all |= 1 << bit
+
+    def _blocks(self, capacity_tokens: int) -> int:
+        return min(self.max_blocks, max(0, capacity_tokens) // self.block_tokens)
+
+    def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int) -> list[int]:
+        """The prompt's block hashes (token ids where given), at most the blocks its tokens fill."""
+        return block_hashes(prompt, token_ids, block_tokens=self.block_tokens,
+                            max_blocks=prompt_tokens // self.block_tokens)
+
+    def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int) -> PrefixQuery:
+        """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,
+        "" for none)."""
+        tokens: dict[str, int] = {}
+        holders, by_bit, size = self._holders, self._by_bit, self.block_tokens
+        alive = self._all
+        for matched, block in enumerate(blocks):
+            held = holders.get(block, 0) & alive
+            if held != alive:
+                if matched:
+                    for b in _members(alive & ~held, by_bit):
+                        tokens[b.id] = matched * size
+                alive = held
+                if not alive:
+                    break
+        else:
+            for b in _members(alive if blocks else 0, by_bit):
+                tokens[b.id] = len(blocks) * size
+        key = None
+        if session:
+            key = session_key(session)
+            for b in _members(holders.get(key, 0), by_bit):
+                tokens[b.id] = max(tokens.get(b.id, 0), b.lru.get(key) or 0)
+        raw: dict[str, int] = {}
+        cached: dict[str, int] = {}
+        backends = self._backends
+        for bid, n in tokens.items():
+            hit = cached_tokens(n, prompt_tokens)
+            if hit:
+                raw[bid] = hit
+                trust = backends[bid].trust
+                trusted = hit if trust == 1.0 else int(hit * trust)
+                if trusted:
+                    cached[bid] = trusted
+        return PrefixQuery(blocks, key, prompt_tokens, raw, cached)
+
+    def record(self, query: PrefixQuery, backend_id: str, capacity_tokens: int) -> None:
+        """`query`'s request was routed to `backend_id`, whose KV holds `capacity_tokens` (0: unknown,
+        the LRU keeps its size)."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return
+        if capacity_tokens and self._blocks(capacity_tokens) != b.lru.capacity:
+            self._forget(b, b.lru.resize(self._blocks(capacity_tokens)))
+        added, evicted = b.lru.touch(query.blocks)
+        self._hold(b, added)
+        self._forget(b, evicted)
+        if query.session is not None:
+            added, evicted = b.lru.touch((query.session,), query.prompt_tokens)
+            self._hold(b, added)
+            self._forget(b, evicted)
+        b.predicted_queries += query.prompt_tokens
+        b.predicted_hits += query.raw.get(backend_id, 0)
+
+    def _hold(self, b: _Backend, blocks: Iterable[int]) -> None:
+        holders, bit = self._holders, 1 << b.bit
+        for block in blocks:
+            holders[block] = holders.get(block, 0) | bit
+
+    def _forget(self, b: _Backend, blocks: Iterable[int]) -> None:
+        holders, keep = self._holders, ~(1 << b.bit)
+        for block in blocks:
+            mask = holders.get(block, 0) & keep
+            if mask:
+                holders[block] = mask
+            else:
+                holders.pop(block, None)
+
+    def observe(self, backend_id: str, queries: int, hits: int) -> None:
+        """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: it reports none)."""
+        b = self._backends.get(backend_id)
+        if b is None or not queries or b.last == (queries, hits):
+            return
+        marks = (b.predicted_queries, b.predicted_hits)
+        last, b.last = b.last, (queries, hits)
+        if last is None or queries < last[0] or hits < last[1]:   # first reading, or the engine restarted
+            b.mark = marks
+            return
+        dq, dh = queries - last[0], hits - last[1]
+        b.reported_queries += dq
+        b.reported_hits += dh
+        w = b.window
+        for k, delta in enumerate((marks[0] - b.mark[0], marks[1] - b.mark[1], dq, dh)):
+            w[k] = w[k] * DECAY + delta
+        b.mark = marks
+        if w[0] > 0 and w[1] > 0 and w[2] >= MIN_REPORTED_TOKENS:
+            b.trust = min(1.0, (w[3] / w[2]) / (w[1] / w[0]))
+
+    def describe(self, backend_id: str) -> dict[str, Any]:
+        """For /admin/backends: the index's source, size and predicted vs reported hit rate."""
+        b = self._backends[backend_id]
+        return {
+            "source": b.source,
+            "blocks": len(b.lru),
+            "capacity_blocks": b.lru.capacity,
+            "trust": b.trust,
+            "predicted_query_tokens": b.predicted_queries,
+            "predicted_hit_tokens": b.predicted_hits,
+            "predicted_hit_rate": b.predicted_hits / b.predicted_queries if b.predicted_queries else None,
+            "reported_query_tokens": b.reported_queries,
+            "reported_hit_tokens": b.reported_hits,
+            "reported_hit_rate": b.reported_hits / b.reported_queries if b.reported_queries else None,
+        }
+
+    def backend_ids(self) -> Iterable[str]:
+        return self._backends.keys()
+
+    def held_blocks(self) -> int:
+        """Distinct block hashes held by any backend (the holders map's size)."""
+        return len(self._holders)
+
+
+def _members(mask: int, by_bit: list[_Backend]) -> Iterable[_Backend]:
+    while mask:
+        low = mask & -mask
+        yield by_bit[low.bit_length() - 1]
+        mask ^= low

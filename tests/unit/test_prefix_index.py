@@ -1,0 +1,181 @@
+"""Prefix blocks and the gateway's prefix index: hashing, chaining, eviction, bounds, sessions, engine reports."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from common.prefix_blocks import BLOCK_TOKENS, BlockLru, EnginePrefixCache, block_hashes, cached_tokens
+from gateway.routing.prefix_index import MIN_REPORTED_TOKENS, PrefixIndex
+
+BLOCK = "x" * 64   # one block of text: 64 bytes, about 16 tokens
+
+
+def text(*blocks: str) -> str:
+    return "".join(b * 64 if len(b) == 1 else b for b in blocks)
+
+
+def test_only_full_blocks_are_hashed_and_the_same_prompt_hashes_the_same() -> None:
+    assert block_hashes("a" * 63) == []
+    assert len(block_hashes("a" * 64)) == 1
+    assert len(block_hashes("a" * 200)) == 3
+    assert block_hashes(text("a", "b", "c")) == block_hashes(text("a", "b", "c") + "tail")
+    assert len(block_hashes("é" * 32)) == 1   # UTF-8 bytes, not characters
+    assert len(block_hashes(text("a", "b", "c", "d"), max_blocks=2)) == 2
+
+
+def test_a_different_earlier_block_changes_every_later_hash() -> None:
+    base = block_hashes(text("a", "b", "c", "d"))
+    changed_first = block_hashes(text("z", "b", "c", "d"))
+    changed_third = block_hashes(text("a", "b", "z", "d"))
+    assert all(x != y for x, y in zip(base, changed_first, strict=True))
+    assert base[:2] == changed_third[:2]
+    assert base[2] != changed_third[2] and base[3] != changed_third[3]   # "d" follows another block
+
+
+def test_token_ids_hash_in_blocks_of_block_tokens_ids() -> None:
+    ids = list(range(50))
+    hashes = block_hashes("ignored when ids are given", ids)
+    assert len(hashes) == 50 // BLOCK_TOKENS
+    assert hashes == block_hashes("", ids[:48])
+    other = block_hashes("", [99, *ids[1:]])
+    assert all(x != y for x, y in zip(hashes, other, strict=True))
+
+
+def test_cached_tokens_never_cover_the_whole_prompt() -> None:
+    assert cached_tokens(64, 100) == 64
+    assert cached_tokens(64, 64) == 63
+    assert cached_tokens(0, 10) == 0
+    assert cached_tokens(16, 0) == 0
+
+
+def test_lru_touches_a_prefix_head_last_and_evicts_least_recent_first() -> None:
+    lru = BlockLru(4)
+    added, evicted = lru.touch([1, 2, 3])
+    assert (sorted(added), evicted) == ([1, 2, 3], [])
+    assert list(lru.blocks()) == [3, 2, 1]   # the first block is the most recent
+    added, evicted = lru.touch([7, 8])
+    assert (sorted(added), evicted) == ([7, 8], [3])
+    assert lru.resize(2) == [2, 1]
+    assert len(lru) == 2 and 7 in lru and 8 in lru
+    assert lru.touch([5, 6, 7]) == ([6, 5], [8, 7])   # more than the room: the prompt's tail goes too
+    assert list(lru.blocks()) == [6, 5]
+
+
+def test_lookup_counts_the_longest_routed_prefix_per_backend() -> None:
+    index = PrefixIndex()
+    index.add_backend("a", 10_000)
+    index.add_backend("b", 10_000)
+    prompt = text("s", "y", "s", "t", "e", "m")
+    blocks = index.hashes(prompt, (), 200)
+    assert len(blocks) == 6
+    first = index.lookup(blocks, "", 200)
+    assert first.cached == {}
+    index.record(first, "a", 10_000)
+    again = index.lookup(blocks, "", 200)
+    assert again.cached == {"a": 6 * 16}
+    # another conversation of the same tenant: the first 4 blocks are the same
+    other = index.hashes(text("s", "y", "s", "t", "q", "q", "q"), (), 300)
+    query = index.lookup(other, "", 300)
+    assert query.cached == {"a": 4 * 16}
+    index.record(query, "b", 10_000)
+    query = index.lookup(other, "", 300)
+    assert query.cached == {"a": 4 * 16, "b": 7 * 16}
+    # a prompt no longer than what is cached keeps its last token to compute
+    assert index.lookup(blocks, "", 96).cached == {"a": 95, "b": 64}
+
+
+def test_eviction_follows_each_backends_capacity_in_blocks() -> None:
+    index = PrefixIndex()
+    index.add_backend("small", 4 * 16)
+    old = index.hashes(text("a", "b", "c"), (), 100)
+    index.record(index.lookup(old, "", 100), "small", 4 * 16)
+    new = index.hashes(text("n", "e", "w"), (), 100)
+    index.record(index.lookup(new, "", 100), "small", 4 * 16)
+    # 6 blocks routed into room for 4: the old prompt's tail went first, then its middle
+    assert index.lookup(new, "", 100).cached == {"small": 48}
+    assert index.lookup(old, "", 100).cached == {"small": 16}
+    assert index.held_blocks() == 4
+    # a smaller reported capacity shrinks the LRU on the next record
+    index.record(index.lookup(new, "", 100), "small", 2 * 16)
+    assert index.held_blocks() == 2
+    assert index.lookup(old, "", 100).cached == {}
+
+
+def test_memory_is_bounded_by_capacity_and_by_the_per_backend_cap() -> None:
+    index = PrefixIndex(max_blocks_per_backend=100)
+    index.add_backend("a", 1_000_000)
+    index.add_backend("b", 20 * 16)
+    for k in range(50):
+        blocks = index.hashes("".join(f"{k:08d}-{j:054d}" for j in range(10)), (), 200)
+        query = index.lookup(blocks, "", 200)
+        index.record(query, "a", 1_000_000)
+        index.record(query, "b", 20 * 16)
+    assert index.describe("a")["blocks"] == 100   # the cap, not the 62,500 blocks of its KV
+    assert index.describe("b")["blocks"] == 20
+    assert index.held_blocks() == 100   # b's 20 are among a's most recent 100
+
+
+def test_bytes_per_held_block_are_as_documented() -> None:
+    index = PrefixIndex()
+    index.add_backend("a", 1 << 30)
+    prompts = [index.hashes("".join(f"{k:06d}{j:058d}" for j in range(100)), (), 2000) for k in range(100)]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for blocks in prompts:
+        index.record(index.lookup(blocks, "", 2000), "a", 1 << 30)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    per_block = grown / index.held_blocks()
+    assert index.held_blocks() == 10_000
+    assert per_block < 250, per_block   # the module docstring says about 200 bytes a block
+
+
+def test_a_session_sticks_where_its_last_request_went() -> None:
+    index = PrefixIndex()
+    index.add_backend("a", 10_000)
+    index.add_backend("b", 10_000)
+    first = index.lookup(index.hashes(text("h", "i"), (), 40), "conv-1", 40)
+    index.record(first, "b", 10_000)
+    # the next turn's text does not match (a rewritten history), the session does
+    later = index.lookup(index.hashes(text("r", "e", "w", "r", "i", "t", "e"), (), 150), "conv-1", 150)
+    assert later.cached == {"b": 40}
+    assert index.lookup(later.blocks, "conv-2", 150).cached == {}
+
+
+def test_engine_reports_scale_the_prediction_by_trust() -> None:
+    index = PrefixIndex()
+    index.add_backend("a", 100_000)
+    blocks = index.hashes(text(*"abcdefghij"), (), 200)
+    index.record(index.lookup(blocks, "", 200), "a", 100_000)
+    assert index.describe("a")["source"] == "estimate"
+    index.observe("a", 1000, 0)   # first reading: a baseline
+    queries, hits = 1000, 0
+    for _ in range(40):   # the index predicts 160 of 200 cached; the engine finds half of that
+        query = index.lookup(blocks, "", 200)
+        index.record(query, "a", 100_000)
+        queries, hits = queries + 200, hits + 80
+        index.observe("a", queries, hits)
+    described = index.describe("a")
+    assert described["source"] == "engine"
+    assert described["reported_query_tokens"] == 40 * 200 >= MIN_REPORTED_TOKENS
+    assert 0.45 < described["trust"] < 0.55
+    assert index.lookup(blocks, "", 200).cached == {"a": int(160 * described["trust"])}
+    index.observe("a", 10, 0)   # the engine restarted: a new baseline, trust unchanged
+    assert index.describe("a")["trust"] == described["trust"]
+
+
+def test_engine_cache_pins_running_blocks_and_evicts_the_free_ones_lru() -> None:
+    cache = EnginePrefixCache()
+    a = block_hashes(text("a", "b", "c"))
+    assert cache.lookup(a, 60) == 0
+    cache.pin(a)
+    cache.fit(0)   # no free KV: pinned blocks stay
+    assert cache.lookup(a, 60) == 48
+    cache.unpin(a, free_blocks=2)   # two blocks of room: the tail block goes first
+    assert cache.lookup(a, 60) == 32
+    assert (cache.queries, cache.hits) == (180, 80)
+    b = block_hashes(text("a", "x"))
+    cache.pin(b)   # shares block "a"
+    cache.fit(0)
+    assert cache.lookup(a, 60) == 16   # "a" is pinned by b, "b" was evicted
