@@ -31,6 +31,7 @@ from common.catalog import GpuProfile, ModelProfile, load_catalog
 from common.control_credentials import ControlCredentials
 from common.errors import ConfigError
 from common.event_loop import run
+from common.grpc_keepalive import keepalive
 from common.heartbeat_sender import HeartbeatSender, gpu_message
 from common.logs import configure_logging
 from common.wire import control_pb2, engine_pb2, engine_pb2_grpc
@@ -121,6 +122,7 @@ def generate_input(
 
 class Engine:
     def __init__(self, config: EngineConfig, model: ModelProfile, gpu: GpuProfile) -> None:
+        self.keepalive = keepalive()   # read first: a bad value fails before any weights are loaded
         self.config = config
         self.model, self.gpu = model, gpu
         self.embeddings = EmbeddingStore()
@@ -206,8 +208,10 @@ class Engine:
         return msg
 
     async def serve(self) -> None:
+        # The gateway pings its Session stream even when idle: accept its pings (common/grpc_keepalive.py).
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20),
-                                          ("grpc.max_send_message_length", 256 << 20)])
+                                          ("grpc.max_send_message_length", 256 << 20),
+                                          *self.keepalive.server_options()])
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(self), server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         self.address = f"{self.config.host}:{port}"

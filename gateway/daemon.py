@@ -22,6 +22,7 @@ import httpx
 import structlog
 
 from common.errors import HeteroGateError
+from common.grpc_keepalive import keepalive
 from common.wire import control_pb2_grpc
 from gateway.config.cluster import ClusterConfig
 from gateway.control.control_auth import ControlAuth
@@ -76,9 +77,10 @@ async def start_control(
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
     # No SO_REUSEPORT (but for --workers): with it, a second gateway would bind the same port and take
     # half the heartbeats.
+    # Clients that keep a stream open and ping it (common/grpc_keepalive.py) are not cut off as abusers.
     max_bytes = runtime.limits.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
-                                      ("grpc.so_reuseport", int(reuse_port))])
+                                      ("grpc.so_reuseport", int(reuse_port)), *keepalive().server_options()])
     service = ControlService(runtime.table, on_heartbeat=on_heartbeat or runtime.clients.ensure, auth=auth)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
     await add_front_door(server, runtime)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import grpc
 
+from common.grpc_keepalive import keepalive
 from common.wire import engine_pb2, engine_pb2_grpc
 from gateway.clients.engine_fields import check_engine_can_honour
 from gateway.clients.engine_stream import EngineStream, Failed
@@ -28,7 +29,6 @@ from gateway.requests.job import GenerationJob, Handoff
 HANDOFF_TIMEOUT = "handoff_timeout"
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 _CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
     ("grpc.max_receive_message_length", 256 << 20),   # inline embeddings of large images
     ("grpc.max_send_message_length", 64 << 20),
 ]
@@ -55,7 +55,8 @@ class EngineClient:
     def __init__(self, backend_id: str, address: str) -> None:
         self.backend_id = backend_id
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        # Pings at the interval the engines' servers accept (common/grpc_keepalive.py).
+        self._channel = grpc.aio.insecure_channel(address, options=[*keepalive().client_options(), *_CHANNEL_OPTIONS])
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._stream = EngineStream(self._stub)
 
