@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.doors.completions import CompletionsDoor, error_headers
+from gateway.doors.dashboard import add_dashboard
 from gateway.doors.http_server import HttpServer
 from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
@@ -91,10 +92,12 @@ def create_app(runtime: Runtime) -> FastAPI:
         authorize(request, admin=True)
         return json_response({"object": "list", "data": runtime.describe_backends()})
 
+    add_dashboard(app)
     return app
 
 
 def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext | None = None) -> HttpServer:
     """The front door: the completions routes natively, the FastAPI app for the rest."""
     return HttpServer(CompletionsDoor(runtime).routes(), create_app(runtime),  # type: ignore[arg-type]
-                      max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s, ssl_context=ssl_context)
+                      max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s,
+                      body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context)

@@ -1,0 +1,95 @@
+"""/dashboard in a real headless browser (Debian's Chromium driven by Selenium): the page renders the backends
+of a running demo gateway, shows the requests it serves, and updates when an engine is killed; with admin keys
+on, it asks for a key and shows nothing until given one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.harness import demo_config, run_gateway
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+MODEL = "llava-1.5-7b"
+WAIT_S = 30
+
+@contextmanager
+def browser() -> Iterator[WebDriver]:
+    assert CHROMIUM and CHROMEDRIVER, "the browser tests need Debian's chromium and chromium-driver (see README)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(WAIT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def table(driver: WebDriver, selector: str) -> list[list[str]]:
+    """A table's body as the page shows it, read in one script call (the page re-renders every poll)."""
+    cells: list[list[str]] = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0] + ' tbody tr')]"
+        ".map(tr => [...tr.cells].map(td => td.textContent))", selector)
+    return cells
+
+
+def rows(driver: WebDriver) -> dict[str, dict[str, str]]:
+    """The backends table: id -> {column header: cell text}."""
+    heads = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#backends thead th")]
+    return {cells[0]: dict(zip(heads, cells, strict=True)) for cells in table(driver, "#backends")}
+
+
+def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_path: Path) -> None:
+    config = demo_config(tmp_path, heartbeat_interval_ms=100)
+    with run_gateway(config) as gw, browser() as driver:
+        backends = {b["id"]: b for b in gw.backends()}
+        driver.get(f"{gw.url}/dashboard")
+        wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
+        wait.until(lambda d: set(rows(d)) == set(backends))
+        shown = rows(driver)
+        for backend_id, b in backends.items():
+            assert shown[backend_id]["GPU"] == b["gpu"] and shown[backend_id]["role"] == b["role"]
+            assert shown[backend_id]["state"] == "healthy" and shown[backend_id]["restarts"] == "0"
+
+        with gw.client() as client:
+            for _ in range(5):
+                resp = client.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
+                assert resp.status_code == 200
+        wait.until(lambda d: ["200", "5"] in table(d, "#outcomes"))
+        wait.until(lambda d: "–" not in d.find_element(By.ID, "ttft").text)   # three percentiles, in ms or s
+
+        victim = next(b for b in backends.values() if b["gpu"] == "H100")
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait.until(lambda d: rows(d)[victim["id"]]["restarts"] == "1")
+        wait.until(lambda d: rows(d)[victim["id"]]["state"] == "healthy")   # the supervisor brought it back
+        assert "error" not in driver.find_element(By.ID, "status").get_attribute("class")
+
+
+def test_dashboard_with_admin_keys_asks_for_a_key(tmp_path: Path) -> None:
+    config = demo_config(tmp_path, heartbeat_interval_ms=100, auth={"admin_keys_env": "HG_DASH_ADMIN",
+                                                                           "cluster_token_env": "HG_DASH_TOKEN"})
+    env = {"HG_DASH_ADMIN": "dash-admin-key", "HG_DASH_TOKEN": "dash-cluster-token-0123456789abcdef"}
+    with run_gateway(config, admin_key="dash-admin-key", env=env) as gw, browser() as driver:
+        assert httpx.get(f"{gw.url}/admin/backends", timeout=5).status_code == 401
+        driver.get(f"{gw.url}/dashboard")
+        wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
+        wait.until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
+        assert rows(driver) == {}, "nothing is shown without the key"
+        driver.find_element(By.ID, "key").send_keys("dash-admin-key")
+        driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait.until(lambda d: len(rows(d)) == len(gw.backends()))
