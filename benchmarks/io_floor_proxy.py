@@ -58,7 +58,8 @@ async def serve(port: int, upstreams: list[str]) -> None:
         raise RuntimeError("only the completion routes are served")
 
     routes = {path: functools.partial(forward, path=path) for path in ("/v1/chat/completions", "/v1/completions")}
-    server = HttpServer(routes, not_found, max_body_bytes=1 << 20, idle_s=300.0)   # type: ignore[arg-type]
+    server = HttpServer(routes, not_found, max_body_bytes=1 << 20, idle_s=300.0,   # type: ignore[arg-type]
+                        body_timeout_s=60.0)
     await server.start(reuse_port_socket("127.0.0.1", port))
     await asyncio.Event().wait()
 

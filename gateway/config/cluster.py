@@ -169,6 +169,7 @@ class Limits(StrictModel):
     max_tokens: PositiveInt = 4096                 # upper bound a client may ask for
     default_max_tokens: PositiveInt = 256
     max_body_bytes: PositiveInt = 32 << 20         # images arrive base64-encoded inside the body
+    body_timeout_s: PositiveFloat = 60.0           # a body whole this long after its headers, else 408
     max_messages: PositiveInt = 256
     max_choices: PositiveInt = 8                   # `n`: kind: openai backends only (engines give one choice)
     max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
