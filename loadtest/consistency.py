@@ -16,8 +16,10 @@ reservation; and a warm-up completes one request of the prior's shape on every e
 replay, so that engines and simulator both start T̄_service from it. Engines report T̄_service in
 model seconds (the batcher's busy clock), so the live router needs no correction for the time scale.
 
-It prints both side by side with their relative differences, writes OUT/consistency.json and .csv,
-and exits 1 when a request is lost, a token count differs, or a metric is outside `TOLERANCE`
+It prints both side by side with their relative differences, writes OUT/consistency.json and .csv
+(OUT: `--out`, by default results/consistency under the current directory, which git ignores in a
+checkout; the results docs/CONSISTENCY.md quotes are replaced only with `--out docs/results`), and
+exits 1 when a request is lost, a token count differs, or a metric is outside `TOLERANCE`
 (docs/CONSISTENCY.md gives the method, the measured table and why the two differ at all).
 """
 
@@ -43,7 +45,7 @@ from common.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
 from gateway.routing.policies import build_policy
 from loadtest.live_replay import ReplayOutcome, ReplayRequest, replay, replay_client, request_id_for, warm_up
 from loadtest.sim import capacity, workloads
-from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder
+from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder
 from loadtest.sim.simulator import simulate
 from loadtest.sim.workloads import Lengths, Trace, make_trace
 from tests.harness import run_gateway, write_config
@@ -58,6 +60,9 @@ POLICY = "heteroserve"
 DEFAULT_TIME_SCALE = 5.0
 DEFAULT_LOADS = (0.7, 1.0)
 DEFAULT_REQUESTS = 300
+# Results go under the current directory unless asked: a run from a checkout must not rewrite tracked files.
+DEFAULT_OUT = Path("results/consistency")
+RECORDED_OUT = Path("docs/results")    # where the results docs/CONSISTENCY.md quotes are kept
 REFERENCE_REQUESTS = 1500          # the saturated sample that fixes μ_i, as capacity.measured_batch_rate
 REQUEST_TIMEOUT_S = 120.0          # wall seconds a single streamed request may take
 WARM_UP_TIMEOUT_S = 60.0
@@ -144,10 +149,11 @@ def run_sim(trace: Trace, catalog: Catalog) -> Observed:
     model = catalog.model(MODEL)
     rec = Recorder.for_lengths(trace.lengths)
     engines: list[Engine] = []
+    gateway = GatewayState(model)
     for bid, name in CLUSTER:
         gpu = catalog.gpu(name)
         prior = perf_model.service_seconds(model, gpu, PRIOR_PROMPT_TOKENS, PRIOR_OUTPUT_TOKENS)
-        engines.append(BatchEngine(EngineSpec(bid, model, gpu, capacity.kv_capacity(model, gpu), prior), rec))
+        engines.append(BatchEngine(EngineSpec(bid, model, gpu, capacity.kv_capacity(model, gpu), prior), rec, gateway))
     simulate(trace, engines, build_policy(POLICY, {}), rec)
     done = ~np.isnan(rec.finish)
     ids = np.array([bid for bid, _ in CLUSTER] + [""])
@@ -314,14 +320,20 @@ def write_results(out: Path, results: list[dict[str, Any]], meta: dict[str, Any]
             writer.writerows({"load": r["load"], **row} for row in r["rows"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.consistency", description=__doc__.splitlines()[0])
     p.add_argument("--loads", type=float, nargs="+", default=list(DEFAULT_LOADS), help="× Σ_i μ_i")
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="launch.time_scale of every engine")
-    p.add_argument("--out", type=Path, default=Path("docs/results"), help="where consistency.json/.csv go")
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"where consistency.json/.csv go (default: {DEFAULT_OUT}/ under the current directory; "
+                        f"`--out {RECORDED_OUT}` replaces the results docs/CONSISTENCY.md quotes)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     catalog = load_catalog()
     results = []
     for load in args.loads:
@@ -333,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             "outputs": "halved (32..256 tokens)", "arrivals": "poisson", "policy": POLICY, "mode": "continuous",
             "seed": args.seed, "time_scale": args.time_scale}
     write_results(args.out, results, meta)
+    print(f"wrote {args.out / 'consistency.json'} and {args.out / 'consistency.csv'}")
     passed = all(r["pass"] for r in results)
     print("PASS: live and simulator agree within tolerance" if passed else "FAIL: see OUTSIDE and CONSERVATION above")
     return 0 if passed else 1

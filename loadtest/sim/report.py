@@ -40,10 +40,11 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def _setup(settings: Settings, wall_s: float, runs: int, cpu_s: float) -> str:
     return f"""# Simulated benchmarks
 
-Regenerate with `python -m loadtest.sim.report` from the repository root (matplotlib: `pip install -e '.[sim]'`;
-`--quick` for a smoke run into a temporary folder). This run: {runs} distinct simulations, {settings.seeds} seeds
-per cell, {settings.workers} worker processes, **{wall_s / 60:.1f} min** of wall time ({cpu_s / 60:.1f} CPU-minutes
-of simulation) on this machine ({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}).
+Regenerate with `python -m loadtest.sim.report --out docs` from the repository root (matplotlib: `pip install -e
+'.[sim]'`; without `--out` the report goes to results/sim/, `--quick` a smoke run into a temporary folder).
+This run: {runs} distinct simulations, {settings.seeds} seeds per cell, {settings.workers} worker processes,
+**{wall_s / 60:.1f} min** of wall time ({cpu_s / 60:.1f} CPU-minutes of simulation)
+on this machine ({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}).
 Every number below is mean ± std over the seeds; seeds are paired (every policy replays the same traces).
 Raw runs: `results/runs.csv` (beside this file); aggregates: `results/summary.json`.
 
@@ -135,15 +136,16 @@ def build_markdown(summary: Summary, rows: list[dict[str, Any]], settings: Setti
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, short traces: a smoke run")
-    parser.add_argument("--out", type=Path, help="where BENCHMARKS.md and results/ go (default: docs, or a "
-                        "temporary folder with --quick)")
+    parser.add_argument("--out", type=Path, help="where BENCHMARKS.md and results/ go (default: results/sim under "
+                        "the current directory, or a temporary folder with --quick; `--out docs`: the tracked report)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     base = QUICK if args.quick else Settings()
     settings = Settings(base.seeds, base.n_serial, base.n_continuous, base.n_vlm, args.workers)
     cells = all_cells(settings)
-    out: Path = args.out or (Path(tempfile.gettempdir()) / "heterogate-sim-quick" if args.quick else Path("docs"))
+    quick_out = Path(tempfile.gettempdir()) / "heterogate-sim-quick"
+    out: Path = args.out or (quick_out if args.quick else Path("results/sim"))
 
     def progress(done: int, total: int) -> None:
         if done % 50 == 0 or done == total:
