@@ -12,7 +12,7 @@ from gateway.clients.openai_upstream import Upstream
 from gateway.config.auth import KeyRing
 from gateway.config.cluster import ClusterConfig, GatewaySettings, Limits
 from gateway.pipeline.admission import AdmissionQueue
-from gateway.pipeline.breakers import Breakers
+from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.requests.exact_prompt import ExactPrompts
@@ -151,6 +151,7 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     pipeline = Pipeline(table, policy, vision_policy, clients, metrics, pipeline_settings(settings),
                         Breakers(settings.breaker), AdmissionQueue(settings.admission))
     metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
+    metrics.watch_breakers(lambda backend_id: pipeline.breakers.state(backend_id) is not State.CLOSED)
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )

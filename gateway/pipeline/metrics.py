@@ -133,8 +133,25 @@ class VetoCollector(Collector):
         yield family
 
 
+class BreakerCollector(Collector):
+    """1 per backend whose circuit breaker is not closed (open, or half-open with its probe), read from the
+    pipeline's breakers at scrape time."""
+
+    def __init__(self, table: StateTable, tripped: Callable[[str], bool]) -> None:
+        self._table = table
+        self._tripped = tripped
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("heterogate_backend_breaker_open",
+                                   "1 while the backend's circuit breaker is open or half-open", labels=["backend"])
+        for e in self._table.entries():
+            family.add_metric([e.id], 1.0 if self._tripped(e.id) else 0.0)
+        yield family
+
+
 class GatewayMetrics:
     def __init__(self, table: StateTable) -> None:
+        self._table = table
         disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide in prometheus_client; no registry of ours wants them
         self.registry = CollectorRegistry()
         r = self.registry
@@ -187,6 +204,10 @@ class GatewayMetrics:
         self.backends = BackendCollector(table)
         r.register(self.backends)
         r.register(VetoCollector(self.oom_vetoes))
+
+    def watch_breakers(self, tripped: Callable[[str], bool]) -> None:
+        """Export the breakers' state (the pipeline, which owns them, is built after the metrics)."""
+        self.registry.register(BreakerCollector(self._table, tripped))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
