@@ -11,6 +11,13 @@ Per step: admit waiting sequences in FIFO order while the batch has room and the
 (prompt + max new tokens) fits; newly admitted sequences run prefill and emit their first token,
 running ones decode one token each. Step time = prefill(new prompt tokens) + decode step(old batch).
 KV is reserved whole at admission, so the cache is never over capacity and admission simply waits.
+With a prefix cache (`common.prefix_blocks.EnginePrefixCache`, the simulated engine's) a sequence's
+prefill is charged for its uncached tokens only: its leading blocks that a running sequence holds or
+that stay cached in the free part of the KV are not computed again; its blocks are pinned while it
+runs; cached blocks beyond the free KV are evicted least recently used first. The reservation stays
+prompt + max new tokens (shared blocks are not credited: the cache holds less than a real engine's).
+Prefix-cache counters (vLLM's queries / hits, tokens) are kept either way: without a cache every
+prompt token is a query and none a hit.
 With `slot_tokens` (a slot-KV engine: one preallocated slot of that many tokens per sequence) every
 sequence reserves one whole slot, which is what it really holds.
 """
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
+from common.prefix_blocks import BLOCK_TOKENS, EnginePrefixCache
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +43,8 @@ class Sequence:
     generated: int = 0
     kv_reserved: int = 0
     cancelled: bool = False
+    blocks: list[int] = field(default_factory=list)   # its prompt's block hashes, for the prefix cache
+    cached_tokens: int = 0       # prompt tokens the prefix cache held at admission (not prefilled)
 
     @property
     def context_tokens(self) -> int:
@@ -66,8 +76,12 @@ class ContinuousBatcher:
         max_batch: int = 256,
         max_prefill_tokens: int | None = None,
         slot_tokens: int | None = None,
+        prefix_cache: EnginePrefixCache | None = None,
     ) -> None:
         self.model, self.gpu = model, gpu
+        self.prefix_cache = prefix_cache
+        self._block_bytes = perf_model.kv_bytes(model, prefix_cache.block_tokens if prefix_cache else BLOCK_TOKENS)
+        self.prompt_tokens_admitted = 0
         self.slot_tokens = slot_tokens
         self.kv_capacity_bytes = kv_capacity_bytes
         self.max_batch = max_batch
@@ -85,6 +99,12 @@ class ContinuousBatcher:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    @property
+    def prefix_counters(self) -> tuple[int, int]:
+        """(queries, hits): prompt tokens admitted and, of them, found cached (vLLM's counters)."""
+        cache = self.prefix_cache
+        return (cache.queries, cache.hits) if cache is not None else (self.prompt_tokens_admitted, 0)
 
     def reservation(self, seq: Sequence) -> int:
         return perf_model.kv_bytes(self.model, self.slot_tokens or seq.prompt_tokens + seq.max_tokens)
@@ -116,7 +136,8 @@ class ContinuousBatcher:
         new = self._admit()
         result = StepResult(duration_s=0.0, prefilled=new, decoded=old)
         if new:
-            result.duration_s += perf_model.prefill_seconds(self.model, self.gpu, sum(s.prompt_tokens for s in new))
+            computed = sum(s.prompt_tokens - s.cached_tokens for s in new)
+            result.duration_s += perf_model.prefill_seconds(self.model, self.gpu, computed)
         if old:
             ctx = sum(s.context_tokens for s in old)
             result.duration_s += perf_model.decode_step_seconds(self.model, self.gpu, len(old), ctx)
@@ -143,12 +164,17 @@ class ContinuousBatcher:
             need = self.reservation(seq)
             if need > self.kv_free_bytes:
                 break
-            prefill += seq.prompt_tokens
+            cache = self.prefix_cache
+            prefill += seq.prompt_tokens - (cache.match(seq.blocks, seq.prompt_tokens) if cache else 0)
             if admitted and self.max_prefill_tokens is not None and prefill > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             seq.kv_reserved = need
             self.kv_used_bytes += need
+            self.prompt_tokens_admitted += seq.prompt_tokens
+            if cache is not None:
+                seq.cached_tokens = cache.admit(seq.blocks, seq.prompt_tokens)
+                cache.fit(self.kv_free_bytes // self._block_bytes)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -163,3 +189,5 @@ class ContinuousBatcher:
     def _free(self, seq: Sequence) -> None:
         self.kv_used_bytes -= seq.kv_reserved
         seq.kv_reserved = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq.blocks, self.kv_free_bytes // self._block_bytes)

@@ -201,6 +201,7 @@ class Engine:
             msg.mean_service_s = load.mean_service_s or 0.0   # the engine's T̄_service (the prior at first)
             msg.tokens_generated = load.tokens_generated
             msg.requests_completed = load.requests_completed
+            msg.prefix_cache_queries, msg.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
         if self.vision is not None:
             msg.vision_backlog = self.vision.backlog_tokens
             msg.images_encoded = self.vision.images_encoded
@@ -222,7 +223,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(c) for c in (self.scheduler.run(), self.heartbeats.run(), _watch_parent(stop))]
+        watches = [_watch_parent(stop)]
+        if self.config.orphan_timeout_s is not None:
+            watches.append(_exit_when_unheard(stop, self.heartbeats.connected, self.config.orphan_timeout_s))
+        tasks = [asyncio.create_task(c) for c in (self.scheduler.run(), self.heartbeats.run(), *watches)]
         await stop.wait()
         for t in tasks:
             t.cancel()
@@ -236,6 +240,22 @@ async def _watch_parent(stop: asyncio.Event) -> None:
     while os.getppid() == parent:  # noqa: ASYNC110 - polling the parent pid is the point
         await asyncio.sleep(0.2)   # short: a new leader replica waits for orphans to go before relaunching
     stop.set()
+
+
+async def _exit_when_unheard(stop: asyncio.Event, heard: asyncio.Event, timeout_s: float) -> None:
+    """An engine that outlives the gateway replica that launched it (gateway/control/adoption.py) keeps
+    serving while some replica takes its heartbeats (`heard`: set while a stream is acknowledged), and
+    exits once none has for `timeout_s`: no engine is left holding a GPU after every replica is gone."""
+    loop = asyncio.get_running_loop()
+    last_heard = loop.time()
+    while True:
+        if heard.is_set():
+            last_heard = loop.time()
+        elif loop.time() - last_heard >= timeout_s:
+            log.warning("engine_unheard_exiting", unheard_s=round(loop.time() - last_heard, 3))
+            stop.set()
+            return
+        await asyncio.sleep(min(0.2, timeout_s / 4))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,6 +61,8 @@ class LoadReport:
     tokens_generated: int
     requests_completed: int
     max_model_len: int                 # the longest sequence (prompt + completion) the engine takes
+    prefix_cache_queries: int = 0      # prompt tokens admitted (vLLM's prefix_cache_queries)
+    prefix_cache_hits: int = 0         # of them, found in the prefix cache
 
 
 class InvalidInput(ValueError):

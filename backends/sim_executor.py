@@ -4,7 +4,9 @@ Each `ContinuousBatcher.step()` says how long the step takes on this GPU; `run_s
 duration × time_scale and then hands every sequence its token. The GPU scheduler decides when a
 step runs (vision work first on a shared GPU). Output lengths stand in for EOS: a
 request stops at a length drawn from its request id (stable across retries) unless max_tokens
-comes first.
+comes first. The engine caches prompt prefixes as vLLM does by default (`prefix_caching`; blocks
+named by `common.prefix_blocks` from the request's token ids, else its prompt text), and charges
+prefill for the uncached tokens only (backends/batcher.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from backends.batcher import ContinuousBatcher, Sequence
 from backends.executors import GenerateInput, LoadReport, Token
 from backends.token_streams import TokenStreams
 from common.catalog import GpuProfile, ModelProfile
+from common.prefix_blocks import EnginePrefixCache, block_hashes
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
@@ -40,8 +43,11 @@ class SimulatedExecutor:
         max_batch: int = 256,
         max_prefill_tokens: int | None = None,
         on_change: Callable[[], None] = lambda: None,
+        prefix_caching: bool = True,
     ) -> None:
-        self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch, max_prefill_tokens)
+        cache = EnginePrefixCache() if prefix_caching else None
+        self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch, max_prefill_tokens,
+                                         prefix_cache=cache)
         self.time_scale = time_scale
         self._streams = TokenStreams(self.batcher, on_change)
         self._on_change = on_change
@@ -49,8 +55,12 @@ class SimulatedExecutor:
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         """Yield the request's tokens; closing the iterator early cancels the sequence."""
         target = min(request.max_tokens, natural_length(request.request_id))
-        seq = Sequence(request.request_id, max(1, request.prompt_tokens), request.max_tokens, target,
-                       arrival_s=time.monotonic())
+        prompt_tokens = max(1, request.prompt_tokens)
+        seq = Sequence(request.request_id, prompt_tokens, request.max_tokens, target, arrival_s=time.monotonic())
+        cache = self.batcher.prefix_cache
+        if cache is not None:
+            seq.blocks = block_hashes(request.prompt, request.token_ids, block_tokens=cache.block_tokens,
+                                      max_blocks=prompt_tokens // cache.block_tokens)
         return self._streams.stream(seq)
 
     @property

@@ -56,8 +56,10 @@ class TokenStreams:
 
     def load(self, max_model_len: int) -> LoadReport:
         b = self.batcher
+        queries, hits = b.prefix_counters
         return LoadReport(
             waiting=len(b.waiting), running=len(b.running), kv_free_bytes=b.kv_free_bytes,
             kv_total_bytes=b.kv_capacity_bytes, mean_service_s=self.measured_service_s, max_model_len=max_model_len,
             tokens_generated=self.tokens_generated, requests_completed=self.requests_completed,
+            prefix_cache_queries=queries, prefix_cache_hits=hits,
         )

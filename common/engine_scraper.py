@@ -222,6 +222,8 @@ class MetricsAgent:
             pid=os.getpid(),   # the agent's: the engine's own pid is not in its metrics
             max_model_len=self.max_model_len or 0,
             kv_capacity_source=KV_SOURCES[source],
+            prefix_cache_queries=m.prefix_cache_queries,
+            prefix_cache_hits=m.prefix_cache_hits,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

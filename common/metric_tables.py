@@ -59,12 +59,15 @@ class EngineTable:
     num_blocks_gauge: str | None = None   # KV blocks, as a gauge
     latency_histogram: str | None = None  # end-to-end request latency, seconds
     generation_tokens: str | None = None  # counter of generated tokens
+    prefix_queries: str | None = None     # counter: prompt tokens looked up in the prefix cache
+    prefix_hits: str | None = None        # counter: of them, found cached
 
     def wanted(self) -> frozenset[str]:
         """Every sample name `parse` reads."""
         names = {self.waiting, self.running, *self.kv_usage}
         names.update(n for n in (self.kv_tokens_gauge, self.cache_info, self.block_size_gauge,
-                                 self.num_blocks_gauge, self.generation_tokens) if n)
+                                 self.num_blocks_gauge, self.generation_tokens, self.prefix_queries,
+                                 self.prefix_hits) if n)
         if self.latency_histogram:
             names.update((f"{self.latency_histogram}_sum", f"{self.latency_histogram}_count"))
         return frozenset(names)
@@ -84,6 +87,8 @@ TABLES: dict[str, EngineTable] = {
         tokens_label="kv_cache_size_tokens",   # newer vLLM; right for hybrid models where blocks × size is not
         latency_histogram="vllm:e2e_request_latency_seconds",
         generation_tokens="vllm:generation_tokens_total",
+        prefix_queries="vllm:prefix_cache_queries_total",
+        prefix_hits="vllm:prefix_cache_hits_total",
     ),
     "sglang": EngineTable(
         name="sglang",
@@ -126,6 +131,8 @@ class EngineMetrics:
     latency_sum_s: float = 0.0             # cumulative histogram totals, kept for the next delta
     latency_count: float = 0.0
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0          # cumulative tokens; 0 where the engine does not export them
+    prefix_cache_hits: int = 0
     missing: frozenset[str] = frozenset()  # metrics of the table absent from the text
 
     def kv_tokens(self, configured: int | None = None, estimate: int = 0) -> tuple[int, int, KvSource]:
@@ -165,6 +172,8 @@ def parse(engine: str | EngineTable, text: str, previous: EngineMetrics | None =
         latency_sum_s=latency_sum,
         latency_count=latency_count,
         generation_tokens=int(_sum(samples.get(table.generation_tokens or "", []), table.copy_labels)),
+        prefix_cache_queries=int(_sum(samples.get(table.prefix_queries or "", []), table.copy_labels)),
+        prefix_cache_hits=int(_sum(samples.get(table.prefix_hits or "", []), table.copy_labels)),
         missing=frozenset(missing),
     )
 

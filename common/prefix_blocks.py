@@ -127,8 +127,10 @@ class EnginePrefixCache:
     A running sequence pins its prompt's blocks (reference counts): they are never evicted. A block
     no sequence holds stays cached in the free part of the KV cache, least recently used out first;
     the engine says how many blocks are free (`fit`), and blocks are evicted down to that. A new
-    sequence's hit is the longest run of its leading blocks that are pinned or cached. The counters
-    are vLLM's `prefix_cache_queries` / `prefix_cache_hits`, in tokens, counted at admission.
+    sequence's hit is the longest run of its leading blocks that are pinned or cached, its blocks
+    pinned at once (a sequence admitted later in the same step hits them, as vLLM v1 caches a block
+    when it is allocated full). The counters are vLLM's `prefix_cache_queries` / `prefix_cache_hits`,
+    in tokens, counted at admission.
     """
 
     def __init__(self, block_tokens: int = BLOCK_TOKENS) -> None:
@@ -138,29 +140,32 @@ class EnginePrefixCache:
         self.queries = 0
         self.hits = 0
 
-    def lookup(self, blocks: Sequence[int], prompt_tokens: int) -> int:
-        """Prompt tokens of this prompt already cached (counted in the counters)."""
+    def match(self, blocks: Sequence[int], prompt_tokens: int) -> int:
+        """Prompt tokens of this prompt already cached: its longest run of leading blocks that are
+        pinned or cached."""
         hit = 0
         pinned, free = self.pinned, self.free
         for block in blocks:
             if block not in pinned and block not in free:
                 break
             hit += 1
-        tokens = cached_tokens(hit * self.block_tokens, prompt_tokens)
+        return cached_tokens(hit * self.block_tokens, prompt_tokens)
+
+    def admit(self, blocks: Sequence[int], prompt_tokens: int) -> int:
+        """A sequence starts: count its query and hit, pin its blocks; returns its cached tokens."""
+        tokens = self.match(blocks, prompt_tokens)
         self.queries += prompt_tokens
         self.hits += tokens
-        return tokens
-
-    def pin(self, blocks: Iterable[int]) -> None:
         pinned, free = self.pinned, self.free
         for block in blocks:
             if block not in pinned:
                 free.discard(block)
             pinned[block] = pinned.get(block, 0) + 1
+        return tokens
 
-    def unpin(self, blocks: Sequence[int], free_blocks: int) -> None:
+    def release(self, blocks: Sequence[int], free_blocks: int) -> None:
         """A sequence let go of its blocks, leaving `free_blocks` free: those nobody else holds become
-        cached and evictable."""
+        cached and evictable, the least recent beyond the free room evicted."""
         self.free.resize(free_blocks)
         pinned = self.pinned
         released = []

@@ -41,6 +41,8 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         embedding_bytes_sent=msg.embedding_bytes_sent,
         max_model_len=msg.max_model_len,
         kv_source=KV_SOURCE_NAMES.get(msg.kv_capacity_source),
+        prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits,
     )
 
 

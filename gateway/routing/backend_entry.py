@@ -41,6 +41,8 @@ class Reported:
     embedding_bytes_sent: int = 0
     max_model_len: int = 0                    # 0: the engine does not say
     kv_source: KvSource | None = None         # None: the sender does not say
+    prefix_cache_queries: int = 0             # cumulative prompt tokens (vLLM's counter); 0: not reported
+    prefix_cache_hits: int = 0                # of them, found in the engine's prefix cache
 
 
 class PeerLoad(NamedTuple):

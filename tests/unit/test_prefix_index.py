@@ -168,14 +168,15 @@ def test_engine_reports_scale_the_prediction_by_trust() -> None:
 def test_engine_cache_pins_running_blocks_and_evicts_the_free_ones_lru() -> None:
     cache = EnginePrefixCache()
     a = block_hashes(text("a", "b", "c"))
-    assert cache.lookup(a, 60) == 0
-    cache.pin(a)
+    assert cache.admit(a, 60) == 0
     cache.fit(0)   # no free KV: pinned blocks stay
-    assert cache.lookup(a, 60) == 48
-    cache.unpin(a, free_blocks=2)   # two blocks of room: the tail block goes first
-    assert cache.lookup(a, 60) == 32
-    assert (cache.queries, cache.hits) == (180, 80)
+    assert cache.match(a, 60) == 48
+    cache.release(a, free_blocks=2)   # two blocks of room: the tail block goes first
+    assert cache.match(a, 60) == 32
     b = block_hashes(text("a", "x"))
-    cache.pin(b)   # shares block "a"
+    assert cache.admit(b, 40) == 16   # shares block "a"
+    assert (cache.queries, cache.hits) == (100, 16)
     cache.fit(0)
-    assert cache.lookup(a, 60) == 16   # "a" is pinned by b, "b" was evicted
+    assert cache.match(a, 60) == 16   # "a" is pinned by b, "b" was evicted
+    cache.release(b, free_blocks=10)
+    assert cache.match(b, 40) == 32 and not cache.pinned

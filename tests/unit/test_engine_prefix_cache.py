@@ -1,0 +1,132 @@
+"""The simulated engine's prefix cache: prefill for uncached tokens only, pinned running blocks, eviction
+when the KV fills, vLLM's counters in the load report and in the scraped metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backends.batcher import ContinuousBatcher, Sequence
+from backends.executors import GenerateInput
+from backends.sim_executor import SimulatedExecutor
+from common import perf_model
+from common.metric_tables import parse
+from common.prefix_blocks import EnginePrefixCache, block_hashes
+from tests.snapshots import catalog
+
+MODEL, GPU = catalog().model("llava-1.5-7b"), catalog().gpu("A100-80GB")
+SYSTEM = "".join(f"system prompt line {k:04d} " for k in range(80))   # 1,920 bytes: 30 blocks
+
+
+def seq(name: str, prompt: str, max_tokens: int = 2) -> Sequence:
+    tokens = len(prompt.encode()) // 4
+    return Sequence(name, tokens, max_tokens, max_tokens, blocks=block_hashes(prompt, max_blocks=tokens // 16))
+
+
+def run(batcher: ContinuousBatcher, s: Sequence) -> float:
+    """Submit `s` alone and run it to its end; returns the duration of the step that prefilled it."""
+    batcher.submit(s)
+    first = batcher.step().duration_s
+    while not batcher.idle:
+        batcher.step()
+    return first
+
+
+def test_a_repeated_prefix_is_prefilled_once() -> None:
+    batcher = ContinuousBatcher(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU), prefix_cache=EnginePrefixCache())
+    a = seq("a", SYSTEM + "first question " * 20)
+    b = seq("b", SYSTEM + "second question " * 20)
+    assert run(batcher, a) == pytest.approx(perf_model.prefill_seconds(MODEL, GPU, a.prompt_tokens))
+    assert b.prompt_tokens - 30 * 16 > 0
+    assert run(batcher, b) == pytest.approx(perf_model.prefill_seconds(MODEL, GPU, b.prompt_tokens - 30 * 16))
+    assert (a.cached_tokens, b.cached_tokens) == (0, 30 * 16)
+    assert batcher.prefix_counters == (a.prompt_tokens + b.prompt_tokens, 30 * 16)
+
+
+def test_without_a_cache_every_token_is_a_query_and_none_a_hit() -> None:
+    batcher = ContinuousBatcher(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU))
+    a, b = seq("a", SYSTEM), seq("b", SYSTEM)
+    run(batcher, a)
+    assert run(batcher, b) == pytest.approx(perf_model.prefill_seconds(MODEL, GPU, b.prompt_tokens))
+    assert batcher.prefix_counters == (a.prompt_tokens + b.prompt_tokens, 0)
+
+
+def test_a_running_sequences_blocks_are_pinned_and_free_blocks_are_evicted_when_kv_fills() -> None:
+    block = perf_model.kv_bytes(MODEL, 16)
+    cache = EnginePrefixCache()
+    batcher = ContinuousBatcher(MODEL, GPU, 200 * block, prefix_cache=cache)
+    holder = seq("holder", SYSTEM, max_tokens=50)      # runs for 50 steps, holding the system prompt
+    batcher.submit(holder)
+    batcher.step()
+    sharer = seq("sharer", SYSTEM + "more " * 40)
+    batcher.submit(sharer)
+    batcher.step()
+    assert sharer.cached_tokens == 30 * 16               # pinned by `holder`: a hit
+    unrelated = "".join(f"unrelated {k:05d} " for k in range(100))   # 1,600 bytes: 25 blocks, 400 tokens
+    run_alongside(batcher, seq("other", unrelated))
+    again = seq("again", unrelated)
+    run_alongside(batcher, again)
+    assert again.cached_tokens == 399                   # cached in the free KV once `other` ended
+    # a reservation of every free block: the cached free blocks go, the pinned ones stay
+    free_tokens = batcher.kv_free_bytes // perf_model.kv_bytes(MODEL, 1)
+    batcher.submit(Sequence("hog", 16, free_tokens - 16, 2))
+    batcher.step()
+    assert batcher.kv_free_bytes == 0 and len(cache.free) == 0
+    assert cache.match(again.blocks, again.prompt_tokens) == 0
+    assert cache.match(holder.blocks, holder.prompt_tokens) == holder.prompt_tokens - 1
+
+
+def run_alongside(batcher: ContinuousBatcher, s: Sequence) -> None:
+    """Run `s` to its end while others keep running."""
+    batcher.submit(s)
+    while s.kv_reserved or s in batcher.waiting or not s.done:
+        batcher.step()
+
+
+def test_the_executor_reports_vllm_counters_in_its_load() -> None:
+    async def main() -> tuple[int, int]:
+        executor = SimulatedExecutor(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU), time_scale=0.0)
+
+        async def ask(name: str, prompt: str) -> None:
+            request = GenerateInput(name, len(prompt.encode()) // 4, 2, prompt=prompt)
+            async for _ in executor.generate(request):
+                pass
+
+        async def steps() -> None:
+            while True:
+                if executor.has_work:
+                    await executor.run_step()
+                await asyncio.sleep(0)
+
+        stepper = asyncio.create_task(steps())
+        try:
+            await ask("a", SYSTEM + "question")
+            await ask("b", SYSTEM + "answered")
+        finally:
+            stepper.cancel()
+        load = executor.load()
+        return load.prefix_cache_queries, load.prefix_cache_hits
+
+    queries, hits = asyncio.run(main())
+    assert (queries, hits) == (2 * (len(SYSTEM) + 8) // 4, 30 * 16)
+
+
+def test_scraped_vllm_prefix_counters_are_read() -> None:
+    text = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 100.0
+"""
+    m = parse("vllm", text)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (1500, 700)
+    assert (parse("sglang", text).prefix_cache_queries, parse("vllm", "").prefix_cache_queries) == (0, 0)
