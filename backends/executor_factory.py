@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from backends.engine_config import EngineConfig
 from backends.executors import LanguageExecutor, VisionEncoder
+from backends.scheduling import stealing_limits
 from backends.sim_encoder import SimulatedEncoder
 from backends.sim_executor import SimulatedExecutor
 from backends.vision_executor import Deliver, VisionExecutor
@@ -24,7 +25,11 @@ def build_executors(
     wants_language = config.role in ("language", "both") or config.steal
     stealing = config.role == "vision"
     # a stealing GPU keeps its language steps short: half a batch, and bounded prefill per step
-    max_batch = max(1, config.max_batch // 2) if stealing else config.max_batch
+    max_batch, prefill_budget = config.max_batch, None
+    if stealing:
+        max_batch, prefill_budget = stealing_limits(
+            config.max_batch, config.steal_episode_ms / 1000, perf_model.prefill_seconds_per_token(model, gpu)
+        )
     encoder: VisionEncoder | None = None
     language: LanguageExecutor | None = None
     if config.executor == "simulated":
@@ -34,9 +39,6 @@ def build_executors(
             kv = perf_model.kv_capacity_bytes(
                 model, gpu, memory_utilization=config.memory_utilization, encoder_loaded=wants_vision
             )
-            prefill_budget = None
-            if stealing:
-                prefill_budget = int(config.steal_episode_ms / 1000 / perf_model.prefill_seconds_per_token(model, gpu))
             language = SimulatedExecutor(
                 model, gpu, kv, time_scale=config.time_scale, max_batch=max_batch,
                 max_prefill_tokens=prefill_budget, on_change=on_change,

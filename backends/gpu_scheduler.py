@@ -1,7 +1,8 @@
 """One loop per GPU (simulated or real): what runs next when a GPU holds a vision encoder, a decoder, or both.
 
-Vision first (work stealing P1, modality paper §5.3): whenever an encode batch is ready it runs
-before the next language step, so a vision burst waits at most one language step. Language steps on
+The rules are `backends.scheduling`'s, which the discrete-event simulator runs too. Vision first
+(work stealing P1, modality paper §5.3): whenever an encode batch is ready it runs before the next
+language step, so a vision burst waits at most one language step. Language steps on
 a stealing GPU are kept short by its batcher (half batch, bounded prefill per step), which bounds
 that wait. While an encode batch is still filling (aligned batching), language steps go on.
 A `both` (monolithic) GPU runs the same loop without the bounds.
@@ -14,6 +15,7 @@ import contextlib
 import time
 
 from backends.executors import LanguageExecutor
+from backends.scheduling import next_activity
 from backends.vision_executor import VisionExecutor
 
 
@@ -33,11 +35,13 @@ class GpuScheduler:
         while True:
             self._wake.clear()
             wait_s = self.vision.ready_in(time.monotonic()) if self.vision else float("inf")
-            if wait_s == 0.0:
+            activity = next_activity(wait_s, self.language is not None and self.language.has_work)
+            if activity == "encode":
                 assert self.vision is not None
                 self._in_episode = False
                 await self.vision.run_batch()
-            elif self.language is not None and self.language.has_work:
+            elif activity == "language":
+                assert self.language is not None
                 tokens = await self.language.run_step()
                 if self.stealing:
                     self._count_steal(tokens)

@@ -1,7 +1,8 @@
 """The vision side of an engine: aligned batches of images, an encoder, and the embedding hand-off.
 
 Images queue until a batch is ready: `max_images` images, or the oldest has waited
-`batch_timeout_s` (the modality paper's aligned batch, §5.2). The encoder (simulated: the performance
+`batch_timeout_s` (the modality paper's aligned batch, §5.2; the rules are `backends.scheduling`'s,
+which the simulator runs too). The encoder (simulated: the performance
 model's encode time and random values; torch: the real vision tower and projector) turns the batch into
 one embedding per image, which is delivered straight to the language engine the gateway chose before
 the Encode call returns, or, when the request names no engine, returned in the reply.
@@ -16,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from backends.executors import EncodedImage, VisionEncoder
+from backends.scheduling import ready_in, take_batch
 from common.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
@@ -24,12 +26,14 @@ Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
 @dataclass(eq=False)
 class EncodeJob:
     request: engine_pb2.EncodeRequest
-    arrival: float
+    queued_s: float
     done: asyncio.Future[engine_pb2.EncodeReply]
     tokens: int = field(init=False)
+    images: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens = sum(img.tokens for img in self.request.images)
+        self.images = len(self.request.images)
 
 
 class TokenCountMismatch(ValueError):
@@ -77,22 +81,11 @@ class VisionExecutor:
     def ready_in(self, now: float) -> float:
         """Seconds until the next batch is ready (0 = ready now); inf when nothing is queued."""
         self._drop_cancelled()
-        if not self._queue:
-            return float("inf")
-        if sum(len(j.request.images) for j in self._queue) >= self.max_images:
-            return 0.0
-        return max(0.0, self._queue[0].arrival + self.batch_timeout_s * self.time_scale - now)
+        return ready_in(self._queue, now, self.max_images, self.batch_timeout_s * self.time_scale)
 
     async def run_batch(self) -> None:
-        batch: list[EncodeJob] = []
-        images = 0
-        while self._queue and (not batch or images + len(self._queue[0].request.images) <= self.max_images):
-            job = self._queue.popleft()
-            if job.done.done():
-                self.backlog_tokens -= job.tokens
-                continue
-            batch.append(job)
-            images += len(job.request.images)
+        self._drop_cancelled()
+        batch = take_batch(self._queue, self.max_images)
         if not batch:
             return
         tokens = sum(j.tokens for j in batch)
@@ -149,5 +142,7 @@ class VisionExecutor:
             job.done.set_result(reply)
 
     def _drop_cancelled(self) -> None:
-        while self._queue and self._queue[0].done.done():
-            self.backlog_tokens -= self._queue.popleft().tokens
+        """Drop the jobs whose callers went away, wherever they wait in the queue."""
+        if any(j.done.done() for j in self._queue):
+            self.backlog_tokens -= sum(j.tokens for j in self._queue if j.done.done())
+            self._queue = deque(j for j in self._queue if not j.done.done())

@@ -1,12 +1,14 @@
 """`gateway --backends backends.yaml`: the command line.
 
-`gateway check-config FILE` validates a backends.yaml without starting anything, so a deployment can
-reject a bad file before it replaces a running gateway."""
+`gateway check-config FILE [OPTIONS]` runs every check start-up makes for that file and those options
+(the same function, `validate`) without starting anything, so a deployment can reject a bad file or
+a missing secret before it replaces a running gateway."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import __version__
@@ -14,19 +16,16 @@ from common.errors import ConfigError
 from common.event_loop import run
 from common.logs import configure_logging
 from gateway.config.cluster import DEFAULT_BACKENDS, ClusterConfig, load_cluster
-from gateway.daemon import PortUnavailable, ServeOptions, serve
+from gateway.daemon import PortUnavailable, ServeOptions, StartupChecks, check_startup, serve
 from gateway.replicas.workers import run_workers
 from gateway.routing.policies import REGISTRY
 
 CHECK_CONFIG = "check-config"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gateway",
-                                description="HeteroGate: the front door of a heterogeneous GPU cluster",
-                                epilog=f"`gateway {CHECK_CONFIG} FILE` validates a backends.yaml and exits")
-    p.add_argument("--version", action="version", version=f"heterogate {__version__}")
-    p.add_argument("--backends", type=Path, default=DEFAULT_BACKENDS,
+def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | None) -> None:
+    """The options of `gateway`, which `gateway check-config` takes too: its checks depend on them."""
+    p.add_argument("--backends", type=Path, default=backends_default,
                    help="backends.yaml (default: the embedded demo cluster, configs/backends.yaml)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -39,6 +38,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: gateway.redis.url; none: one process, state in memory)")
     p.add_argument("--workers", type=positive_int, default=1, help="gateway processes on this host (> 1 needs Redis)")
     p.add_argument("--reuse-port", action="store_true", help="bind both doors with SO_REUSEPORT (set by --workers)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gateway",
+                                description="HeteroGate: the front door of a heterogeneous GPU cluster",
+                                epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits")
+    p.add_argument("--version", action="version", version=f"heterogate {__version__}")
+    add_gateway_options(p, DEFAULT_BACKENDS)
     return p.parse_args(argv)
 
 
@@ -50,25 +57,50 @@ def positive_int(text: str) -> int:
 
 
 def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"gateway {CHECK_CONFIG}",
-                                description="validate a backends.yaml without starting the gateway")
-    p.add_argument("file", type=Path, help="the backends.yaml to validate")
-    return p.parse_args(argv)
+    p = argparse.ArgumentParser(
+        prog=f"gateway {CHECK_CONFIG}",
+        description="run every check start-up makes (the file, its secrets and certificates, the control "
+                    "port's token for these options) without starting anything; the options are the gateway's")
+    p.add_argument("file", type=Path, nargs="?", help="the backends.yaml to check (or --backends FILE)")
+    add_gateway_options(p, None)
+    args = p.parse_args(argv)
+    if (args.file is None) == (args.backends is None):
+        p.error("give the file to check once: as FILE or as --backends FILE")
+    args.backends = args.backends or args.file
+    return args
 
 
-def load_or_exit(path: Path) -> ClusterConfig:
-    """Exit status 2 with the ConfigError (which names the file and field) on stderr: no traceback for a
-    configuration mistake."""
+@dataclass(frozen=True)
+class Validated:
+    config: ClusterConfig
+    options: ServeOptions
+    checks: StartupChecks
+
+
+def validate(args: argparse.Namespace) -> Validated:
+    """Start-up's checks for these arguments; `gateway check-config` runs this same function, so an OK
+    there means the gateway starts. Exit status 2 with the ConfigError (which names the file and
+    setting) on stderr: no traceback for a configuration mistake."""
     try:
-        return load_cluster(path)
+        config = load_cluster(args.backends)
+        redis_url = args.redis_url or config.settings.redis.url
+        check_workers(args.workers, redis_url, args.port, args.grpc_port)
+        options = ServeOptions(
+            host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
+            policy=args.policy, log_level=args.log_level, engine_log_level=args.engine_log_level,
+            redis_url=redis_url, reuse_port=args.reuse_port,
+        )
+        return Validated(config, options, check_startup(config, options))
     except ConfigError as exc:
         print(f"gateway: invalid configuration\n{exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def check_config(argv: list[str]) -> None:
-    """Runs the same validation as start-up, so an OK here means the gateway will accept the file."""
-    config = load_or_exit(parse_check_config_args(argv).file)
+    checked = validate(parse_check_config_args(argv))
+    for warning in checked.checks.warnings:
+        print(f"gateway: warning: {warning}", file=sys.stderr)
+    config = checked.config
     print(f"{config.path}: OK (model {config.raw.model}, {len(config.raw.backends)} backends)")
 
 
@@ -80,38 +112,24 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = parse_args(argv)
     configure_logging(args.log_level)
-    config = load_or_exit(args.backends)
-    redis_url = args.redis_url or config.settings.redis.url
-    if args.workers > 1:
-        check_workers(args.workers, redis_url, args.port, args.grpc_port)
+    checked = validate(args)
+    if args.workers > 1:   # each worker runs these checks again, and `serve`
         run(run_workers(argv, args.workers))
         return
-    options = ServeOptions(
-        host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
-        policy=args.policy, log_level=args.log_level, engine_log_level=args.engine_log_level,
-        redis_url=redis_url, reuse_port=args.reuse_port,
-    )
     try:
-        run(serve(config, options))
+        run(serve(checked.config, checked.options, checked.checks))
     except PortUnavailable as exc:   # nothing was launched: the ports are bound first
         print(f"gateway: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    except ConfigError as exc:   # a secret or certificate the config names, read at start-up
-        print(f"gateway: invalid configuration\n{exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def check_workers(workers: int, redis_url: str | None, port: int, grpc_port: int) -> None:
     """Workers share state only through Redis and share ports only when the ports are fixed."""
-    problem = None
-    if redis_url is None:
-        problem = (f"--workers {workers} needs Redis (--redis-url or gateway.redis.url): "
-                   "worker processes share cluster state only through it")
-    elif port == 0 or grpc_port == 0:
-        problem = "--workers needs fixed --port and --grpc-port (the workers share them with SO_REUSEPORT)"
-    if problem:
-        print(f"gateway: {problem}", file=sys.stderr)
-        raise SystemExit(2)
+    if workers > 1 and redis_url is None:
+        raise ConfigError(f"--workers {workers} needs Redis (--redis-url or gateway.redis.url): "
+                          "worker processes share cluster state only through it")
+    if workers > 1 and (port == 0 or grpc_port == 0):
+        raise ConfigError("--workers needs fixed --port and --grpc-port (the workers share them with SO_REUSEPORT)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ import structlog
 from common.errors import HeteroGateError
 from common.grpc_keepalive import keepalive
 from common.wire import control_pb2_grpc
+from gateway.config.auth import KeyRing
 from gateway.config.cluster import ClusterConfig
-from gateway.control.control_auth import ControlAuth
+from gateway.control.control_auth import ControlAuth, is_loopback
 from gateway.control.heartbeat_service import ControlService
 from gateway.control.launchers import build_launchers, managed_address, managed_ports
 from gateway.control.supervisor import Supervisor
@@ -106,21 +108,55 @@ def engines_silent(runtime: Runtime, ids: list[str]) -> Callable[[], bool]:
     return lambda: not any((e := runtime.table.get(i)) is not None and runtime.table.is_healthy(e) for i in ids)
 
 
-async def serve(config: ClusterConfig, options: ServeOptions) -> None:
-    """Secrets and certificates are read, and both ports bound, before any engine is launched."""
+def managed_ids(config: ClusterConfig) -> list[str]:
+    """The backends the gateway launches (`launch:`)."""
+    return [s.id for s in config.raw.backends if s.launch is not None]
+
+
+@dataclass(frozen=True)
+class StartupChecks:
+    """What start-up reads from the configuration and the environment before it binds a port."""
+
+    grpc_tls: GrpcTls | None
+    ssl_context: ssl.SSLContext | None
+    auth: ControlAuth
+    warnings: tuple[str, ...]   # allowed, but worth an operator's attention
+
+
+def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks:
+    """Every check start-up makes before it binds a port (API keys, certificates, the control port's
+    token for these options); ConfigError naming the setting. `gateway check-config` runs this same
+    function, so its OK means that start-up accepts the file with these options."""
+    settings = config.settings
+    keys = KeyRing.load(settings.auth)
+    grpc_tls = load_grpc_tls(settings.tls)
+    ssl_context = http_ssl_context(settings.tls)
+    # A replica launches the engines only once it leads; a single gateway from the start.
+    auth = ControlAuth.load(
+        settings.auth, managed=managed_ids(config), api_keys_on=keys.enabled, control_host=options.grpc_host,
+        ca_file=grpc_tls.ca_file if grpc_tls else None, launching=options.redis_url is None,
+    )
+    warnings = []
+    if not keys.enabled and not is_loopback(options.host):
+        warnings.append(f"the HTTP door listens on {options.host}, beyond loopback, with no API keys: whoever "
+                        "reaches it may send requests and read /admin and /metrics (gateway.auth.api_keys_file "
+                        "or api_keys_env turns keys on)")
+    return StartupChecks(grpc_tls, ssl_context, auth, tuple(warnings))
+
+
+async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChecks | None = None) -> None:
+    """Secrets and certificates are read (`check_startup`, unless given its result), and both ports
+    bound, before any engine is launched."""
+    checks = checks or check_startup(config, options)
+    for warning in checks.warnings:
+        log.warning("start_up_warning", detail=warning)
+    grpc_tls, ssl_context, auth = checks.grpc_tls, checks.ssl_context, checks.auth
     ports = managed_ports(config)
     addresses = {backend_id: managed_address(port) for backend_id, port in ports.items()}
     runtime = build_runtime(config, options.policy, addresses)
-    managed = [s.id for s in config.raw.backends if s.launch is not None]
+    managed = managed_ids(config)
     replication: Replication | None = None
     try:
-        grpc_tls = load_grpc_tls(config.settings.tls)
-        ssl_context = http_ssl_context(config.settings.tls)
-        # A replica launches the engines only once it leads; a single gateway from the start.
-        auth = ControlAuth.load(
-            config.settings.auth, managed=managed, api_keys_on=runtime.keys.enabled, control_host=options.grpc_host,
-            ca_file=grpc_tls.ca_file if grpc_tls else None, launching=options.redis_url is None,
-        )
         replication = join(runtime, options.redis_url, auth.identities) if options.redis_url else None
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:

@@ -260,6 +260,9 @@ class ClusterConfig:
         routing = raw.gateway.routing
         for key, name in (("policy", routing.policy), ("vision_policy", routing.vision_policy)):
             _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))
+        if not any(b.role in ("language", "both") for b in raw.backends):
+            raise ConfigError(f"{path}: backends: none takes language work (role language or both); every "
+                              "request needs one, and a vision backend only encodes images")
         for i, b in enumerate(raw.backends):
             if self.model.vision is None and (b.role != "language" or b.image_embeds):
                 field = "role" if b.role != "language" else "image_embeds"

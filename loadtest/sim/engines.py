@@ -3,10 +3,11 @@
 An engine is driven by two calls: `submit(i, now)` queues request i and, if the GPU was idle, starts
 work and returns the time of its next event; `on_event(now)` completes that event and returns the
 requests that finished plus the time of the following event (None when the GPU goes idle). Each
-engine owns its signals (queue, in-flight, free KV, an EWMA of completed service times) and exposes
-them as the router's `BackendSnapshot`, rebuilt lazily only after its state changed. What the
-gateway learns from its own requests (prefill backlog, reserved KV, the learned speed of
-`common.speed_estimator`) is kept here the same way, from the same first tokens and completions.
+engine owns what an engine reports (queue, batch, free KV, an EWMA of completed service times) and
+reports it to the gateway's own state core (`gateway.routing.state_table.StateTable`, one per run,
+on the virtual clock), which keeps what the gateway learns from its requests (leases, prefill
+backlog, reserved KV, learned speed, inter-token slacks) and builds the router's `BackendSnapshot`s:
+the simulator routes on the live table's snapshots, not on a copy of them.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import numpy as np
 from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
-from common.itl_slack import DEFAULT_TARGET_S, InterTokenSlack
 from common.service_time import updated_mean_service
-from common.speed_estimator import prior_speed
+from gateway.routing.backend_entry import Lease, Reported
 from gateway.routing.policies.contracts import BackendSnapshot, Role
+from gateway.routing.state_table import StateTable
 from loadtest.sim.workloads import Lengths
 
 
@@ -63,35 +64,52 @@ class EngineSpec:
     steal: bool = False
 
 
-class Engine:
-    """Signals and snapshot shared by every engine kind."""
+class GatewayState:
+    """The live gateway's state core on the simulator's virtual clock: one `StateTable` for a run's
+    engines, with its leases, learned speed and inter-token slacks, and the snapshots it builds.
 
-    def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
+    Engines report their own figures (queue, batch, free KV, T̄_service, vision backlog) to it as
+    heartbeats, exact and fresh: each engine reports before any decision that follows a change of
+    its state (`refresh`), so the router never sees stale signals here.
+    """
+
+    def __init__(self, model: ModelProfile) -> None:
+        self.now = 0.0
+        self.table = StateTable(model, float("inf"), clock=self._clock)
+        self.engines: list[Engine] = []
+
+    def _clock(self) -> float:
+        return self.now
+
+    def at(self, now: float) -> StateTable:
+        """The table, its clock set to `now` (every lease event happens at its own time)."""
+        self.now = now
+        return self.table
+
+    def refresh(self, now: float) -> StateTable:
+        """Every engine whose state changed reports; returns the table at `now`, ready for a decision."""
+        for e in self.engines:
+            if e.changed:
+                e.report(now)
+        return self.at(now)
+
+
+class Engine:
+    """One simulated GPU, registered in the run's `GatewayState` (a table of its own when none is given)."""
+
+    def __init__(self, spec: EngineSpec, rec: Recorder, gateway: GatewayState | None = None) -> None:
         model, gpu = spec.model, spec.gpu
         self.id, self.model, self.gpu, self.rec, self.role = spec.backend_id, model, gpu, rec, spec.role
         self.kv_capacity = spec.kv_capacity
         self.prior_service_s = spec.prior_service_s
         self.measured_service_s = spec.prior_service_s   # as the engines measure it (common.service_time)
-        self.in_flight = 0
-        self.speed = prior_speed(model, gpu)
-        self.prefilling = self.prefill_backlog = self.kv_reserved = 0
-        self._leases: dict[int, tuple[float, int, float | None]] = {}   # request -> (dispatched, ahead, deadline)
-        self.slack = InterTokenSlack(DEFAULT_TARGET_S)
-        self._snap: BackendSnapshot | None = None
-        self._static = dict(
-            id=spec.backend_id,
-            role=spec.role,
-            gpu=gpu.name,
-            tflops=gpu.tflops,
-            bandwidth_gbs=gpu.bandwidth_gbs,
-            price_per_hour=gpu.price_per_hour,
-            kv_total_bytes=spec.kv_capacity,
-            kv_bytes_per_token=model.kv_bytes_per_token,
-            prefill_s_per_token=perf_model.prefill_seconds_per_token(model, gpu),
-            weight_bytes=model.weight_bytes,
-            encode_s_per_token=perf_model.encode_seconds(model, gpu, 1),
-            steal=spec.steal,
-        )
+        self.gateway = gateway or GatewayState(model)
+        self.entry = self.gateway.table.register(spec.backend_id, spec.role, gpu, address=spec.backend_id,
+                                                 managed=False, steal=spec.steal)
+        self.gateway.engines.append(self)
+        self._leases: dict[int, Lease] = {}
+        self._seq = 0
+        self.changed = True
 
     def submit(self, i: int, now: float) -> float | None:
         raise NotImplementedError
@@ -99,8 +117,12 @@ class Engine:
     def on_event(self, now: float) -> tuple[list[int], float | None]:
         raise NotImplementedError
 
-    def queue_depth(self) -> int:
+    def load(self) -> tuple[int, int]:
+        """(waiting, running), as an engine's heartbeat reports them."""
         raise NotImplementedError
+
+    def queue_depth(self) -> int:
+        return sum(self.load())
 
     def kv_free_bytes(self) -> int:
         raise NotImplementedError
@@ -108,63 +130,49 @@ class Engine:
     def vision_backlog(self) -> int:
         return 0
 
+    def report(self, now: float) -> None:
+        """A heartbeat with the engine's figures now."""
+        self._seq += 1
+        waiting, running = self.load()
+        self.gateway.at(now).apply_heartbeat(self.id, self._seq, self.id, Reported(
+            seq=self._seq, waiting=waiting, running=running, kv_free_bytes=self.kv_free_bytes(),
+            kv_total_bytes=self.kv_capacity, vision_backlog=self.vision_backlog(),
+            mean_service_s=self.measured_service_s, kv_source="engine"))
+        self.changed = False
+
     def snapshot(self) -> BackendSnapshot:
-        if self._snap is None:
-            self._snap = BackendSnapshot(
-                **self._static,  # type: ignore[arg-type]
-                queue_depth=max(self.in_flight, self.queue_depth()),
-                in_flight=self.in_flight,
-                kv_free_bytes=self.kv_free_bytes(),
-                vision_backlog=self.vision_backlog(),
-                mean_service_s=self.measured_service_s,
-                learned_prefill_s_per_token=self.speed.prefill.value,
-                decode_step_s=self.speed.decode.value,
-                prefilling=self.prefilling,
-                prefill_backlog_tokens=self.prefill_backlog,
-                kv_reserved_tokens=self.kv_reserved,
-                itl_slack_s=self.slack.slacks(),
-            )
-        return self._snap
+        """The state table's snapshot of this backend, after a report if the engine's state changed."""
+        if self.changed:
+            self.report(self.gateway.now)
+        return self.gateway.table.snapshot(self.entry)
 
     def _lease(self, i: int, now: float) -> None:
-        """The router counts request i here from its dispatch (as the gateway's state table does)."""
+        """The router counts request i here from its dispatch: the state table's lease, as the gateway takes it."""
         lengths = self.rec.lengths
         prompt = int(lengths.input_tokens[i])
-        self.in_flight += 1
-        self.prefilling += 1
-        self.prefill_backlog += prompt
-        max_tokens = int(lengths.max_output_tokens[i])
-        self.kv_reserved += prompt + max_tokens
-        deadline = self.slack.add(prompt, max_tokens, self.speed.prefill.value, self.speed.decode.value)
-        self._leases[i] = (now, self.prefill_backlog, deadline)
+        self._leases[i] = self.gateway.at(now).acquire(self.id, prompt, int(lengths.max_output_tokens[i]))
 
     def _first_token(self, i: int, now: float) -> None:
         self.rec.first_token[i] = now
         lease = self._leases.get(i)
         if lease is not None:
-            self.prefilling -= 1
-            self.prefill_backlog -= int(self.rec.lengths.input_tokens[i])
-            self.speed.first_token(now - lease[0], lease[1])
+            self.gateway.at(now).first_token(lease)
 
     def _finished(self, i: int, now: float) -> None:
         """Record a completion and feed its service time (admission → last token) into T̄_service."""
         self.rec.finish[i] = now
         self.measured_service_s = updated_mean_service(self.measured_service_s, now - self.rec.admitted[i])
-        self.in_flight -= 1
+        self.changed = True
         lease = self._leases.pop(i, None)
         if lease is not None:
-            self.slack.remove(lease[2])
-            lengths = self.rec.lengths
-            prompt = int(lengths.input_tokens[i])
-            self.kv_reserved -= prompt + int(lengths.max_output_tokens[i])
-            self.speed.completed(prompt, int(lengths.output_tokens[i]), now - self.rec.first_token[i])
+            self.gateway.at(now).release(lease, int(self.rec.lengths.output_tokens[i]))
 
 
 class SerialEngine(Engine):
     """The capability-weighted paper's GPU: one request at a time, prefill 2·P·L/F then 2·P/B per token."""
 
-    def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
-        super().__init__(spec, rec)
+    def __init__(self, spec: EngineSpec, rec: Recorder, gateway: GatewayState | None = None) -> None:
+        super().__init__(spec, rec, gateway)
         self.queue: deque[int] = deque()
         self.current = -1
         self.prefill_per_token = perf_model.prefill_seconds_per_token(self.model, self.gpu)
@@ -173,8 +181,8 @@ class SerialEngine(Engine):
         # exact (and bit-identical to the event times the engine later reports).
         self.backlog_end_s = 0.0
 
-    def queue_depth(self) -> int:
-        return len(self.queue) + (self.current >= 0)
+    def load(self) -> tuple[int, int]:
+        return len(self.queue), int(self.current >= 0)
 
     def kv_free_bytes(self) -> int:
         if self.current < 0:
@@ -187,7 +195,7 @@ class SerialEngine(Engine):
         self._lease(i, now)
         self.queue.append(i)
         self.backlog_end_s = self.finish_s(max(self.backlog_end_s, now), i)
-        self._snap = None
+        self.changed = True
         return self._start(now) if self.current < 0 else None
 
     def finish_s(self, start: float, i: int) -> float:
@@ -200,7 +208,7 @@ class SerialEngine(Engine):
         done = self.current
         self._finished(done, now)
         self.current = -1
-        self._snap = None
+        self.changed = True
         return [done], (self._start(now) if self.queue else None)
 
     def _start(self, now: float) -> float:
@@ -213,8 +221,8 @@ class SerialEngine(Engine):
 class BatchEngine(Engine):
     """Continuous batching with the shared `ContinuousBatcher`; virtual time advances by `step()`'s duration."""
 
-    def __init__(self, spec: EngineSpec, rec: Recorder) -> None:
-        super().__init__(spec, rec)
+    def __init__(self, spec: EngineSpec, rec: Recorder, gateway: GatewayState | None = None) -> None:
+        super().__init__(spec, rec, gateway)
         self.batcher = ContinuousBatcher(
             self.model, self.gpu, self.kv_capacity, max_batch=spec.max_batch, max_prefill_tokens=spec.max_prefill_tokens
         )
@@ -224,8 +232,8 @@ class BatchEngine(Engine):
         self._result_prefilled: list[Sequence] = []
         self._result_finished: list[Sequence] = []
 
-    def queue_depth(self) -> int:
-        return len(self.batcher.waiting) + len(self.batcher.running)
+    def load(self) -> tuple[int, int]:
+        return len(self.batcher.waiting), len(self.batcher.running)
 
     def kv_free_bytes(self) -> int:
         return self.batcher.kv_free_bytes
@@ -251,7 +259,7 @@ class BatchEngine(Engine):
         except SequenceTooLarge:
             self.rec.rejected[i] = True
             return False
-        self._snap = None
+        self.changed = True
         return True
 
     def _start_step(self, now: float) -> float | None:
@@ -264,7 +272,7 @@ class BatchEngine(Engine):
         self._step_start = now
         self.step_end_s = now + result.duration_s
         self._result_prefilled, self._result_finished = result.prefilled, result.finished
-        self._snap = None
+        self.changed = True
         return self.step_end_s
 
     def _end_step(self, now: float) -> list[int]:
@@ -277,5 +285,5 @@ class BatchEngine(Engine):
         done = [int(s.id) for s in self._result_finished]
         for i in done:
             self._finished(i, now)
-        self._snap = None
+        self.changed = True
         return done

@@ -17,18 +17,21 @@ from typing import Any
 
 import numpy as np
 
+from backends.scheduling import stealing_limits
 from common import perf_model
 from common.catalog import Catalog, load_catalog
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
 from gateway.routing.policies.stealing import DEFAULT_THRESHOLD, stealers
 from loadtest.sim import capacity
-from loadtest.sim.engines import EngineSpec, Recorder
+from loadtest.sim.engines import EngineSpec, GatewayState, Recorder
 from loadtest.sim.metrics import summarize
-from loadtest.sim.vlm import STEAL_EPISODE_S, Delivery, EncodeJob, VlmEngine
+from loadtest.sim.simulator import LANGUAGE_ROLES
+from loadtest.sim.vlm import ENGINE_DEFAULTS, STEAL_EPISODE_S, Delivery, EncodeJob, VlmEngine
 from loadtest.sim.workloads import Trace, make_trace, mean_lengths
 
 PCIE_BYTES_S = 25e9     # PCIe Gen4 x16, effective: a 4.7 MB LLaVA embedding moves in ≈ 0.2 ms
+VISION_ROLES: tuple[Role, ...] = ("vision",)   # the encoders a request's images may go to (as the gateway's)
 
 Member = tuple[str, Role, bool]      # (catalog GPU, role, steal)
 DEPLOYMENTS: dict[str, tuple[Member, ...]] = {
@@ -61,18 +64,19 @@ def build(spec: VlmRunSpec, catalog: Catalog, rec: Recorder) -> list[VlmEngine]:
     model = catalog.model(spec.model)
     prompt, output, _ = mean_lengths(spec.workload)
     engines = []
+    gateway = GatewayState(model)
     for k, (name, role, steal) in enumerate(DEPLOYMENTS[spec.deployment]):
         gpu = catalog.gpu(name)
         decoder = role != "vision" or steal
         kv = capacity.kv_capacity(model, gpu, encoder_loaded=role != "language") if decoder else 0
         prior = perf_model.service_seconds(model, gpu, round(prompt), round(output))
-        bounded = role == "vision"      # a stealing GPU: half batch, per-step prefill within the episode bound
-        episode_tokens = int(STEAL_EPISODE_S / perf_model.prefill_seconds_per_token(model, gpu))
-        es = EngineSpec(
-            f"{name.lower()}-{k}", model, gpu, kv, prior, role=role, steal=steal,
-            max_batch=128 if bounded else 256, max_prefill_tokens=episode_tokens if bounded else None,
-        )
-        engines.append(VlmEngine(es, rec, k))
+        max_batch, max_prefill = ENGINE_DEFAULTS.max_batch, None
+        if role == "vision":   # a stealing GPU: half batch, per-step prefill within the episode bound
+            max_batch, max_prefill = stealing_limits(max_batch, STEAL_EPISODE_S,
+                                                     perf_model.prefill_seconds_per_token(model, gpu))
+        es = EngineSpec(f"{name.lower()}-{k}", model, gpu, kv, prior, role=role, steal=steal,
+                        max_batch=max_batch, max_prefill_tokens=max_prefill)
+        engines.append(VlmEngine(es, rec, k, gateway))
     return engines
 
 
@@ -126,13 +130,13 @@ class VlmSimulation:
         profile = RequestProfile(
             str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.image_tokens[i])
         )
-        vision = [e.snapshot() for e in self.engines if e.vision]
-        candidates = [e.snapshot() for e in self.engines if e.role != "vision"]
-        backlog = sum(len(e.batcher.waiting) for e in self.engines if e.role != "vision")
-        candidates += stealers(vision, backlog, self.spec.steal_threshold)
+        table = self.engines[0].gateway.refresh(now)
+        vision = table.candidates(VISION_ROLES, now)
+        candidates = table.candidates(LANGUAGE_ROLES, now)
+        candidates = candidates.extended(stealers(vision, table.language_backlog(), self.spec.steal_threshold))
         k = self.index[self.language.choose(profile, candidates, now).backend.id]
         target = self.engines[k]
-        target.acquire()
+        target.acquire(i, now)
         self.rec.backend[i] = k
         if not profile.image_tokens:
             self._schedule(k, target.submit(i, now))

@@ -1,9 +1,10 @@
 """The event loop: arrivals → the gateway's router → simulated GPUs, in virtual time.
 
-Every arrival builds a `RequestProfile` and the candidates' `BackendSnapshot`s and asks the policy
-object from `gateway.routing.policies.build_policy` to choose, exactly as the live gateway does; the chosen
-engine's in-flight count rises at once (the paper's feedback loop). Engines report their next event
-time; a heap merges them with the arrival stream. Signals are exact and fresh here (no heartbeat lag).
+Every arrival builds a `RequestProfile`, takes the candidates from the gateway's own `StateTable`
+(engines.GatewayState) and asks the policy object from `gateway.routing.policies.build_policy` to
+choose, exactly as the live gateway does; the chosen engine is leased at once (the paper's feedback
+loop). Engines report their next event time; a heap merges them with the arrival stream. Signals are
+exact and fresh here (no heartbeat lag).
 The one policy that is not the gateway's, `oracle` (oracle.py), reads the engines instead of snapshots.
 """
 
@@ -20,13 +21,14 @@ import numpy as np
 from common import perf_model
 from common.catalog import Catalog, load_catalog
 from gateway.routing.policies import build_policy
-from gateway.routing.policies.contracts import Policy, RequestProfile
+from gateway.routing.policies.contracts import Policy, RequestProfile, Role
 from loadtest.sim import capacity, oracle
-from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder, SerialEngine
+from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder, SerialEngine
 from loadtest.sim.metrics import summarize
 from loadtest.sim.workloads import Trace, make_trace, mean_lengths
 
 MODES = ("serial", "continuous")
+LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")   # the language pool, as gateway/pipeline/dispatch.py has it
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ def build_engines(spec: RunSpec, catalog: Catalog, rec: Recorder) -> list[Engine
     model = catalog.model(spec.model)
     prompt, output, _ = mean_lengths(spec.workload)
     engines: list[Engine] = []
+    gateway = GatewayState(model)
     counts: dict[str, int] = {}
     for name in spec.gpus:
         gpu = catalog.gpu(name)
@@ -62,7 +65,7 @@ def build_engines(spec: RunSpec, catalog: Catalog, rec: Recorder) -> list[Engine
         else:
             prior = perf_model.service_seconds(model, gpu, round(prompt), round(output))
         es = EngineSpec(f"{name.lower()}-{k}", model, gpu, capacity.kv_capacity(model, gpu), prior)
-        engines.append(SerialEngine(es, rec) if spec.mode == "serial" else BatchEngine(es, rec))
+        engines.append(SerialEngine(es, rec, gateway) if spec.mode == "serial" else BatchEngine(es, rec, gateway))
     return engines
 
 
@@ -79,6 +82,9 @@ def make_policy(spec: RunSpec, engines: Sequence[Engine] = ()) -> Policy:
 def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder) -> int:
     """Run `trace` to completion; returns the number of engine events processed."""
     index = {e.id: k for k, e in enumerate(engines)}
+    gateway = engines[0].gateway
+    if any(e.gateway is not gateway for e in engines):
+        raise ValueError("the engines of one simulation must share one GatewayState (one gateway routes them all)")
     lengths = trace.lengths
     inputs, max_out, images = lengths.input_tokens.tolist(), lengths.max_output_tokens.tolist(), lengths.image_tokens
     heap: list[tuple[float, int]] = []
@@ -87,7 +93,7 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder)
         while heap and heap[0][0] <= now:
             events += _fire(heap, engines)
         profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]))
-        decision = policy.choose(profile, [e.snapshot() for e in engines], now)
+        decision = policy.choose(profile, gateway.refresh(now).candidates(LANGUAGE_ROLES, now), now)
         k = index[decision.backend.id]
         rec.backend[i] = k
         t = engines[k].submit(i, now)

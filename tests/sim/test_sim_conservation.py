@@ -35,13 +35,13 @@ def test_every_request_completes_exactly_once(mode: str, policy: str) -> None:
     assert not np.isnan(rec.finish).any()                 # everyone finished
     assert (rec.first_token <= rec.finish).all()
     assert (rec.admitted <= rec.first_token).all()
-    assert sum(e.in_flight for e in engines) == 0         # nothing left in flight
+    assert sum(e.entry.in_flight for e in engines) == 0   # nothing left in flight
     assert all(e.queue_depth() == 0 for e in engines)
     per_engine = np.bincount(rec.backend, minlength=len(engines))
     assert per_engine.sum() == spec.n_requests
     # the router's own leases are all returned, and every engine that served requests learned its speed
-    assert all(e.prefilling == e.prefill_backlog == e.kv_reserved == 0 for e in engines)
-    assert all(e.speed.service_samples == n for e, n in zip(engines, per_engine, strict=True))
+    assert all(e.entry.prefilling == e.entry.prefill_backlog_tokens == e.entry.kv_reserved_tokens == 0 for e in engines)
+    assert all(e.entry.speed.service_samples == n for e, n in zip(engines, per_engine, strict=True))
 
 
 def test_kv_never_exceeds_capacity(monkeypatch: pytest.MonkeyPatch) -> None:

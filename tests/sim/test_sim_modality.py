@@ -27,7 +27,7 @@ def _simulate(spec: VlmRunSpec) -> tuple[Recorder, VlmSimulation]:
 def test_every_request_completes_once(deployment: str, workload: str) -> None:
     rec, sim = _simulate(VlmRunSpec(deployment, SATURATED, n_requests=400, workload=workload))
     assert not np.isnan(rec.finish).any() and not rec.rejected.any()
-    assert sum(e.in_flight for e in sim.engines) == 0
+    assert sum(e.entry.in_flight for e in sim.engines) == 0
     assert all(e.batcher.idle and not e.encode_queue and e.backlog_tokens == 0 for e in sim.engines)
 
 

@@ -43,7 +43,7 @@ def test_every_request_is_routed_once_and_completes(mode: str) -> None:
     assert (rec.backend >= 0).all() and not rec.rejected.any()
     assert not np.isnan(rec.finish).any()
     assert (rec.admitted <= rec.first_token).all() and (rec.first_token <= rec.finish).all()
-    assert sum(e.in_flight for e in engines) == 0 and all(e.queue_depth() == 0 for e in engines)
+    assert sum(e.entry.in_flight for e in engines) == 0 and all(e.queue_depth() == 0 for e in engines)
     assert np.bincount(rec.backend, minlength=len(engines)).sum() == spec.n_requests
     assert sorted(policy.predicted) == list(range(spec.n_requests))
     assert len(set(rec.backend.tolist())) > 3          # it spreads load, not one GPU for everything
