@@ -8,14 +8,16 @@ as columns); a policy may compute on those columns, and must accept any sequence
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 Role = Literal["language", "vision", "both"]
+NO_CACHED_TOKENS: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -74,6 +76,9 @@ class RequestProfile:
     input_tokens: int             # L_r: text tokens + image tokens
     max_output_tokens: int = 256
     image_tokens: int = 0
+    # Per backend id, the prompt tokens its prefix cache is predicted to hold (gateway.routing.prefix_index):
+    # those it would not prefill. Absent: none. Always below input_tokens.
+    cached_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHED_TOKENS)
 
 
 class CostTerms(NamedTuple):

@@ -3,6 +3,8 @@
 For a continuous-batching engine with chunked prefill, a request r (L input tokens, M max new tokens)
 sent to backend i:
 
+    h_i     = prompt tokens of r that i's prefix cache is predicted to hold (`RequestProfile.cached_tokens`,
+              from `gateway.routing.prefix_index`); L_i = L − h_i, the tokens i would prefill
     p_i     = learned prefill s/token (p̂, `common.speed_estimator`; 2·P / F_i before any sample)
     s_i     = learned decode step (ŝ, the mean inter-token time the engine delivers)
     B_i     = prompt tokens sent to i whose first token has not come (chunked prefill serves them first)
@@ -14,9 +16,9 @@ sent to backend i:
               `common.itl_slack`): the prefill stall it can still take before its mean
               inter-token time passes the target (`routing.itl_target_ms`, 100 ms)
 
-    T_first = (B_i + L) · p_i + s_i                           its own time to first token
-    T_stall = w_stall · n_i · L · p_i                          its prefill stalls every request decoding then
-    T_itl   = w_itl · #{k : σ_i,k < L · p_i}                   the requests its prefill would make miss the target
+    T_first = (B_i + L_i) · p_i + s_i                         its own time to first token
+    T_stall = w_stall · n_i · L_i · p_i                        its prefill stalls every request decoding then
+    T_itl   = w_itl · #{k : σ_i,k < L_i · p_i}                 the requests its prefill would make miss the target
     T_dec   = w_decode · f · M · s_i                           its own decode
     T_kv    = max(0, U_i + R − K_i) / K_i · T̄_service(i)      waiting for the cache to turn over
     cost    = T_first + T_stall + T_itl + T_dec + T_kv + veto · 1[R > K_i]
@@ -30,9 +32,12 @@ best at the last scrape. Capacity is not configured: p̂ and ŝ are measured. T_
 of a prefill as delay summed over the requests it stalls; T_itl counts each against its own target:
 one long chunked prefill on a slow tier breaks the mean inter-token time of a request with a few
 tokens left to generate, not of one with hundreds, so the prompt goes where it breaks none.
+A cached prefix enters as the prefill it saves on that backend, h_i · p_i seconds at that backend's
+own speed: a hit on a slow tier is weighed against a miss on a fast one in the units of queueing, and
+affinity gives way, per backend, once B_i · p_i (the queue) costs more than the recomputation saves.
 
-Reads: learned_prefill_s_per_token (falls back to prefill_s_per_token), decode_step_s, in_flight,
-prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
+Reads: request.cached_tokens, learned_prefill_s_per_token (falls back to prefill_s_per_token),
+decode_step_s, in_flight, prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
 kv_reserved_tokens, mean_service_s, itl_slack_s. Parameters: w_stall (0.2), w_itl (0.3 s a request
 broken), w_decode (1), output_fraction f (0.5: max_tokens overstates what is generated), veto (1e6 s).
 Pure, O(N), no state. `choose` computes the terms as array operations on the candidates' columns
@@ -51,6 +56,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import Field
 
 from common.yaml_files import StrictModel
@@ -96,9 +102,13 @@ class MarginalDelay:
         c = chosen.columns
         length, new_tokens = request.input_tokens, request.max_output_tokens
         reserve = length + new_tokens
+        fresh: float | npt.NDArray[np.float64] = length   # L_i: the tokens each candidate would prefill
+        if request.cached_tokens:
+            cached = request.cached_tokens
+            fresh = length - np.fromiter((cached.get(i, 0) for i in chosen.ids), np.float64, len(chosen))
         p, step, capacity = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY]
-        prefill = (c[PREFILL_BACKLOG] + length) * p + step + self.w_stall * c[IN_FLIGHT] * length * p
-        stall, slacks = length * p, c[ITL_SLACKS]
+        prefill = (c[PREFILL_BACKLOG] + fresh) * p + step + self.w_stall * c[IN_FLIGHT] * fresh * p
+        stall, slacks = fresh * p, c[ITL_SLACKS]
         if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
             prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
         queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
@@ -127,10 +137,11 @@ class MarginalDelay:
         p = b.learned_prefill_s_per_token or b.prefill_s_per_token
         step = b.decode_step_s
         stalled = b.in_flight   # those decoding now and those whose prefill runs before this one's
-        stall = length * p
+        fresh = length - request.cached_tokens.get(b.id, 0)   # L_i: what i would prefill
+        stall = fresh * p
         slacks = b.itl_slack_s   # ascending: those below the stall are the first bisect_left
         broken = bisect_left(slacks, stall) if slacks and slacks[0] < stall else 0
-        prefill = (b.prefill_backlog_tokens + length) * p + step + self.w_stall * stalled * length * p \
+        prefill = (b.prefill_backlog_tokens + fresh) * p + step + self.w_stall * stalled * fresh * p \
             + self.w_itl * broken
         queue = self.decode_share * new_tokens * step
         if capacity:
