@@ -23,6 +23,7 @@ from tests.harness import demo_config, run_gateway
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 MODEL = "llava-1.5-7b"
 WAIT_S = 30
+SCREENSHOT_DIR = os.environ.get("HETEROGATE_SCREENSHOT_DIR")
 
 @contextmanager
 def browser() -> Iterator[WebDriver]:
@@ -72,6 +73,10 @@ def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_pat
                 assert resp.status_code == 200
         wait.until(lambda d: ["200", "5"] in table(d, "#outcomes"))
         wait.until(lambda d: "–" not in d.find_element(By.ID, "ttft").text)   # three percentiles, in ms or s
+        shot = tmp_path / "dashboard.png"
+        assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if SCREENSHOT_DIR:   # README's picture: HETEROGATE_SCREENSHOT_DIR=docs python -m pytest tests/browser
+            shutil.copy(shot, Path(SCREENSHOT_DIR) / "dashboard.png")
 
         victim = next(b for b in backends.values() if b["gpu"] == "H100")
         os.kill(victim["pid"], signal.SIGKILL)
