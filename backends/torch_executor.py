@@ -94,6 +94,9 @@ class TorchLanguageExecutor:
         self.vocab = int(text.vocab_size)
         eos = lm.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        suppressed = loaded.suppressed
+        # tokens never chosen (their logits -inf), as Hugging Face's generate() suppresses them
+        self.suppressed = torch.tensor(suppressed, device=loaded.device) if suppressed else None
         self.hidden = int(text.hidden_size)
         self.mrope = loaded.family == "qwen2_5_vl"
         self.batcher = ContinuousBatcher(profile, gpu, self.kv.nbytes, max_batch=slots, slot_tokens=max_len)
@@ -178,19 +181,25 @@ class TorchLanguageExecutor:
             for _, live in fresh:
                 assert live.slot is not None
                 embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)
-                logits = self.runner.prefill(live.slot, embeds, live.rope)
+                logits = self._suppress(self.runner.prefill(live.slot, embeds, live.rope))
                 live.images = []   # spliced into the KV: the features are no longer needed
                 live.length = len(live.ids)
                 chosen.append(choose(logits.cpu(), live.sampling, live.gen))
             if work:
                 deltas = [lv.rope_delta for _, lv in work] if self.mrope else None
-                logits = self.runner.decode([lv.slot for _, lv in work],   # type: ignore[misc]
-                                            [lv.length for _, lv in work], [lv.out[-1] for _, lv in work],
-                                            deltas).cpu()
+                logits = self._suppress(self.runner.decode(
+                    [lv.slot for _, lv in work], [lv.length for _, lv in work],  # type: ignore[misc]
+                    [lv.out[-1] for _, lv in work], deltas)).cpu()
                 for row, (_, live) in zip(logits, work, strict=True):
                     live.length += 1
                     chosen.append(choose(row, live.sampling, live.gen))
         return chosen
+
+    def _suppress(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., vocab] with the suppressed tokens' set to -inf: greedy and sampling alike skip them."""
+        if self.suppressed is not None:
+            logits[..., self.suppressed] = float("-inf")
+        return logits
 
     def _emit(self, seq: Sequence, live: _Live, token_id: int) -> None:
         live.out.append(token_id)

@@ -5,10 +5,12 @@ random weights.
 `local_files_only`, so a missing file is a `ConfigError` naming the path, never a download.
 `random_weights`: the catalog's Hugging Face config (configs/hf/) built with seeded random weights; the
 same seed gives the same weights in every engine process, so a split vision + language pair matches the
-monolithic model. The LM head's rows of every token but printable ASCII are zeroed, so that a random model
-says legible text in which one character is one token (its answers compare token for token as text; it
-never says EOS). Each side builds and reads only the half it runs (the vision engine the vision tower and
-projector, the language engine the decoder and LM head; backends/torch_weights.py).
+monolithic model. Every token but printable ASCII is suppressed (the generation config's `suppress_tokens`:
+its logit is -inf, so neither greedy decoding nor sampling ever picks it), so that a random model says
+legible text in which one character is one token (its answers compare token for token as text; it never
+says EOS). `save` writes that list to generation_config.json, which `model_path` reads back, as Hugging
+Face's `generate()` does. Each side builds and reads only the half it runs (the vision engine the vision
+tower and projector, the language engine the decoder and LM head; backends/torch_weights.py).
 
     python -m backends.torch_models save DIR [--model llava-1.5-tiny] [--seed 0]
 
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    GenerationConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
     PretrainedConfig,
@@ -61,6 +64,11 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     family: str
+
+    @property
+    def suppressed(self) -> list[int]:
+        """The token ids never to choose: the generation config's `suppress_tokens`."""
+        return list(self.model.generation_config.suppress_tokens or [])
 
     @property
     def dtype_name(self) -> str:
@@ -115,10 +123,12 @@ def load_model(
     model, names = build_half(family.model, config, family.vision_parts, keep=keep, dtype=torch_dtype, device=dev)
     if model_path is not None:
         load_safetensors(model, names, Path(model_path))
+        if (Path(model_path) / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(model_path, local_files_only=True)
     else:
         init_random(model, seed)
         if keep != "vision":
-            _printable_head(model, tokenizer)
+            _printable_only(model, tokenizer)
     model.eval()
     return LoadedModel(model, tokenizer, torch_dtype, dev, family_name)
 
@@ -135,12 +145,10 @@ def _speak_byte_tokenizer(config: Any, tokenizer: PreTrainedTokenizerBase) -> No
         setattr(config, attr, tokenizer.convert_tokens_to_ids(token))
 
 
-def _printable_head(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
-    printable = [tokenizer.encode(chr(c), add_special_tokens=False)[0] for c in range(0x20, 0x7F)]
-    silent = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
-    silent[printable] = False
-    with torch.no_grad():
-        model.lm_head.weight[silent.to(model.lm_head.weight.device)] = 0
+def _printable_only(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Suppress every token of the LM head but the 95 printable ASCII characters (EOS and the specials too)."""
+    printable = {tokenizer.encode(chr(c), add_special_tokens=False)[0] for c in range(0x20, 0x7F)}
+    model.generation_config.suppress_tokens = [i for i in range(model.lm_head.weight.shape[0]) if i not in printable]
 
 
 def save_random_model(profile: ModelProfile, out: Path, seed: int = 0) -> None:

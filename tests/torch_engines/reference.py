@@ -1,9 +1,10 @@
 """The monolithic Hugging Face model as the reference: the same weights, the same inputs, `generate()`.
 
 Inputs are built with transformers' own processors (LLaVA: LlavaProcessor, its image processor and its
-placeholder expansion; Qwen2.5-VL: its image processor, and one <|image_pad|> per grid cell / 4, as
-Qwen2_5_VLProcessor expands them), not with the gateway's code, so the split path is checked against an
-independent construction.
+placeholder expansion; Qwen2.5-VL: its image processor, one <|image_pad|> per grid cell / 4 and the
+`mm_token_type_ids` that mark them, as Qwen2_5_VLProcessor builds them), not with the gateway's code, so the
+split path is checked against an independent construction. Without `mm_token_type_ids` Hugging Face gives
+Qwen2.5-VL 1-D positions (`token_types=False`: what a positions bug would look like).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Reference:
             image_processor=self.images, tokenizer=self.tokenizer, patch_size=14,
             vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE, num_additional_image_tokens=1)
 
-    def inputs(self, text: str, images: list[bytes]) -> dict[str, Any]:
+    def inputs(self, text: str, images: list[bytes], token_types: bool = True) -> dict[str, Any]:
         content: list[dict[str, Any]] = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
         messages = [{"role": "user", "content": content}]
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
@@ -52,17 +53,23 @@ class Reference:
         prompt = pieces[0] + "".join(QWEN_IMAGE_TOKEN * (int(g.prod()) // 4) + rest
                                      for g, rest in zip(grids, pieces[1:], strict=True))
         out.update(self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False))
+        if token_types:   # 1 at image tokens, 0 elsewhere: the 3-D M-RoPE positions need them
+            out["mm_token_type_ids"] = (out["input_ids"] == self.model.config.image_token_id).int()
         return out
 
-    def generate_ids(self, text: str, images: list[bytes], max_tokens: int) -> tuple[list[int], int]:
+    def generate_ids(self, text: str, images: list[bytes], max_tokens: int, token_types: bool = True) -> (
+        tuple[list[int], int]
+    ):
         """(completion ids, prompt length) of greedy decoding."""
-        inputs = self.inputs(text, images)
+        inputs = self.inputs(text, images, token_types)
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
         n = inputs["input_ids"].shape[1]
         return out[0, n:].tolist(), n
 
-    def generate(self, text: str, images: list[bytes], max_tokens: int) -> tuple[str, int, int]:
+    def generate(self, text: str, images: list[bytes], max_tokens: int, token_types: bool = True) -> (
+        tuple[str, int, int]
+    ):
         """(text, prompt tokens, completion tokens)."""
-        ids, n = self.generate_ids(text, images, max_tokens)
+        ids, n = self.generate_ids(text, images, max_tokens, token_types)
         return str(self.tokenizer.decode(ids, skip_special_tokens=True)), n, len(ids)

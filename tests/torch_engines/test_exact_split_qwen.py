@@ -1,5 +1,9 @@
 """Qwen2.5-VL through the split: dynamic image token counts, grids and 3-D M-RoPE positions on the language
-engine, and the answer is still token for token the monolithic model's `generate()`."""
+engine, and the answer is still token for token the monolithic model's `generate()`.
+
+The tiny random weights are sharpened for this test (the decoder's weight matrices ×6): as initialised they
+are so flat that greedy decoding answers the same with 1-D or 3-D positions, and a positions bug would pass.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
+from backends.torch_models import save_random_model
+from common.catalog import load_catalog
 from tests.harness import Gateway, run_gateway, write_config
 from tests.torch_engines.conftest import TINY_QWEN
 from tests.torch_engines.reference import Reference
@@ -16,25 +23,45 @@ from tests.torch_engines.split_client import ask_on, images, launch
 
 
 @pytest.fixture(scope="module")
-def qwen_gateway(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def sharp_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random-weight tiny Qwen2.5-VL with its decoder's embeddings and projections ×6 (the vision tower as
+    it is): attention then depends enough on positions that 1-D and 3-D positions answer differently."""
+    out = tmp_path_factory.mktemp("sharp-qwen")
+    save_random_model(load_catalog().model(TINY_QWEN), out, seed=0)
+    weights = load_file(str(out / "model.safetensors"))
+    decoder = [n for n in weights if n.startswith("model.") and not n.startswith("model.visual.")
+               and n.endswith(("proj.weight", "embed_tokens.weight"))]
+    assert len(decoder) == 1 + 7 * 2          # the embeddings, and 7 projections in each of the 2 layers
+    for name in decoder:
+        weights[name] = weights[name] * 6
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen_gateway(sharp_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     cfg = write_config(tmp_path_factory.mktemp("split-qwen"), {
         "model": TINY_QWEN,
         "gateway": {"stealing": {"enabled": False}},
         "backends": [
-            {"id": "vision-0", "role": "vision", "gpu": "RTX-4090", "launch": launch(tiny_qwen_dir)},
-            {"id": "lang-0", "role": "language", "gpu": "H100", "launch": launch(tiny_qwen_dir)},
+            {"id": "vision-0", "role": "vision", "gpu": "RTX-4090", "launch": launch(sharp_qwen_dir)},
+            {"id": "lang-0", "role": "language", "gpu": "H100", "launch": launch(sharp_qwen_dir)},
         ],
     })
     with run_gateway(cfg, timeout=180) as gw:
         yield gw
 
 
-def test_qwen_split_equals_monolithic_generate(qwen_gateway: Gateway, tiny_qwen_dir: Path) -> None:
-    """No image, one, and three of different sizes (4 to 16 tokens each), at once in one batch."""
-    reference = Reference(tiny_qwen_dir)
+def test_qwen_split_equals_monolithic_generate(qwen_gateway: Gateway, sharp_qwen_dir: Path) -> None:
+    """No image, one, and three of different sizes (4 to 16 tokens each), at once in one batch; the reference
+    runs with 3-D positions, and with 1-D positions it answers otherwise (so a positions bug fails here)."""
+    reference = Reference(sharp_qwen_dir)
     jobs = [("plain text", images(0), 12), ("one image", images(1, seed=3), 20), ("three", images(3, seed=1), 16)]
     wants = [reference.generate(*job) for job in jobs]
+    one_d = [reference.generate(*job, token_types=False) for job in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: ask_on(qwen_gateway, TINY_QWEN, *job)[0], jobs))
     assert got == wants
     assert len({w[1] for w in wants}) == 3   # the prompts really differ in length (dynamic image tokens)
+    assert one_d[0] == wants[0]              # text alone: 1-D and 3-D positions are the same ...
+    assert any(o[0] != w[0] for o, w in zip(one_d[1:], wants[1:], strict=True))   # ... with images they are not
