@@ -56,7 +56,7 @@ def is_loopback(host: str) -> bool:
 
 def load_cluster_token(config: AuthConfig) -> str | None:
     if config.cluster_token_file is not None and config.cluster_token_env is not None:
-        raise ConfigError("gateway.config.auth: set cluster_token_file or cluster_token_env, not both")
+        raise ConfigError("gateway.auth: set cluster_token_file or cluster_token_env, not both")
     if config.cluster_token_file is not None:
         return read_secret_file(config.cluster_token_file, "gateway.auth.cluster_token_file")
     if config.cluster_token_env is not None:
@@ -86,7 +86,8 @@ class ControlAuth:
         token = load_cluster_token(config)
         if token is None and (api_keys_on or not is_loopback(control_host)):
             why = "API keys are on" if api_keys_on else f"the control port listens on {control_host}, beyond loopback"
-            raise ConfigError(f"gateway.auth.cluster_token_file or cluster_token_env is required: {why}")
+            raise ConfigError(f"gateway.auth.cluster_token_file or cluster_token_env is required, or the token in "
+                              f"${ENV_CLUSTER_TOKEN}: {why}")
         return cls(token, EngineIdentities.drawn(managed, launching=launching), ca_file)
 
     # -- what the gateway hands out --------------------------------------------------------------
