@@ -55,7 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
 
 
 def upstream_embeds(url: str) -> list[dict[str, Any]]:
-    return list(httpx.get(f"{url}/stats", timeout=5).json()["image_embeds"])
+    return list(httpx.get(f"{url}/stats", timeout=5).json()["checked"])
 
 
 def image_message(n_images: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -1,0 +1,341 @@
+"""`gateway demo-upstream --port 8001`: a mock OpenAI-compatible engine to put the gateway in front of.
+
+Why: "front an existing vLLM" should be something a user can try without a GPU and without vLLM. This
+server answers as vLLM does (or SGLang, `--engine sglang`) on the routes the gateway uses:
+
+    GET  /v1/models             the model (`--model`), with `max_model_len` when `--max-model-len` is given
+    POST /v1/chat/completions   streamed (SSE, usage last, `data: [DONE]`) and not; `n` choices; a request
+    POST /v1/completions        with `tools` gets a call of its first tool, one with `logprobs` logprobs
+    GET  /metrics               the engine's Prometheus gauges (queue, running, KV use and capacity): what
+                                the gateway's `scrape:` and `heterogate-agent` read
+    GET  /health                200
+
+A completion is `max_tokens` placeholder words ("w0 w1 ..."), one every `--token-delay-ms`. To watch
+the gateway react to a busy or failing engine, `POST /control` with any of {"waiting": 40, "running": 3,
+"fail": 2, "fail_delay_ms": 0, "token_delay_ms": 5} sets what /metrics reports, fails the next `fail`
+completions with 503 (each after `fail_delay_ms`) and changes the pace; `GET /stats` shows what it
+served: counts, arrival times (`time.monotonic()`), the `max_tokens` asked, the last body and
+Authorization header. `--api-key K` refuses /v1/* requests without `Authorization: Bearer K` (401),
+as `vllm serve --api-key` does. It runs on the gateway's own HTTP server and only the gateway's
+runtime dependencies; it listens on 127.0.0.1 unless `--host` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from common.event_loop import run
+from gateway.doors.http_server import Exchange, Handler, HttpServer, Request, find_header
+
+METRICS = {
+    "vllm": (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{{engine="0",model_name="{model}"}} {waiting}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{{engine="0",model_name="{model}"}} {running}\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} 0.25\n'
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{{block_size="16",num_gpu_blocks="4096",engine="0"}} 1.0\n'
+    ),
+    "sglang": (
+        "# TYPE sglang:num_queue_reqs gauge\n"
+        'sglang:num_queue_reqs{{model_name="{model}"}} {waiting}\n'
+        "# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{{model_name="{model}"}} {running}\n'
+        "# TYPE sglang:token_usage gauge\n"
+        'sglang:token_usage{{model_name="{model}"}} 0.25\n'
+    ),
+}
+DEFAULT_MAX_TOKENS = 8          # a request without max_tokens gets this many words
+CONTROLS = ("waiting", "running", "fail", "fail_delay_ms", "token_delay_ms")
+
+# A check every completion body passes before it is served: what it returns is kept in /stats under
+# "checked"; a ValueError is answered 400 with its message.
+BodyCheck = Callable[[dict[str, Any]], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class UpstreamOptions:
+    engine: str = "vllm"                 # the /metrics format: vllm or sglang
+    model: str = "demo-model"            # the model /v1/models lists
+    max_model_len: int | None = None     # listed in /v1/models when set (vLLM and SGLang list it)
+    cache_info: bool = True              # vLLM's cache_config_info (the KV capacity) in /metrics
+    api_key: str | None = None
+    token_delay_ms: float = 1.0
+
+
+def n_tokens(body: dict[str, Any]) -> int:
+    return int(body.get("max_tokens") or DEFAULT_MAX_TOKENS)
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """A rough count, 4 bytes a token, as the gateway estimates when it has no tokenizer."""
+    text = body.get("prompt") if "prompt" in body else body.get("messages")
+    return max(1, len(orjson.dumps(text)) // 4)
+
+
+def tool_call(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["tools"][0]["function"]["name"]
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": '{"city": "Paris"}'}}
+
+
+def token_logprobs(token: str, i: int) -> dict[str, Any]:
+    return {"token": token, "logprob": -0.5 - i, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": token, "logprob": -0.5 - i, "bytes": list(token.encode())}]}
+
+
+JSON, TEXT, SSE = b"application/json", b"text/plain; version=0.0.4", b"text/event-stream"
+
+
+def _error_body(status: int, message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+
+class DemoUpstream:
+    """The mock engine: its routes on the gateway's HTTP server, and what /control and /stats show."""
+
+    def __init__(self, options: UpstreamOptions, *, check_body: BodyCheck | None = None,
+                 stats: dict[str, Any] | None = None) -> None:
+        """`stats` adds entries to what GET /stats shows."""
+        self.options = options
+        self.check_body = check_body
+        self.state: dict[str, Any] = {
+            "waiting": 0, "running": 0, "fail": 0, "fail_delay_ms": 0, "served": 0,
+            "token_delay_ms": options.token_delay_ms, "max_tokens": [], "last_body": None,
+            "last_authorization": None, "pid": os.getpid(), "arrivals": [], "checked": [], **(stats or {}),
+        }
+        self.metrics_text = "".join(line for line in METRICS[options.engine].splitlines(keepends=True)
+                                    if options.cache_info or "cache_config_info" not in line)
+
+    def routes(self) -> dict[str, Handler]:
+        return {"/health": self.health, "/control": self.control, "/metrics": self.metrics, "/stats": self.stats,
+                "/v1/models": self.models, "/v1/chat/completions": self.chat, "/v1/completions": self.completions}
+
+    @staticmethod
+    def _method(request: Request, exchange: Exchange, method: str) -> bool:
+        if request.method == method or (method == "GET" and request.method == "HEAD"):
+            return True
+        exchange.respond(405, [(b"allow", method.encode())], _error_body(405, f"use {method} here"))
+        return False
+
+    async def health(self, request: Request, exchange: Exchange) -> None:
+        if self._method(request, exchange, "GET"):
+            exchange.respond(200, [], b"", TEXT)
+
+    async def metrics(self, request: Request, exchange: Exchange) -> None:
+        if self._method(request, exchange, "GET"):
+            text = self.metrics_text.format(model=self.options.model, **self.state)
+            exchange.respond(200, [], text.encode(), TEXT)
+
+    async def stats(self, request: Request, exchange: Exchange) -> None:
+        if self._method(request, exchange, "GET"):
+            exchange.respond(200, [], orjson.dumps(self.state))
+
+    async def models(self, request: Request, exchange: Exchange) -> None:
+        if not self._method(request, exchange, "GET"):
+            return
+        options = self.options
+        card: dict[str, Any] = {"id": options.model, "object": "model", "created": 1, "owned_by": options.engine}
+        if options.max_model_len is not None:
+            card["max_model_len"] = options.max_model_len
+        exchange.respond(200, [], orjson.dumps({"object": "list", "data": [card]}))
+
+    async def control(self, request: Request, exchange: Exchange) -> None:
+        if not self._method(request, exchange, "POST"):
+            return
+        try:
+            values = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            values = None
+        if not isinstance(values, dict) or not set(values) <= set(CONTROLS) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in values.values()):
+            message = f"expected an object of non-negative numbers with keys among {', '.join(CONTROLS)}"
+            exchange.respond(400, [], _error_body(400, message))
+            return
+        self.state.update(values)
+        exchange.respond(200, [], orjson.dumps({k: self.state[k] for k in CONTROLS}))
+
+    async def chat(self, request: Request, exchange: Exchange) -> None:
+        await self._complete(request, exchange, chat=True)
+
+    async def completions(self, request: Request, exchange: Exchange) -> None:
+        await self._complete(request, exchange, chat=False)
+
+    async def _complete(self, request: Request, exchange: Exchange, *, chat: bool) -> None:
+        state = self.state
+        state["arrivals"].append(time.monotonic())
+        if not self._method(request, exchange, "POST"):
+            return
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            exchange.respond(400, [], _error_body(400, "the body is not JSON"))
+            return
+        if not isinstance(body, dict):
+            exchange.respond(400, [], _error_body(400, "the body must be a JSON object"))
+            return
+        authorization = find_header(request.headers, b"authorization")
+        state["last_body"] = body
+        state["last_authorization"] = None if authorization is None else authorization.decode("latin-1")
+        if self.options.api_key is not None and state["last_authorization"] != f"Bearer {self.options.api_key}":
+            exchange.respond(401, [], _error_body(401, "Unauthorized"))
+            return
+        if state["fail"] > 0:
+            state["fail"] -= 1
+            await asyncio.sleep(state["fail_delay_ms"] / 1000)
+            exchange.respond(503, [], _error_body(503, "overloaded"))
+            return
+        if self.check_body is not None:
+            try:
+                state["checked"] += self.check_body(body)
+            except ValueError as exc:
+                exchange.respond(400, [], _error_body(400, str(exc)))
+                return
+        state["served"] += 1
+        state["max_tokens"].append(body.get("max_tokens"))
+        if not body.get("stream"):
+            await asyncio.sleep(n_tokens(body) * state["token_delay_ms"] / 1000)
+            exchange.respond(200, [], self._whole(body, chat))
+            return
+        exchange.start_stream(200, [(b"content-type", SSE), (b"cache-control", b"no-cache")])
+        async for event in self._stream(body, chat):
+            exchange.send(event)
+            await exchange.drain()
+        exchange.end_stream()
+
+    async def _stream(self, body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+        """Compact JSON events as vLLM writes them, with an extra field a relay must keep."""
+        n = n_tokens(body)
+        head = {"id": f"upstream-{self.state['served']}", "created": int(time.time()), "model": body.get("model", ""),
+                "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return b"data: " + orjson.dumps({**head, "choices": choices, "engine_marker": 7, **extra}) + b"\n\n"
+
+        prompt = prompt_tokens(body)
+        if chat:
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        if chat and body.get("tools"):
+            call = tool_call(body)
+            arguments = call["function"].pop("arguments")
+            yield event([{"index": 0, "delta": {"tool_calls": [{"index": 0, **call, "function": {
+                **call["function"], "arguments": ""}}]}, "finish_reason": None}])
+            yield event([{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
+                          "finish_reason": "tool_calls"}])
+            yield event([], usage={"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5})
+            yield b"data: [DONE]\n\n"
+            return
+        for i in range(n):
+            for c in range(int(body.get("n") or 1)):   # one event per choice, as vLLM sends them
+                choice: dict[str, Any] = {"index": c, "finish_reason": "length" if i == n - 1 else None}
+                if chat:
+                    choice["delta"] = {"content": f"w{i} "}
+                    if body.get("logprobs"):
+                        choice["logprobs"] = {"content": [token_logprobs(f"w{i} ", i)]}
+                else:
+                    choice["text"] = f"w{i} "
+                yield event([choice])
+            await asyncio.sleep(self.state["token_delay_ms"] / 1000)
+        yield event([], usage={"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n})
+        yield b"data: [DONE]\n\n"
+
+    def _whole(self, body: dict[str, Any], chat: bool) -> bytes:
+        """A non-streamed reply as vLLM writes it, with the same extra field."""
+        n = n_tokens(body)
+        text = "".join(f"w{i} " for i in range(n))
+        choices = []
+        for c in range(int(body.get("n") or 1)):
+            choice: dict[str, Any] = {"index": c, "finish_reason": "length", "logprobs": None}
+            if chat and body.get("tools"):
+                choice.update(finish_reason="tool_calls",
+                              message={"role": "assistant", "content": None, "tool_calls": [tool_call(body)]})
+            elif chat:
+                choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+                if body.get("logprobs"):
+                    choice["logprobs"] = {"content": [token_logprobs(f"w{i} ", i) for i in range(n)]}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        prompt = prompt_tokens(body)
+        return orjson.dumps({
+            "id": f"upstream-{self.state['served']}", "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": body.get("model", ""), "choices": choices, "engine_marker": 7,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
+        })
+
+
+async def not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Every other path: a 404 in the OpenAI error shape (the server hands unknown paths to an ASGI app)."""
+    body = _error_body(404, f"no route {scope.get('path', '')}")
+    await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", JSON)]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_body_bytes: int = 32 << 20     # a request body beyond this gets 413
+    idle_s: float = 75.0               # an idle keep-alive connection, and a request's head, at most this long
+    body_timeout_s: float = 60.0       # a body must be whole this long after its headers (else 408)
+    drain_s: float = 5.0               # on SIGINT/SIGTERM: requests in flight finish for up to this long
+
+
+async def serve(upstream: DemoUpstream, host: str, port: int, limits: ServerLimits = ServerLimits()) -> None:
+    """Serves the mock on the gateway's HTTP server until SIGINT or SIGTERM."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    server = HttpServer(upstream.routes(), not_found, max_body_bytes=limits.max_body_bytes, idle_s=limits.idle_s,
+                        body_timeout_s=limits.body_timeout_s)
+    await server.start(sock)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(limits.drain_s)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="listen port (default 8001)")
+    p.add_argument("--engine", choices=sorted(METRICS), default="vllm", help="the /metrics format (default vllm)")
+    p.add_argument("--model", default=UpstreamOptions.model, help="the model /v1/models lists")
+    p.add_argument("--max-model-len", type=int, help="the context /v1/models lists (default: none listed)")
+    p.add_argument("--no-cache-info", action="store_true", help="leave the KV capacity out of /metrics")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1/*")
+    p.add_argument("--token-delay-ms", type=float, default=UpstreamOptions.token_delay_ms,
+                   help="pause between generated words (default 1)")
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
+
+
+def options_from(args: argparse.Namespace) -> UpstreamOptions:
+    return UpstreamOptions(args.engine, args.model, args.max_model_len, not args.no_cache_info, args.api_key,
+                           args.token_delay_ms)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="gateway demo-upstream", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    options = options_from(args)
+    print(f"demo upstream (mock {options.engine}, model {options.model}) on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    try:
+        run(serve(DemoUpstream(options), args.host, args.port, ServerLimits(max_body_bytes=args.max_body_bytes)))
+    except OSError as exc:   # the port is taken, the address is not this host's
+        print(f"gateway demo-upstream: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
