@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from backends.scheduling import stealing_limits
 from common import perf_model
-from common.catalog import Catalog, load_catalog
+from common.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
 from gateway.routing.policies.stealing import DEFAULT_THRESHOLD, stealers
@@ -63,13 +64,23 @@ def a100_rate(catalog: Catalog, model: str = "llava-1.5-7b", workload: str = "co
 def build(spec: VlmRunSpec, catalog: Catalog, rec: Recorder) -> list[VlmEngine]:
     model = catalog.model(spec.model)
     prompt, output, _ = mean_lengths(spec.workload)
+    return build_members(DEPLOYMENTS[spec.deployment], model, catalog, rec,
+                         lambda gpu: perf_model.service_seconds(model, gpu, round(prompt), round(output)))
+
+
+def build_members(
+    members: Sequence[Member], model: ModelProfile, catalog: Catalog, rec: Recorder,
+    prior_s: Callable[[GpuProfile], float],
+) -> list[VlmEngine]:
+    """The engines of any deployment (one GatewayState), each T̄_service starting at `prior_s(gpu)`:
+    what `build` does for a named one, and what a planner needs for the deployments it searches."""
     engines = []
     gateway = GatewayState(model)
-    for k, (name, role, steal) in enumerate(DEPLOYMENTS[spec.deployment]):
+    for k, (name, role, steal) in enumerate(members):
         gpu = catalog.gpu(name)
         decoder = role != "vision" or steal
         kv = capacity.kv_capacity(model, gpu, encoder_loaded=role != "language") if decoder else 0
-        prior = perf_model.service_seconds(model, gpu, round(prompt), round(output))
+        prior = prior_s(gpu)
         max_batch, max_prefill = ENGINE_DEFAULTS.max_batch, None
         if role == "vision":   # a stealing GPU: half batch, per-step prefill within the episode bound
             max_batch, max_prefill = stealing_limits(max_batch, STEAL_EPISODE_S,
