@@ -14,10 +14,11 @@ from gateway.config.cluster import ClusterConfig, GatewaySettings, Limits
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
-from gateway.pipeline.metrics import GatewayMetrics
+from gateway.pipeline.metrics import GatewayMetrics, PrefixCollector
 from gateway.requests.exact_prompt import ExactPrompts
-from gateway.routing.backend_entry import SERVING
+from gateway.routing.backend_entry import SERVING, BackendEntry
 from gateway.routing.policies import build_policy
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
 
 
@@ -54,6 +55,15 @@ class Runtime:
             out["healthy_vision_backends"] = vision
             out["ready"] = language > 0 and vision > 0
         return out
+
+    def _prefix_cache(self, e: BackendEntry) -> dict[str, Any] | None:
+        """The prefix index's view of a backend (None: cache-aware routing is off), the engine's latest
+        counters read first."""
+        index = self.pipeline.prefixes
+        if index is None or e.id not in index:
+            return None
+        index.observe(e.id, e.reported.prefix_cache_queries, e.reported.prefix_cache_hits)
+        return index.describe(e.id)
 
     def describe_backends(self) -> list[dict[str, Any]]:
         out = []
@@ -93,6 +103,7 @@ class Runtime:
                 "prefill_backlog_tokens": e.prefill_backlog_tokens,
                 "kv_reserved_tokens": e.kv_reserved_tokens,
                 "learned_speed": e.speed.describe(),
+                "prefix_cache": self._prefix_cache(e),
                 "tokens_generated": e.reported.tokens_generated,
                 "requests_completed": e.reported.requests_completed,
             })
@@ -151,6 +162,12 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     pipeline = Pipeline(table, policy, vision_policy, clients, metrics, pipeline_settings(settings),
                         Breakers(settings.breaker), AdmissionQueue(settings.admission))
     metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
+    prefix = routing.prefix_cache
+    if prefix.enabled:
+        pipeline.prefixes = index = PrefixIndex(prefix.block_tokens, prefix.max_blocks_per_backend)
+        for entry in table.entries():
+            index.add_backend(entry.id, table.kv_capacity(entry)[1] // config.model.kv_bytes_per_token)
+        metrics.registry.register(PrefixCollector(index, table))
     metrics.watch_breakers(lambda backend_id: pipeline.breakers.state(backend_id) is not State.CLOSED)
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False

@@ -191,11 +191,21 @@ class KeepAliveConfig(StrictModel):
     upstream_max_connections: PositiveInt = 1024   # per kind: openai backend
 
 
+class PrefixCacheConfig(StrictModel):
+    """Cache-aware routing (gateway/routing/prefix_index.py): the prompt prefix each backend's cache is
+    predicted to hold is priced as the prefill it saves there."""
+
+    enabled: bool = True
+    block_tokens: PositiveInt = 16                 # tokens a block stands for (the engines' KV block size)
+    max_blocks_per_backend: PositiveInt = 1 << 20  # the index's bound per backend, below its KV in blocks
+
+
 class RoutingConfig(StrictModel):
     policy: str = "marginal_delay"           # language pool
     vision_policy: str = "encode_cost"       # vision pool
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     itl_target_ms: PositiveFloat = 100.0     # mean inter-token time each request's slack is counted against
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
 
 
 class StealingConfig(StrictModel):

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import ValidationError
 
+from gateway.doors.client_errors import client_view
 from gateway.doors.http_server import Exchange, Handler, Request
 from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
@@ -42,7 +44,7 @@ _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
 # The `endpoint` label of the request counters, by path: the same on the success and the error paths.
 ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat"),
                                           "/v1/completions": ("completions", "text")}
-_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout"})
+_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id"})
 
 
 def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
@@ -112,12 +114,14 @@ class CompletionsDoor:
             self._runtime.keys.check(headers.get("authorization"), admin=False)
             timeout_s = client_timeout(headers.get("x-request-timeout"))
             job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s)
+            if session := headers.get("x-session-id"):   # names the conversation, over the body's `user`
+                job = replace(job, session=session)
             if stream:
                 await self._stream(exchange, kind, job, include_usage, record)
             else:
                 await self._complete(exchange, kind, job, record)
-        except RequestError as exc:
-            exchange.respond(exc.status, error_headers(exc, rid), orjson.dumps(openai_error_body(exc)))
+        except RequestError as exc:   # the client gets the gateway's words; the log line, the whole error
+            exchange.respond(exc.status, error_headers(exc, rid), orjson.dumps(openai_error_body(client_view(exc))))
             self._requests.finish(record, exc.status, error=exc.message)
         except asyncio.CancelledError:
             if not exchange.gone:
@@ -168,7 +172,7 @@ class CompletionsDoor:
             status = 200
         except RequestError as exc:   # after the first token the status is sent: the error goes in the stream
             status, error = exc.status, exc.message
-            tail = error_event(exc) + DONE
+            tail = error_event(client_view(exc)) + DONE
         except asyncio.CancelledError:
             if not exchange.gone:
                 raise

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
+from gateway.doors.client_errors import client_message
 from gateway.doors.jobs import JobBuilder
 from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, RequestError, grpc_code_name
@@ -63,8 +64,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _job(
         self, request: inference_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
     ) -> GenerationJob:
-        metadata = dict(context.invocation_metadata() or ())
-        self._runtime.keys.check(metadata.get("authorization"), admin=False)
+        keys = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if len(keys) > 1:   # as on the HTTP door: which one counts is not left to the reader
+            raise InvalidRequest("two authorization metadata entries: send one")
+        self._runtime.keys.check(keys[0] if keys else None, admin=False)
         remaining = context.time_remaining()
         body = _openai_body(request)
         try:
@@ -98,7 +101,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             status = 200
         except RequestError as exc:
             status, error = exc.status, exc.message
-            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), exc.message)
+            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), client_message(exc))
         finally:
             self._requests.finish(record, status, error=error,
                                   prompt_tokens=usage.prompt_tokens if usage else 0,

@@ -210,6 +210,7 @@ class _Connection(asyncio.Protocol):
         self._owe_continue = False  # a 100 Continue to send once the responses before it are written
         self._refusal = b""         # the answer to a request that could not be read, after those before it
         self._in_head = False       # a request's line and headers are being read
+        self._authorized = False    # the request being read has an Authorization header
         self._head_seen = 0         # bytes received since its first byte
 
     # -- transport events ------------------------------------------------------------------
@@ -275,6 +276,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._authorized = False
         self._head_seen = 0
         self._url = b""
         self._headers = []
@@ -292,7 +294,12 @@ class _Connection(asyncio.Protocol):
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > MAX_HEADER_BYTES:
             raise _Reject(431, f"request headers over {MAX_HEADER_BYTES} bytes")
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"authorization":   # two: each reader of headers might take a different one
+            if self._authorized:
+                raise _Reject(400, "two Authorization headers: send one")
+            self._authorized = True
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -82,7 +82,7 @@ class JobBuilder:
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
                              token_ids=ids, image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
-                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
+                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "")
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None) -> GenerationJob:
@@ -106,7 +106,8 @@ class JobBuilder:
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
-                             token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings())
+                             token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(),
+                             session=req.user or "")
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
         """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not

@@ -43,6 +43,7 @@ from gateway.routing.backend_entry import Lease
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.routing.policies.stealing import stealers
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
 
 log = structlog.get_logger("pipeline")
@@ -163,6 +164,7 @@ class Pipeline:
         self.clients = clients
         self.metrics = metrics
         self.settings = settings
+        self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
 
     def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float) -> Decision:
         t0 = time.perf_counter()
@@ -177,6 +179,33 @@ class Pipeline:
             log.debug("routed", request_id=profile.request_id, policy=policy.name, backend=decision.backend.id,
                       costs=[c._asdict() for c in decision.costs])
         return decision
+
+    def profile(self, job: GenerationJob, record: RequestRecord) -> RequestProfile:
+        """The job's profile for the language pool, with the prompt prefix each backend is predicted to
+        hold (`gateway.routing.prefix_index`); the index's view is kept in `record` for the dispatches.
+        Requests with images are not indexed (their images are not in the rendered prompt)."""
+        profile = job.profile()
+        index = self.prefixes
+        if index is None or job.images:
+            return profile
+        tokens = profile.input_tokens
+        blocks = record.prefix.blocks if record.prefix is not None else (
+            index.hashes(job.prompt, job.token_ids, tokens))
+        record.prefix = query = index.lookup(blocks, job.session, tokens)
+        return replace(profile, cached_tokens=query.cached) if query.cached else profile
+
+    def _routed(self, record: RequestRecord, backend: BackendSnapshot) -> int:
+        """The request goes to `backend`: the index remembers its prompt there. Returns the prompt tokens
+        predicted cached there (those its lease does not count as prefill)."""
+        query, index = record.prefix, self.prefixes
+        if query is None or index is None:
+            return 0
+        entry = self.table.get(backend.id)
+        if entry is not None:   # the engine's latest counters first: they set the index's trust
+            index.observe(backend.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
+        per_token = backend.kv_bytes_per_token
+        index.record(query, backend.id, backend.kv_total_bytes // per_token if per_token else 0)
+        return query.cached.get(backend.id, 0)
 
     def saturated(self) -> bool:
         """Every language candidate is at the admission queue-depth limit (none at all: not saturated)."""
@@ -223,7 +252,7 @@ class Pipeline:
         started = time.monotonic()
         record = record or RequestRecord(job.request_id, job.kind)
         deadline = self.deadline(job, record)
-        profile = job.profile()
+        profile = self.profile(job, record)
         admitted = self._admitted(profile, job.context_tokens)
         if admitted is None:
             await self.admission.wait_for_capacity(self.saturated, deadline)
@@ -313,7 +342,8 @@ class Pipeline:
         deadline = record.deadline
         backend_id = decision.backend.id
         job = job.for_context(decision.backend.max_context)
-        lease = self.table.acquire(backend_id, job.prompt_tokens + job.image_tokens, job.max_tokens)
+        lease = self.table.acquire(backend_id, job.prompt_tokens + job.image_tokens, job.max_tokens,
+                                   self._routed(record, decision.backend))
         if decision.backend.role == "vision":
             self.metrics.stolen_requests.labels(backend_id).inc()
         key = uuid.uuid4().hex if job.images else ""   # never the client's id: no cross-request pick-up

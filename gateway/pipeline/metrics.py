@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from common import __version__
 from gateway.pipeline.request_metrics import CounterTable, HistogramTable, TablesCollector
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -114,6 +115,50 @@ class BackendCollector(Collector):
             "the gateway's own in-flight counts")
         fail_open.add_metric([], 1.0 if self._table.failing_open else 0.0)
         yield fail_open
+
+
+class PrefixCollector(Collector):
+    """The prefix index per backend (gateway.routing.prefix_index): where its figures come from
+    (`source`: estimate, or engine when the engine reports its prefix-cache counters), its size, the
+    trust its predictions get, and the prompt tokens predicted cached against what the engine reports.
+    Read at scrape time, the engines' latest counters first."""
+
+    def __init__(self, index: PrefixIndex, table: StateTable) -> None:
+        self._index, self._table = index, table
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["backend"]
+        source = GaugeMetricFamily(
+            "heterogate_prefix_index_source", "1 for the source of the backend's prefix index: estimate (routed "
+            "prompts only) or engine (the engine's counters correct it)", labels=["backend", "source"])
+        # keys of PrefixIndex.describe
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "blocks": GaugeMetricFamily(
+                "heterogate_prefix_index_blocks", "Prompt blocks the index holds for the backend", labels=labels),
+            "trust": GaugeMetricFamily(
+                "heterogate_prefix_index_trust", "Share of a predicted hit counted: reported / predicted hit "
+                "rate, at most 1", labels=labels),
+            "predicted_query_tokens": CounterMetricFamily(
+                "heterogate_prefix_predicted_query_tokens", "Prompt tokens routed to the backend", labels=labels),
+            "predicted_hit_tokens": CounterMetricFamily(
+                "heterogate_prefix_predicted_hit_tokens", "Of them, predicted in its prefix cache", labels=labels),
+            "reported_query_tokens": CounterMetricFamily(
+                "heterogate_prefix_reported_query_tokens", "Prompt tokens the engine reports looked up "
+                "(prefix_cache_queries) since the gateway first heard", labels=labels),
+            "reported_hit_tokens": CounterMetricFamily(
+                "heterogate_prefix_reported_hit_tokens", "Of them, found cached (prefix_cache_hits)", labels=labels),
+        }
+        index = self._index
+        for e in self._table.entries():
+            if e.id not in index:
+                continue
+            index.observe(e.id, e.reported.prefix_cache_queries, e.reported.prefix_cache_hits)
+            described = index.describe(e.id)
+            source.add_metric([e.id, described["source"]], 1.0)
+            for key, family in families.items():
+                family.add_metric([e.id], described[key])
+        yield source
+        yield from families.values()
 
 
 class VetoCollector(Collector):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.pipeline.metrics import GatewayMetrics
+from gateway.routing.prefix_index import PrefixQuery
 
 log = structlog.get_logger("http")
 
@@ -38,6 +39,7 @@ class RequestRecord:
     policy: str = ""
     ttft_s: float | None = None
     finished: bool = False
+    prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
 
     def attempt(self, backend_id: str) -> None:
         self.attempts += 1

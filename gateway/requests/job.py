@@ -45,6 +45,9 @@ class GenerationJob:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # The session the client names (`x-session-id`, else the body's `user`; "" for none): the prefix
+    # index keeps its backend (gateway.routing.prefix_index).
+    session: str = ""
 
     @property
     def image_tokens(self) -> int:

@@ -59,6 +59,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None   # honoured by torch engines (see gateway.clients.engine_fields)
+    user: str | None = None   # the end user or session: routed to where its prefix is cached
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 

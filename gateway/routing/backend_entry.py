@@ -112,7 +112,7 @@ class Lease:
     """One dispatch to one backend, from `acquire` to `release`."""
 
     backend_id: str
-    prompt_tokens: int
+    prompt_tokens: int                        # to prefill: the prompt less its predicted cached prefix
     reserve_tokens: int
     tokens_ahead: int                         # prompt tokens to prefill there before this one's first token
     dispatched_s: float

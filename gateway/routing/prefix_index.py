@@ -24,9 +24,10 @@ nothing (hits 0: trust 0). `source` says which: "estimate" until an engine repor
 Cost: a lookup walks the prompt's blocks once, keeping the backends that hold every block so far as
 a bit mask (one dict read and an AND a block, stopping when no backend is left), then O(backends
 with a hit): O(prompt blocks + N). Recording is O(prompt blocks) on one backend's LRU. Memory: at most
-Σ_i min(K_i / block_tokens, max_blocks_per_backend) entries in the LRUs and as many in the holders
-map, about 200 bytes each (measured in tests/unit/test_prefix_index.py): 8 backends of 50k tokens
-are 25k blocks, ~5 MB.
+Σ_i min(K_i / block_tokens, max_blocks_per_backend) LRU entries and at most as many in the holders
+map, about 100 bytes a block held by one backend, both together (tests/unit/test_prefix_index.py
+bounds it at 250): 8 backends of 50k tokens are 25k blocks, ~2.5 MB; the default cap, 2^20 blocks a
+backend, bounds any backend at ~100 MB.
 Limits: the index knows only what this gateway routed (with replicas, each its own); it counts a
 request's blocks as cached from the moment it is routed, before the engine has computed them; it does
 not see the KV an engine drops early, other than through trust_i; responses are not indexed (the
@@ -205,8 +206,8 @@ class PrefixIndex:
             "reported_hit_rate": b.reported_hits / b.reported_queries if b.reported_queries else None,
         }
 
-    def backend_ids(self) -> Iterable[str]:
-        return self._backends.keys()
+    def __contains__(self, backend_id: object) -> bool:
+        return backend_id in self._backends
 
     def held_blocks(self) -> int:
         """Distinct block hashes held by any backend (the holders map's size)."""

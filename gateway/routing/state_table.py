@@ -149,19 +149,23 @@ class StateTable:
         """Keep a backend a candidate without a heartbeat (failing open while shared state is away)."""
         self._entries[backend_id].last_heartbeat = self.clock()
 
-    def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0) -> Lease:
+    def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0, cached_tokens: int = 0) -> Lease:
+        """`cached_tokens`: of the prompt, those the backend's prefix cache is predicted to hold: only the
+        rest joins its prefill backlog, its stall clock and the lease's prefill (the KV reservation is
+        the whole prompt + max_tokens)."""
         entry = self._entries[backend_id]
+        prefilled = prompt_tokens - cached_tokens
         entry.in_flight += 1
         entry.prefilling += 1
-        entry.prefill_backlog_tokens += prompt_tokens
+        entry.prefill_backlog_tokens += prefilled
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         entry.snapshot = None
         # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
         # on this request's own few tokens
         ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
         speed = entry.speed
-        deadline = entry.slack.add(prompt_tokens, max_tokens, speed.prefill.value, speed.decode.value)
-        return Lease(backend_id, prompt_tokens, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline)
+        deadline = entry.slack.add(prefilled, max_tokens, speed.prefill.value, speed.decode.value)
+        return Lease(backend_id, prefilled, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline)
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""

@@ -570,6 +570,24 @@ async def test_a_request_head_trickled_in_is_cut_at_idle_s() -> None:
         await conn.close()
 
 
+@pytest.mark.parametrize("path", ["/ping", "/asgi"], ids=["native", "asgi"])
+async def test_two_authorization_headers_get_400_and_a_close(path: str) -> None:
+    """Readers of headers differ on which of two counts (the first, the last): neither is served."""
+    async with serve({"/ping": ping}) as s:
+        conn = await Conn.open(s.port)
+        conn.send(get(path, b"Authorization: Bearer a", b"x-other: 1", b"AUTHORIZATION: Bearer b"))
+        error = assert_openai_error(await conn.response(), 400)
+        assert "Authorization" in error["message"]
+        assert await conn.closed()
+        await conn.close()
+
+        conn = await Conn.open(s.port)   # one is fine, on every request of a connection
+        for _ in range(2):
+            conn.send(get("/ping", b"authorization: Bearer a"))
+            assert (await conn.response()).status == 200
+        await conn.close()
+
+
 # -- bodies that stall -------------------------------------------------------------------------
 
 BODY_TIMEOUT_S = 0.4

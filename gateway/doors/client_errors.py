@@ -1,0 +1,38 @@
+"""What a client is told of an error, on both doors.
+
+A backend's failure reaches the client as which backend failed, in the gateway's words. The text the
+transport wrote (gRPC's "<AioRpcError of RPC that terminated with ...>", "failed to connect to all
+addresses; ... Failed to connect to remote host", "Cancelling all calls", an OSError naming an
+internal address) says nothing a client can act on and names the cluster's insides: it goes to the
+request's log line (under the `x-request-id` the client also gets), never into a response.
+"""
+
+from __future__ import annotations
+
+from gateway.clients.engine_client import HANDOFF_TIMEOUT
+from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, RequestError
+
+_LAST_ERROR = "; last error: "   # how the pipeline appends a deadline's last backend failure
+
+
+def client_message(err: RequestError) -> str:
+    """The message a client gets for `err`. Timeouts keep theirs: the gateway wrote them (the first
+    token's or the request's deadline), as it wrote every error of a request itself."""
+    if isinstance(err, BackendFailure) and not isinstance(err, BackendTimeout):
+        who = f"backend {err.backend_id}" if err.backend_id else "a backend"
+        if err.code == HANDOFF_TIMEOUT:
+            return f"{who} failed: the image embeddings did not reach the language backend in time"
+        return f"{who} failed or could not be reached; the request could not be completed there"
+    if isinstance(err, DeadlineExceeded):
+        return err.message.partition(_LAST_ERROR)[0]
+    return err.message
+
+
+def client_view(err: RequestError) -> RequestError:
+    """`err` as the client sees it: the same status, type, code and param, with `client_message`."""
+    message = client_message(err)
+    if message == err.message:
+        return err
+    view = RequestError(message, param=err.param, code=err.code)
+    view.status, view.type, view.retry_after_s = err.status, err.type, err.retry_after_s
+    return view

@@ -1,0 +1,115 @@
+"""Cache-aware routing end to end: a gateway and two simulated engines with prefix caches.
+
+A conversation's next turn lands where its prefix is cached, by its blocks or by its session, unless
+that backend is overloaded: a burst of turns that share a cached prefix fills that backend's KV, and
+the rest go to the other one. /admin/backends and /metrics show the index's source and predicted vs
+reported hits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import Gateway, long_request_id, metric_total, run_gateway, write_config
+
+MODEL = "llava-1.5-7b"
+BACKENDS = ("a100-a", "a100-b")
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    # memory_utilization 0.25: about 11,200 KV tokens an engine, three requests of 3,600 tokens
+    launch = {"time_scale": 1.0, "memory_utilization": 0.25}
+    config = write_config(tmp_path_factory.mktemp("cache_aware"), {
+        "model": MODEL,
+        "gateway": {"heartbeat_interval_ms": 100},
+        "backends": [{"id": b, "role": "language", "gpu": "A100-80GB", "launch": launch} for b in BACKENDS],
+    })
+    with run_gateway(config) as gateway:
+        yield gateway
+
+
+def system_prompt(name: str) -> str:
+    """About 2,000 tokens (8,000 bytes) of a tenant's instructions."""
+    return "".join(f"{name} rule {k:04d}: answer briefly and cite the policy. " for k in range(160))[:8000]
+
+
+def chat(gw: Gateway, messages: list[dict[str, str]], *, max_tokens: int = 4, headers: dict[str, str] | None = None,
+         body: dict[str, Any] | None = None) -> httpx.Response:
+    payload = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **(body or {})}
+    resp = httpx.post(f"{gw.url}/v1/chat/completions", json=payload, headers=headers or {}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def backend_of(resp: httpx.Response) -> str:
+    return resp.headers["x-heterogate-backend"]
+
+
+def turn(history: list[dict[str, str]], question: str) -> list[dict[str, str]]:
+    return [*history, {"role": "user", "content": question}]
+
+
+def test_each_conversations_second_turn_lands_where_its_first_turn_went(gw: Gateway) -> None:
+    conversations = [[{"role": "system", "content": system_prompt(f"tenant{k}")}] for k in range(6)]
+    firsts = [turn(c, "What is the refund window?") for c in conversations]
+    with ThreadPoolExecutor(len(firsts)) as pool:   # at once: the router spreads them over both backends
+        replies = list(pool.map(lambda m: chat(gw, m), firsts))
+    first_backends = [backend_of(r) for r in replies]
+    assert set(first_backends) == set(BACKENDS), first_backends
+    for messages, reply, backend in zip(firsts, replies, first_backends, strict=True):
+        answer = reply.json()["choices"][0]["message"]["content"]
+        second = turn([*messages, {"role": "assistant", "content": answer}], "And for digital goods?")
+        assert backend_of(chat(gw, second)) == backend   # idle both: the cached prefix decides
+
+    described = {b["id"]: b["prefix_cache"] for b in gw.backends()}
+    for backend in BACKENDS:
+        cache = described[backend]
+        assert cache["source"] == "engine"   # the simulated engines report vLLM's counters in heartbeats
+        assert cache["predicted_hit_tokens"] > 0 and cache["reported_hit_tokens"] > 0
+        assert 0 < cache["predicted_hit_rate"] < 1 and 0 < cache["reported_hit_rate"] < 1
+    assert metric_total(gw, "heterogate_prefix_predicted_hit_tokens_total") > 0
+    assert metric_total(gw, "heterogate_prefix_index_source", source="engine") == len(BACKENDS)
+
+
+def test_a_named_session_sticks_even_when_its_text_changes(gw: Gateway) -> None:
+    def opening(session: dict[str, Any]) -> str:
+        return backend_of(chat(gw, [{"role": "user", "content": f"opening of {session} " * 100}], **session))
+
+    # by header and by the body's `user`; two sessions at once, so that their homes differ
+    for sessions in ([{"headers": {"x-session-id": "s-1"}}, {"headers": {"x-session-id": "s-2"}}],
+                     [{"body": {"user": "u-1"}}, {"body": {"user": "u-2"}}]):
+        with ThreadPoolExecutor(2) as pool:
+            homes = list(pool.map(opening, sessions))
+        assert set(homes) == set(BACKENDS), homes
+        for session, home in zip(sessions, homes, strict=True):
+            # no block in common with its opening: only the session can say where it was
+            rewritten = [{"role": "user", "content": f"a summary of {session}'s earlier turns " * 20}]
+            assert backend_of(chat(gw, rewritten, **session)) == home
+    bad = httpx.post(f"{gw.url}/v1/chat/completions", timeout=10, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "user"
+
+
+def test_affinity_gives_way_when_the_cached_backend_is_overloaded(gw: Gateway) -> None:
+    history = [{"role": "system", "content": system_prompt("hot")}]
+    home = backend_of(chat(gw, turn(history, "Warm the cache.")))
+    assert backend_of(chat(gw, turn(history, "Still idle: the same backend?"))) == home
+
+    def long_turn(k: int) -> tuple[str, httpx.Response]:
+        """A turn that shares the hot prefix and generates for seconds (KV held: prompt + 1,500)."""
+        rid = long_request_id(200, prefix=f"hot-{k}")
+        resp = chat(gw, turn(history, f"Question {k}: explain at length."), max_tokens=1500,
+                    headers={"x-request-id": rid})
+        return rid, resp
+
+    with ThreadPoolExecutor(8) as pool:
+        burst = list(pool.map(long_turn, range(8)))
+    backends = [backend_of(resp) for _, resp in burst]
+    assert backends.count(home) >= 1            # the cached backend takes what its KV holds ...
+    assert len(set(backends)) == 2, backends    # ... and the rest recompute the prefix elsewhere
