@@ -22,12 +22,12 @@ LANGUAGE = {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_
 VISION = {"id": "l40s-v", "role": "vision", "gpu": "L40S", "launch": {"time_scale": 0.1}}
 
 
-def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen[str]:
     """The console script with a clean environment: no HETEROGATE_* or HG_TEST_* variable but `env`'s."""
     exe = shutil.which("gateway", path=str(Path(sys.executable).parent))
     assert exe is not None, "the gateway console script is not installed next to this interpreter"
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("HG_TEST_", "HETEROGATE_"))}
-    return subprocess.Popen([exe, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen([exe, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**environ, **(env or {})})
 
 

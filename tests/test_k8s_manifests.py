@@ -55,18 +55,15 @@ def test_the_gateway_pods_run_the_configmaps_file_on_the_service_ports(tmp_path:
     m = manifests()
     deployment = m[("Deployment", "heterogate")]
     pod = deployment["spec"]["template"]["spec"]
-    args = pod["containers"][0]["args"]
-    assert args[0] == "gateway"
+    in_pod = pod["containers"][0]["args"]
+    assert in_pod[0] == "gateway"
+    mount = pod["containers"][0]["volumeMounts"][0]
+    assert Path(in_pod[in_pod.index("--backends") + 1]).parent == Path(mount["mountPath"])   # the ConfigMap's
+    args, _, _ = pod_command(tmp_path)
     options = parse_args(args[1:])
     assert options.port == container_port(deployment, "http")
     assert options.grpc_port == container_port(deployment, "grpc")
-    mount = pod["containers"][0]["volumeMounts"][0]
-    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-    config_map = m[("ConfigMap", volume["configMap"]["name"])]
-    assert options.backends.parent == Path(mount["mountPath"])
-    path = tmp_path / options.backends.name
-    path.write_text(config_map["data"][options.backends.name])
-    config = load_cluster(path)    # the gateway's own strict validation
+    config = load_cluster(options.backends)    # the gateway's own strict validation
     redis_url = urlparse(config.settings.redis.url)
     redis_service = m[("Service", redis_url.hostname)]
     redis_port = next(p for p in redis_service["spec"]["ports"] if p["port"] == redis_url.port)

@@ -20,6 +20,26 @@ from gateway.routing.policies import build_policy
 from gateway.routing.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
 
 DEFAULT_BACKENDS = CONFIG_DIR / "backends.yaml"
+CATALOG_FILES = frozenset({"gpus.yaml", "models.yaml"})   # in CONFIG_DIR beside the clusters, not clusters
+
+
+def shipped_clusters() -> dict[str, Path]:
+    """The cluster files the package carries (package data, so a wheel has them too), by name: the
+    file name without `.yaml`."""
+    return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.yaml")) if p.name not in CATALOG_FILES}
+
+
+def find_cluster(given: str) -> Path:
+    """`--backends`: a file, else the name of a shipped cluster (`tiny-real`, `backends.yaml`); a
+    ConfigError naming the shipped ones for anything else."""
+    path = Path(given)
+    if path.exists():
+        return path
+    shipped = shipped_clusters()
+    name = given.removesuffix(".yaml")
+    if name in shipped and path.name == given:   # a bare name: a path with folders means that file
+        return shipped[name]
+    raise ConfigError(f"{given}: no such file, and not the name of a shipped cluster ({', '.join(shipped)})")
 
 
 class LaunchSpec(StrictModel):
