@@ -47,6 +47,7 @@ class EngineConfig:
     seed: int = 0                  # random weights: the same seed gives the same weights in every engine
     max_model_len: int | None = None   # tokens of KV per sequence slot (default: the model's max_context)
     log_level: str = "info"
+    orphan_timeout_s: float | None = None   # exit once no gateway has taken the heartbeats for this long
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--seed", type=int, default=0, help="torch: seed of the random weights")
     p.add_argument("--max-model-len", type=int, default=None, help="torch: KV tokens per sequence slot")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--orphan-timeout-s", type=float, default=None,
+                   help="exit once no gateway has taken this engine's heartbeats for this long (default: never; "
+                        "set by gateway replicas for the engines that outlive the replica launching them)")
     a = p.parse_args(argv)
     if a.executor == "torch" and (a.model_path is None) == (not a.random_weights):
         p.error("--executor torch needs exactly one of --model-path and --random-weights")
@@ -85,5 +89,5 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         steal_episode_ms=a.steal_episode_ms, vision_batch=a.vision_batch,
         vision_batch_timeout_ms=a.vision_batch_timeout_ms, model_path=a.model_path,
         random_weights=a.random_weights, device=a.device, dtype=a.dtype, seed=a.seed,
-        max_model_len=a.max_model_len, log_level=a.log_level,
+        max_model_len=a.max_model_len, log_level=a.log_level, orphan_timeout_s=a.orphan_timeout_s,
     )

@@ -4,7 +4,10 @@ Both ports are bound before any engine is launched, and neither is shared (no SO
 second gateway pointed at a taken port exits with an error naming it, launches nothing, and leaves
 the first one serving. The exception is `--workers` (gateway/replicas/workers.py): its processes bind both
 ports with SO_REUSEPORT on purpose. With Redis (`--redis-url`) the process joins its replicas
-(gateway/replicas/replica.py) and runs the managed engines only while it holds the leader lease.
+(gateway/replicas/replica.py) and runs the managed engines only while it holds the leader lease; the
+replicas on one host also share one more control port, for the managed engines only (SO_REUSEPORT,
+its number agreed through Redis; `--workers` share theirs already), so that an engine whose replica
+dies heartbeats to another at once and outlives it (gateway/control/adoption.py).
 """
 
 from __future__ import annotations
@@ -15,18 +18,20 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
 import httpx
 import structlog
+from redis.exceptions import RedisError
 
 from common.errors import HeteroGateError
 from common.grpc_keepalive import keepalive
 from common.wire import control_pb2_grpc
 from gateway.config.auth import KeyRing
-from gateway.config.cluster import ClusterConfig
+from gateway.config.cluster import ClusterConfig, LaunchSpec
+from gateway.control.adoption import find_adoptable
 from gateway.control.control_auth import ControlAuth, is_loopback
 from gateway.control.heartbeat_service import ControlService
 from gateway.control.launchers import build_launchers, managed_address, managed_ports
@@ -74,7 +79,7 @@ def bind_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 
 async def start_control(
     runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None,
-    on_heartbeat: Callable[[str, str], None] | None = None, reuse_port: bool = False,
+    on_heartbeat: Callable[[str, str], None] | None = None, reuse_port: bool = False, front_door: bool = True,
 ) -> tuple[grpc.aio.Server, int]:
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
     # No SO_REUSEPORT (but for --workers): with it, a second gateway would bind the same port and take
@@ -85,7 +90,8 @@ async def start_control(
                                       ("grpc.so_reuseport", int(reuse_port)), *keepalive().server_options()])
     service = ControlService(runtime.table, on_heartbeat=on_heartbeat or runtime.clients.ensure, auth=auth)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
-    await add_front_door(server, runtime)
+    if front_door:
+        await add_front_door(server, runtime)
     address = f"{host}:{port}"
     try:
         bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
@@ -103,9 +109,29 @@ def local_control_host(grpc_host: str) -> str:
     return "127.0.0.1" if grpc_host in ("0.0.0.0", "::", "[::]", "") else grpc_host
 
 
-def engines_silent(runtime: Runtime, ids: list[str]) -> Callable[[], bool]:
-    """None of the managed backends heartbeats (a new leader waits for this before launching)."""
-    return lambda: not any((e := runtime.table.get(i)) is not None and runtime.table.is_healthy(e) for i in ids)
+def engines_silent(runtime: Runtime, ids: list[str]) -> Callable[[Collection[str]], bool]:
+    """None of the managed backends but the adopted ones heartbeats (a new leader waits for this
+    before launching)."""
+    table = runtime.table
+    return lambda adopted: not any(
+        (e := table.get(i)) is not None and table.is_healthy(e) for i in ids if i not in adopted)
+
+
+async def start_engines_port(
+    runtime: Runtime, replication: Replication, host: str, auth: ControlAuth, tls: GrpcTls | None,
+) -> tuple[grpc.aio.Server, str] | None:
+    """The control port that every replica on this host binds for the managed engines (SO_REUSEPORT,
+    Control service only), and its address; None, with a warning, when it cannot be agreed or bound
+    (the engines then heartbeat to their leader only, and stop with it as a single gateway's do)."""
+    try:
+        port = await replication.engines_port(host)
+        server, _ = await start_control(runtime, host, port, auth, tls, replication.on_heartbeat, reuse_port=True,
+                                        front_door=False)
+    except (RedisError, OSError, TimeoutError, PortUnavailable) as exc:
+        log.warning("engines_port_unavailable", error=str(exc) or repr(exc),
+                    detail="managed engines heartbeat to their leader only and stop when it dies")
+        return None
+    return server, f"{host}:{port}"
 
 
 def managed_ids(config: ClusterConfig) -> list[str]:
@@ -169,15 +195,29 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     except BaseException:
         await runtime.close()
         raise
+    control_address = f"{local_control_host(options.grpc_host)}:{grpc_port}"
+    # Replicas: engines heartbeat to a port every replica here shares, then outlive their leader.
+    shared = options.reuse_port and replication is not None   # --workers: the control port itself
+    engines_door = None
+    if replication is not None and not options.reuse_port:
+        engines_door, engines_address = await start_engines_port(
+            runtime, replication, local_control_host(options.grpc_host), auth, grpc_tls) or (None, "")
+        if engines_door is not None:
+            control_address, shared = f"{engines_address},{control_address}", True
+    adoptable = [s.id for s in config.raw.backends if isinstance(s.launch, LaunchSpec)] if shared else []
     probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
-    launchers = build_launchers(config, ports, f"{local_control_host(options.grpc_host)}:{grpc_port}", runtime.table,
-                                make_probe(probes), options.engine_log_level, engine_env=auth.engine_env)
+    launchers = build_launchers(config, ports, control_address, runtime.table, make_probe(probes),
+                                options.engine_log_level, engine_env=auth.engine_env,
+                                orphan_timeout_s=config.settings.redis.engine_orphan_s if shared else None)
     supervision = Supervision(
-        lambda: Supervisor(launchers, on_state=runtime.table.set_lifecycle,
-                           stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s)),
+        lambda adopted: Supervisor(launchers, on_state=runtime.table.set_lifecycle,
+                                   stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s), adopted=adopted,
+                                   on_launch=auth.identities.launched),
         replication.lease if replication else None, engines_silent(runtime, managed),
         takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic,
-        on_term=auth.identities.set_launching)
+        on_term=auth.identities.set_launching,
+        adopt=lambda taken: find_adoptable(runtime.table, [b for b in adoptable if b not in taken],
+                                           auth.identities.verify))
     runtime.metrics.backends.restarts = lambda: {
         c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
     server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context)
@@ -212,6 +252,8 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             await sharing
         await probes.aclose()
         await control.stop(grace=1.0)
+        if engines_door is not None:
+            await engines_door.stop(grace=1.0)
         if replication is not None:
             await replication.close()
         await runtime.close()

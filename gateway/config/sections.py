@@ -46,6 +46,9 @@ class RedisConfig(StrictModel):
     spread: float = Field(default=0.05, ge=0, le=1)   # near-best tolerance of the spreading layer (relative)
     leader_lease_ms: PositiveInt = Field(default=3000, ge=300)   # managed engines' supervisor lease
     fail_open_hold_s: PositiveFloat = 60.0   # Redis down: backends last heard through it stay assumed alive
+    # Managed engines outlive a leader that dies (the next one adopts them); one that no replica has
+    # heard for this long exits by itself.
+    engine_orphan_s: PositiveFloat = 10.0
 
 
 def require_torch() -> None:

@@ -16,6 +16,8 @@ Redis holds digests, never secrets: reading Redis does not let anyone speak for 
 it already allows writing heartbeats, so Redis is inside the trust boundary either way). The
 launcher uses its own digests from the moment it leads and ignores what Redis says meanwhile; a
 replica that has not yet read a backend's digest refuses its heartbeats, and the engine retries.
+A new leader that adopts the running engines of the previous one (gateway/control/adoption.py) keeps
+their announced digests in effect, and announces them, until it launches an engine of its own.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class EngineIdentities:
         """`own_secrets`: managed backend id -> the secret this replica gives the engine it launches.
         `launching`: whether this replica launches them now (a single gateway always does)."""
         self._secrets = dict(own_secrets or {})
-        self.own = {b: digest(s) for b, s in self._secrets.items()}   # what this replica announces
+        self.own = {b: digest(s) for b, s in self._secrets.items()}   # its own engines' digests
         self.launching = launching
         self._digests = dict(self.own) if launching else {}
 
@@ -49,11 +51,22 @@ class EngineIdentities:
     def secret(self, backend_id: str) -> str:
         return self._secrets[backend_id]
 
-    def set_launching(self, launching: bool) -> None:
-        """This replica starts (True) or stops (False) launching the engines."""
+    @property
+    def announced(self) -> Mapping[str, str]:
+        """What this replica announces while it leads: the digests in effect (live)."""
+        return self._digests
+
+    def set_launching(self, launching: bool, keep: Iterable[str] = ()) -> None:
+        """This replica starts (True) or stops (False) launching the engines; `keep`: backends whose
+        engines it adopts, whose announced digests stay in effect until it launches them (`launched`)."""
         self.launching = launching
         if launching:
-            self._digests.update(self.own)
+            kept = set(keep)
+            self._digests.update({b: d for b, d in self.own.items() if b not in kept})
+
+    def launched(self, backend_id: str) -> None:
+        """This replica launches `backend_id`'s engine, with its own secret."""
+        self._digests[backend_id] = self.own[backend_id]
 
     def adopt(self, announced: Mapping[str, str]) -> None:
         """The digests the leader announced (read from Redis); ignored while this replica launches."""

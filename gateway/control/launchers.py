@@ -2,6 +2,8 @@
 
 - `EngineLauncher` (kind: engine): `python -m backends.engine ...` pointed at the gateway's control
   port; ready once it has heartbeated (the table forgets the last heartbeat when it is relaunched).
+  With replicas (`orphan_timeout_s`) it outlives the gateway that launched it (the next leader adopts
+  it, gateway/control/adoption.py) and exits by itself once no replica has heard it for that long.
 - `CommandLauncher` (kind: openai): the entry's own command (`vllm serve ...`,
   `python -m sglang.launch_server ...`), `{port}` replaced by its port, `devices` as
   CUDA_VISIBLE_DEVICES; ready once `GET ready_path` answers 200.
@@ -28,6 +30,7 @@ Probe = Callable[[str], Awaitable[bool]]   # GET url → answered 200 in time
 class LaunchPlan:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)   # added to the gateway's own environment
+    outlive_parent: bool = False   # keeps running if the gateway dies (replicas adopt it)
 
 
 class Launcher(Protocol):
@@ -49,14 +52,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EngineLauncher:
     def __init__(
         self, config: ClusterConfig, spec: BackendSpec, control_address: str, table: StateTable, log_level: str,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, orphan_timeout_s: float | None = None,
     ) -> None:
         assert isinstance(spec.launch, LaunchSpec)
         self.backend_id = spec.id
         self.start_timeout_s = config.settings.engine_start_timeout_s
         self.probe_interval_s = config.settings.heartbeat_interval_ms / 1000 / 4
         # env: the engine's identity towards the control port, the cluster token, the CA (gateway.control.control_auth)
-        self._plan = LaunchPlan(engine_argv(config, spec, control_address, log_level), env or {})
+        argv = engine_argv(config, spec, control_address, log_level)
+        if orphan_timeout_s is not None:
+            argv += ["--orphan-timeout-s", str(orphan_timeout_s)]
+        self._plan = LaunchPlan(argv, env or {}, outlive_parent=orphan_timeout_s is not None)
         self._table = table
 
     def plan(self) -> LaunchPlan:
@@ -106,13 +112,17 @@ def managed_ports(config: ClusterConfig) -> dict[str, int]:
 def build_launchers(
     config: ClusterConfig, ports: dict[str, int], control_address: str, table: StateTable, probe: Probe,
     log_level: str, engine_env: Callable[[str], dict[str, str]] = lambda backend_id: {},
+    orphan_timeout_s: float | None = None,
 ) -> list[Launcher]:
+    """`control_address`: where engines heartbeat (several, comma-separated, fail over); `orphan_timeout_s`:
+    replicas only, kind: engine backends outlive their launcher (see EngineLauncher)."""
     launchers: list[Launcher] = []
     for spec in config.raw.backends:
         if isinstance(spec.launch, CommandLaunchSpec):
             launchers.append(CommandLauncher(spec, ports[spec.id], probe))
         elif isinstance(spec.launch, LaunchSpec):
-            launchers.append(EngineLauncher(config, spec, control_address, table, log_level, engine_env(spec.id)))
+            launchers.append(EngineLauncher(config, spec, control_address, table, log_level, engine_env(spec.id),
+                                            orphan_timeout_s))
     return launchers
 
 

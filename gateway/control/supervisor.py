@@ -9,7 +9,9 @@ an exit, and `stopped` once the gateway stops. The backoff doubles from `backoff
 Processes start through `gateway.control.process_guard`: each engine gets a process group of its own,
 which is stopped as a whole (SIGTERM, SIGKILL after the grace period) when it is stopped or its
 leader dies, and which is taken down by the kernel's parent-death signal if the gateway is killed,
-even with SIGKILL.
+even with SIGKILL. With replicas (`LaunchPlan.outlive_parent`) the guards outlive a gateway that is killed, and
+the next leader starts its supervisor with the engines it adopted (gateway/control/adoption.py):
+those are `ready` from the start and relaunched only once they exit.
 
 Time and processes come in through `Clock` and `Spawner`, so the state machine is tested without
 sleeps or real processes.
@@ -22,7 +24,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,6 +42,8 @@ class Clock(Protocol):
 
 
 class Process(Protocol):
+    """A launched process guard, or one adopted from an earlier leader (adoption.AdoptedProcess)."""
+
     pid: int
 
     @property
@@ -53,7 +57,7 @@ class Process(Protocol):
 
 
 class Spawner(Protocol):
-    async def spawn(self, argv: list[str], env: dict[str, str]) -> Process: ...
+    async def spawn(self, argv: list[str], env: dict[str, str], *, outlive_parent: bool = False) -> Process: ...
 
 
 class MonotonicClock:
@@ -65,14 +69,15 @@ class MonotonicClock:
 
 
 class GuardedSpawner:
-    """Real processes, each under a `process_guard` that leads a session of its own."""
+    """Real processes, each under a `process_guard` that leads a session of its own (and, with
+    `outlive_parent`, keeps its engine running when this gateway dies)."""
 
     def __init__(self, grace_s: float) -> None:
         self._grace_s = grace_s
 
-    async def spawn(self, argv: list[str], env: dict[str, str]) -> Process:
+    async def spawn(self, argv: list[str], env: dict[str, str], *, outlive_parent: bool = False) -> Process:
         guard = [sys.executable, "-m", "gateway.control.process_guard", "--parent", str(os.getpid()),
-                 "--grace-s", str(self._grace_s), "--"]
+                 "--grace-s", str(self._grace_s), *(["--outlive-parent"] if outlive_parent else []), "--"]
         return await asyncio.create_subprocess_exec(
             *guard, *argv, env={**os.environ, **env}, stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
         )
@@ -103,8 +108,14 @@ class Supervisor:
         backoff_max_s: float = 10.0,
         stable_after_s: float = 30.0,
         stop_timeout_s: float = 10.0,
+        adopted: Mapping[str, Process] | None = None,
+        on_launch: Callable[[str], None] = lambda backend_id: None,
     ) -> None:
+        """`adopted`: backend id -> its running engine's guard, taken over from an earlier leader.
+        `on_launch(backend_id)`: called before each launch (the engine's identity changes hands)."""
         self._children = [Child(launcher) for launcher in launchers]
+        self._adopted = dict(adopted or {})
+        self._on_launch = on_launch
         self._on_state = on_state
         self._clock = clock or MonotonicClock()
         # The guard's SIGTERM → SIGKILL delay fits inside the supervisor's own stop timeout.
@@ -120,32 +131,24 @@ class Supervisor:
 
     def start(self) -> None:
         for child in self._children:
-            self._set(child, "starting")
-            child.task = asyncio.create_task(self._keep_running(child), name=f"supervise-{child.backend_id}")
+            adopted = child.process = self._adopted.pop(child.backend_id, None)
+            # an adopted engine serves on: "ready" keeps its last heartbeat, "starting" would drop it
+            self._set(child, "ready" if adopted is not None else "starting")
+            child.task = asyncio.create_task(self._keep_running(child, adopted), name=f"supervise-{child.backend_id}")
 
     def _set(self, child: Child, state: Lifecycle) -> None:
         child.state = state
         self._on_state(child.backend_id, state)
 
-    async def _keep_running(self, child: Child) -> None:
+    async def _keep_running(self, child: Child, adopted: Process | None) -> None:
         backoff = self._backoff[0]
         while not self._stopping:
-            plan = child.launcher.plan()
-            self._set(child, "starting")
-            process = child.process = await self._spawner.spawn(plan.argv, plan.env)
             started = self._clock.now()
-            log.info("engine_launched", backend=child.backend_id, pid=process.pid, restarts=child.restarts)
-            if await self._wait_ready(child, process, started):
-                self._set(child, "ready")
-                log.info("engine_ready", backend=child.backend_id, pid=process.pid,
-                         start_s=round(self._clock.now() - started, 3))
-                code = await process.wait()
-            elif process.returncode is None:
-                log.error("engine_start_timeout", backend=child.backend_id, pid=process.pid,
-                          timeout_s=child.launcher.start_timeout_s)
-                code = await self._stop_process(process)
+            if adopted is not None:   # already running and ready: follow it until it exits
+                child.process, adopted = adopted, None
+                code = await child.process.wait()
             else:
-                code = process.returncode
+                code = await self._launch(child, started)
             if self._stopping:
                 return
             if self._clock.now() - started >= self._stable_after_s:
@@ -155,6 +158,24 @@ class Supervisor:
             await self._clock.sleep(backoff)
             backoff = min(self._backoff[1], backoff * 2)
             child.restarts += 1
+
+    async def _launch(self, child: Child, started: float) -> int:
+        """Launch the backend and wait until it exits, or stop it if it is not ready in time; its exit code."""
+        plan = child.launcher.plan()
+        self._set(child, "starting")
+        self._on_launch(child.backend_id)
+        process = child.process = await self._spawner.spawn(plan.argv, plan.env, outlive_parent=plan.outlive_parent)
+        log.info("engine_launched", backend=child.backend_id, pid=process.pid, restarts=child.restarts)
+        if await self._wait_ready(child, process, started):
+            self._set(child, "ready")
+            log.info("engine_ready", backend=child.backend_id, pid=process.pid,
+                     start_s=round(self._clock.now() - started, 3))
+            return await process.wait()
+        if process.returncode is None:
+            log.error("engine_start_timeout", backend=child.backend_id, pid=process.pid,
+                      timeout_s=child.launcher.start_timeout_s)
+            return await self._stop_process(process)
+        return process.returncode
 
     async def _wait_ready(self, child: Child, process: Process, started: float) -> bool:
         """Poll the launcher's readiness until it says yes, the process exits, or the start timeout."""

@@ -2,10 +2,13 @@
 
 The lease is one key, `P leader` = the holder's replica id, taken with SET NX PX and renewed every
 third of the lease by a Lua script that extends it only for its holder. A leader that dies stops
-renewing; its engines exit with it (they watch their parent), and once the key has expired another
-replica takes the lease. Before it launches anything the new leader waits until none of the managed
-backends is heartbeating (the old engines are gone, at most `takeover_wait_s`), so two sets of
-engines never run side by side.
+renewing, and once the key has expired another replica takes the lease. The engines outlive it and
+keep serving every replica meanwhile (their process guards do not follow a dead gateway, and they
+heartbeat to the engines' control port that every replica on the host shares): the new leader adopts
+each engine it can prove is the one the deployment admitted (gateway/control/adoption.py) and
+supervises it from then on. For the others (not on this host, or not running) it waits until none
+is heartbeating (at most `takeover_wait_s`) before it launches its own, so two sets of engines never
+run side by side.
 
 Redis unreachable: the leader keeps its engines (fail open; requests need them) and retakes the key
 as soon as Redis answers; the others wait one full lease of Redis answering before they compete for
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from gateway.control.supervisor import Process
 
 log = structlog.get_logger("leadership")
 
@@ -57,14 +62,15 @@ class LeaderLease:
         self, redis: Redis, key: str, holder: str, lease_ms: int, timeout_s: float,
         announce_key: str = "", announced: Mapping[str, str] | None = None,
     ) -> None:
-        """`announced`: hash fields written to `announce_key` with every renewal (the engines' digests)."""
+        """`announced`: hash fields written to `announce_key` with every renewal (the engines' digests,
+        read at each renewal: they change when the leader adopts engines or launches its own)."""
         self._redis = redis
         self.key = key
         self.holder = holder
         self.lease_ms = lease_ms
         self._timeout_s = timeout_s
         self._announce_key = announce_key
-        self._announced = [x for pair in (announced or {}).items() for x in pair]
+        self._announced = {} if announced is None else announced   # live: not a copy
 
     async def acquire(self) -> bool:
         return bool(await asyncio.wait_for(
@@ -77,7 +83,7 @@ class LeaderLease:
     async def renew(self) -> int:
         result = await asyncio.wait_for(
             self._redis.eval(_RENEW, 2, self.key, self._announce_key or self.key, self.holder, self.lease_ms,
-                             *self._announced), self._timeout_s)
+                             *(x for pair in self._announced.items() for x in pair)), self._timeout_s)
         return int(result)
 
     async def release(self) -> None:
@@ -89,13 +95,19 @@ class Supervision:
     """Runs `make_supervisor()` on this replica while it holds the lease (always, without a lease)."""
 
     def __init__(
-        self, make_supervisor: Callable[[], Supervised], lease: LeaderLease | None,
-        engines_silent: Callable[[], bool], takeover_wait_s: float, clock: Callable[[], float],
-        on_term: Callable[[bool], None] = lambda leading: None,
+        self, make_supervisor: Callable[[Mapping[str, Process]], Supervised], lease: LeaderLease | None,
+        engines_silent: Callable[[Collection[str]], bool], takeover_wait_s: float, clock: Callable[[], float],
+        on_term: Callable[[bool, Collection[str]], None] = lambda leading, adopted: None,
+        adopt: Callable[[Collection[str]], Mapping[str, Process]] = lambda adopted: {},
     ) -> None:
-        """`on_term(True)` when this replica takes the engines over (before launching), False when it
-        stops supervising them (their identities follow: control_auth.ControlAuth.identities)."""
+        """`make_supervisor(adopted)`: the supervisor of one term, given the engines adopted from the
+        previous leader (backend id -> its process guard). `adopt(adopted)`: the previous leader's
+        engines, other than those, that can be adopted now (with a lease only). `engines_silent(adopted)`:
+        no managed backend but those is heartbeating. `on_term(True, adopted)` when this replica takes
+        the engines over (before launching), `on_term(False, ())` when it stops supervising them (their
+        identities follow: control_auth.ControlAuth.identities)."""
         self._make = make_supervisor
+        self._adopt = adopt
         self._on_term = on_term
         self._lease = lease
         self._engines_silent = engines_silent
@@ -147,26 +159,35 @@ class Supervision:
             self._reachable_since = None
 
     async def _lead(self, stop: asyncio.Event) -> None:
-        """Announce our engines' identities, wait for the previous leader's engines to fall silent
-        (holding the lease), then launch ours."""
-        self._on_term(True)
+        """Adopt the previous leader's engines that still run, wait for its other engines to fall
+        silent (holding the lease), announce our engines' identities, then launch what is missing."""
         deadline = self._clock() + self._takeover_wait_s
-        renewed = float("-inf")   # renew (and announce) at once
+        adopted: dict[str, Process] = {}
+        renewed = float("-inf")   # renew at once
         while True:
-            if self._lease is not None and self._clock() - renewed >= self._lease.lease_ms / 3000:
-                renewed = self._clock()
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await self._lease.renew()
-            if self._engines_silent() or self._clock() >= deadline or stop.is_set():
+            if self._lease is not None:
+                if self._clock() - renewed >= self._lease.lease_ms / 3000:
+                    renewed = self._clock()
+                    await self._renew_quietly(self._lease)
+                adopted.update(self._adopt(adopted.keys()))
+            if self._engines_silent(adopted.keys()) or self._clock() >= deadline or stop.is_set():
                 break
             with contextlib.suppress(TimeoutError):   # polls the state table: heartbeats set no event
                 await asyncio.wait_for(stop.wait(), 0.05)
+        self._on_term(True, adopted.keys())
+        if self._lease is not None:   # the engines about to start are admitted by every replica
+            await self._renew_quietly(self._lease)
         self.terms += 1
-        self.supervisor = self._make()
+        self.supervisor = self._make(adopted)
         self.supervisor.start()
+
+    @staticmethod
+    async def _renew_quietly(lease: LeaderLease) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await lease.renew()
 
     async def _step_down(self) -> None:
         if self.supervisor is not None:
             supervisor, self.supervisor = self.supervisor, None
             await supervisor.stop()
-            self._on_term(False)
+            self._on_term(False, ())

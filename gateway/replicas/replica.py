@@ -9,6 +9,7 @@ process without a Redis URL uses none of them and supervises the engines itself.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from gateway.control.engine_identities import EngineIdentities
+from gateway.control.launchers import free_port
 from gateway.replicas.leadership import LeaderLease
 from gateway.replicas.shared_state import SharedState, SharedStateCollector, connect
 from gateway.routing.policies.spreading import Spreading
@@ -41,6 +43,18 @@ class Replication:
         self.runtime.clients.ensure(backend_id, address)
         self.shared.note_heartbeat(backend_id, address)
 
+    async def engines_port(self, host: str) -> int:
+        """The port on this host where every replica takes the managed engines' heartbeats (each binds
+        it with SO_REUSEPORT, gateway/daemon.py): the first replica to ask picks a free one and keeps it
+        under `P engines_port`, the others read it."""
+        key = self.runtime.config.settings.redis.key_prefix + "engines_port"
+        timeout_s = self.runtime.config.settings.redis.timeout_ms / 1000
+        await asyncio.wait_for(self.redis.set(key, free_port(host), nx=True), timeout_s)
+        port = await asyncio.wait_for(self.redis.get(key), timeout_s)
+        if port is None:   # deleted in between: another replica's next start picks one again
+            raise OSError(f"{key} vanished from Redis")
+        return int(port)
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -57,6 +71,6 @@ def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replicatio
     pipeline.policy = Spreading(pipeline.policy, config.spread, seed=replica_id)
     pipeline.vision_policy = Spreading(pipeline.vision_policy, config.spread, seed=replica_id + "/vision")
     lease = LeaderLease(redis, config.key_prefix + "leader", replica_id, config.leader_lease_ms,
-                        config.timeout_ms / 1000, shared.identities_key, identities.own)
+                        config.timeout_ms / 1000, shared.identities_key, identities.announced)
     return Replication(replica_id, redis, shared, lease, runtime)
 

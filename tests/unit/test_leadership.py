@@ -57,11 +57,12 @@ async def test_only_one_replica_supervises_and_the_other_takes_over_when_it_stop
         silent = {"value": True}
 
         def supervision(name: str) -> Supervision:
-            def make() -> Engines:
+            def make(adopted: object) -> Engines:
                 made[name].append(Engines())
                 return made[name][-1]
             lease = LeaderLease(redis, prefix + "leader", name, LEASE_MS, 1.0)
-            return Supervision(make, lease, lambda: silent["value"], takeover_wait_s=5.0, clock=time.monotonic)
+            return Supervision(make, lease, lambda adopted: silent["value"], takeover_wait_s=5.0,
+                               clock=time.monotonic)
 
         stop_a, stop_b = asyncio.Event(), asyncio.Event()
         a, b = supervision("a"), supervision("b")

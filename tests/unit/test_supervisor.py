@@ -57,7 +57,7 @@ class FakeSpawner:
         self.plans: list[tuple[list[str], dict[str, str]]] = []
         self._obeys_sigterm = obeys_sigterm
 
-    async def spawn(self, argv: list[str], env: dict[str, str]) -> FakeProcess:
+    async def spawn(self, argv: list[str], env: dict[str, str], *, outlive_parent: bool = False) -> FakeProcess:
         self.plans.append((argv, env))
         process = FakeProcess(100 + len(self.spawned), obeys_sigterm=self._obeys_sigterm)
         self.spawned.append(process)
@@ -172,3 +172,34 @@ async def test_stop_kills_what_ignores_sigterm() -> None:
     await sup.stop()
     assert spawner.spawned[0].signals == ["TERM", "KILL"] and len(spawner.spawned) == 1
     assert states[-1] == ("vllm-0", "stopped")
+
+
+async def test_an_adopted_engine_is_ready_at_once_and_launched_again_only_once_it_exits() -> None:
+    clock, spawner, launcher, states = FakeClock(), FakeSpawner(), FakeLauncher(), []
+    launched: list[str] = []
+    adopted = FakeProcess(7)
+    sup = Supervisor([launcher], on_state=lambda b, s: states.append((b, s)), clock=clock, spawner=spawner,
+                     backoff_min_s=1.0, adopted={"vllm-0": adopted}, on_launch=launched.append)
+    sup.start()
+    await until(lambda: sup.children[0].state == "ready")
+    assert sup.children[0].process is adopted and spawner.spawned == [] and launched == []
+    assert launcher.probes == 0                      # nothing to wait for: it already serves
+    adopted.exit(1)
+    await until(lambda: len(spawner.spawned) == 1)
+    assert launched == ["vllm-0"] and sup.children[0].restarts == 1   # its identity changes hands now
+    assert [s for _, s in states] == ["ready", "restarting", "starting"]   # never "starting" while it served
+    launcher.is_ready = True
+    await until(lambda: sup.children[0].state == "ready")
+    await sup.stop()
+    assert adopted.signals == [] and spawner.spawned[0].signals == ["TERM"]
+
+
+async def test_stop_stops_an_adopted_engine_too() -> None:
+    clock, spawner, launcher, states = FakeClock(), FakeSpawner(), FakeLauncher(), []
+    adopted = FakeProcess(7)
+    sup = Supervisor([launcher], on_state=lambda b, s: states.append((b, s)), clock=clock, spawner=spawner,
+                     adopted={"vllm-0": adopted})
+    sup.start()
+    await until(lambda: sup.children[0].state == "ready")
+    await sup.stop()
+    assert adopted.signals == ["TERM"] and spawner.spawned == [] and states[-1] == ("vllm-0", "stopped")
