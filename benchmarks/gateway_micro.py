@@ -121,7 +121,7 @@ class Sink:
 async def one(server: HttpServer, method: str, path: str, body: bytes) -> int:
     headers = [(b"host", b"bench"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
-    request = Request(method, path, b"", headers, body, True)
+    request = Request(method, path.encode(), b"", headers, body, True)
     sink = Sink()
     exchange = Exchange(sink, False, True)  # type: ignore[arg-type]
     handler = server.routes.get(path)

@@ -28,6 +28,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import httptools
 import orjson
@@ -51,13 +52,22 @@ _JSON = b"application/json"
 
 
 class Request:
-    """One parsed request; header names are lower case."""
+    """One parsed request; header names are lower case. `path` is decoded as ASGI's is (percent-escapes,
+    then UTF-8), and routes match it; `raw_path` is the bytes as sent."""
 
-    __slots__ = ("body", "headers", "http_11", "method", "path", "query")
+    __slots__ = ("body", "headers", "http_11", "method", "path", "query", "raw_path")
 
-    def __init__(self, method: str, path: str, query: bytes, headers: Headers, body: bytes, http_11: bool) -> None:
-        self.method, self.path, self.query, self.headers, self.body, self.http_11 = \
-            method, path, query, headers, body, http_11
+    def __init__(self, method: str, raw_path: bytes, query: bytes, headers: Headers, body: bytes,
+                 http_11: bool) -> None:
+        self.method, self.raw_path, self.query, self.headers, self.body, self.http_11 = \
+            method, raw_path, query, headers, body, http_11
+        self.path = decode_path(raw_path)
+
+
+def decode_path(raw: bytes) -> str:
+    if b"%" not in raw and raw.isascii():
+        return raw.decode("ascii")
+    return unquote_to_bytes(raw).decode("utf-8", "replace")
 
 
 Handler = Callable[[Request, "Exchange"], Awaitable[None]]
@@ -327,8 +337,8 @@ class _Connection(asyncio.Protocol):
         path, _, query = self._url.partition(b"?")
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body, self._body_size = [], 0   # the pieces go now, not with the next request
-        request = Request(parser.get_method().decode("ascii", "replace"), path.decode("latin-1"), query,
-                          self._headers, body, parser.get_http_version() == "1.1")
+        request = Request(parser.get_method().decode("ascii", "replace"), path, query, self._headers, body,
+                          parser.get_http_version() == "1.1")
         keep = parser.should_keep_alive()
         self._pending.append((request, keep))
         self._owe_continue = False       # the body came without it
@@ -543,7 +553,7 @@ class HttpServer:
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1" if request.http_11 else "1.0", "method": request.method,
             "scheme": "https" if self._ssl is not None else "http", "path": request.path,
-            "raw_path": request.path.encode("latin-1"), "query_string": request.query, "root_path": "",
+            "raw_path": request.raw_path, "query_string": request.query, "root_path": "",
             "headers": request.headers, "server": tuple(server[:2]) if server else None,
             "client": tuple(client[:2]) if client else None,
         }

@@ -891,6 +891,26 @@ async def test_asgi_fallback_responses() -> None:
     assert (b"host", b"test") in scope["headers"]
 
 
+async def test_paths_are_percent_decoded_as_asgi_says_and_raw_path_is_kept() -> None:
+    """ASGI: `path` with percent-escapes and UTF-8 decoded, `raw_path` the bytes as sent; routes match
+    the decoded path, as a framework's would."""
+    app = AsgiApp()
+    async with serve({"/ping": ping}, app) as s:
+        conn = await Conn.open(s.port)
+        conn.send(get("/caf%C3%A9/a%20b%2Fc?q=%20") + get("/pi%6Eg") + get("/plain") + get("/bad%ff%"))
+        assert (await conn.response()).status == 404
+        routed = await conn.response()
+        assert (routed.body, routed.headers[b"x-path"]) == (b"pong", b"/ping")
+        for _ in range(2):
+            assert (await conn.response()).status == 404
+        await conn.close()
+    encoded, plain, bad = app.scopes
+    assert (encoded["path"], encoded["raw_path"], encoded["query_string"]) == \
+        ("/café/a b/c", b"/caf%C3%A9/a%20b%2Fc", b"q=%20")
+    assert (plain["path"], plain["raw_path"]) == ("/plain", b"/plain")
+    assert (bad["path"], bad["raw_path"]) == ("/bad\ufffd%", b"/bad%ff%")
+
+
 async def test_asgi_receive_gives_the_body_then_the_disconnect() -> None:
     app = AsgiApp()
     async with serve({}, app) as s:
