@@ -47,6 +47,12 @@ def chat(gw: Gateway, messages: list[dict[str, str]], *, max_tokens: int = 4, he
     return resp
 
 
+def lasting(name: str) -> dict[str, Any]:
+    """chat() arguments for a request that generates 200 tokens or more (seconds): concurrent ones
+    overlap, so the router spreads them whatever the machine's load."""
+    return {"max_tokens": 300, "headers": {"x-request-id": long_request_id(200, prefix=name)}}
+
+
 def backend_of(resp: httpx.Response) -> str:
     return resp.headers["x-heterogate-backend"]
 
@@ -58,8 +64,8 @@ def turn(history: list[dict[str, str]], question: str) -> list[dict[str, str]]:
 def test_each_conversations_second_turn_lands_where_its_first_turn_went(gw: Gateway) -> None:
     conversations = [[{"role": "system", "content": system_prompt(f"tenant{k}")}] for k in range(6)]
     firsts = [turn(c, "What is the refund window?") for c in conversations]
-    with ThreadPoolExecutor(len(firsts)) as pool:   # at once: the router spreads them over both backends
-        replies = list(pool.map(lambda m: chat(gw, m), firsts))
+    with ThreadPoolExecutor(len(firsts)) as pool:   # at once, for seconds each: spread over both backends
+        replies = list(pool.map(lambda k: chat(gw, firsts[k], **lasting(f"first-{k}")), range(len(firsts))))
     first_backends = [backend_of(r) for r in replies]
     assert set(first_backends) == set(BACKENDS), first_backends
     for messages, reply, backend in zip(firsts, replies, first_backends, strict=True):
@@ -79,7 +85,10 @@ def test_each_conversations_second_turn_lands_where_its_first_turn_went(gw: Gate
 
 def test_a_named_session_sticks_even_when_its_text_changes(gw: Gateway) -> None:
     def opening(session: dict[str, Any]) -> str:
-        return backend_of(chat(gw, [{"role": "user", "content": f"opening of {session} " * 100}], **session))
+        both = lasting(f"opening-{session}")
+        both["headers"] |= session.get("headers", {})
+        return backend_of(chat(gw, [{"role": "user", "content": f"opening of {session} " * 100}],
+                               body=session.get("body"), **both))
 
     # by header and by the body's `user`; two sessions at once, so that their homes differ
     for sessions in ([{"headers": {"x-session-id": "s-1"}}, {"headers": {"x-session-id": "s-2"}}],
