@@ -10,15 +10,16 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common import __version__
 from common.errors import ConfigError
-from common.event_loop import run
-from common.logs import configure_logging
-from gateway.config.cluster import DEFAULT_BACKENDS, ClusterConfig, load_cluster
-from gateway.daemon import PortUnavailable, ServeOptions, StartupChecks, check_startup, serve
-from gateway.replicas.workers import run_workers
-from gateway.routing.policies import REGISTRY
+
+# `gateway --version` answers before the gateway's modules are imported (they take seconds to load):
+# each function below imports what it needs.
+if TYPE_CHECKING:
+    from gateway.config.cluster import ClusterConfig
+    from gateway.daemon import ServeOptions, StartupChecks
 
 CHECK_CONFIG = "check-config"
 DEMO_UPSTREAM = "demo-upstream"   # a mock OpenAI-compatible engine: gateway/demo_upstream.py
@@ -26,6 +27,8 @@ DEMO_UPSTREAM = "demo-upstream"   # a mock OpenAI-compatible engine: gateway/dem
 
 def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | None) -> None:
     """The options of `gateway`, which `gateway check-config` takes too: its checks depend on them."""
+    from gateway.routing.policies import REGISTRY
+
     p.add_argument("--backends", type=Path, default=backends_default,
                    help="backends.yaml (default: the embedded demo cluster, configs/backends.yaml)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
@@ -46,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="HeteroGate: the front door of a heterogeneous GPU cluster",
                                 epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits")
     p.add_argument("--version", action="version", version=f"heterogate {__version__}")
+    from gateway.config.cluster import DEFAULT_BACKENDS
+
     add_gateway_options(p, DEFAULT_BACKENDS)
     return p.parse_args(argv)
 
@@ -82,6 +87,9 @@ def validate(args: argparse.Namespace) -> Validated:
     """Start-up's checks for these arguments; `gateway check-config` runs this same function, so an OK
     there means the gateway starts. Exit status 2 with the ConfigError (which names the file and
     setting) on stderr: no traceback for a configuration mistake."""
+    from gateway.config.cluster import load_cluster
+    from gateway.daemon import ServeOptions, check_startup
+
     try:
         config = load_cluster(args.backends)
         redis_url = args.redis_url or config.settings.redis.url
@@ -108,6 +116,9 @@ def check_config(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     # The subcommand is peeled off before argparse so that `gateway --backends X` keeps parsing exactly as before.
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:   # before anything heavy is imported
+        print(f"heterogate {__version__}")
+        return
     if argv[:1] == [CHECK_CONFIG]:
         check_config(argv[1:])
         return
@@ -116,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
 
         demo_upstream.main(argv[1:])
         return
+    from common.event_loop import run
+    from common.logs import configure_logging
+    from gateway.daemon import PortUnavailable, serve
+    from gateway.replicas.workers import run_workers
+
     args = parse_args(argv)
     configure_logging(args.log_level)
     checked = validate(args)

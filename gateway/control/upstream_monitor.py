@@ -127,6 +127,7 @@ class UpstreamMonitor:
             if not w.agent.first_scrape.is_set():
                 return False
             reported = reported_from(w.agent.state())
+            reported.pid = 0   # the scraper's own (this gateway's): the engine's pid is not in its metrics
         elif w.ready_url is not None and await probe(w.client, w.ready_url):
             if not w.context_read:
                 await self._read_context(w)
