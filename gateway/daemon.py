@@ -154,7 +154,7 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
     token for these options); ConfigError naming the setting. `gateway check-config` runs this same
     function, so its OK means that start-up accepts the file with these options."""
     settings = config.settings
-    keys = KeyRing.load(settings.auth)
+    keys = KeyRing.load(settings.auth, settings.tenants)
     grpc_tls = load_grpc_tls(settings.tls)
     ssl_context = http_ssl_context(settings.tls)
     # A replica launches the engines only once it leads; a single gateway from the start.
@@ -184,8 +184,6 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     replication: Replication | None = None
     try:
         replication = join(runtime, options.redis_url, auth.identities) if options.redis_url else None
-        if replication is not None:   # on every line this process logs from now on, each request's included
-            structlog.contextvars.bind_contextvars(replica=replication.replica_id)
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
             control, grpc_port = await start_control(

@@ -173,4 +173,5 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )
     exact = ExactPrompts(config.model, config.torch_weights[0]) if config.torch_weights is not None else None
-    return Runtime(config, table, clients, metrics, pipeline, fetcher, KeyRing.load(settings.auth), exact)
+    keys = KeyRing.load(settings.auth, settings.tenants)
+    return Runtime(config, table, clients, metrics, pipeline, fetcher, keys, exact)

@@ -15,6 +15,7 @@ from common.errors import ConfigError
 from common.yaml_files import StrictModel
 from gateway.config.auth import AuthConfig
 from gateway.config.sections import AdmissionConfig, BreakerConfig, RedisConfig, TlsConfig, require_torch
+from gateway.config.tenants import TenantsConfig
 from gateway.requests.images import ImageLimits
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.stealing import DEFAULT_MAX_BATCH, DEFAULT_THRESHOLD
@@ -253,6 +254,7 @@ class GatewaySettings(StrictModel):
     tls: TlsConfig = TlsConfig()
     keep_alive: KeepAliveConfig = KeepAliveConfig()
     redis: RedisConfig = RedisConfig()
+    tenants: TenantsConfig = TenantsConfig()   # keys -> tenants, their priority, weight and limits
     # A simulated vision engine sends random numbers as embeddings: a real `image_embeds` upstream would
     # answer from noise, so such a cluster is refused unless this says the upstream is a simulation too.
     simulated_embeddings: bool = False

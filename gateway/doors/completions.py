@@ -32,7 +32,7 @@ from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.dispatch import Dispatch
 from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError, openai_error_body
-from gateway.requests.job import GenerationJob
+from gateway.requests.job import DEFAULT_TENANT, GenerationJob
 from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest
 from gateway.runtime import Runtime
@@ -111,11 +111,12 @@ class CompletionsDoor:
         try:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")
-            self._runtime.keys.check(headers.get("authorization"), admin=False)
+            tenant = self._runtime.keys.check(headers.get("authorization"), admin=False)
             timeout_s = client_timeout(headers.get("x-request-timeout"))
             job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s)
-            if session := headers.get("x-session-id"):   # names the conversation, over the body's `user`
-                job = replace(job, session=session)
+            session = headers.get("x-session-id")   # names the conversation, over the body's `user`
+            if session or tenant != DEFAULT_TENANT:
+                job = replace(job, session=session or job.session, tenant=tenant)
             if stream:
                 await self._stream(exchange, kind, job, include_usage, record)
             else:

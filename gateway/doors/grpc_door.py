@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -67,16 +68,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         keys = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
         if len(keys) > 1:   # as on the HTTP door: which one counts is not left to the reader
             raise InvalidRequest("two authorization metadata entries: send one")
-        self._runtime.keys.check(keys[0] if keys else None, admin=False)
+        tenant = self._runtime.keys.check(keys[0] if keys else None, admin=False)
         remaining = context.time_remaining()
         body = _openai_body(request)
         try:
             if "prompt" in body:
-                return self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining)
-            return await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining)
+                job = self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining)
+            else:
+                job = await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining)
         except ValidationError as exc:
             err = exc.errors()[0]
             raise InvalidRequest(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        return replace(job, tenant=tenant)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -12,6 +12,8 @@ from gateway.routing.policies.contracts import RequestProfile
 # How a backend gets image embeddings: direct from the vision engine (DeliverEmbedding), inline in its
 # request body (vLLM image_embeds), or none (it encodes its own images).
 Handoff = Literal["direct", "inline", "none"]
+# The tenant of a request whose key names none (and of every request with API keys off).
+DEFAULT_TENANT = "default"
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class GenerationJob:
     # The session the client names (`x-session-id`, else the body's `user`; "" for none): the prefix
     # index keeps its backend (gateway.routing.prefix_index).
     session: str = ""
+    # Whose request it is (gateway.config.tenants): its limits, its share of admission, its usage.
+    tenant: str = DEFAULT_TENANT
 
     @property
     def image_tokens(self) -> int:

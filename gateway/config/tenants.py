@@ -1,0 +1,71 @@
+"""`gateway.tenants`: which API keys belong to which tenant (a team), and each tenant's share and limits.
+
+    gateway:
+      tenants:
+        on_redis_error: open          # limits kept in Redis and Redis away: admit (open) or 503 (closed)
+        default: {weight: 1}          # keys of no tenant (gateway.auth's), and every request with keys off
+        teams:
+          search:
+            api_keys_env: SEARCH_KEYS # or api_keys_file; as gateway.auth: never the key itself
+            priority: 1               # a higher class is always admitted first under contention
+            weight: 3                 # the share within its class
+            requests_per_minute: 600
+            tokens_per_minute: 200000 # prompt + completion, from the engines' usage
+            tokens_per_day: 50000000
+
+A tenant's keys are API keys: configuring one turns keys on for the /v1 routes, as gateway.auth's do.
+Limits are fixed windows: a minute (from the whole minute) and a UTC day. Leaving a limit out leaves
+it unlimited. The schema only: the keys are read by `gateway.config.auth.KeyRing`, the limits applied
+by `gateway.pipeline.tenants`, the shares by the admission queue.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator
+
+from common.yaml_files import StrictModel
+from gateway.requests.job import DEFAULT_TENANT
+
+TENANT_NAME = r"^[A-Za-z0-9._-]{1,64}$"   # a label value in /metrics and part of a Redis key
+
+
+class TenantPolicy(StrictModel):
+    """What a tenant gets: its priority class, its weight within the class, and its limits."""
+
+    priority: int = 0                 # strict between classes: any waiting request of a higher class goes first
+    weight: PositiveFloat = 1.0       # weighted fair share among the tenants of one class
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None   # prompt + completion tokens
+    tokens_per_day: PositiveInt | None = None      # a daily budget, the UTC day
+
+
+class TenantSpec(TenantPolicy):
+    """A named tenant: its policy and where its API keys are (one key per line / comma-separated)."""
+
+    api_keys_file: Path | None = None
+    api_keys_env: str | None = Field(default=None, min_length=1)
+
+
+class TenantsConfig(StrictModel):
+    default: TenantPolicy = TenantPolicy()
+    teams: dict[str, TenantSpec] = Field(default_factory=dict)
+    # Redis unreachable (`--redis-url` given): `open` admits without counting (logged, counted in
+    # heterogate_tenant_limiter_errors), `closed` answers 503 until Redis answers again.
+    on_redis_error: Literal["open", "closed"] = "open"
+
+    @field_validator("teams")
+    @classmethod
+    def _names_and_keys(cls, teams: dict[str, TenantSpec]) -> dict[str, TenantSpec]:
+        for name, spec in teams.items():
+            if not re.match(TENANT_NAME, name):
+                raise ValueError(f"tenant name {name!r}: letters, digits, '.', '_' and '-' only, at most 64")
+            if name == DEFAULT_TENANT:
+                raise ValueError(f"{DEFAULT_TENANT!r} is the tenant of keys that name none: set it under "
+                                 "gateway.tenants.default (it has no keys of its own)")
+            if spec.api_keys_file is None and spec.api_keys_env is None:
+                raise ValueError(f"tenant {name!r} has no api_keys_file or api_keys_env: no request could be its")
+        return teams
