@@ -1,8 +1,27 @@
-"""The admission queue: where requests wait when every backend is saturated.
+"""The admission queue: where requests wait when every backend is saturated, served by weighted fair share.
 
-Bounded (`max_waiting`; beyond it a request gets 429 with Retry-After at once), ordered by deadline
-then arrival. Capacity is signalled by the pipeline whenever a request finishes; the head of the
-queue re-checks saturation and goes, the rest keep waiting until their deadline (then 429).
+Bounded (`max_waiting`; beyond it a request gets 429 with Retry-After at once), and every waiter
+leaves with 429 at its own deadline (its request's, at most `max_wait_s` away). Capacity is signalled
+by the pipeline whenever a request finishes; the head of the queue re-checks saturation and goes,
+the rest keep waiting.
+
+Who is the head: each tenant is a `Flow` with a priority class and a weight
+(gateway/config/tenants.py). Classes are strict: while a request of a higher class waits, no lower
+one goes. Within a class the flows share by start-time fair queueing (Goyal et al., SFQ): a flow's
+next request carries a start tag, the larger of its previous finish tag and the class's virtual time
+(the start tag of the request that went last) when the flow starts waiting; a request that goes
+advances its flow's finish tag by cost / weight, where the cost is the tokens it is expected to take
+(prompt + max_tokens) and is corrected to what it took when it ends (`Share.settle`). The smallest
+start tag goes first, so under contention flows get throughput in proportion to their weights, and
+a flow that was idle starts at the class's virtual time: it goes next, with no credit saved up.
+Within a flow, requests go by deadline then arrival.
+
+The bound is shared fairly too: a request that finds the queue full pushes out the last request of
+the flow holding the most places per weight, when that flow holds more than the newcomer's would
+(and is of its class or a lower one); the one pushed out gets the 429 the newcomer would have got.
+
+A request that finds nobody waiting and capacity free is not queued and not charged
+(`Pipeline._admitted`): shares count only under contention.
 """
 
 from __future__ import annotations
@@ -19,34 +38,88 @@ from gateway.config.sections import AdmissionConfig
 from gateway.requests.errors import Overloaded
 
 
+class Flow:
+    """One tenant as the queue sees it: its class and weight, its waiters (a heap by deadline, then
+    arrival), and its tags in the class's virtual time."""
+
+    __slots__ = ("finish", "name", "priority", "start", "waiters", "weight")
+
+    def __init__(self, name: str, priority: int = 0, weight: float = 1.0) -> None:
+        self.name, self.priority, self.weight = name, priority, weight
+        self.waiters: list[_Waiter] = []
+        self.finish = 0.0   # the finish tag of its last request to leave the queue
+        self.start = 0.0    # the start tag of its next one, while it has waiters
+
+    def charge(self, cost: float) -> None:
+        """Account `cost` more (or less, when negative) of the class's capacity to this flow."""
+        step = cost / self.weight
+        self.finish += step
+        if self.waiters:
+            self.start += step
+
+
+class Share:
+    """One request's claim on its flow: the cost it is expected to take, and what was charged when it
+    left the queue (0: it never waited, so nothing is corrected)."""
+
+    __slots__ = ("charged", "cost", "flow")
+
+    def __init__(self, flow: Flow, cost: float) -> None:
+        self.flow, self.cost, self.charged = flow, max(1.0, cost), 0.0
+
+    def settle(self, actual: float) -> None:
+        """The request ended having taken `actual`: correct its flow's charge to that."""
+        if self.charged:
+            self.flow.charge(actual - self.charged)
+            self.charged = 0.0
+
+
 @dataclass(order=True)
 class _Waiter:
     deadline: float
     seq: int
+    share: Share = field(compare=False)
     wake: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
+    queued: bool = field(compare=False, default=True)
+    pushed_out: bool = field(compare=False, default=False)
+
+
+class _Class:
+    __slots__ = ("flows", "vtime")
+
+    def __init__(self) -> None:
+        self.flows: set[Flow] = set()   # those with waiters
+        self.vtime = 0.0
 
 
 class AdmissionQueue:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
-        self._heap: list[_Waiter] = []
+        self._classes: dict[int, _Class] = {}
+        self._waiting = 0
         self._seq = itertools.count()
+        self._default = Flow("default")   # requests that come without a share
 
     @property
     def waiting(self) -> int:
-        return len(self._heap)
+        return self._waiting
 
-    async def wait_for_capacity(self, saturated: Callable[[], bool], deadline: float) -> None:
+    async def wait_for_capacity(self, saturated: Callable[[], bool], deadline: float,
+                                share: Share | None = None) -> None:
         """Return when not `saturated()` and this request is at the head; raise Overloaded if it can't."""
-        if not self._heap and not saturated():
+        if not self._waiting and not saturated():
             return
-        if len(self._heap) >= self.config.max_waiting:
-            raise Overloaded(f"every backend is saturated and {len(self._heap)} requests are already queued")
-        waiter = _Waiter(min(deadline, self._clock() + self.config.max_wait_s), next(self._seq))
-        heapq.heappush(self._heap, waiter)
+        share = share or Share(self._default, 1.0)
+        if self._waiting >= self.config.max_waiting and not self._push_out(share.flow):
+            raise Overloaded(f"every backend is saturated and {self._waiting} requests are already queued")
+        waiter = _Waiter(min(deadline, self._clock() + self.config.max_wait_s), next(self._seq), share)
+        self._push(waiter)
         try:
-            while not (self._heap[0] is waiter and not saturated()):
+            while not (self._head() is waiter and not saturated()):
+                if waiter.pushed_out:
+                    raise Overloaded(f"every backend is saturated and {self._waiting} requests are queued; this "
+                                     "one gave its place to a tenant with fewer waiting")
                 remaining = waiter.deadline - self._clock()
                 if remaining <= 0:
                     raise Overloaded("every backend stayed saturated until the request's deadline")
@@ -54,12 +127,77 @@ class AdmissionQueue:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
                         await waiter.wake.wait()
+            self._leave(waiter, admitted=True)
         finally:
-            self._heap.remove(waiter)
-            heapq.heapify(self._heap)
+            if waiter.queued:
+                self._leave(waiter, admitted=False)
             self.notify()
 
     def notify(self) -> None:
         """Capacity may have freed up: wake the head of the queue."""
-        if self._heap:
-            self._heap[0].wake.set()
+        head = self._head()
+        if head is not None:
+            head.wake.set()
+
+    def waiting_by_flow(self) -> dict[str, int]:
+        """Waiting requests per flow (tenant), for /metrics and /admin/usage."""
+        return {f.name: len(f.waiters) for c in self._classes.values() for f in c.flows}
+
+    def _head(self) -> _Waiter | None:
+        """The highest class's flow of the smallest start tag (ties: the earlier arrival); its first waiter."""
+        best: _Class | None = None
+        priority = 0
+        for p, c in self._classes.items():
+            if c.flows and (best is None or p > priority):
+                best, priority = c, p
+        if best is None:
+            return None
+        flow = min(best.flows, key=lambda f: (f.start, f.waiters[0].seq))
+        return flow.waiters[0]
+
+    def _push(self, waiter: _Waiter) -> None:
+        flow = waiter.share.flow
+        c = self._classes.get(flow.priority) or self._classes.setdefault(flow.priority, _Class())
+        if not flow.waiters:   # starts waiting: no credit for the time it was idle
+            flow.start = max(flow.finish, c.vtime)
+            c.flows.add(flow)
+        heapq.heappush(flow.waiters, waiter)
+        self._waiting += 1
+
+    def _leave(self, waiter: _Waiter, *, admitted: bool) -> None:
+        """Take `waiter` out of its flow; `admitted`: it goes (it is the head), and its flow is charged."""
+        share = waiter.share
+        flow = share.flow
+        c = self._classes[flow.priority]
+        if admitted:
+            heapq.heappop(flow.waiters)
+            c.vtime = flow.start
+            flow.finish = flow.start + share.cost / flow.weight
+            flow.start = flow.finish
+            share.charged = share.cost
+        else:
+            flow.waiters.remove(waiter)
+            heapq.heapify(flow.waiters)
+        waiter.queued = False
+        self._waiting -= 1
+        if not flow.waiters:
+            c.flows.discard(flow)
+
+    def _push_out(self, newcomer: Flow) -> bool:
+        """The queue is full: make room for `newcomer`'s request by pushing out the last request of the
+        flow with the most waiting per weight, if that is more than the newcomer's flow would have."""
+        victim: Flow | None = None
+        for p, c in self._classes.items():
+            if p > newcomer.priority:
+                continue
+            for f in c.flows:
+                if victim is None or len(f.waiters) / f.weight > len(victim.waiters) / victim.weight:
+                    victim = f
+        if victim is None or victim is newcomer or (
+                len(victim.waiters) / victim.weight <= (len(newcomer.waiters) + 1) / newcomer.weight):
+            return False
+        last = max(victim.waiters)
+        self._leave(last, admitted=False)
+        last.pushed_out = True
+        last.wake.set()
+        return True
