@@ -184,6 +184,8 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     replication: Replication | None = None
     try:
         replication = join(runtime, options.redis_url, auth.identities) if options.redis_url else None
+        if replication is not None:   # on every line this process logs from now on, each request's included
+            structlog.contextvars.bind_contextvars(replica=replication.replica_id)
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
             control, grpc_port = await start_control(
