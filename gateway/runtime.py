@@ -15,6 +15,7 @@ from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
 from gateway.pipeline.metrics import GatewayMetrics, PrefixCollector
+from gateway.pipeline.tenants import TenantCollector, Tenants
 from gateway.requests.exact_prompt import ExactPrompts
 from gateway.routing.backend_entry import SERVING, BackendEntry
 from gateway.routing.policies import build_policy
@@ -162,6 +163,8 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     pipeline = Pipeline(table, policy, vision_policy, clients, metrics, pipeline_settings(settings),
                         Breakers(settings.breaker), AdmissionQueue(settings.admission))
     metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
+    pipeline.tenants = Tenants(settings.tenants)
+    metrics.registry.register(TenantCollector(pipeline.tenants, pipeline.admission))
     prefix = routing.prefix_cache
     if prefix.enabled:
         pipeline.prefixes = index = PrefixIndex(prefix.block_tokens, prefix.max_blocks_per_backend)

@@ -33,10 +33,12 @@ import structlog
 
 from common.wire import engine_pb2
 from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EngineClient, EngineClients
+from gateway.config.tenants import TenantsConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.request_log import RequestRecord
+from gateway.pipeline.tenants import Tenants
 from gateway.requests.errors import BackendFailure, DeadlineExceeded, NoBackendAvailable
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Lease
@@ -165,6 +167,7 @@ class Pipeline:
         self.metrics = metrics
         self.settings = settings
         self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
+        self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
 
     def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float) -> Decision:
         t0 = time.perf_counter()
@@ -251,11 +254,14 @@ class Pipeline:
         """Admit, route, dispatch; retry (with backoff and jitter) until the first token or the deadline."""
         started = time.monotonic()
         record = record or RequestRecord(job.request_id, job.kind)
+        ticket = record.tenant = self.tenants.ticket(job)
+        if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits
+            await self.tenants.charge(ticket)
         deadline = self.deadline(job, record)
         profile = self.profile(job, record)
         admitted = self._admitted(profile, job.context_tokens)
         if admitted is None:
-            await self.admission.wait_for_capacity(self.saturated, deadline)
+            await self.admission.wait_for_capacity(self.saturated, deadline, ticket.share)
         tried: list[str] = []
         last_error: BackendFailure | None = None
         out_of_time = False

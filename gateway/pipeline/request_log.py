@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.pipeline.metrics import GatewayMetrics
+from gateway.pipeline.tenants import Ticket
 from gateway.routing.prefix_index import PrefixQuery
 
 log = structlog.get_logger("http")
@@ -40,6 +41,7 @@ class RequestRecord:
     ttft_s: float | None = None
     finished: bool = False
     prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
+    tenant: Ticket | None = None         # its tenant's charges (from admission), settled with its usage at the end
 
     def attempt(self, backend_id: str) -> None:
         self.attempts += 1
@@ -69,6 +71,8 @@ class RequestLog:
         if prompt_tokens or completion_tokens:
             m.prompt_tokens.inc((backend,), prompt_tokens)
             m.generation_tokens.inc((backend,), completion_tokens)
+        if record.tenant is not None:
+            record.tenant.finish(status, prompt_tokens, completion_tokens)
         if not self._lines:
             return
         log.info(
@@ -78,4 +82,5 @@ class RequestLog:
             latency_s=round(time.monotonic() - record.started, 4),
             ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error,
+            tenant=record.tenant.name if record.tenant is not None else None,
         )

@@ -40,9 +40,12 @@ class CounterTable:
     def value(self, labels: Labels) -> float:
         return self._counts.get(labels, 0.0)
 
+    def items(self) -> list[tuple[Labels, float]]:
+        return list(self._counts.items())
+
     def family(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
-        for labels, count in list(self._counts.items()):
+        for labels, count in self.items():
             family.add_metric(list(labels), count)
         return family
 

@@ -3,8 +3,9 @@
 Wires the pieces of scale-out into a runtime built for one process: the shared state (published and
 refreshed in the background, see shared_state.py), the spreading layer over both pools' policies
 (policies/spreading.py), the leader lease that picks the one replica running the managed engines
-(leadership.py) and the engines' identities that every replica checks (engine_identities.py). A
-process without a Redis URL uses none of them and supervises the engines itself.
+(leadership.py), the engines' identities that every replica checks (engine_identities.py) and the
+tenants' rate limits (tenant_limits.py). A process without a Redis URL uses none of them, supervises
+the engines itself and keeps the tenants' limits in memory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gateway.control.engine_identities import EngineIdentities
 from gateway.control.launchers import free_port
 from gateway.replicas.leadership import LeaderLease
 from gateway.replicas.shared_state import SharedState, SharedStateCollector, connect
+from gateway.replicas.tenant_limits import RedisLimitStore
 from gateway.routing.policies.spreading import Spreading
 from gateway.runtime import Runtime
 
@@ -67,6 +69,8 @@ def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replicatio
     shared = SharedState(runtime.table, redis, config, replica_id, on_remote_heartbeat=runtime.clients.ensure,
                          on_identities=identities.adopt)
     runtime.metrics.registry.register(SharedStateCollector(shared, runtime.table))
+    # tenants' limits hold across the replicas
+    runtime.pipeline.tenants.store = RedisLimitStore(redis, config.key_prefix, config.timeout_ms / 1000)
     pipeline = runtime.pipeline
     pipeline.policy = Spreading(pipeline.policy, config.spread, seed=replica_id)
     pipeline.vision_policy = Spreading(pipeline.vision_policy, config.spread, seed=replica_id + "/vision")

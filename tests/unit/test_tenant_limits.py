@@ -1,0 +1,131 @@
+"""Tenants' limits in one process: fixed windows on an injected wall clock (whole minutes, UTC days),
+charges all-or-nothing over a tenant's limits, usage reconciled at the end, the 429 a client gets, and
+the counters of each tenant."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config.tenants import TenantsConfig
+from gateway.pipeline.tenants import DAY_S, MINUTE_S, Limit, MemoryLimitStore, Tenants
+from gateway.requests.errors import RateLimited, openai_error_body
+from gateway.requests.job import GenerationJob
+
+RPM = Limit("requests_per_minute", MINUTE_S, 3)
+TPM = Limit("tokens_per_minute", MINUTE_S, 100)
+TPD = Limit("tokens_per_day", DAY_S, 250)
+T0 = 1_800_000_020.0   # 20 s into a minute (wall-clock seconds)
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_minute_window_holds_its_limit_and_the_next_minute_starts_afresh() -> None:
+    clock = Clock(T0)   # 20 s into its minute
+    store = MemoryLimitStore(clock)
+    for _ in range(3):
+        assert (await store.charge("a", [RPM], [1])).admitted
+    refused = await store.charge("a", [RPM], [1])
+    assert not refused.admitted and refused.used == 3 and refused.retry_after_s == pytest.approx(40.0)
+    clock.now += 39.9
+    assert not (await store.charge("a", [RPM], [1])).admitted
+    clock.now += 0.1   # the next whole minute
+    assert (await store.charge("a", [RPM], [1])).admitted
+    assert [u.used for u in await store.read("a", [RPM])] == [1]
+    assert (await store.charge("b", [RPM], [1])).admitted   # another tenant's counter
+
+
+async def test_a_charge_is_all_or_nothing_over_the_tenants_limits() -> None:
+    clock = Clock(T0)
+    store = MemoryLimitStore(clock)
+    assert (await store.charge("a", [RPM, TPM, TPD], [1, 90, 90])).admitted
+    refused = await store.charge("a", [RPM, TPM, TPD], [1, 20, 20])   # 110 tokens this minute: over
+    assert (refused.admitted, refused.refused, refused.used) == (False, 1, 90)
+    assert [u.used for u in await store.read("a", [RPM, TPM, TPD])] == [1, 90, 90]   # nothing charged
+
+
+async def test_the_daily_budget_is_the_utc_day() -> None:
+    clock = Clock(T0)
+    store = MemoryLimitStore(clock)
+    assert (await store.charge("a", [TPD], [200])).admitted
+    refused = await store.charge("a", [TPD], [100])
+    midnight = (T0 // DAY_S + 1) * DAY_S
+    assert not refused.admitted and refused.retry_after_s == pytest.approx(midnight - T0)
+    clock.now = midnight
+    assert (await store.charge("a", [TPD], [100])).admitted
+
+
+async def test_usage_is_reconciled_into_the_window_it_was_charged_to() -> None:
+    clock = Clock(T0)
+    store = MemoryLimitStore(clock)
+    charge = await store.charge("a", [TPM], [50])
+    store.adjust("a", [TPM], charge.windows, [30])      # the request took 80 tokens, not 50
+    assert [u.used for u in await store.read("a", [TPM])] == [80]
+    store.adjust("a", [TPM], charge.windows, [-60])     # a refund, in the same window
+    assert [u.used for u in await store.read("a", [TPM])] == [20]
+    clock.now += 60
+    store.adjust("a", [TPM], charge.windows, [-20])     # the window has passed: no credit in the next
+    assert [u.used for u in await store.read("a", [TPM])] == [0]
+    store.adjust("a", [TPM], charge.windows, [25])      # usage that ran into the next window counts there
+    assert [u.used for u in await store.read("a", [TPM])] == [25]
+
+
+def tenants(clock: Clock, **teams: dict[str, object]) -> Tenants:
+    config = TenantsConfig.model_validate({"teams": {n: {"api_keys_env": "UNUSED", **t} for n, t in teams.items()}})
+    return Tenants(config, MemoryLimitStore(clock))
+
+
+def job(tenant: str, prompt_tokens: int = 10, max_tokens: int = 5) -> GenerationJob:
+    return GenerationJob("r", "hi", prompt_tokens, max_tokens, tenant=tenant)
+
+
+async def test_over_a_limit_is_openais_429_and_other_tenants_are_untouched() -> None:
+    t = tenants(Clock(T0), a={"requests_per_minute": 2}, b={"requests_per_minute": 2})
+    for _ in range(2):
+        await t.charge(t.ticket(job("a")))
+    with pytest.raises(RateLimited) as err:
+        await t.charge(t.ticket(job("a")))
+    exc = err.value
+    assert exc.status == 429 and exc.retry_after_s == 40
+    body = openai_error_body(exc)["error"]
+    assert body["type"] == "requests" and body["code"] == "rate_limit_exceeded"
+    assert "tenant 'a' on requests per minute: limit 2, used 2, requested 1" in body["message"]
+    await t.charge(t.ticket(job("b")))
+    assert t.rate_limited.items() == [(("a", "requests_per_minute"), 1.0)]
+
+
+async def test_tokens_are_estimated_at_admission_and_counted_from_usage_at_the_end() -> None:
+    clock = Clock(T0)
+    t = tenants(clock, a={"tokens_per_minute": 100})
+    first = t.ticket(job("a", prompt_tokens=40))
+    await t.charge(first)   # 40 estimated
+    first.finish(200, 40, 50)   # it took 90
+    with pytest.raises(RateLimited) as err:
+        await t.charge(t.ticket(job("a", prompt_tokens=20)))   # 90 + 20 > 100
+    assert err.value.type == "tokens" and err.value.retry_after_s == 40
+    second = t.ticket(job("a", prompt_tokens=10))
+    await t.charge(second)
+    second.finish(429, 0, 0)   # refused later on (queue full): its estimate is given back
+    assert [u.used for u in await t.store.read("a", t.by_name["a"].limits)] == [90]
+    assert t.prompt_tokens.value(("a",)) == 40 and t.completion_tokens.value(("a",)) == 50
+    assert t.requests.items() == [(("a", "200"), 1.0), (("a", "429"), 1.0)]
+
+
+async def test_a_request_larger_than_a_token_limit_is_refused_without_retry_after() -> None:
+    t = tenants(Clock(T0), a={"tokens_per_minute": 100})
+    with pytest.raises(RateLimited, match="Request too large for tenant 'a' on tokens per minute: limit 100, "
+                                          "requested 101") as err:
+        await t.charge(t.ticket(job("a", prompt_tokens=101)))
+    assert err.value.retry_after_s is None
+
+
+def test_a_key_of_no_tenant_is_the_default_tenants() -> None:
+    t = tenants(Clock(T0), a={"weight": 3, "priority": 2})
+    assert t.ticket(job("default")).name == "default"
+    ticket = t.ticket(job("a", prompt_tokens=10, max_tokens=5))
+    assert (ticket.share.flow.weight, ticket.share.flow.priority, ticket.share.cost) == (3, 2, 15)
