@@ -92,6 +92,13 @@ def create_app(runtime: Runtime) -> FastAPI:
         authorize(request, admin=True)
         return json_response({"object": "list", "data": runtime.describe_backends()})
 
+    @app.get("/admin/usage")
+    async def admin_usage(request: Request) -> Response:
+        """Per tenant: policy, current windows (every replica's, with Redis), this process's counters."""
+        authorize(request, admin=True)
+        pipeline = runtime.pipeline
+        return json_response({"object": "list", "data": await pipeline.tenants.usage(pipeline.admission)})
+
     add_dashboard(app)
     return app
 

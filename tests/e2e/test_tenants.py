@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Gateway, run_gateway, write_config
 
@@ -73,3 +75,48 @@ def test_one_tenant_over_its_requests_per_minute_gets_429_and_the_other_keeps_go
         assert chat(gateway, key).status_code == 200
     streamed = chat(gateway, BETA, stream=True)
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def usage(gw: Gateway) -> dict[str, dict[str, Any]]:
+    resp = httpx.get(f"{gw.url}/admin/usage", headers=gw.admin_headers, timeout=10)
+    assert resp.status_code == 200
+    return {t["tenant"]: t for t in resp.json()["data"]}
+
+
+def metrics(gw: Gateway) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(f"{gw.url}/metrics", headers=gw.admin_headers, timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_usage_per_tenant_in_admin_usage_and_metrics(gateway: Gateway) -> None:
+    for key in (None, BETA):   # the admin key only
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        assert httpx.get(f"{gateway.url}/admin/usage", headers=headers, timeout=10).status_code == 401
+    minute_room()
+    before = usage(gateway)
+    for _ in range(2):
+        assert chat(gateway, BETA).status_code == 200
+    for _ in range(ALPHA_RPM + 1):   # its window may be partly used already: until it is refused
+        if chat(gateway, ALPHA).status_code == 429:
+            break
+    after = usage(gateway)
+    assert set(after) == {"default", "alpha", "beta"}
+    beta, alpha = after["beta"], after["alpha"]
+    assert (beta["priority"], beta["weight"], beta["limits"]) == (0, 3.0, {"tokens_per_minute": 1_000_000})
+    assert beta["requests"] - before["beta"]["requests"] == 2
+    assert beta["prompt_tokens"] > before["beta"]["prompt_tokens"]
+    assert beta["completion_tokens"] - before["beta"]["completion_tokens"] == 8   # max_tokens 4, twice
+    window = beta["windows"]["tokens_per_minute"]
+    assert window["limit"] == 1_000_000 and window["used"] > 0 and 0 < window["resets_in_s"] <= 60
+    refused = before["alpha"]["rate_limited"].get("requests_per_minute", 0)
+    assert alpha["rate_limited"]["requests_per_minute"] - refused == 1 and alpha["requests_by_status"]["429"] >= 1
+    assert alpha["windows"]["requests_per_minute"]["used"] == ALPHA_RPM
+    m = metrics(gateway)
+    assert m["heterogate_tenant_requests_total", frozenset({("tenant", "beta"), ("status", "200")})] == \
+        beta["requests_by_status"]["200"]
+    assert m["heterogate_tenant_completion_tokens_total", frozenset({("tenant", "beta")})] == beta["completion_tokens"]
+    assert m["heterogate_tenant_rate_limited_total",
+             frozenset({("tenant", "alpha"), ("reason", "requests_per_minute")})] == alpha["rate_limited"][
+        "requests_per_minute"]
+    assert m["heterogate_tenant_admission_waiting", frozenset({("tenant", "default")})] == 0
