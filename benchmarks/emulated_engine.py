@@ -12,7 +12,12 @@ continuous batcher in emulated time:
 - a step decodes one token for every running sequence and spends what is left of the token budget
   (`max_batched_tokens`) on chunked prefill, oldest first; the step that ends a prompt's prefill
   yields its first token;
-- step time = base + per_seq · decoding + kv_read · context tokens + prefill · prefill tokens.
+- step time = base + per_seq · decoding + kv_read · context tokens + prefill · prefill tokens;
+- with `--prefix-caching` (vLLM's automatic prefix caching, on by default in vLLM): a prompt's leading
+  blocks still in the cache (held by running sequences, or cached in free KV blocks, evicted least
+  recently used first) are not prefilled again (`common.prefix_blocks.EnginePrefixCache`; blocks of the
+  prompt rendered as the gateway renders a chat, `role: text` lines); /metrics then carries
+  `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (tokens).
 
 Tier speeds are of the order of a 7B model in vLLM on each GPU (measured MFU, not datasheet peaks:
 the gateway's performance-model priors are 3-4x off on purpose) and KV sizes of that order too.
@@ -31,12 +36,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httptools
 import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:   # run as a script: the shared package from this checkout
+    sys.path.insert(0, str(ROOT))
+
+from common.prefix_blocks import EnginePrefixCache, block_hashes  # noqa: E402
 
 MODEL = "llava-1.5-7b"
 MAX_MODEL_LEN = 4096
@@ -77,6 +90,8 @@ class Seq:
     prefilled: int = 0
     generated: int = 0
     aborted: bool = False
+    hashes: list[int] = field(default_factory=list)   # its prompt's block hashes (prefix caching)
+    cached: int = 0                   # prompt tokens found in the prefix cache at admission
 
     @property
     def blocks(self) -> int:
@@ -98,6 +113,7 @@ class Batcher:
     waiting: deque[Seq] = field(default_factory=deque)
     running: list[Seq] = field(default_factory=list)
     free_blocks: int = 0
+    cache: EnginePrefixCache | None = None   # prefix caching: prefill starts after the cached prefix
 
     def __post_init__(self) -> None:
         self.free_blocks = self.tier.num_blocks
@@ -115,6 +131,9 @@ class Batcher:
                 return
             self.waiting.popleft()
             self.free_blocks -= head.blocks
+            if self.cache is not None:
+                head.cached = head.prefilled = self.cache.admit(head.hashes, head.prompt)
+                self.cache.fit(self.free_blocks)
             self.running.append(head)
 
     def plan(self) -> StepPlan | None:
@@ -148,6 +167,9 @@ class Batcher:
             gone = {id(s) for s in done}
             self.running = [s for s in self.running if id(s) not in gone]
             self.free_blocks += sum(s.blocks for s in done)
+            if self.cache is not None:
+                for s in done:
+                    self.cache.release(s.hashes, self.free_blocks)
         return done
 
     def kv_usage(self) -> float:
@@ -174,22 +196,30 @@ def _error(message: str) -> bytes:
     return _json(b"400 Bad Request", {"error": {"message": message, "type": "BadRequestError", "code": 400}})
 
 
+def message_text(m: dict[str, Any]) -> str:
+    content = m.get("content") or ""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
 def prompt_tokens(messages: list[dict[str, Any]]) -> int:
     total = 0
     for m in messages:
-        content = m.get("content") or ""
-        text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
-        size = len(text.encode())
+        size = len(message_text(m).encode())
         total += (max(1, -(-size // 4)) if size else 0) + 4
     return total
+
+
+def rendered(messages: list[dict[str, Any]]) -> str:
+    """The prompt as the gateway renders a chat (`role: text` lines): what the prefix cache hashes."""
+    return "\n".join(f"{m.get('role')}: {message_text(m)}" for m in messages)
 
 
 class Engine:
     """One emulated engine: the batcher driven by the event loop's clock, its metrics and its HTTP side."""
 
-    def __init__(self, engine_id: str, tier: TierSpeed, time_scale: float) -> None:
+    def __init__(self, engine_id: str, tier: TierSpeed, time_scale: float, prefix_caching: bool = False) -> None:
         self.id, self.tier, self.scale = engine_id, tier, time_scale
-        self.batcher = Batcher(tier)
+        self.batcher = Batcher(tier, cache=EnginePrefixCache(BLOCK_SIZE) if prefix_caching else None)
         self._wake = asyncio.Event()
         self.latency_sum = 0.0
         self.latency_count = 0
@@ -252,6 +282,11 @@ class Engine:
             b"# TYPE vllm:generation_tokens_total counter",
             b"vllm:generation_tokens_total%s %d" % (label, self.generated),
         ]
+        if b.cache is not None:
+            lines += [b"# TYPE vllm:prefix_cache_queries counter",
+                      b"vllm:prefix_cache_queries_total%s %d" % (label, b.cache.queries),
+                      b"# TYPE vllm:prefix_cache_hits counter",
+                      b"vllm:prefix_cache_hits_total%s %d" % (label, b.cache.hits)]
         return b"\n".join(lines) + b"\n"
 
 
@@ -311,6 +346,8 @@ class _Conn(asyncio.Protocol):
             self.transport.write(_error(f"prompt ({prompt}) + max_tokens ({max_tokens}) exceeds {MAX_MODEL_LEN}"))
             return
         seq = Seq(prompt, max_tokens, asyncio.get_running_loop().time(), self)
+        if self.engine.batcher.cache is not None:
+            seq.hashes = block_hashes(rendered(req["messages"]), max_blocks=prompt // BLOCK_SIZE)
         if not self.engine.batcher.fits(seq):
             self.transport.write(_error("request larger than the KV cache"))
             return
@@ -338,11 +375,11 @@ class _Conn(asyncio.Protocol):
                       "total_tokens": s.prompt + s.generated}}))
 
 
-async def serve(specs: list[tuple[str, str, int]], time_scale: float) -> None:
+async def serve(specs: list[tuple[str, str, int]], time_scale: float, prefix_caching: bool = False) -> None:
     loop = asyncio.get_running_loop()
     servers, tasks = [], []
     for engine_id, tier, port in specs:
-        engine = Engine(engine_id, TIERS[tier], time_scale)
+        engine = Engine(engine_id, TIERS[tier], time_scale, prefix_caching)
         tasks.append(asyncio.create_task(engine.run()))
         servers.append(await loop.create_server(lambda e=engine: _Conn(e), "127.0.0.1", port, backlog=1024))
     await asyncio.gather(*tasks)
@@ -359,12 +396,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--engine", type=parse_engine, action="append", required=True, help="ID:TIER:PORT")
     p.add_argument("--time-scale", type=float, default=1.0, help="emulated seconds per real second")
+    p.add_argument("--prefix-caching", action="store_true", help="automatic prefix caching, as vLLM's")
     args = p.parse_args()
     if not math.isfinite(args.time_scale) or args.time_scale <= 0:
         p.error("--time-scale must be positive")
     try:
         import uvloop
-        uvloop.run(serve(args.engine, args.time_scale))
+        uvloop.run(serve(args.engine, args.time_scale, args.prefix_caching))
     except KeyboardInterrupt:
         pass
 

@@ -33,8 +33,9 @@ from gateway.config.auth import KeyRing
 from gateway.config.cluster import ClusterConfig, LaunchSpec
 from gateway.control.adoption import find_adoptable
 from gateway.control.control_auth import ControlAuth, is_loopback
+from gateway.control.fleet import Fleet
 from gateway.control.heartbeat_service import ControlService
-from gateway.control.launchers import build_launchers, managed_address, managed_ports
+from gateway.control.launchers import LaunchContext, build_launchers, managed_address, managed_ports
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
 from gateway.doors.grpc_door import add_front_door
@@ -208,11 +209,17 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             control_address, shared = f"{engines_address},{control_address}", True
     adoptable = [s.id for s in config.raw.backends if isinstance(s.launch, LaunchSpec)] if shared else []
     probes = httpx.AsyncClient(timeout=httpx.Timeout(PROBE_TIMEOUT_S), follow_redirects=True, trust_env=False)
-    launchers = build_launchers(config, ports, control_address, runtime.table, make_probe(probes),
-                                options.engine_log_level, engine_env=auth.engine_env,
-                                orphan_timeout_s=config.settings.redis.engine_orphan_s if shared else None)
+    launch = LaunchContext(control_address, runtime.table, make_probe(probes), options.engine_log_level,
+                           engine_env=auth.engine_env,
+                           orphan_timeout_s=config.settings.redis.engine_orphan_s if shared else None)
+    upstreams = UpstreamMonitor(config, runtime.table, addresses, probes)
+    fleet = Fleet(runtime, launch, build_launchers(config, ports, launch),
+                  lambda: s if isinstance(s := supervision.supervisor, Supervisor) else None, upstreams,
+                  auth.identities, drain_timeout_s=config.settings.drain_timeout_s,
+                  refused=None if replication is None else "the fleet cannot change at runtime while replicas share "
+                  "state (--redis-url): restart the replicas with the new backends file")
     supervision = Supervision(
-        lambda adopted: Supervisor(launchers, on_state=runtime.table.set_lifecycle,
+        lambda adopted: Supervisor(fleet.launchers(), on_state=runtime.table.set_lifecycle,
                                    stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s), adopted=adopted,
                                    on_launch=auth.identities.launched),
         replication.lease if replication else None, engines_silent(runtime, managed),
@@ -222,7 +229,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
                                            auth.identities.verify))
     runtime.metrics.backends.restarts = lambda: {
         c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
-    server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context)
+    server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context, fleet)
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
@@ -230,11 +237,12 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, fleet.reload_soon)   # apply backends.yaml's `backends:` again
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
              policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name,
              replica=replication.replica_id if replication else None)
     await server.start(http_socket)
-    monitor = asyncio.create_task(UpstreamMonitor(config, runtime.table, addresses, probes).run(stop))
+    monitor = asyncio.create_task(upstreams.run(stop))
     drained = asyncio.Event()   # engines, the leader lease and shared counts outlive the drain
     supervising = asyncio.create_task(supervision.run(drained))
     sharing = asyncio.create_task(replication.shared.run(drained)) if replication else None
@@ -244,6 +252,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         log.info("gateway_stopping")
         stop.set()
         await server.stop(config.settings.drain_timeout_s)
+        await fleet.close()
         await monitor
         # The engines' streams close from this side before the engines are stopped: an engine that
         # stops under an open Session stream logs the cancellation as an error.

@@ -10,7 +10,7 @@ import httpx
 from gateway.clients.engine_client import EngineClients
 from gateway.clients.openai_upstream import Upstream
 from gateway.config.auth import KeyRing
-from gateway.config.cluster import ClusterConfig, GatewaySettings, Limits
+from gateway.config.cluster import BackendSpec, ClusterConfig, GatewaySettings, Limits
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
@@ -82,6 +82,7 @@ class Runtime:
                 ("healthy" if self.table.is_healthy(e) else "unhealthy"),
                 "pid": e.reported.pid or None,
                 "healthy": self.table.is_healthy(e),
+                "draining": self.table.is_draining(e.id),   # no new requests (fleet changes at runtime)
                 "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,
@@ -134,6 +135,20 @@ def pipeline_settings(settings: GatewaySettings) -> PipelineSettings:
     )
 
 
+def register_backend(table: StateTable, config: ClusterConfig, spec: BackendSpec, address: str | None) -> None:
+    """One entry of backends.yaml into the table: at start-up, and when the fleet changes at runtime."""
+    table.register(
+        spec.id, spec.role, config.gpus[spec.id], address=address, managed=spec.launch is not None,
+        steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
+        kv_capacity_tokens=spec.kv_capacity_tokens,
+    )
+
+
+def upstream_of(config: ClusterConfig, spec: BackendSpec) -> Upstream:
+    """What the HTTP client of a kind: openai entry sends upstream (model name, image embeds, key)."""
+    return Upstream(spec.upstream_model, config.model if spec.image_embeds else None, config.api_keys[spec.id])
+
+
 def build_runtime(config: ClusterConfig, policy_name: str | None = None,
                   addresses: dict[str, str] | None = None) -> Runtime:
     """`addresses`: where managed kind: openai backends will listen (their ports are picked at start-up)."""
@@ -142,18 +157,13 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
                        itl_target_s=settings.routing.itl_target_ms / 1000)
     address_of = {s.id: s.address for s in config.raw.backends} | (addresses or {})
     for spec in config.raw.backends:
-        table.register(
-            spec.id, spec.role, config.gpus[spec.id], address=address_of[spec.id], managed=spec.launch is not None,
-            steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
-            kv_capacity_tokens=spec.kv_capacity_tokens,
-        )
+        register_backend(table, config, spec, address_of[spec.id])
     routing = settings.routing
     name = policy_name or routing.policy
     policy = build_policy(name, routing.params.get(name))
     vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
     clients = EngineClients({
-        s.id: Upstream(s.upstream_model, config.model if s.image_embeds else None, config.api_keys[s.id])
-        for s in config.raw.backends if s.kind == "openai"
+        s.id: upstream_of(config, s) for s in config.raw.backends if s.kind == "openai"
     }, upstream_idle_s=settings.keep_alive.upstream_idle_s,
         upstream_max_connections=settings.keep_alive.upstream_max_connections)
     for spec in config.raw.backends:

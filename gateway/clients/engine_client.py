@@ -157,9 +157,16 @@ class EngineClients:
             # Each connection may stay pooled: a closed loop of c requests needs c live connections, and
             # one dropped is a new handshake next time.
             pool = UpstreamPool(address, max_connections=self._upstream_max_connections, idle_s=self._upstream_idle_s)
-            self._clients[backend_id] = OpenAIUpstreamClient(backend_id, address, pool, upstream)
+            self.put(backend_id, OpenAIUpstreamClient(backend_id, address, pool, upstream))
         else:
-            self._clients[backend_id] = EngineClient(backend_id, address)
+            self.put(backend_id, EngineClient(backend_id, address))
+
+    def put(self, backend_id: str, client: BackendClient | None) -> None:
+        """Install `client` for the backend (None: forget it, the backend left the fleet), closing the
+        one it replaces in the background."""
+        current = self._clients.pop(backend_id, None)
+        if client is not None:
+            self._clients[backend_id] = client
         if current is not None:
             task = asyncio.create_task(current.close())
             self._closing.add(task)

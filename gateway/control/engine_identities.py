@@ -45,6 +45,13 @@ class EngineIdentities:
     def drawn(cls, managed: Iterable[str], *, launching: bool = True) -> EngineIdentities:
         return cls({backend_id: secrets.token_urlsafe(32) for backend_id in managed}, launching=launching)
 
+    def draw(self, backend_id: str) -> None:
+        """A managed backend added at runtime (gateway/control/fleet.py): a secret of its own."""
+        self._secrets[backend_id] = secret = secrets.token_urlsafe(32)
+        self.own[backend_id] = digest(secret)
+        if self.launching:
+            self._digests[backend_id] = self.own[backend_id]
+
     def __contains__(self, backend_id: str) -> bool:
         return backend_id in self._secrets
 

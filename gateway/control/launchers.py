@@ -109,21 +109,36 @@ def managed_ports(config: ClusterConfig) -> dict[str, int]:
     }
 
 
-def build_launchers(
-    config: ClusterConfig, ports: dict[str, int], control_address: str, table: StateTable, probe: Probe,
-    log_level: str, engine_env: Callable[[str], dict[str, str]] = lambda backend_id: {},
-    orphan_timeout_s: float | None = None,
-) -> list[Launcher]:
-    """`control_address`: where engines heartbeat (several, comma-separated, fail over); `orphan_timeout_s`:
-    replicas only, kind: engine backends outlive their launcher (see EngineLauncher)."""
-    launchers: list[Launcher] = []
-    for spec in config.raw.backends:
+@dataclass(frozen=True)
+class LaunchContext:
+    """What every launcher of one gateway shares: where engines heartbeat (several addresses,
+    comma-separated, fail over), the table, the readiness probe, the engines' log level and environment
+    (their identity), and, with replicas only, `orphan_timeout_s` (kind: engine backends outlive their
+    launcher, see EngineLauncher). Launchers are made at start-up and for backends added at runtime
+    (gateway/control/fleet.py)."""
+
+    control_address: str
+    table: StateTable
+    probe: Probe
+    log_level: str
+    engine_env: Callable[[str], dict[str, str]] = lambda backend_id: {}
+    orphan_timeout_s: float | None = None
+
+    def launcher(self, config: ClusterConfig, spec: BackendSpec, port: int | None) -> Launcher | None:
+        """The launcher of a managed entry (`port`: a managed kind: openai engine's); None for an external one."""
         if isinstance(spec.launch, CommandLaunchSpec):
-            launchers.append(CommandLauncher(spec, ports[spec.id], probe))
-        elif isinstance(spec.launch, LaunchSpec):
-            launchers.append(EngineLauncher(config, spec, control_address, table, log_level, engine_env(spec.id),
-                                            orphan_timeout_s))
-    return launchers
+            assert port is not None
+            return CommandLauncher(spec, port, self.probe)
+        if isinstance(spec.launch, LaunchSpec):
+            return EngineLauncher(config, spec, self.control_address, self.table, self.log_level,
+                                  self.engine_env(spec.id), self.orphan_timeout_s)
+        return None
+
+
+def build_launchers(config: ClusterConfig, ports: dict[str, int], context: LaunchContext) -> list[Launcher]:
+    """The launchers of every managed entry of the file (`ports`: those of managed kind: openai engines)."""
+    return [launcher for spec in config.raw.backends
+            if (launcher := context.launcher(config, spec, ports.get(spec.id))) is not None]
 
 
 def engine_argv(config: ClusterConfig, spec: BackendSpec, control_address: str, log_level: str) -> list[str]:

@@ -124,17 +124,36 @@ class Supervisor:
         self._stable_after_s = stable_after_s
         self._stop_timeout_s = stop_timeout_s
         self._stopping = False
+        self._started = False
 
     @property
     def children(self) -> list[Child]:
         return self._children
 
     def start(self) -> None:
+        self._started = True
         for child in self._children:
-            adopted = child.process = self._adopted.pop(child.backend_id, None)
-            # an adopted engine serves on: "ready" keeps its last heartbeat, "starting" would drop it
-            self._set(child, "ready" if adopted is not None else "starting")
-            child.task = asyncio.create_task(self._keep_running(child, adopted), name=f"supervise-{child.backend_id}")
+            self._start_child(child)
+
+    def _start_child(self, child: Child) -> None:
+        adopted = child.process = self._adopted.pop(child.backend_id, None)
+        # an adopted engine serves on: "ready" keeps its last heartbeat, "starting" would drop it
+        self._set(child, "ready" if adopted is not None else "starting")
+        child.task = asyncio.create_task(self._keep_running(child, adopted), name=f"supervise-{child.backend_id}")
+
+    def add(self, launcher: Launcher) -> None:
+        """Supervise one more backend (added to the fleet at runtime): launched now if supervising."""
+        child = Child(launcher)
+        self._children.append(child)
+        if self._started and not self._stopping:
+            self._start_child(child)
+
+    async def remove(self, backend_id: str) -> None:
+        """Stop one backend's process and stop supervising it (drained first by gateway/control/fleet.py)."""
+        child = next((c for c in self._children if c.backend_id == backend_id), None)
+        if child is not None:
+            self._children.remove(child)
+            await self._stop_child(child)
 
     def _set(self, child: Child, state: Lifecycle) -> None:
         child.state = state
@@ -200,16 +219,17 @@ class Supervisor:
                 process.kill()
             return await process.wait()
 
+    async def _stop_child(self, child: Child) -> None:
+        if child.task is not None:
+            child.task.cancel()
+        if child.process is not None and child.process.returncode is None:
+            await self._stop_process(child.process)
+        if child.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await child.task
+        self._set(child, "stopped")
+
     async def stop(self) -> None:
         """Stop every managed process and wait for all of them."""
         self._stopping = True
-        for child in self._children:
-            if child.task is not None:
-                child.task.cancel()
-        running = [c.process for c in self._children if c.process is not None and c.process.returncode is None]
-        await asyncio.gather(*(self._stop_process(p) for p in running))
-        for child in self._children:
-            if child.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await child.task
-            self._set(child, "stopped")
+        await asyncio.gather(*(self._stop_child(c) for c in self._children))

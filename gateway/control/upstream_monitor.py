@@ -67,44 +67,59 @@ class UpstreamMonitor:
     ) -> None:
         self._table = table
         self._model = config.served_model_name
-        self._watched: list[Watched] = []
-        self._own_clients: list[httpx.AsyncClient] = []
-        heartbeat_s = config.settings.heartbeat_interval_ms / 1000
+        self._client = client
+        self._heartbeat_s = config.settings.heartbeat_interval_ms / 1000
+        self._watched: dict[str, Watched] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._running = False
         for spec in config.raw.backends:
-            managed = isinstance(spec.launch, CommandLaunchSpec)
-            if spec.kind != "openai" or not (managed or spec.scrape is not None):
-                continue
-            address = addresses.get(spec.id) or (spec.address or "").rstrip("/")
-            key = config.api_keys.get(spec.id)
-            own = client
-            if key:
-                own = httpx.AsyncClient(timeout=client.timeout, follow_redirects=True, trust_env=False,
-                                        headers={"authorization": f"Bearer {key}"})
-                self._own_clients.append(own)
-            agent, interval_s = None, heartbeat_s
-            if spec.scrape is not None:
-                engine = TABLES[spec.scrape.engine]
-                interval_s = spec.scrape.interval_ms / 1000
-                agent = MetricsAgent(AgentConfig(
-                    backend_id=spec.id, table=engine, address=address,
-                    metrics_url=spec.scrape.metrics_url or address + engine.metrics_path,
-                    gateway="", interval_s=interval_s, kv_total_tokens=spec.kv_capacity_tokens,
-                    upstream_model=spec.upstream_model or config.served_model_name,
-                ), config.model, config.gpus[spec.id], own)
-            ready_url = address + spec.launch.ready_path if isinstance(spec.launch, CommandLaunchSpec) else None
-            self._watched.append(Watched(spec, address, interval_s, agent, ready_url, own, time.time_ns() // 1000))
+            self.watch(config, spec, addresses.get(spec.id))
+
+    def watch(self, config: ClusterConfig, spec: BackendSpec, managed_address: str | None) -> None:
+        """Watch one entry of `config` if it is a kind: openai backend the gateway launches or scrapes
+        (at start-up, and for a backend added at runtime: gateway/control/fleet.py)."""
+        managed = isinstance(spec.launch, CommandLaunchSpec)
+        if spec.kind != "openai" or not (managed or spec.scrape is not None):
+            return
+        address = managed_address or (spec.address or "").rstrip("/")
+        key = config.api_keys.get(spec.id)
+        own = self._client
+        if key:
+            own = httpx.AsyncClient(timeout=self._client.timeout, follow_redirects=True, trust_env=False,
+                                    headers={"authorization": f"Bearer {key}"})
+        agent, interval_s = None, self._heartbeat_s
+        if spec.scrape is not None:
+            engine = TABLES[spec.scrape.engine]
+            interval_s = spec.scrape.interval_ms / 1000
+            agent = MetricsAgent(AgentConfig(
+                backend_id=spec.id, table=engine, address=address,
+                metrics_url=spec.scrape.metrics_url or address + engine.metrics_path,
+                gateway="", interval_s=interval_s, kv_total_tokens=spec.kv_capacity_tokens,
+                upstream_model=spec.upstream_model or config.served_model_name,
+            ), config.model, config.gpus[spec.id], own)
+        ready_url = address + spec.launch.ready_path if isinstance(spec.launch, CommandLaunchSpec) else None
+        w = self._watched[spec.id] = Watched(spec, address, interval_s, agent, ready_url, own, time.time_ns() // 1000)
+        if self._running:
+            self._tasks[spec.id] = asyncio.create_task(self._watch(w))
+
+    async def unwatch(self, backend_id: str) -> None:
+        """Stop watching a backend that left the fleet."""
+        w = self._watched.pop(backend_id, None)
+        task = self._tasks.pop(backend_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if w is not None and w.client is not self._client:
+            await w.client.aclose()
 
     async def run(self, stop: asyncio.Event) -> None:
-        if not self._watched:
-            return
-        tasks = [asyncio.create_task(self._watch(w)) for w in self._watched]
+        self._running = True
+        self._tasks = {backend_id: asyncio.create_task(self._watch(w)) for backend_id, w in self._watched.items()}
         try:
             await stop.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.gather(*(c.aclose() for c in self._own_clients))
+            self._running = False
+            await asyncio.gather(*(self.unwatch(backend_id) for backend_id in list(self._watched)))
 
     async def _watch(self, w: Watched) -> None:
         next_at = time.monotonic()

@@ -204,7 +204,7 @@ class Pipeline:
         if query is None or index is None:
             return 0
         entry = self.table.get(backend.id)
-        if entry is not None:   # the engine's latest counters first: they set the index's trust
+        if entry is not None:   # the engine's latest counters first: they set keep_i
             index.observe(backend.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
         per_token = backend.kv_bytes_per_token
         index.record(query, backend.id, backend.kv_total_bytes // per_token if per_token else 0)

@@ -120,7 +120,8 @@ class BackendCollector(Collector):
 class PrefixCollector(Collector):
     """The prefix index per backend (gateway.routing.prefix_index): where its figures come from
     (`source`: estimate, or engine when the engine reports its prefix-cache counters), its size, the
-    trust its predictions get, and the prompt tokens predicted cached against what the engine reports.
+    share of the KV it counts as cached, and the prompt tokens predicted cached against what the engine
+    reports.
     Read at scrape time, the engines' latest counters first."""
 
     def __init__(self, index: PrefixIndex, table: StateTable) -> None:
@@ -135,9 +136,9 @@ class PrefixCollector(Collector):
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "blocks": GaugeMetricFamily(
                 "heterogate_prefix_index_blocks", "Prompt blocks the index holds for the backend", labels=labels),
-            "trust": GaugeMetricFamily(
-                "heterogate_prefix_index_trust", "Share of a predicted hit counted: reported / predicted hit "
-                "rate, at most 1", labels=labels),
+            "keep": GaugeMetricFamily(
+                "heterogate_prefix_index_keep", "Share of the backend's KV the index counts as cached, learned "
+                "from the engine's hit counters (1 until it reports)", labels=labels),
             "predicted_query_tokens": CounterMetricFamily(
                 "heterogate_prefix_predicted_query_tokens", "Prompt tokens routed to the backend", labels=labels),
             "predicted_hit_tokens": CounterMetricFamily(

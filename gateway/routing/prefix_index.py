@@ -3,8 +3,8 @@
 For every request it routes, the gateway remembers the prompt's chained block hashes
 (`common.prefix_blocks`: token ids where the gateway has them, else 64-byte blocks of the rendered
 prompt, about 16 tokens each) on the backend it chose, in an LRU per backend bounded by that backend's
-KV capacity in blocks (K_i / block_tokens, at most `max_blocks_per_backend`) and evicted
-least-recently-used first, as the engine evicts. A lookup gives, per backend, the prompt tokens whose
+KV capacity in blocks (keep_i · K_i / block_tokens, at most `max_blocks_per_backend`; keep_i below) and
+evicted least-recently-used first, as the engine evicts. A lookup gives, per backend, the prompt tokens whose
 KV it is predicted to hold: the longest run of the prompt's leading blocks routed there and not
 evicted since, never the whole prompt (the last token is always computed).
 
@@ -15,11 +15,16 @@ conversation whose text the gateway cannot match (a rewritten history, a templat
 tokens) still sticks, and it yields under load by the same cost as any hit.
 
 Engine reports. An engine that reports vLLM's `prefix_cache_queries` / `prefix_cache_hits` counters
-(heartbeats of the managed engines, scraped `vllm:` metrics) corrects the prediction: over a decaying
-window (DECAY a reading), trust_i = min(1, reported hit rate / predicted hit rate), and a lookup's
-tokens are scaled by trust_i. It catches what the index cannot see: the engine's cache holds less than
-K_i while requests run (their blocks are its KV too), other clients' traffic, an engine that caches
-nothing (hits 0: trust 0). `source` says which: "estimate" until an engine reports, then "engine".
+(heartbeats of the managed engines, scraped `vllm:` metrics) corrects the index's one unknown, how
+much of K_i really holds cached prefixes (running requests' KV takes its share, other clients' traffic
+too): the index keeps keep_i · K_i blocks for backend i, and at each reading that moved the counters,
+over a decaying window (DECAY a reading),
+
+    keep_i ← clamp(keep_i · (reported hit rate / predicted hit rate)^KEEP_GAIN, MIN_KEEP, 1)
+
+so it forgets the oldest blocks first, as the engine did, until it predicts the hit rate the engine
+reports; an engine that reports no hit at all (it caches nothing) gets keep_i = 0: no prediction.
+`source` says which: "estimate" (keep_i = 1) until an engine reports, then "engine".
 
 Cost: a lookup walks the prompt's blocks once, keeping the backends that hold every block so far as
 a bit mask (one dict read and an AND a block, stopping when no backend is left), then O(backends
@@ -29,9 +34,10 @@ map, about 100 bytes a block held by one backend, both together (tests/unit/test
 bounds it at 250): 8 backends of 50k tokens are 25k blocks, ~2.5 MB; the default cap, 2^20 blocks a
 backend, bounds any backend at ~100 MB.
 Limits: the index knows only what this gateway routed (with replicas, each its own); it counts a
-request's blocks as cached from the moment it is routed, before the engine has computed them; it does
-not see the KV an engine drops early, other than through trust_i; responses are not indexed (the
-next turn's copy of an answer is a miss until it has been routed once as a prompt).
+request's blocks as cached from the moment it is routed, before the engine has computed them; what an
+engine drops it sees only through keep_i, one figure per backend (the index drops that backend's
+oldest blocks, the engine may have dropped others); responses are not indexed (the next turn's copy of
+an answer is a miss until it has been routed once as a prompt).
 """
 
 from __future__ import annotations
@@ -43,19 +49,20 @@ from typing import Any, Literal
 from common.prefix_blocks import BLOCK_TOKENS, BlockLru, block_hashes, cached_tokens, session_key
 
 DECAY = 0.98                  # weight of the window per engine reading that moved the counters
-MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before trust moves off 1
+MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before keep_i moves
+KEEP_GAIN = 0.05              # keep_i moves by (reported / predicted hit rate)^KEEP_GAIN a reading
+MIN_KEEP = 1 / 64             # keep_i of an engine that hits at all
 Source = Literal["estimate", "engine"]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixQuery:
     """One request's view of the index: its blocks, its session key and the predicted cached tokens
-    per backend (only backends with a hit), before (`raw`) and after trust (`cached`)."""
+    per backend (only backends with a hit)."""
 
     blocks: Sequence[int]
     session: int | None
     prompt_tokens: int
-    raw: Mapping[str, int]
     cached: Mapping[str, int]
 
 
@@ -64,14 +71,15 @@ class _Backend:
     id: str
     bit: int
     lru: BlockLru
+    kv_blocks: int                      # K_i in blocks (at most max_blocks_per_backend)
+    keep: float = 1.0                   # keep_i: the share of them the index counts as cached
     predicted_queries: int = 0          # prompt tokens this gateway routed here
-    predicted_hits: int = 0             # of them, predicted cached (before trust)
+    predicted_hits: int = 0             # of them, predicted cached
     reported_queries: int = 0           # the engine's counters, summed since the first reading
     reported_hits: int = 0
     last: tuple[int, int] | None = None  # the engine's counters as last read
     mark: tuple[int, int] = (0, 0)      # predicted totals at the last reading
     window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])   # decayed pq, ph, rq, rh
-    trust: float = 1.0
 
     @property
     def source(self) -> Source:
@@ -89,7 +97,8 @@ class PrefixIndex:
 
     def add_backend(self, backend_id: str, capacity_tokens: int) -> None:
         bit = len(self._by_bit)
-        b = _Backend(backend_id, bit, BlockLru(self._blocks(capacity_tokens)))
+        blocks = self._blocks(capacity_tokens)
+        b = _Backend(backend_id, bit, BlockLru(blocks), blocks)
         self._backends[backend_id] = b
         self._by_bit.append(b)
         self._all |= 1 << bit
@@ -125,18 +134,11 @@ class PrefixIndex:
             key = session_key(session)
             for b in _members(holders.get(key, 0), by_bit):
                 tokens[b.id] = max(tokens.get(b.id, 0), b.lru.get(key) or 0)
-        raw: dict[str, int] = {}
         cached: dict[str, int] = {}
-        backends = self._backends
         for bid, n in tokens.items():
-            hit = cached_tokens(n, prompt_tokens)
-            if hit:
-                raw[bid] = hit
-                trust = backends[bid].trust
-                trusted = hit if trust == 1.0 else int(hit * trust)
-                if trusted:
-                    cached[bid] = trusted
-        return PrefixQuery(blocks, key, prompt_tokens, raw, cached)
+            if hit := cached_tokens(n, prompt_tokens):
+                cached[bid] = hit
+        return PrefixQuery(blocks, key, prompt_tokens, cached)
 
     def record(self, query: PrefixQuery, backend_id: str, capacity_tokens: int) -> None:
         """`query`'s request was routed to `backend_id`, whose KV holds `capacity_tokens` (0: unknown,
@@ -144,8 +146,9 @@ class PrefixIndex:
         b = self._backends.get(backend_id)
         if b is None:
             return
-        if capacity_tokens and self._blocks(capacity_tokens) != b.lru.capacity:
-            self._forget(b, b.lru.resize(self._blocks(capacity_tokens)))
+        if capacity_tokens:
+            b.kv_blocks = self._blocks(capacity_tokens)
+            self._fit(b)
         added, evicted = b.lru.touch(query.blocks)
         self._hold(b, added)
         self._forget(b, evicted)
@@ -154,7 +157,13 @@ class PrefixIndex:
             self._hold(b, added)
             self._forget(b, evicted)
         b.predicted_queries += query.prompt_tokens
-        b.predicted_hits += query.raw.get(backend_id, 0)
+        b.predicted_hits += query.cached.get(backend_id, 0)
+
+    def _fit(self, b: _Backend) -> None:
+        """The backend's LRU at keep_i · K_i blocks (its oldest blocks forgotten)."""
+        capacity = int(b.kv_blocks * b.keep)
+        if capacity != b.lru.capacity:
+            self._forget(b, b.lru.resize(capacity))
 
     def _hold(self, b: _Backend, blocks: Iterable[int]) -> None:
         holders, bit = self._holders, 1 << b.bit
@@ -187,8 +196,16 @@ class PrefixIndex:
         for k, delta in enumerate((marks[0] - b.mark[0], marks[1] - b.mark[1], dq, dh)):
             w[k] = w[k] * DECAY + delta
         b.mark = marks
-        if w[0] > 0 and w[1] > 0 and w[2] >= MIN_REPORTED_TOKENS:
-            b.trust = min(1.0, (w[3] / w[2]) / (w[1] / w[0]))
+        if w[2] < MIN_REPORTED_TOKENS:
+            return
+        if not w[3]:                 # no hit at all: the engine caches nothing
+            b.keep = 0.0
+        elif not w[1]:               # hits the index did not predict: it forgot too much
+            b.keep = min(1.0, max(b.keep, MIN_KEEP) * 2 ** KEEP_GAIN)
+        else:
+            ratio = (w[3] / w[2]) / (w[1] / w[0])
+            b.keep = min(1.0, max(MIN_KEEP, b.keep * ratio ** KEEP_GAIN))
+        self._fit(b)
 
     def describe(self, backend_id: str) -> dict[str, Any]:
         """For /admin/backends: the index's source, size and predicted vs reported hit rate."""
@@ -197,7 +214,7 @@ class PrefixIndex:
             "source": b.source,
             "blocks": len(b.lru),
             "capacity_blocks": b.lru.capacity,
-            "trust": b.trust,
+            "keep": b.keep,
             "predicted_query_tokens": b.predicted_queries,
             "predicted_hit_tokens": b.predicted_hits,
             "predicted_hit_rate": b.predicted_hits / b.predicted_queries if b.predicted_queries else None,

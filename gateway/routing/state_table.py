@@ -84,6 +84,7 @@ class StateTable:
         self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
         self.failing_open = False
         self._open: dict[tuple[Role, ...], tuple[Sequence[BackendEntry], Candidates]] = {}   # (stale, candidates)
+        self._draining: set[str] = set()   # no new requests (gateway/control/fleet.py); their leases finish
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -105,6 +106,27 @@ class StateTable:
         self._pools.clear()
         self._largest_context = None
         return entry
+
+    def unregister(self, backend_id: str) -> None:
+        """The backend leaves the fleet (gateway/control/fleet.py removes it once drained: no lease is left)."""
+        entry = self._entries.pop(backend_id)
+        del self._fixed[backend_id]
+        self._draining.discard(backend_id)
+        self._changes.discard(backend_id)
+        self._roles = {e.role for e in self._entries.values()}
+        self._pools.clear()
+        self._open.clear()
+        self._largest_context = None
+        entry.changes = None
+
+    def drain(self, backend_id: str) -> None:
+        """No new request goes to the backend; those it holds finish (it stays healthy for them)."""
+        if backend_id not in self._entries:
+            raise KeyError(backend_id)
+        self._draining.add(backend_id)
+
+    def is_draining(self, backend_id: str) -> bool:
+        return backend_id in self._draining
 
     def apply_heartbeat(
         self, backend_id: str, seq: int, address: str, reported: Reported, at: float | None = None
@@ -227,13 +249,16 @@ class StateTable:
     def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> (
         Candidates
     ):
-        """Healthy backends whose role is in `roles`, as snapshots (and columns), in registration order.
+        """Healthy backends whose role is in `roles`, as snapshots (and columns), in registration order;
+        draining backends are not candidates.
 
         An external (kind: openai) backend whose metrics are stale stays a candidate but looks
         saturated; when every candidate is such a backend the table fails open and routes on the
         gateway's own in-flight counts (`failing_open` says so).
         """
         now = self.clock() if now is None else now
+        if self._draining:
+            exclude = self._draining.union(exclude)
         fresh, stale = self._pool(roles).select(now, self.miss_limit * self.heartbeat_interval_s, exclude)
         failing_open = bool(stale) and not fresh
         if "language" in roles:   # the flag reports on the language pool

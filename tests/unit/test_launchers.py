@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config.cluster import CommandLaunchSpec, load_cluster
-from gateway.control.launchers import CommandLauncher, EngineLauncher, build_launchers, managed_ports
+from gateway.control.launchers import CommandLauncher, EngineLauncher, LaunchContext, build_launchers, managed_ports
 from gateway.routing.backend_entry import Reported
 from gateway.runtime import build_runtime
 from tests.config_files import config_error, write
@@ -30,7 +30,8 @@ def test_a_managed_vllm_entry_gets_a_port_devices_and_its_command(tmp_path: Path
         probed.append(url)
         return True
 
-    (launcher,) = build_launchers(config, ports, "127.0.0.1:1", build_runtime(config).table, probe, "warning")
+    context = LaunchContext("127.0.0.1:1", build_runtime(config).table, probe, "warning")
+    (launcher,) = build_launchers(config, ports, context)
     assert isinstance(launcher, CommandLauncher)
     plan = launcher.plan()
     assert plan.argv == ["vllm", "serve", "llava-hf/llava-1.5-7b-hf", "--port", str(port), "--api-key", "two words"]
@@ -47,7 +48,8 @@ async def test_readiness_is_the_probe_of_the_ready_path(tmp_path: Path) -> None:
         probed.append(url)
         return answers.pop(0)
 
-    (launcher,) = build_launchers(config, managed_ports(config), "", build_runtime(config).table, probe, "warning")
+    context = LaunchContext("", build_runtime(config).table, probe, "warning")
+    (launcher,) = build_launchers(config, managed_ports(config), context)
     assert [await launcher.ready(), await launcher.ready()] == [False, True]
     assert probed == ["http://127.0.0.1:8123/v1/models"] * 2
     assert "--port 8123" in " ".join(launcher.plan().argv)
@@ -61,7 +63,7 @@ async def test_an_engine_launcher_is_ready_once_its_engine_heartbeats(tmp_path: 
     async def probe(url: str) -> bool:
         raise AssertionError("engines are not probed over HTTP")
 
-    (launcher,) = build_launchers(config, {}, "127.0.0.1:5555", table, probe, "warning")
+    (launcher,) = build_launchers(config, {}, LaunchContext("127.0.0.1:5555", table, probe, "warning"))
     assert isinstance(launcher, EngineLauncher)
     argv = launcher.plan().argv
     assert argv[1:3] == ["-m", "backends.engine"] and "127.0.0.1:5555" in argv and "0.5" in argv

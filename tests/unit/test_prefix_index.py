@@ -146,26 +146,41 @@ def test_a_session_sticks_where_its_last_request_went() -> None:
     assert index.lookup(later.blocks, "conv-2", 150).cached == {}
 
 
-def test_engine_reports_scale_the_prediction_by_trust() -> None:
+def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() -> None:
     index = PrefixIndex()
-    index.add_backend("a", 100_000)
-    blocks = index.hashes(text(*"abcdefghij"), (), 200)
-    index.record(index.lookup(blocks, "", 200), "a", 100_000)
+    index.add_backend("a", 100 * 16)   # room for 100 blocks: the ten prompts below
+    prompts = [index.hashes("".join(f"{k:03d}-{j:060d}" for j in range(10)), (), 200) for k in range(10)]
+    for blocks in prompts:   # prompts[0] the least recent
+        index.record(index.lookup(blocks, "", 200), "a", 100 * 16)
     assert index.describe("a")["source"] == "estimate"
     index.observe("a", 1000, 0)   # first reading: a baseline
     queries, hits = 1000, 0
-    for _ in range(40):   # the index predicts 160 of 200 cached; the engine finds half of that
-        query = index.lookup(blocks, "", 200)
-        index.record(query, "a", 100_000)
-        queries, hits = queries + 200, hits + 80
+    for _ in range(40):   # the index predicts 160 of 200 tokens cached; the engine finds 40
+        index.record(index.lookup(prompts[9], "", 200), "a", 100 * 16)
+        queries, hits = queries + 200, hits + 40
         index.observe("a", queries, hits)
     described = index.describe("a")
     assert described["source"] == "engine"
     assert described["reported_query_tokens"] == 40 * 200 >= MIN_REPORTED_TOKENS
-    assert 0.45 < described["trust"] < 0.55
-    assert index.lookup(blocks, "", 200).cached == {"a": int(160 * described["trust"])}
-    index.observe("a", 10, 0)   # the engine restarted: a new baseline, trust unchanged
-    assert index.describe("a")["trust"] == described["trust"]
+    assert 0.1 < described["keep"] < 0.6
+    assert described["capacity_blocks"] == int(100 * described["keep"]) >= 10
+    assert index.lookup(prompts[0], "", 200).cached == {}         # forgotten first
+    assert index.lookup(prompts[9], "", 200).cached == {"a": 160}   # the most recent stays
+    index.observe("a", 10, 0)   # the engine restarted: a new baseline, keep unchanged
+    assert index.describe("a")["keep"] == described["keep"]
+
+
+def test_an_engine_that_reports_no_hit_gets_no_prediction() -> None:
+    index = PrefixIndex()
+    index.add_backend("b", 100_000)
+    blocks = index.hashes(text(*"abcdefghij"), (), 200)
+    queries = 0
+    for _ in range(30):
+        index.record(index.lookup(blocks, "", 200), "b", 100_000)
+        queries += 200
+        index.observe("b", queries, 0)
+    assert index.describe("b")["keep"] == 0.0
+    assert index.lookup(blocks, "", 200).cached == {}
 
 
 def test_engine_cache_pins_running_blocks_and_evicts_the_free_ones_lru() -> None:

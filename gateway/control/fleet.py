@@ -1,0 +1,272 @@
+"""The fleet changed at runtime: backends added, drained and removed while the gateway serves.
+
+Three changes, each checked whole before anything moves (an invalid one is refused and the running
+fleet stays as it was):
+
+- **add**: one entry of backends.yaml's `backends:` (managed or external), validated against the
+  running file with that entry appended (schema, catalog GPU, the model's encoder, api_key_env, torch
+  weights), so whatever start-up refuses is refused here with the same words. It is registered in
+  the state table, gets its client, its watcher (kind: openai scraped or launched) and, when managed,
+  its launcher under the running supervisor.
+- **drain**: the backend stops being a routing candidate at once (`StateTable.drain`); the requests
+  it holds finish (it stays healthy for them), for at most `gateway.drain_timeout_s`; then a managed
+  backend's engine is stopped. A drained backend stays listed (`draining: true`) until removed.
+- **remove**: drain, then the backend leaves the table, its client and its watcher are closed. A
+  removal that would leave no backend taking language work is refused.
+
+The admin routes (`POST /admin/backends`, `POST /admin/backends/{id}/drain`, `DELETE
+/admin/backends/{id}`, gateway/doors/routes.py) call `add`, `drain` and `remove`; SIGHUP calls
+`reload`, which reads the backends file again and applies the difference between its `backends:` and
+the running fleet (a changed entry is removed, drained, then added again). Only `backends:` is
+reloaded: the gateway's settings are read at start-up.
+
+With replicas (`--redis-url`) each replica holds the fleet in its own table and the shared counts are
+laid out per backend at start-up, so changes at runtime are refused there (restart the replicas with
+the new file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from common.errors import ConfigError
+from gateway.clients.openai_upstream import OpenAIUpstreamClient
+from gateway.clients.upstream_http import UpstreamPool
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec, load_cluster
+from gateway.control.engine_identities import EngineIdentities
+from gateway.control.launchers import LaunchContext, Launcher, free_port, managed_address
+from gateway.control.supervisor import Supervisor
+from gateway.control.upstream_monitor import UpstreamMonitor
+from gateway.requests.errors import InvalidRequest, RequestError
+from gateway.runtime import Runtime, register_backend, upstream_of
+
+log = structlog.get_logger("fleet")
+
+
+class BackendNotFound(RequestError):
+    status = 404
+    type = "invalid_request_error"
+    code = "backend_not_found"
+
+
+class FleetConflict(RequestError):
+    """The change does not fit the fleet's state (an id in use, a removal under way, replicas)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "fleet_conflict"
+
+
+def parse_backend(body: object) -> BackendSpec:
+    """One entry of `backends:`; InvalidRequest naming each wrong field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object: one entry of backends.yaml's `backends:`",
+                             code="invalid_backend")
+    try:
+        return BackendSpec.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'backend'}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequest(f"invalid backend: {problems}", code="invalid_backend") from None
+
+
+class Fleet:
+    def __init__(
+        self, runtime: Runtime, launch: LaunchContext, launchers: Sequence[Launcher],
+        supervisor: Callable[[], Supervisor | None], monitor: UpstreamMonitor, identities: EngineIdentities,
+        *, drain_timeout_s: float, refused: str | None = None, poll_s: float = 0.05,
+    ) -> None:
+        """`supervisor()`: the running supervisor of the managed backends (None while there is none);
+        `refused`: why this gateway takes no change at runtime (None: it does)."""
+        self._runtime = runtime
+        self.config = runtime.config
+        self._launch = launch
+        self._launchers = {launcher.backend_id: launcher for launcher in launchers}
+        self._supervisor = supervisor
+        self._monitor = monitor
+        self._identities = identities
+        self._drain_timeout_s = drain_timeout_s
+        self._refused = refused
+        self._poll_s = poll_s
+        self._weights = runtime.config.torch_weights   # the tokenizer the runtime loaded at start-up
+        self._drains: dict[str, asyncio.Task[None]] = {}
+        self._removals: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    def launchers(self) -> list[Launcher]:
+        """The launchers of the managed backends in the fleet now (a new supervisor starts these)."""
+        return list(self._launchers.values())
+
+    # -- the changes -------------------------------------------------------------------------
+
+    def add(self, body: object) -> str:
+        """Add one backend (its id returned); refused whole when invalid."""
+        self._allowed()
+        spec = parse_backend(body)
+        if any(b.id == spec.id for b in self.config.raw.backends):
+            leaving = " (being removed: add it again once it is gone)" if spec.id in self._removals else ""
+            raise FleetConflict(f"backend {spec.id!r} is already in the fleet{leaving}")
+        config = self._validated([*self.config.raw.backends, spec])
+        self._apply_add(config, spec)
+        return spec.id
+
+    def drain(self, backend_id: str) -> None:
+        """No new requests for the backend from now on; its own finish, then a managed one is stopped."""
+        self._allowed()
+        self._known(backend_id)
+        self._drain_task(backend_id)
+
+    def remove(self, backend_id: str) -> None:
+        """Drain the backend, then take it out of the fleet (in the background)."""
+        self._allowed()
+        self._known(backend_id)
+        if backend_id not in self._removals:
+            self._validated([b for b in self.config.raw.backends if b.id != backend_id and b.id not in self._removals])
+            self._start_removal(backend_id)
+
+    def reload_soon(self) -> None:
+        """SIGHUP: `reload` in the background."""
+        self._keep(asyncio.create_task(self.reload(), name="fleet-reload"))
+
+    async def reload(self) -> None:
+        """Apply the difference between the backends file and the running fleet; a file that start-up
+        would refuse, or any invalid change, is logged and changes nothing."""
+        path = self.config.path
+        try:
+            self._allowed()
+            wanted = load_cluster(path, self.config.catalog)
+            target = self._validated(wanted.raw.backends)
+        except (ConfigError, RequestError) as exc:
+            log.error("config_reload_refused", path=str(path), error=str(exc))
+            return
+        if wanted.raw.model_dump(exclude={"backends"}) != self.config.raw.model_dump(exclude={"backends"}):
+            log.warning("config_reload_backends_only", path=str(path),
+                        detail="only `backends:` is applied at runtime; the rest of the file is read at start-up")
+        running = {b.id: b for b in self.config.raw.backends}
+        specs = {b.id: b for b in target.raw.backends}
+        gone = [i for i in running if i not in specs]
+        changed = [i for i in running if i in specs and specs[i] != running[i]]
+        new = [i for i in specs if i not in running]
+        log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed)
+        leaving = {backend_id: self._removals.get(backend_id) or self._start_removal(backend_id)
+                   for backend_id in (*gone, *changed)}
+        for backend_id in new:
+            self._apply_add(target, specs[backend_id])
+        for backend_id in changed:
+            await leaving[backend_id]
+            self._apply_add(target, specs[backend_id])
+
+    async def close(self) -> None:
+        """Stop the changes under way (the gateway is stopping)."""
+        tasks = [*self._background, *self._removals.values(), *self._drains.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- how they are applied ----------------------------------------------------------------
+
+    def _allowed(self) -> None:
+        if self._refused is not None:
+            raise FleetConflict(self._refused)
+
+    def _known(self, backend_id: str) -> None:
+        if not any(b.id == backend_id for b in self.config.raw.backends):
+            raise BackendNotFound(f"no backend {backend_id!r} in the fleet")
+
+    def _validated(self, backends: Sequence[BackendSpec]) -> ClusterConfig:
+        """The running file with these backends, checked as start-up checks a file."""
+        seen: set[str] = set()
+        for b in backends:
+            if b.id in seen:
+                raise FleetConflict(f"duplicate backend id {b.id!r}")
+            seen.add(b.id)
+        raw = self.config.raw.model_copy(update={"backends": list(backends)})
+        try:
+            config = ClusterConfig(self.config.path, raw, self.config.catalog)
+        except ConfigError as exc:
+            raise InvalidRequest(str(exc), code="invalid_backend") from None
+        if config.torch_weights is not None and config.torch_weights != self._weights:
+            raise InvalidRequest("torch engines with other weights than the running ones (model_path / seed) need "
+                                 "a restart: the gateway tokenises for the weights it started with",
+                                 code="invalid_backend")
+        return config
+
+    def _apply_add(self, config: ClusterConfig, spec: BackendSpec) -> None:
+        """`config`: a validated file holding `spec` (its GPU, upstream key and model are read there)."""
+        runtime = self._runtime
+        port, address = None, spec.address
+        if isinstance(spec.launch, CommandLaunchSpec):
+            port = spec.launch.port or free_port()
+            address = managed_address(port)
+        register_backend(runtime.table, config, spec, address)
+        if spec.kind == "openai" and address is not None:
+            keep_alive = config.settings.keep_alive
+            pool = UpstreamPool(address, max_connections=keep_alive.upstream_max_connections,
+                                idle_s=keep_alive.upstream_idle_s)
+            runtime.clients.put(spec.id, OpenAIUpstreamClient(spec.id, address, pool, upstream_of(config, spec)))
+        elif address is not None:
+            runtime.clients.ensure(spec.id, address)
+        index = runtime.pipeline.prefixes
+        entry = runtime.table.get(spec.id)
+        if index is not None and entry is not None and spec.id not in index:
+            index.add_backend(spec.id, runtime.table.kv_capacity(entry)[1] // config.model.kv_bytes_per_token)
+        self._monitor.watch(config, spec, address if port is not None else None)
+        if isinstance(spec.launch, LaunchSpec):
+            self._identities.draw(spec.id)
+        launcher = self._launch.launcher(config, spec, port)
+        if launcher is not None:
+            self._launchers[spec.id] = launcher
+            if (supervisor := self._supervisor()) is not None:
+                supervisor.add(launcher)
+        self._set_backends([*self.config.raw.backends, spec])
+        log.info("backend_added", backend=spec.id, kind=spec.kind, role=spec.role, gpu=spec.gpu,
+                 managed=spec.launch is not None)
+
+    def _set_backends(self, backends: list[BackendSpec]) -> None:
+        self.config = self._runtime.config = self._validated(backends)
+
+    def _drain_task(self, backend_id: str) -> asyncio.Task[None]:
+        task = self._drains.get(backend_id)
+        if task is None:
+            self._runtime.table.drain(backend_id)
+            task = self._drains[backend_id] = asyncio.create_task(self._drain(backend_id), name=f"drain-{backend_id}")
+        return task
+
+    async def _drain(self, backend_id: str) -> None:
+        table = self._runtime.table
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._drain_timeout_s
+        log.info("backend_draining", backend=backend_id)
+        while (entry := table.get(backend_id)) is not None and (entry.in_flight or entry.vision_in_flight_tokens):
+            if loop.time() >= deadline:
+                log.warning("backend_drain_timeout", backend=backend_id, in_flight=entry.in_flight,
+                            timeout_s=self._drain_timeout_s)
+                break
+            await asyncio.sleep(self._poll_s)
+        if self._launchers.pop(backend_id, None) is not None and (supervisor := self._supervisor()) is not None:
+            await supervisor.remove(backend_id)
+        log.info("backend_drained", backend=backend_id)
+
+    def _start_removal(self, backend_id: str) -> asyncio.Task[None]:
+        task = self._removals[backend_id] = asyncio.create_task(self._remove(backend_id), name=f"remove-{backend_id}")
+        return task
+
+    async def _remove(self, backend_id: str) -> None:
+        try:
+            await self._drain_task(backend_id)
+            await self._monitor.unwatch(backend_id)
+            self._runtime.table.unregister(backend_id)
+            self._runtime.clients.put(backend_id, None)
+            self._set_backends([b for b in self.config.raw.backends if b.id != backend_id])
+            log.info("backend_removed", backend=backend_id)
+        finally:
+            self._removals.pop(backend_id, None)
+            self._drains.pop(backend_id, None)
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,52 @@
+"""The admin routes that change the fleet at runtime (gateway/control/fleet.py), behind the admin key.
+
+    POST   /admin/backends              one entry of backends.yaml's `backends:` as JSON → 201, the backend
+    POST   /admin/backends/{id}/drain   no new requests, its own finish, a managed engine stops → 202
+    DELETE /admin/backends/{id}         drain, then out of the fleet → 202
+
+Drains and removals go on in the background: /admin/backends shows `draining: true`, then `state:
+stopped` (managed), and no entry once removed. A refused change answers 400 (invalid entry), 404
+(unknown id) or 409 (id in use, removal under way, replicas), in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from gateway.control.fleet import Fleet
+from gateway.requests.errors import InvalidRequest
+from gateway.runtime import Runtime
+
+Respond = Callable[[Any, int], Response]
+Authorize = Callable[..., None]
+
+
+def add_fleet_routes(app: FastAPI, runtime: Runtime, fleet: Fleet, authorize: Authorize, respond: Respond) -> None:
+    def described(backend_id: str) -> dict[str, Any]:
+        return next((b for b in runtime.describe_backends() if b["id"] == backend_id), {"id": backend_id})
+
+    @app.post("/admin/backends")
+    async def add_backend(request: Request) -> Response:
+        authorize(request, admin=True)
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"the body is not JSON: {exc}", code="invalid_backend") from None
+        return respond(described(fleet.add(body)), 201)
+
+    @app.post("/admin/backends/{backend_id}/drain")
+    async def drain_backend(request: Request, backend_id: str) -> Response:
+        authorize(request, admin=True)
+        fleet.drain(backend_id)
+        return respond(described(backend_id), 202)
+
+    @app.delete("/admin/backends/{backend_id}")
+    async def remove_backend(request: Request, backend_id: str) -> Response:
+        authorize(request, admin=True)
+        fleet.remove(backend_id)
+        return respond({"id": backend_id, "removing": True}, 202)

@@ -1,0 +1,133 @@
+"""The fleet changed at runtime on a real gateway with managed simulated engines: a backend added over
+the admin API serves, a drain under load loses no request and stops the engine, invalid changes are
+refused whole with the fleet untouched, and SIGHUP applies the file's `backends:` again."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.harness import Gateway, long_request_id, run_gateway, write_config
+
+MODEL = "llava-1.5-7b"
+
+
+def engine(backend_id: str, gpu: str = "H100", role: str = "language") -> dict[str, Any]:
+    return {"id": backend_id, "role": role, "gpu": gpu, "launch": {"time_scale": 0.2}}
+
+
+def cluster(tmp: Path, *backends: dict[str, Any]) -> Path:
+    return write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "drain_timeout_s": 60},
+                              "backends": list(backends)})
+
+
+def ids(gw: Gateway) -> list[str]:
+    return [b["id"] for b in gw.backends()]
+
+
+def chat(gw: Gateway, request_id: str, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens}
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": request_id}, timeout=60)
+
+
+def admin(gw: Gateway, method: str, path: str, body: Any = None) -> httpx.Response:
+    return httpx.request(method, f"{gw.url}/admin/backends{path}", json=body, headers=gw.admin_headers, timeout=10)
+
+
+class Load:
+    """Closed-loop clients sending long requests until stopped; every status and serving backend kept."""
+
+    def __init__(self, gw: Gateway, clients: int) -> None:
+        self.outcomes: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        rid = long_request_id(60)
+        self._threads = [threading.Thread(target=self._run, args=(gw, rid), daemon=True) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, gw: Gateway, rid: str) -> None:
+        while not self._stop.is_set():
+            r = chat(gw, rid, max_tokens=60)
+            self.outcomes.append((r.status_code, r.headers.get("x-heterogate-backend", "")))
+
+    def stop(self) -> list[tuple[int, str]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=90)
+        return self.outcomes
+
+
+def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refused(tmp_path: Path) -> None:
+    with run_gateway(cluster(tmp_path, engine("h100-0"), engine("a100-0", "A100-80GB"))) as gw:
+        added = admin(gw, "POST", "", engine("l40s-9", "L40S"))
+        assert added.status_code == 201, added.text
+        assert added.json()["id"] == "l40s-9" and added.json()["managed"] is True
+        gw.wait_until(lambda: gw.backend("l40s-9")["healthy"], timeout=30)
+
+        load = Load(gw, clients=8)
+        gw.wait_until(lambda: gw.backend("h100-0")["in_flight"] > 0, timeout=20)
+        for backend_id in ("h100-0", "a100-0"):
+            drained = admin(gw, "POST", f"/{backend_id}/drain")
+            assert drained.status_code == 202, drained.text
+            assert drained.json()["draining"] is True
+        gw.wait_until(lambda: all(gw.backend(b)["state"] == "stopped" for b in ("h100-0", "a100-0")), timeout=60)
+        served_while_draining = len(load.outcomes)
+        gw.wait_until(lambda: len(load.outcomes) >= served_while_draining + 8, timeout=60)
+        outcomes = load.stop()
+        assert outcomes and all(status == 200 for status, _ in outcomes), outcomes
+        assert {backend for _, backend in outcomes} >= {"h100-0", "l40s-9"}
+        # after the drain every request goes to the added engine
+        assert {chat(gw, f"after-{i}").headers["x-heterogate-backend"] for i in range(5)} == {"l40s-9"}
+
+        before = gw.backends()
+        refused = {
+            "unknown GPU": (engine("x-1", "NO-SUCH-GPU"), 400, "NO-SUCH-GPU"),
+            "id in use": (engine("l40s-9", "L40S"), 409, "already in the fleet"),
+            "bad field": ({**engine("x-2"), "weight": 3}, 400, "weight"),
+            "neither launch nor address": ({"id": "x-3", "gpu": "H100"}, 400, "launch"),
+            "openai vision": ({"id": "x-4", "kind": "openai", "role": "vision", "gpu": "H100",
+                               "address": "http://127.0.0.1:9"}, 400, "language"),
+            "not an object": ([1, 2], 400, "JSON object"),
+        }
+        for why, (body, status, words) in refused.items():
+            r = admin(gw, "POST", "", body)
+            assert r.status_code == status, (why, r.text)
+            assert words in r.json()["error"]["message"], (why, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        bad_json = httpx.post(f"{gw.url}/admin/backends", content=b"{", timeout=10)
+        assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+        assert admin(gw, "POST", "/nope/drain").status_code == 404
+        assert admin(gw, "DELETE", "/nope").status_code == 404
+        assert [b["id"] for b in gw.backends()] == [b["id"] for b in before]
+
+        # removing: out of the list once drained; the last language backend cannot go
+        assert admin(gw, "DELETE", "/h100-0").status_code == 202
+        assert admin(gw, "DELETE", "/a100-0").status_code == 202
+        gw.wait_until(lambda: ids(gw) == ["l40s-9"], timeout=30)
+        last = admin(gw, "DELETE", "/l40s-9")
+        assert last.status_code == 400 and "language" in last.json()["error"]["message"]
+        assert chat(gw, "still").status_code == 200
+
+
+def test_sighup_applies_the_files_backends_and_refuses_an_invalid_file(tmp_path: Path) -> None:
+    path = cluster(tmp_path, engine("h100-0"), engine("a100-0", "A100-80GB"))
+    with run_gateway(path) as gw:
+        data = yaml.safe_load(path.read_text())
+        data["backends"] = [engine("a100-0", "A100-80GB"), engine("l40s-0", "L40S")]
+        path.write_text(yaml.safe_dump(data))
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: ids(gw) == ["a100-0", "l40s-0"] and gw.backend("l40s-0")["healthy"], timeout=60)
+        assert chat(gw, "reloaded").status_code == 200
+
+        data["backends"].append(engine("x-0", "NO-SUCH-GPU"))
+        path.write_text(yaml.safe_dump(data))
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: "config_reload_refused" in gw.log_path.read_text(), timeout=20)
+        assert "NO-SUCH-GPU" in gw.log_tail(50)
+        assert ids(gw) == ["a100-0", "l40s-0"]
+        assert chat(gw, "unchanged").status_code == 200
