@@ -27,10 +27,12 @@ DEMO_UPSTREAM = "demo-upstream"   # a mock OpenAI-compatible engine: gateway/dem
 
 def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | None) -> None:
     """The options of `gateway`, which `gateway check-config` takes too: its checks depend on them."""
+    from gateway.config.cluster import shipped_clusters
     from gateway.routing.policies import REGISTRY
 
-    p.add_argument("--backends", type=Path, default=backends_default,
-                   help="backends.yaml (default: the embedded demo cluster, configs/backends.yaml)")
+    p.add_argument("--backends", type=cluster_file, default=backends_default, metavar="FILE|NAME",
+                   help="backends.yaml, or the name of a cluster the package ships: "
+                        f"{', '.join(shipped_clusters())} (default: backends, the embedded demo cluster)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-host", default="127.0.0.1", help="control gRPC listen address (backends heartbeat here)")
@@ -55,6 +57,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def cluster_file(text: str) -> Path:
+    from gateway.config.cluster import find_cluster
+
+    try:
+        return find_cluster(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -67,7 +78,8 @@ def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
         prog=f"gateway {CHECK_CONFIG}",
         description="run every check start-up makes (the file, its secrets and certificates, the control "
                     "port's token for these options) without starting anything; the options are the gateway's")
-    p.add_argument("file", type=Path, nargs="?", help="the backends.yaml to check (or --backends FILE)")
+    p.add_argument("file", type=cluster_file, nargs="?", metavar="FILE|NAME",
+                   help="the backends.yaml to check, or a shipped cluster's name (or --backends FILE|NAME)")
     add_gateway_options(p, None)
     args = p.parse_args(argv)
     if (args.file is None) == (args.backends is None):
