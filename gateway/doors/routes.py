@@ -14,8 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.control.fleet import Fleet
 from gateway.doors.completions import CompletionsDoor, error_headers
 from gateway.doors.dashboard import add_dashboard
+from gateway.doors.fleet_routes import add_fleet_routes
 from gateway.doors.http_server import HttpServer
 from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
@@ -40,7 +42,7 @@ def request_id_of(request: Request) -> str:
     return str(rid)
 
 
-def create_app(runtime: Runtime) -> FastAPI:
+def create_app(runtime: Runtime, fleet: Fleet | None = None) -> FastAPI:
     app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     model_name = runtime.config.served_model_name
@@ -92,6 +94,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         authorize(request, admin=True)
         return json_response({"object": "list", "data": runtime.describe_backends()})
 
+    if fleet is not None:
+        add_fleet_routes(app, runtime, fleet, authorize, json_response)
+
     @app.get("/admin/usage")
     async def admin_usage(request: Request) -> Response:
         """Per tenant: policy, current windows (every replica's, with Redis), this process's counters."""
@@ -103,8 +108,10 @@ def create_app(runtime: Runtime) -> FastAPI:
     return app
 
 
-def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext | None = None) -> HttpServer:
-    """The front door: the completions routes natively, the FastAPI app for the rest."""
-    return HttpServer(CompletionsDoor(runtime).routes(), create_app(runtime),  # type: ignore[arg-type]
+def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext | None = None,
+                  fleet: Fleet | None = None) -> HttpServer:
+    """The front door: the completions routes natively, the FastAPI app for the rest (with `fleet`, the
+    admin routes that change the fleet at runtime)."""
+    return HttpServer(CompletionsDoor(runtime).routes(), create_app(runtime, fleet),  # type: ignore[arg-type]
                       max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s,
                       body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context)
