@@ -32,6 +32,7 @@ from common.wire import control_pb2_grpc
 from gateway.config.auth import KeyRing
 from gateway.config.cluster import ClusterConfig, LaunchSpec
 from gateway.control.adoption import find_adoptable
+from gateway.control.autoscaler import Autoscaler
 from gateway.control.control_auth import ControlAuth, is_loopback
 from gateway.control.fleet import Fleet
 from gateway.control.heartbeat_service import ControlService
@@ -227,6 +228,12 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         on_term=auth.identities.set_launching,
         adopt=lambda taken: find_adoptable(runtime.table, [b for b in adoptable if b not in taken],
                                            auth.identities.verify))
+    # gateway.autoscaling: the pools' desired sizes on /metrics; applied through the fleet in manage mode
+    # (not with replicas, whose fleet is fixed)
+    scaling = config.settings.autoscaling
+    autoscaler = None if scaling.mode == "off" else Autoscaler(runtime, None if replication else fleet, scaling)
+    if autoscaler is not None:
+        runtime.metrics.registry.register(autoscaler.collector())
     runtime.metrics.backends.restarts = lambda: {
         c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
     server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context, fleet)
@@ -246,11 +253,14 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     drained = asyncio.Event()   # engines, the leader lease and shared counts outlive the drain
     supervising = asyncio.create_task(supervision.run(drained))
     sharing = asyncio.create_task(replication.shared.run(drained)) if replication else None
+    autoscaling = asyncio.create_task(autoscaler.run(stop)) if autoscaler else None
     try:
         await stop.wait()
     finally:
         log.info("gateway_stopping")
         stop.set()
+        if autoscaling is not None:
+            await autoscaling
         await server.stop(config.settings.drain_timeout_s)
         await fleet.close()
         await monitor

@@ -14,6 +14,7 @@ from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_c
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
 from gateway.config.auth import AuthConfig
+from gateway.config.autoscaling import AutoscalingConfig, template_of
 from gateway.config.sections import AdmissionConfig, BreakerConfig, RedisConfig, TlsConfig, require_torch
 from gateway.config.tenants import TenantsConfig
 from gateway.requests.images import ImageLimits
@@ -255,6 +256,7 @@ class GatewaySettings(StrictModel):
     keep_alive: KeepAliveConfig = KeepAliveConfig()
     redis: RedisConfig = RedisConfig()
     tenants: TenantsConfig = TenantsConfig()   # keys -> tenants, their priority, weight and limits
+    autoscaling: AutoscalingConfig = AutoscalingConfig()   # pools that grow and shrink (off by default)
     # A simulated vision engine sends random numbers as embeddings: a real `image_embeds` upstream would
     # answer from noise, so such a cluster is refused unless this says the upstream is a simulation too.
     simulated_embeddings: bool = False
@@ -319,6 +321,12 @@ class ClusterConfig:
             for i, b in enumerate(raw.backends) if b.kind == "openai"
         }
         self.torch_weights = _torch_weights(path, raw.backends)
+        scaling = raw.gateway.autoscaling
+        for pool, pool_scaling in scaling.scaled().items() if scaling.mode == "manage" else ():
+            where = f"gateway.autoscaling.pools.{pool}"
+            for gpu in pool_scaling.gpus:
+                _resolve(path, f"{where}.gpus", lambda g=gpu: catalog.gpu(g))
+            _resolve(path, f"{where}.template", lambda p=pool, s=pool_scaling: template_of(p, s, raw.backends))
         for name, params in routing.params.items():
             _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))
 

@@ -1,0 +1,288 @@
+"""Pools that grow and shrink with their demand (`gateway.autoscaling`, gateway/config/autoscaling.py).
+
+Two parts:
+
+- `Scaler`, pure: from one `PoolDemand` per pool and the clock it is given, the engine count each pool
+  should have. A pool's pressure is its largest signal over that signal's high mark (vision: image
+  tokens waiting per serving engine; language: prefill backlog tokens and requests held or queued per
+  serving engine, and the best engine's predicted time to first token against the SLO). Pressure at 1
+  or more for `up_delay_s` gives one engine more; at `low_mark` or less for `down_delay_s` one fewer,
+  if the engines left would stay under the high mark. One step at a time: while a step settles (an
+  added engine not yet healthy, a removed one still draining) no other is taken, and each step starts
+  both delays again, so a blip shorter than the delay changes nothing. The count stays between the
+  pool's `min` and `max`, never above what the inventory's GPUs allow nor below the engines the
+  scaler may not remove.
+- `Autoscaler`, the loop the daemon runs every `interval_s`: it reads the demand from the state table
+  and the admission queue, asks the scaler, and in `manage` mode applies the step through
+  gateway/control/fleet.py: a copy of the pool's template backend on the next free GPU of the
+  inventory, or the removal (drain first: no new requests, those in flight finish; then the engine
+  stops) of the engine it added last. It removes only engines it added. In both modes /metrics carries
+  `heterogate_pool_desired_replicas{pool}`, `heterogate_pool_replicas{pool}` and
+  `heterogate_pool_pressure{pool}`, for an autoscaler outside the gateway (deploy/k8s/keda-scaledobject.yaml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.config.autoscaling import (
+    POOL_ROLES,
+    AutoscalingConfig,
+    LanguageScaling,
+    Pool,
+    PoolScaling,
+    VisionScaling,
+    template_of,
+)
+from gateway.control.fleet import Fleet
+from gateway.requests.errors import RequestError
+from gateway.routing.policies.contracts import BackendSnapshot
+from gateway.runtime import Runtime
+
+log = structlog.get_logger("autoscaler")
+
+
+@dataclass(frozen=True)
+class PoolDemand:
+    """What one pool holds and is asked for, as read at one instant."""
+
+    engines: int                 # in the pool, not draining (starting ones included)
+    serving: int                 # of them, healthy
+    settling: int = 0            # the scaler's own steps under way: added, not yet healthy; removed, still draining
+    backlog_tokens: int = 0      # vision: image tokens waiting to be encoded; language: prefill backlog tokens
+    queued: int = 0              # language: requests the engines hold (Q_i) plus those waiting at admission
+    predicted_ttft_s: float | None = None   # language: the best serving engine's, None without one
+    addable: int | None = None   # GPUs left in the inventory (None: no bound, the engines run elsewhere)
+    removable: int | None = None   # engines the scaler may take away (None: any)
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: Pool
+    current: int       # engines now (PoolDemand.engines)
+    desired: int
+    pressure: float
+    reason: str        # why desired moved this time ("" when it did not)
+
+
+def pressure(scaling: PoolScaling, demand: PoolDemand) -> float:
+    """The pool's largest signal over its high mark (inf: demand and no serving engine)."""
+    if demand.serving == 0:
+        return math.inf if demand.backlog_tokens or demand.queued else 0.0
+    if isinstance(scaling, VisionScaling):
+        return demand.backlog_tokens / demand.serving / scaling.image_tokens_per_engine
+    assert isinstance(scaling, LanguageScaling)
+    signals = [demand.backlog_tokens / demand.serving / scaling.prefill_tokens_per_engine,
+               demand.queued / demand.serving / scaling.queue_per_engine]
+    if demand.predicted_ttft_s is not None:
+        signals.append(demand.predicted_ttft_s / scaling.ttft_slo_s)
+    return max(signals)
+
+
+def _first_token_s(b: BackendSnapshot, prompt_tokens: int) -> float:
+    """A new prompt's time to first token there: the prompts ahead and its own at the learned prefill
+    speed, then one decode step (marginal_delay's T_first)."""
+    return (b.prefill_backlog_tokens + prompt_tokens) * (b.learned_prefill_s_per_token or b.prefill_s_per_token) \
+        + b.decode_step_s
+
+
+@dataclass
+class _PoolState:
+    desired: int | None = None
+    high_since: float | None = None
+    low_since: float | None = None
+
+
+class Scaler:
+    """The decisions, from demand snapshots and an injected clock (no I/O)."""
+
+    def __init__(self, config: AutoscalingConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._pools = config.scaled()
+        self._up_delay_s = config.up_delay_s
+        self._down_delay_s = config.down_delay_s
+        self._clock = clock
+        self._state = {pool: _PoolState() for pool in self._pools}
+
+    @property
+    def pools(self) -> Mapping[Pool, PoolScaling]:
+        return self._pools
+
+    def decide(self, demand: Mapping[Pool, PoolDemand]) -> dict[Pool, Decision]:
+        now = self._clock()
+        return {pool: self._decide(pool, d, now) for pool, d in demand.items() if pool in self._pools}
+
+    def settle(self, pool: Pool, engines: int) -> None:
+        """The step could not be applied: the pool's desired count is what it has."""
+        self._state[pool] = _PoolState(desired=engines)
+
+    def _decide(self, pool: Pool, d: PoolDemand, now: float) -> Decision:
+        scaling, st = self._pools[pool], self._state[pool]
+        reachable = scaling.max if d.addable is None else d.engines + d.addable   # the inventory's bound, even on min
+        floor = min(scaling.min if d.removable is None else max(scaling.min, d.engines - d.removable), reachable)
+        ceiling = max(min(scaling.max, reachable), floor)
+        desired = min(max(d.engines if st.desired is None else st.desired, floor), ceiling)
+        p = pressure(scaling, d)
+        if d.settling:
+            st.high_since = st.low_since = None   # the delays start again once the step settled
+        elif p >= 1.0:
+            st.low_since = None
+            st.high_since = now if st.high_since is None else st.high_since
+        elif p <= scaling.low_mark:
+            st.high_since = None
+            st.low_since = now if st.low_since is None else st.low_since
+        else:
+            st.high_since = st.low_since = None
+        reason = ""
+        if st.high_since is not None and now - st.high_since >= self._up_delay_s and desired < ceiling:
+            desired += 1
+            reason = f"pressure {p:.2f} at or above 1 for {now - st.high_since:.1f}s"
+        elif (st.low_since is not None and now - st.low_since >= self._down_delay_s and desired > floor
+              and (p * d.serving / (d.serving - 1) < 1.0 if d.serving > 1 else p == 0.0)):
+            desired -= 1
+            reason = f"pressure {p:.2f} at or below {scaling.low_mark} for {now - st.low_since:.1f}s"
+        if reason:
+            st.high_since = st.low_since = None
+        st.desired = desired
+        return Decision(pool, d.engines, desired, p, reason)
+
+
+class Autoscaler:
+    """The loop: demand read from the gateway, the scaler's step applied through the fleet (`manage`
+    with a fleet that takes changes), or only exported (`export`, or no fleet)."""
+
+    def __init__(self, runtime: Runtime, fleet: Fleet | None, config: AutoscalingConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._runtime = runtime
+        self._fleet = fleet if config.mode == "manage" else None
+        self._config = config
+        self.scaler = Scaler(config, clock)
+        self.decisions: dict[Pool, Decision] = {}
+        self._added: dict[Pool, dict[str, str]] = {pool: {} for pool in self.scaler.pools}   # id -> GPU, in order
+        self._arriving: set[str] = set()   # added, not yet healthy
+        self._leaving: dict[str, Pool] = {}   # removed, still in the table
+        self._numbers = itertools.count()
+
+    def collector(self) -> Collector:
+        return _PoolCollector(self)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        log.info("autoscaler_started", mode=self._config.mode, pools=list(self.scaler.pools),
+                 applies=self._fleet is not None)
+        while not stop.is_set():
+            self.tick()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._config.interval_s)
+
+    def tick(self) -> dict[Pool, Decision]:
+        """Read, decide, apply one step per pool."""
+        self._forget_settled()
+        self.decisions = self.scaler.decide({pool: self.demand(pool) for pool in self.scaler.pools})
+        for decision in self.decisions.values():
+            if decision.reason:
+                log.info("autoscale_decision", pool=decision.pool, engines=decision.current,
+                         desired=decision.desired, reason=decision.reason)
+            if self._fleet is not None and decision.desired != decision.current:
+                self._apply(self._fleet, decision)
+        return self.decisions
+
+    def demand(self, pool: Pool) -> PoolDemand:
+        table, roles = self._runtime.table, POOL_ROLES[pool]
+        scaling = self.scaler.pools[pool]
+        members = [e for e in table.entries() if e.role in roles and not table.is_draining(e.id)]
+        serving = [e for e in members if table.is_healthy(e)]
+        snaps = [table.snapshot(e) for e in members]
+        added = self._added[pool]
+        settling = sum(i in added for i in self._arriving) + sum(p == pool for p in self._leaving.values())
+        managing = self._fleet is not None
+        if pool == "vision":
+            return PoolDemand(len(members), len(serving), settling, sum(s.vision_backlog for s in snaps),
+                              addable=self._free_gpus(pool) if managing else None,
+                              removable=len(added) if managing else None)
+        assert isinstance(scaling, LanguageScaling)
+        ttfts = [_first_token_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
+        return PoolDemand(
+            len(members), len(serving), settling, sum(s.prefill_backlog_tokens for s in snaps),
+            sum(s.queue_depth for s in snaps) + self._runtime.pipeline.admission.waiting,
+            min(ttfts, default=None), addable=self._free_gpus(pool) if managing else None,
+            removable=len(added) if managing else None)
+
+    # -- applying a step (manage) ------------------------------------------------------------
+
+    def _forget_settled(self) -> None:
+        table = self._runtime.table
+        self._arriving = {i for i in self._arriving if (e := table.get(i)) is not None and not table.is_healthy(e)}
+        self._leaving = {i: p for i, p in self._leaving.items() if table.get(i) is not None}
+
+    def _free_gpus(self, pool: Pool) -> int:
+        return len(self._free(pool))
+
+    def _free(self, pool: Pool) -> list[str]:
+        """The inventory's GPUs no engine added by the scaler holds, in the inventory's order."""
+        used = Counter(self._added[pool].values())
+        free = []
+        for gpu in self.scaler.pools[pool].gpus:
+            if used[gpu]:
+                used[gpu] -= 1
+            else:
+                free.append(gpu)
+        return free
+
+    def _apply(self, fleet: Fleet, decision: Decision) -> None:
+        pool = decision.pool
+        try:
+            if decision.desired > decision.current:
+                self._add(fleet, pool)
+            else:
+                self._remove(fleet, pool)
+        except RequestError as exc:
+            log.error("autoscale_refused", pool=pool, engines=decision.current, desired=decision.desired,
+                      error=exc.message)
+            self.scaler.settle(pool, decision.current)
+
+    def _add(self, fleet: Fleet, pool: Pool) -> None:
+        gpu = self._free(pool)[0]
+        template = template_of(pool, self.scaler.pools[pool], fleet.config.raw.backends)
+        taken = {b.id for b in fleet.config.raw.backends}
+        backend_id = next(i for n in self._numbers if (i := f"{pool}-auto-{n}") not in taken)
+        fleet.add({**template.model_dump(mode="json"), "id": backend_id, "gpu": gpu})
+        self._added[pool][backend_id] = gpu
+        self._arriving.add(backend_id)
+        log.info("autoscale_added", pool=pool, backend=backend_id, gpu=gpu, template=template.id)
+
+    def _remove(self, fleet: Fleet, pool: Pool) -> None:
+        backend_id = next(reversed(self._added[pool]))
+        fleet.remove(backend_id)
+        del self._added[pool][backend_id]
+        self._arriving.discard(backend_id)
+        self._leaving[backend_id] = pool
+        log.info("autoscale_removing", pool=pool, backend=backend_id)
+
+
+class _PoolCollector(Collector):
+    """The scaler's last decision per pool, read at scrape time."""
+
+    def __init__(self, autoscaler: Autoscaler) -> None:
+        self._autoscaler = autoscaler
+
+    def collect(self) -> Iterator[Metric]:
+        desired = GaugeMetricFamily("heterogate_pool_desired_replicas", "Engines the autoscaler wants in the pool "
+                                    "(gateway.autoscaling)", labels=["pool"])
+        current = GaugeMetricFamily("heterogate_pool_replicas", "Engines in the pool, not draining", labels=["pool"])
+        load = GaugeMetricFamily("heterogate_pool_pressure", "The pool's largest demand signal over its high mark "
+                                 "(1 or more: high)", labels=["pool"])
+        for pool, decision in self._autoscaler.decisions.items():
+            desired.add_metric([pool], decision.desired)
+            current.add_metric([pool], decision.current)
+            load.add_metric([pool], decision.pressure)
+        yield from (desired, current, load)

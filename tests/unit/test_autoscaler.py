@@ -1,0 +1,116 @@
+"""The scaler's decisions with a fake clock: a pool grows under sustained demand and not on a blip,
+shrinks after the down delay, one step at a time, within min, max and the inventory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.config.autoscaling import AutoscalingConfig
+from gateway.control.autoscaler import PoolDemand, Scaler, pressure
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def config(**pools: Any) -> AutoscalingConfig:
+    return AutoscalingConfig.model_validate({"mode": "export", "up_delay_s": 10, "down_delay_s": 60,
+                                             "pools": pools or {"vision": {"min": 1, "max": 4}}})
+
+
+def vision(engines: int, tokens_per_engine: int, **kw: Any) -> dict[str, PoolDemand]:
+    return {"vision": PoolDemand(engines, engines, backlog_tokens=tokens_per_engine * engines, **kw)}
+
+
+def run(scaler: Scaler, clock: FakeClock, seconds: float, demand: Any, step: float = 1.0) -> list[int]:
+    """Ticks every `step` seconds for `seconds`; the desired count after each."""
+    out = []
+    for _ in range(int(seconds / step)):
+        clock.now += step
+        out.append(scaler.decide(demand() if callable(demand) else demand)["vision"].desired)
+    return out
+
+
+def test_grows_under_sustained_demand_one_step_per_delay_not_on_a_blip() -> None:
+    clock = FakeClock()
+    scaler = Scaler(config(), clock)
+    assert scaler.decide(vision(1, 0))["vision"].desired == 1
+    # a blip of 9 s above the mark (4096 image tokens per engine by default) changes nothing
+    assert run(scaler, clock, 9, vision(1, 8000)) == [1] * 9
+    assert run(scaler, clock, 5, vision(1, 100)) == [1] * 5
+    # sustained: one more after 10 s, then the delay starts again
+    desired = run(scaler, clock, 25, vision(1, 8000))
+    assert desired[:10] == [1] * 10 and desired[10] == 2   # the 11th tick: 10 s after the first high one
+    assert desired[11:21] == [2] * 10 and desired[21] == 3
+
+
+def test_no_step_while_one_settles_and_never_above_max_or_the_inventory() -> None:
+    clock = FakeClock()
+    scaler = Scaler(config(), clock)
+    # an engine added and not yet healthy: the delay waits for it
+    assert run(scaler, clock, 30, vision(1, 8000, settling=1)) == [1] * 30
+    engines = 1
+    for _ in range(200):   # the engines follow the desired count
+        clock.now += 1
+        engines = scaler.decide(vision(engines, 8000))["vision"].desired
+    assert engines == 4   # max
+    inventory = Scaler(config(), clock)
+    assert max(run(inventory, clock, 100, vision(2, 8000, addable=1, removable=1))) == 3
+
+
+def test_shrinks_after_the_down_delay_to_min_and_only_what_it_may_remove() -> None:
+    clock = FakeClock()
+    scaler = Scaler(config(), clock)
+    scaler.decide(vision(3, 0))
+    desired = run(scaler, clock, 130, vision(3, 0))
+    assert desired[58] == 3 and desired[59] == 2 and desired[119] == 2 and desired[120] == 1 == desired[-1]   # min
+    # load that the engines left could not carry under the high mark keeps them
+    held = Scaler(config(), clock)
+    held.decide(vision(2, 1200))   # pressure 0.29, 0.59 on one engine fewer: may go
+    assert run(held, clock, 60, vision(2, 1200))[-1] == 1
+    kept = Scaler(config(**{"vision": {"min": 1, "max": 4, "low_mark": 0.6}}), clock)
+    kept.decide(vision(2, 2400))   # pressure 0.59 under the low mark 0.6, but 1.17 on one engine
+    assert run(kept, clock, 120, vision(2, 2400))[-1] == 2
+    # in manage mode only the engines the scaler added may go
+    own = Scaler(config(), clock)
+    assert run(own, clock, 300, vision(3, 0, removable=1))[-1] == 2
+
+
+def test_below_min_goes_to_min_at_once_and_a_refused_step_settles() -> None:
+    clock = FakeClock()
+    scaler = Scaler(config(**{"vision": {"min": 2, "max": 4}}), clock)
+    assert scaler.decide(vision(1, 0))["vision"].desired == 2
+    scaler.settle("vision", 1)
+    assert scaler.decide(vision(1, 0, addable=0))["vision"].desired == 1   # no GPU left: what it has
+
+
+def test_language_pressure_is_its_largest_signal() -> None:
+    cfg = config(language={"min": 1, "max": 3, "prefill_tokens_per_engine": 1000, "queue_per_engine": 4,
+                           "ttft_slo_s": 2.0})
+    scaling = cfg.scaled()["language"]
+    assert pressure(scaling, PoolDemand(2, 2, backlog_tokens=1000, queued=2)) == pytest.approx(0.5)
+    assert pressure(scaling, PoolDemand(2, 2, backlog_tokens=1000, queued=16)) == pytest.approx(2.0)
+    assert pressure(scaling, PoolDemand(2, 2, predicted_ttft_s=3.0)) == pytest.approx(1.5)
+    assert pressure(scaling, PoolDemand(0, 0, queued=1)) == float("inf")
+    assert pressure(scaling, PoolDemand(0, 0)) == 0.0
+    clock = FakeClock()
+    scaler = Scaler(cfg, clock)
+    slow = {"language": PoolDemand(1, 1, predicted_ttft_s=2.5)}
+    assert [scaler.decide(slow)["language"].desired for clock.now in range(12)][-1] == 2
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValidationError, match="min"):
+        config(vision={"min": 3, "max": 2})
+    with pytest.raises(ValidationError, match="at least one pool"):
+        AutoscalingConfig.model_validate({"mode": "manage"})
+    with pytest.raises(ValidationError, match="extra"):
+        config(vision={"max": 2, "mark": 1})
+    assert AutoscalingConfig().mode == "off"
