@@ -174,7 +174,7 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
                         Breakers(settings.breaker), AdmissionQueue(settings.admission))
     metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
     pipeline.tenants = Tenants(settings.tenants)
-    metrics.registry.register(TenantCollector(pipeline.tenants, pipeline.admission))
+    metrics.registry.register(TenantCollector(pipeline.tenants))
     prefix = routing.prefix_cache
     if prefix.enabled:
         pipeline.prefixes = index = PrefixIndex(prefix.block_tokens, prefix.max_blocks_per_backend)

@@ -9,6 +9,7 @@
             api_keys_env: SEARCH_KEYS # or api_keys_file; as gateway.auth: never the key itself
             priority: 1               # a higher class is always admitted first under contention
             weight: 3                 # the share within its class
+            min_in_flight: 1          # admitted past a saturated pool while fewer than this are under way
             requests_per_minute: 600
             tokens_per_minute: 200000 # prompt + completion, from the engines' usage
             tokens_per_day: 50000000
@@ -25,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
 from common.yaml_files import StrictModel
 from gateway.requests.job import DEFAULT_TENANT
@@ -38,6 +39,9 @@ class TenantPolicy(StrictModel):
 
     priority: int = 0                 # strict between classes: any waiting request of a higher class goes first
     weight: PositiveFloat = 1.0       # weighted fair share among the tenants of one class
+    # Requests admitted past a saturated pool while the tenant has fewer under way (its guaranteed
+    # concurrency; 0: none), unless a higher class waits.
+    min_in_flight: NonNegativeInt = 1
     requests_per_minute: PositiveInt | None = None
     tokens_per_minute: PositiveInt | None = None   # prompt + completion tokens
     tokens_per_day: PositiveInt | None = None      # a daily budget, the UTC day

@@ -101,8 +101,7 @@ def create_app(runtime: Runtime, fleet: Fleet | None = None) -> FastAPI:
     async def admin_usage(request: Request) -> Response:
         """Per tenant: policy, current windows (every replica's, with Redis), this process's counters."""
         authorize(request, admin=True)
-        pipeline = runtime.pipeline
-        return json_response({"object": "list", "data": await pipeline.tenants.usage(pipeline.admission)})
+        return json_response({"object": "list", "data": await runtime.pipeline.tenants.usage()})
 
     add_dashboard(app)
     return app

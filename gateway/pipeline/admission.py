@@ -11,7 +11,7 @@ one goes. Within a class the flows share by start-time fair queueing (Goyal et a
 next request carries a start tag, the larger of its previous finish tag and the class's virtual time
 (the start tag of the request that went last) when the flow starts waiting; a request that goes
 advances its flow's finish tag by cost / weight, where the cost is the tokens it is expected to take
-(prompt + max_tokens) and is corrected to what it took when it ends (`Share.settle`). The smallest
+(prompt + max_tokens) and is corrected to what it took when it ends (`Share.end`). The smallest
 start tag goes first, so under contention flows get throughput in proportion to their weights, and
 a flow that was idle starts at the class's virtual time: it goes next, with no credit saved up.
 Within a flow, requests go by deadline then arrival.
@@ -21,7 +21,11 @@ the flow holding the most places per weight, when that flow holds more than the 
 (and is of its class or a lower one); the one pushed out gets the 429 the newcomer would have got.
 
 A request that finds nobody waiting and capacity free is not queued and not charged
-(`Pipeline._admitted`): shares count only under contention.
+(`Pipeline._admitted`): shares count only under contention. Nor is one whose tenant has fewer than
+its `min_in_flight` requests under way (its guaranteed concurrency, 1 by default) while no request
+of a higher class waits: it goes at once, past a saturated pool, so a tenant's light traffic does not
+wait for a heavy one's requests to finish. The pool then holds at most the tenants' `min_in_flight`
+beyond the depth limit.
 """
 
 from __future__ import annotations
@@ -42,13 +46,19 @@ class Flow:
     """One tenant as the queue sees it: its class and weight, its waiters (a heap by deadline, then
     arrival), and its tags in the class's virtual time."""
 
-    __slots__ = ("finish", "name", "priority", "start", "waiters", "weight")
+    __slots__ = ("active", "finish", "min_in_flight", "name", "priority", "start", "waiters", "weight")
 
-    def __init__(self, name: str, priority: int = 0, weight: float = 1.0) -> None:
-        self.name, self.priority, self.weight = name, priority, weight
+    def __init__(self, name: str, priority: int = 0, weight: float = 1.0, min_in_flight: int = 0) -> None:
+        self.name, self.priority, self.weight, self.min_in_flight = name, priority, weight, min_in_flight
         self.waiters: list[_Waiter] = []
+        self.active = 0     # its requests between their Share and its end: waiting or under way
         self.finish = 0.0   # the finish tag of its last request to leave the queue
         self.start = 0.0    # the start tag of its next one, while it has waiters
+
+    @property
+    def in_flight(self) -> int:
+        """Its requests under way (admitted, not ended)."""
+        return self.active - len(self.waiters)
 
     def charge(self, cost: float) -> None:
         """Account `cost` more (or less, when negative) of the class's capacity to this flow."""
@@ -59,16 +69,18 @@ class Flow:
 
 
 class Share:
-    """One request's claim on its flow: the cost it is expected to take, and what was charged when it
-    left the queue (0: it never waited, so nothing is corrected)."""
+    """One request's claim on its flow, from its arrival to its end (`end`, once): the cost it is expected
+    to take, and what was charged when it left the queue (0: it never waited, so nothing is corrected)."""
 
     __slots__ = ("charged", "cost", "flow")
 
     def __init__(self, flow: Flow, cost: float) -> None:
         self.flow, self.cost, self.charged = flow, max(1.0, cost), 0.0
+        flow.active += 1
 
-    def settle(self, actual: float) -> None:
+    def end(self, actual: float) -> None:
         """The request ended having taken `actual`: correct its flow's charge to that."""
+        self.flow.active -= 1
         if self.charged:
             self.flow.charge(actual - self.charged)
             self.charged = 0.0
@@ -110,6 +122,8 @@ class AdmissionQueue:
         """Return when not `saturated()` and this request is at the head; raise Overloaded if it can't."""
         if not self._waiting and not saturated():
             return
+        if share is not None and self._guaranteed(share.flow):
+            return
         share = share or Share(self._default, 1.0)
         if self._waiting >= self.config.max_waiting and not self._push_out(share.flow):
             raise Overloaded(f"every backend is saturated and {self._waiting} requests are already queued")
@@ -139,9 +153,10 @@ class AdmissionQueue:
         if head is not None:
             head.wake.set()
 
-    def waiting_by_flow(self) -> dict[str, int]:
-        """Waiting requests per flow (tenant), for /metrics and /admin/usage."""
-        return {f.name: len(f.waiters) for c in self._classes.values() for f in c.flows}
+    def _guaranteed(self, flow: Flow) -> bool:
+        """Its flow has fewer than `min_in_flight` under way besides this request, and no higher class waits."""
+        return flow.in_flight - 1 < flow.min_in_flight and not any(
+            c.flows for p, c in self._classes.items() if p > flow.priority)
 
     def _head(self) -> _Waiter | None:
         """The highest class's flow of the smallest start tag (ties: the earlier arrival); its first waiter."""

@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.config.tenants import TenantPolicy, TenantsConfig
-from gateway.pipeline.admission import AdmissionQueue, Flow, Share
+from gateway.pipeline.admission import Flow, Share
 from gateway.pipeline.request_metrics import CounterTable
 from gateway.requests.errors import LimiterUnavailable, RateLimited
 from gateway.requests.job import DEFAULT_TENANT, GenerationJob
@@ -142,7 +142,7 @@ class Tenant:
             ("tokens_per_minute", MINUTE_S, policy.tokens_per_minute),
             ("tokens_per_day", DAY_S, policy.tokens_per_day))
         limits = tuple(Limit(reason, period, n) for reason, period, n in given if n is not None)
-        return cls(name, policy, limits, Flow(name, policy.priority, policy.weight))
+        return cls(name, policy, limits, Flow(name, policy.priority, policy.weight, policy.min_in_flight))
 
 
 class Ticket:
@@ -228,7 +228,7 @@ class Tenants:
             self.prompt_tokens.inc((name,), prompt_tokens)
             self.completion_tokens.inc((name,), completion_tokens)
         used = prompt_tokens + completion_tokens
-        ticket.share.settle(used)
+        ticket.share.end(used)
         if ticket.windows:
             limits = ticket.tenant.limits
             delta = used - ticket.estimate
@@ -236,10 +236,10 @@ class Tenants:
                 self.store.adjust(name, limits, ticket.windows, [delta if lim.tokens else 0 for lim in limits])
             ticket.windows = ()
 
-    async def usage(self, admission: AdmissionQueue) -> list[dict[str, Any]]:
+    async def usage(self) -> list[dict[str, Any]]:
         """Per tenant: its policy, its current windows (every replica's, with Redis), and this process's
-        counters since start; `available` is False where the store could not be read."""
-        waiting = admission.waiting_by_flow()
+        requests (waiting in admission, under way, ended by status), tokens and refusals since start;
+        `windows_available` is False where the store could not be read."""
         out = []
         for name, tenant in self.by_name.items():
             windows: dict[str, Any] = {}
@@ -254,7 +254,8 @@ class Tenants:
             out.append({
                 "tenant": name, "priority": tenant.policy.priority, "weight": tenant.policy.weight,
                 "limits": {lim.reason: lim.limit for lim in tenant.limits}, "windows": windows,
-                "windows_available": available, "waiting": waiting.get(name, 0),
+                "windows_available": available, "waiting": len(tenant.flow.waiters),
+                "in_flight": tenant.flow.in_flight,
                 "requests": sum(statuses.values()), "requests_by_status": statuses,
                 "prompt_tokens": int(self.prompt_tokens.value((name,))),
                 "completion_tokens": int(self.completion_tokens.value((name,))),
@@ -264,18 +265,21 @@ class Tenants:
 
 
 class TenantCollector(Collector):
-    """/metrics: the tenants' counters, and their requests waiting in the admission queue."""
+    """/metrics: the tenants' counters, and their requests waiting in the admission queue and under way."""
 
-    def __init__(self, tenants: Tenants, admission: AdmissionQueue) -> None:
-        self._tenants, self._admission = tenants, admission
+    def __init__(self, tenants: Tenants) -> None:
+        self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         t = self._tenants
         for table in (t.requests, t.prompt_tokens, t.completion_tokens, t.rate_limited, t.limiter_errors):
             yield table.family()
         waiting = GaugeMetricFamily("heterogate_tenant_admission_waiting", "Requests of the tenant waiting "
-                                            "in the admission queue", labels=["tenant"])
-        by_flow = self._admission.waiting_by_flow()
-        for name in t.by_name:
-            waiting.add_metric([name], by_flow.get(name, 0))
+                                    "in the admission queue", labels=["tenant"])
+        in_flight = GaugeMetricFamily("heterogate_tenant_in_flight", "Requests of the tenant admitted and not "
+                                      "ended", labels=["tenant"])
+        for name, tenant in t.by_name.items():
+            waiting.add_metric([name], len(tenant.flow.waiters))
+            in_flight.add_metric([name], tenant.flow.in_flight)
         yield waiting
+        yield in_flight

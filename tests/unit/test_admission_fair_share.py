@@ -30,7 +30,7 @@ class Rig:
         self.tasks: list[asyncio.Task[None]] = []
 
     def saturated(self) -> bool:
-        return self.free == 0
+        return self.free <= 0   # below 0: requests went past the saturated pool
 
     def arrive(self, name: str, share: Share, deadline: float = 1e9) -> None:
         async def request() -> None:
@@ -67,7 +67,7 @@ async def test_weights_share_the_capacity_within_a_class() -> None:
     assert rig.queue.waiting == 120
     await rig.release(40)
     assert Counter(rig.order) == {"a": 30, "b": 10}
-    assert rig.queue.waiting_by_flow() == {"a": 30, "b": 50}
+    assert (len(heavy.waiters), len(light.waiters)) == (30, 50)
 
 
 async def test_cost_counts_tokens_and_is_corrected_by_what_was_used() -> None:
@@ -84,7 +84,7 @@ async def test_cost_counts_tokens_and_is_corrected_by_what_was_used() -> None:
     await rig.release(10)
     assert Counter(rig.order) == {"big": 2, "small": 8}
     for s in big_shares[:2]:   # each took 100 tokens, not 400: the difference is given back
-        s.settle(100)
+        s.end(100)
     rig.order.clear()
     await rig.release(10)
     assert Counter(rig.order)["big"] >= 4
@@ -158,3 +158,38 @@ async def test_each_waiter_still_leaves_at_its_deadline() -> None:
     assert rig.refused == ["short"] and rig.queue.waiting == 1
     await rig.release(1)
     assert rig.order == ["long"]
+
+
+async def test_a_tenant_below_its_guaranteed_concurrency_goes_past_a_saturated_pool() -> None:
+    rig = Rig()
+    heavy, light = Flow("heavy", min_in_flight=1), Flow("light", min_in_flight=1)
+    held = Share(heavy, 1)   # one of heavy's under way: heavy has its guarantee
+    for _ in range(4):
+        rig.arrive("heavy", Share(heavy, 1))
+    await rig.settle()
+    await rig.release(1)   # heavy: two under way, three waiting
+    assert rig.order == ["heavy"] and rig.queue.waiting == 3
+    first = Share(light, 1)
+    rig.arrive("light", first)     # nothing of light's under way: it goes at once, past the pool
+    await rig.settle()
+    assert rig.order == ["heavy", "light"] and rig.queue.waiting == 3
+    rig.arrive("light-2", Share(light, 1))   # light has one under way: it queues, ahead of heavy's next
+    await rig.settle()
+    assert rig.queue.waiting == 4
+    await rig.release(2)   # the first slot makes up for light's request past the pool
+    assert rig.order == ["heavy", "light", "light-2"]
+    first.end(1)
+    held.end(1)
+    assert light.in_flight == 1 and heavy.in_flight == 1   # light-2 and the heavy one admitted
+
+
+async def test_the_guarantee_never_jumps_a_higher_class() -> None:
+    rig = Rig()
+    high, low = Flow("high", priority=1), Flow("low", min_in_flight=1)
+    rig.arrive("high", Share(high, 1))
+    await rig.settle()
+    rig.arrive("low", Share(low, 1))
+    await rig.settle()
+    assert rig.order == [] and rig.queue.waiting == 2
+    await rig.release(2)
+    assert rig.order == ["high", "low"]
