@@ -62,6 +62,7 @@ class EngineSpec:
     max_batch: int = 256
     max_prefill_tokens: int | None = None   # per-step prefill bound (a stealing vision GPU's episode bound)
     steal: bool = False
+    external: bool = False          # an engine the gateway scrapes (kind: openai): it reports no T̄_service
 
 
 class GatewayState:
@@ -69,14 +70,16 @@ class GatewayState:
     engines, with its leases, learned speed and inter-token slacks, and the snapshots it builds.
 
     Engines report their own figures (queue, batch, free KV, T̄_service, vision backlog) to it as
-    heartbeats, exact and fresh: each engine reports before any decision that follows a change of
-    its state (`refresh`), so the router never sees stale signals here.
+    heartbeats, by default exact and fresh: each engine reports before any decision that follows a
+    change of its state (`refresh`), so the router never sees stale signals; `report_interval_s`
+    spaces the reports as heartbeats or scrapes are spaced.
     """
 
-    def __init__(self, model: ModelProfile) -> None:
+    def __init__(self, model: ModelProfile, report_interval_s: float = 0.0) -> None:
         self.now = 0.0
         self.table = StateTable(model, float("inf"), clock=self._clock)
         self.engines: list[Engine] = []
+        self.report_interval_s = report_interval_s
 
     def _clock(self) -> float:
         return self.now
@@ -87,9 +90,12 @@ class GatewayState:
         return self.table
 
     def refresh(self, now: float) -> StateTable:
-        """Every engine whose state changed reports; returns the table at `now`, ready for a decision."""
+        """Every engine whose state changed reports (at most once per report interval: with an interval,
+        what the router reads is up to that old, as a heartbeat's or a scrape's is); returns the table at
+        `now`, ready for a decision."""
+        interval = self.report_interval_s
         for e in self.engines:
-            if e.changed:
+            if e.changed and now - e.reported_s >= interval:
                 e.report(now)
         return self.at(now)
 
@@ -105,11 +111,12 @@ class Engine:
         self.measured_service_s = spec.prior_service_s   # as the engines measure it (common.service_time)
         self.gateway = gateway or GatewayState(model)
         self.entry = self.gateway.table.register(spec.backend_id, spec.role, gpu, address=spec.backend_id,
-                                                 managed=False, steal=spec.steal)
+                                                 managed=False, steal=spec.steal, external=spec.external)
         self.gateway.engines.append(self)
         self._leases: dict[int, Lease] = {}
         self._seq = 0
         self.changed = True
+        self.reported_s = float("-inf")
 
     def submit(self, i: int, now: float) -> float | None:
         raise NotImplementedError
@@ -137,8 +144,9 @@ class Engine:
         self.gateway.at(now).apply_heartbeat(self.id, self._seq, self.id, Reported(
             seq=self._seq, waiting=waiting, running=running, kv_free_bytes=self.kv_free_bytes(),
             kv_total_bytes=self.kv_capacity, vision_backlog=self.vision_backlog(),
-            mean_service_s=self.measured_service_s, kv_source="engine"))
+            mean_service_s=0.0 if self.entry.external else self.measured_service_s, kv_source="engine"))
         self.changed = False
+        self.reported_s = now
 
     def snapshot(self) -> BackendSnapshot:
         """The state table's snapshot of this backend, after a report if the engine's state changed."""

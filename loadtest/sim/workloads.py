@@ -6,7 +6,10 @@ comparison between policies is paired, not blurred by sampling noise).
 
 Text workloads follow the capability-weighted paper §4.1 (outputs uniform in [64, 512]); multimodal
 ones follow the modality paper §6.1 (COCO images, "describe this image", outputs ≤ 128 tokens) with a
-heavy-tailed image count per request for the mixed variant.
+heavy-tailed image count per request for the mixed variant. `chat_mixed` is the streaming chat mix of
+the live mixed-tier benchmark (benchmarks/mixed_workload.py): two thirds short prompts (log-normal,
+median 200 tokens, 16-1,000), a third long ones (uniform 1,500-3,400), outputs log-normal with median
+24 tokens (4-200), each request generating exactly its max_tokens.
 """
 
 from __future__ import annotations
@@ -91,6 +94,16 @@ def multimodal(
     return Lengths(text.astype(np.int64), images * tokens_per_image, images, out, max_out.astype(np.int64))
 
 
+def chat_mixed(rng: Generator, n: int) -> Lengths:
+    """The live mixed-tier benchmark's chat mix (see the module docstring)."""
+    long = rng.random(n) < 1 / 3
+    short = np.clip(rng.lognormal(5.3, 0.8, n), 16, 1000).astype(np.int64)
+    prompts = np.where(long, _uniform(rng, 1500, 3400, n), short)
+    out = np.clip(rng.lognormal(3.18, 0.8, n), 4, 200).astype(np.int64)
+    zeros = np.zeros(n, dtype=np.int64)
+    return Lengths(prompts, zeros, zeros, out, out.copy())
+
+
 WORKLOADS: dict[str, Callable[[Generator, int], Lengths]] = {
     "uniform": lambda rng, n: _text(_uniform(rng, 128, 4096, n), rng),
     "short_heavy": lambda rng, n: _text(_mixture(rng, n, 0.8, (128, 511), (512, 4096)), rng),
@@ -99,6 +112,7 @@ WORKLOADS: dict[str, Callable[[Generator, int], Lengths]] = {
     "sharegpt": lambda rng, n: _text(_sharegpt_prompts(rng, n), rng),
     "coco": lambda rng, n: multimodal(rng, n, image_fraction=1.0, heavy_tail=False),
     "mm_mixed": lambda rng, n: multimodal(rng, n, image_fraction=0.5, heavy_tail=True),
+    "chat_mixed": chat_mixed,
 }
 
 

@@ -19,6 +19,7 @@ from gateway.routing.policies.contracts import Policy
 from gateway.routing.policies.encode_cost import EncodeCost
 from gateway.routing.policies.heteroserve import HeteroServe
 from gateway.routing.policies.least_image_tokens import LeastImageTokens
+from gateway.routing.policies.least_outstanding import LeastOutstanding
 from gateway.routing.policies.marginal_delay import MarginalDelay
 from gateway.routing.policies.power_of_two import PowerOfTwo
 from gateway.routing.policies.round_robin import RoundRobin
@@ -28,6 +29,7 @@ REGISTRY: dict[str, Any] = {
     cls.name: cls
     for cls in (
         HeteroServe, RoundRobin, ShortestQueue, CapacityProportional, PowerOfTwo, BatchAware, MarginalDelay,
+        LeastOutstanding,
         EncodeCost, LeastImageTokens,  # vision pool
     )
 }

@@ -1,0 +1,189 @@
+"""Every routing policy over a seeded family of engine models and mixed-tier clusters, against the proxy.
+
+    nice -n 19 python -m benchmarks.routing_family [--members m00 m01 ...] [--loads 0.6 0.9 1.0 1.2] \
+        [--seeds 1 2] [--requests 600] [--warmup 200] [--targets cwlor marginal_delay ...] \
+        [--variant NAME=POLICY:JSON ...] [--jobs 2] [--out benchmarks/results/routing_family.json]
+
+The family (loadtest/sim/family.py): 16 members, each a cluster of 6-10 engines of two or three
+tiers whose engines differ in scheduling (chunked prefill or prefill-first), step time, batch and
+token limits, KV allocation (reserved, or paged with preemption and recompute), the tiers' prefill
+and decode ratios (the slowest tier's prefill 2x-6x slower than the fastest's) and step-time noise.
+Members m03, m07, m11 and m15 are held out: no setting of any policy was chosen on them.
+
+Each run is the discrete-event simulator with the gateway's own state table (leases, learned speed,
+slacks; the engines' queue, batch and KV figures reach it every 200 ms, as heartbeats do) and the
+gateway's own policy objects. A run serves an unscored warm-up (200 requests at 0.6x), then the
+scored requests at the load (x the summed capacity of the member's engines, each saturated alone);
+every target sees the same requests per member, load and seed. Goodput = share of the scored
+requests with TTFT <= 2 s and mean inter-token time <= 100 ms.
+
+Targets: `cwlor` (the proxy: capacity-weighted least-outstanding, weights = each engine's saturated
+rate), `lor` (unweighted), and every language policy of the registry by name; `--variant
+name=policy:{"param": value}` adds a policy with parameters. Prints, per load, each member's proxy
+goodput and every other target's goodput minus the proxy's (points, mean over seeds), tuned and
+held-out members apart, with the median and the worst member of each group, then TTFT p99 per
+member; writes the cells (every seed's figures) to the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
+from common.catalog import load_catalog  # noqa: E402
+from gateway.routing.policies import build_policy  # noqa: E402
+from gateway.routing.policies.contracts import Policy  # noqa: E402
+from loadtest.sim.family import Member, RunSettings, capacity_rps, family, run  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "routing_family.json"
+PROXY = "cwlor"
+DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", "heteroserve", "batch_aware", "shortest_queue", "power_of_two",
+                   "round_robin", "capacity_proportional")
+LOADS = (0.6, 0.9, 1.0, 1.2)
+Cell = tuple[str, float, int, str]    # member, load, seed, target
+
+
+def make_policy(target: str, variants: dict[str, tuple[str, dict[str, Any]]], member: Member, seed: int) -> Policy:
+    if target in (PROXY, "lor"):
+        weights = capacity_rps(member) if target == PROXY else {}
+        return build_policy("least_outstanding", {"weights": weights})
+    name, params = variants.get(target, (target, {}))
+    if name == "power_of_two":
+        params = {"seed": seed, **params}
+    return build_policy(name, params)
+
+
+_STATE: dict[str, Any] = {}
+
+
+def _init(members: list[Member], settings: RunSettings, variants: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    _STATE.update(members={m.name: m for m in members}, settings=settings, variants=variants, catalog=load_catalog())
+
+
+def _run_cell(cell: Cell) -> tuple[Cell, dict[str, Any]]:
+    name, load, seed, target = cell
+    member = _STATE["members"][name]
+    policy = make_policy(target, _STATE["variants"], member, seed)
+    return cell, run(member, policy, load, seed, _STATE["settings"], _STATE["catalog"])
+
+
+def run_all(members: list[Member], loads: Iterable[float], seeds: Iterable[int], targets: list[str],
+            settings: RunSettings, variants: dict[str, tuple[str, dict[str, Any]]], jobs: int) -> dict[Cell, Any]:
+    cells = [(m.name, load, seed, t) for m in members for load in loads for seed in seeds for t in targets]
+    if jobs <= 1:
+        _init(members, settings, variants)
+        return dict(map(_run_cell, cells))
+    with get_context("fork").Pool(jobs, _init, (members, settings, variants)) as pool:
+        return dict(pool.imap_unordered(_run_cell, cells, chunksize=4))
+
+
+def _mean(xs: Iterable[float]) -> float:
+    return statistics.fmean(list(xs))
+
+
+def tables(results: dict[Cell, Any], members: list[Member], loads: Iterable[float], seeds: list[int],
+           targets: list[str]) -> str:
+    others = [t for t in targets if t != PROXY]
+    out = []
+    for load in loads:
+        def goodput(m: str, t: str, load: float = load) -> float:
+            return _mean(results[(m, load, s, t)]["goodput"] for s in seeds)
+
+        def delta(m: str, t: str, load: float = load) -> float:
+            return 100 * _mean(results[(m, load, s, t)]["goodput"] - results[(m, load, s, PROXY)]["goodput"]
+                               for s in seeds)
+
+        def p99(m: str, t: str, load: float = load) -> float:
+            return _mean(results[(m, load, s, t)]["ttft_p99_s"] for s in seeds)
+
+        head = "| member | held out | proxy goodput | " + " | ".join(f"Δ {t}" for t in others) + " |"
+        rule = "|---|---|---:|" + "---:|" * len(others)
+        out += [f"\n### {load}x: goodput minus the proxy's (points, mean of {len(seeds)} seeds)\n", head, rule]
+        for group, held in (("tuned", False), ("held out", True)):
+            names = [m.name for m in members if m.held_out == held]
+            if not names:
+                continue
+            for n in names:
+                out.append(f"| {n} | {'yes' if held else ''} | {goodput(n, PROXY):.1%} | "
+                           + " | ".join(f"{delta(n, t):+.1f}" for t in others) + " |")
+            out.append(f"| **median, {group}** | | {statistics.median(goodput(n, PROXY) for n in names):.1%} | "
+                       + " | ".join(f"{statistics.median(delta(n, t) for n in names):+.1f}" for t in others) + " |")
+            out.append(f"| **worst, {group}** | | | "
+                       + " | ".join(f"{min(delta(n, t) for n in names):+.1f}" for t in others) + " |")
+        out += [f"\n{load}x: TTFT p99 (s, mean of seeds)\n", "| member | " + " | ".join(targets) + " |",
+                "|---|" + "---:|" * len(targets)]
+        for m in members:
+            out.append(f"| {m.name}{' (held out)' if m.held_out else ''} | "
+                       + " | ".join(f"{p99(m.name, t):.2f}" for t in targets) + " |")
+    return "\n".join(out)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its finished workers."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def parse_variants(specs: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    variants = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        policy, _, params = rest.partition(":")
+        variants[name] = (policy, json.loads(params) if params else {})
+    return variants
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--members", nargs="+", default=None, help="member names (default: all)")
+    p.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--requests", type=int, default=600, help="scored requests a run")
+    p.add_argument("--warmup", type=int, default=200, help="unscored requests first, at 0.6x")
+    p.add_argument("--interval-ms", type=float, default=200, help="engine figures reach the gateway this often")
+    p.add_argument("--targets", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_TARGETS)} (variants too)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=POLICY:JSON")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    variants = parse_variants(args.variant)
+    targets = [*(args.targets or DEFAULT_TARGETS), *(v for v in variants if v not in (args.targets or ()))]
+    if PROXY not in targets:
+        targets.insert(0, PROXY)
+    members = [m for m in family() if args.members is None or m.name in args.members]
+    settings = RunSettings(args.requests, args.warmup, args.interval_ms / 1000)
+    started, cpu = time.monotonic(), _cpu_s()
+    results = run_all(members, args.loads, args.seeds, targets, settings, variants, args.jobs)
+    text = tables(results, members, args.loads, args.seeds, targets)
+    print("\n".join(f"{m.name}{' (held out)' if m.held_out else ''}: {m.describe()}" for m in members))
+    print(text)
+    cells = [{"member": c[0], "load": c[1], "seed": c[2], "target": c[3], **r} for c, r in sorted(results.items())]
+    cpu_s = _cpu_s() - cpu
+    print(f"\n{len(results)} runs, {cpu_s:.0f} s of CPU in all ({cpu_s / len(results):.2f} s a run)")
+    save_report(args.out, {
+        "wall_s": time.monotonic() - started, "cpu_s": cpu_s, "git": git_state(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "settings": asdict(settings), "targets": targets, "variants": variants,
+        "members": [{"name": m.name, "held_out": m.held_out, "describe": m.describe()} for m in members],
+        "table": text, "cells": cells,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
