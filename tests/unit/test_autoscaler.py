@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.config.autoscaling import AutoscalingConfig
+from gateway.config.autoscaling import AutoscalingConfig, Pool
 from gateway.control.autoscaler import PoolDemand, Scaler, pressure
 
 
@@ -25,7 +25,7 @@ def config(**pools: Any) -> AutoscalingConfig:
                                              "pools": pools or {"vision": {"min": 1, "max": 4}}})
 
 
-def vision(engines: int, tokens_per_engine: int, **kw: Any) -> dict[str, PoolDemand]:
+def vision(engines: int, tokens_per_engine: int, **kw: Any) -> dict[Pool, PoolDemand]:
     return {"vision": PoolDemand(engines, engines, backlog_tokens=tokens_per_engine * engines, **kw)}
 
 
@@ -102,7 +102,7 @@ def test_language_pressure_is_its_largest_signal() -> None:
     assert pressure(scaling, PoolDemand(0, 0)) == 0.0
     clock = FakeClock()
     scaler = Scaler(cfg, clock)
-    slow = {"language": PoolDemand(1, 1, predicted_ttft_s=2.5)}
+    slow: dict[Pool, PoolDemand] = {"language": PoolDemand(1, 1, predicted_ttft_s=2.5)}
     assert [scaler.decide(slow)["language"].desired for clock.now in range(12)][-1] == 2
 
 
