@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gateway.daemon import ServeOptions, StartupChecks
 
 CHECK_CONFIG = "check-config"
+PLAN = "plan"   # which GPUs in which roles for a workload: loadtest/planner/cli.py
 DEMO_UPSTREAM = "demo-upstream"   # a mock OpenAI-compatible engine: gateway/demo_upstream.py
 
 
@@ -49,7 +50,8 @@ def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | Non
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gateway",
                                 description="HeteroGate: the front door of a heterogeneous GPU cluster",
-                                epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits")
+                                epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits; "
+                                       f"`gateway {PLAN} --help`: which GPUs in which roles for a workload")
     p.add_argument("--version", action="version", version=f"heterogate {__version__}")
     from gateway.config.cluster import DEFAULT_BACKENDS
 
@@ -134,6 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == [CHECK_CONFIG]:
         check_config(argv[1:])
         return
+    if argv[:1] == [PLAN]:
+        from loadtest.planner.cli import main as plan  # the simulator and numpy: loaded for this subcommand only
+
+        raise SystemExit(plan(argv[1:]))
     if argv[:1] == [DEMO_UPSTREAM]:
         from gateway import demo_upstream  # only this subcommand needs it
 

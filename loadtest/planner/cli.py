@@ -1,0 +1,283 @@
+"""`gateway plan`: which GPUs, in which roles, for a workload, SLOs and a budget or an inventory.
+
+    gateway plan --rate 40 --image-share 0.5 --budget 30 --out backends.yaml
+
+prints the best plans the search found (predicted goodput, SLO attainment, tokens/s, tokens per dollar),
+what the search cost, and with `--out` writes the best plan as a backends.yaml of managed simulated
+engines that `gateway --backends` runs as it is. docs/PLANNING.md describes the method and how its
+predictions compare with the live gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.catalog import CONFIG_DIR, ModelProfile, load_catalog
+from common.errors import ConfigError
+from gateway.routing.policies import build_policy
+from loadtest.planner.evaluate import Policies
+from loadtest.planner.search import GROUPINGS, Evaluated, Problem, SearchResult, search
+from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Split, trace_rate
+from loadtest.planner.workload import Description, WorkloadError, described_trace, log_trace, named_trace
+from loadtest.sim.workloads import Trace
+
+PROG = "gateway plan"
+DEFAULT_MODEL = "llava-1.5-7b"          # the demo cluster's model
+MIN_REQUESTS = 200
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
+    return value
+
+
+def inventory(text: str) -> tuple[tuple[str, int], ...]:
+    """`H100=4,L40S=8` → (("H100", 4), ("L40S", 8))."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, n = part.partition("=")
+        if not sep or not name.strip() or not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r}: write GPU=COUNT, e.g. H100=4")
+        out[name.strip()] = out.get(name.strip(), 0) + int(n)
+    if not out:
+        raise argparse.ArgumentTypeError("an inventory needs at least one GPU=COUNT")
+    return tuple(out.items())
+
+
+def names(text: str) -> tuple[str, ...]:
+    return tuple(filter(None, (p.strip() for p in text.split(","))))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    w = p.add_argument_group("workload (a description, a simulator workload, or a gateway request log)")
+    w.add_argument("--rate", type=positive, help="arrival rate, requests/s (a request log's own rate if omitted)")
+    w.add_argument("--image-share", type=share, default=0.0, help="share of requests with images (default 0)")
+    w.add_argument("--prompt-tokens", type=positive, default=512.0, help="mean prompt tokens of a text request")
+    w.add_argument("--output-tokens", type=positive, default=128.0, help="mean output tokens")
+    w.add_argument("--images-per-request", type=count, default=1, help="images of an image request (default 1)")
+    w.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson")
+    w.add_argument("--workload", help="a workload of loadtest/sim/workloads.py instead of the description")
+    w.add_argument("--trace", type=Path, help="the gateway's JSON request log (its `\"event\": \"request\"` lines)")
+    w.add_argument("--duration", type=positive, default=30.0,
+                   help="seconds of arrivals each plan is simulated for (default 30)")
+    w.add_argument("--requests", type=count, help="simulate this many requests instead of --duration's")
+    w.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("service level")
+    s.add_argument("--ttft-slo", type=positive, default=2.0, help="time to first token, seconds (default 2)")
+    s.add_argument("--itl-slo", type=positive, default=0.1, help="mean inter-token time, seconds (default 0.1)")
+    s.add_argument("--attainment", type=share, default=0.9,
+                   help="share of requests that must meet both SLOs (default 0.9)")
+    c = p.add_argument_group("GPUs")
+    c.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog model (default {DEFAULT_MODEL})")
+    c.add_argument("--catalog", type=Path, default=CONFIG_DIR,
+                   help="folder with gpus.yaml (prices) and models.yaml (default: the gateway's catalog)")
+    c.add_argument("--gpus", type=names, help="GPU types to consider, comma-separated (default: all in the catalog)")
+    money = c.add_mutually_exclusive_group(required=True)
+    money.add_argument("--budget", type=positive, help="$/hour the plan may cost")
+    money.add_argument("--inventory", type=inventory, help="GPUs on hand, e.g. H100=4,L40S=8")
+    c.add_argument("--max-gpus", type=count, default=16, help="GPUs in a plan at most (default 16)")
+    c.add_argument("--max-types", type=count, default=3, help="GPU types in the language pool at most (default 3)")
+    c.add_argument("--max-vision", type=count, default=2, help="GPUs in a split plan's vision pool at most")
+    c.add_argument("--splits", type=names, default=SPLITS, help=f"stage splits to consider ({', '.join(SPLITS)})")
+    c.add_argument("--no-steal", action="store_true", help="a split plan's vision GPUs take no language work")
+    r = p.add_argument_group("search and output")
+    r.add_argument("--policy", default=Policies.language, help="language routing policy (default the gateway's)")
+    r.add_argument("--vision-policy", default=Policies.vision, help="vision routing policy")
+    r.add_argument("--compare", choices=GROUPINGS, default="none",
+                   help="also find the best plan of each stage split, of one-type and mixed fleets, or both")
+    r.add_argument("--max-simulations", type=count, default=200)
+    r.add_argument("--time-limit", type=positive, default=240.0, help="seconds before the search stops")
+    r.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="simulation processes")
+    r.add_argument("--top", type=count, default=8, help="plans to print")
+    r.add_argument("--out", type=Path, help="write the best plan here as a backends.yaml")
+    r.add_argument("--time-scale", type=float, default=1.0, help="launch.time_scale of the written engines")
+    r.add_argument("--json", type=Path, help="write the search's results here as JSON")
+    args = p.parse_args(argv)
+    if args.trace is None and args.rate is None:
+        p.error("give the arrival rate (--rate), or a request log (--trace) whose rate is used")
+    if args.trace is not None and args.workload is not None:
+        p.error("give a request log (--trace) or a simulator workload (--workload), not both")
+    bad = [s for s in args.splits if s not in SPLITS]
+    if bad or not args.splits:
+        p.error(f"--splits: {', '.join(bad) or 'none given'}; choose from {', '.join(SPLITS)}")
+    if args.time_scale < 0:
+        p.error("--time-scale must be at least 0")
+    return args
+
+
+def build_trace(args: argparse.Namespace, model: ModelProfile) -> Trace:
+    if args.trace is not None:
+        return log_trace(args.trace, model, args.rate, args.requests)
+    n = args.requests or max(MIN_REQUESTS, round(args.rate * args.duration))
+    if args.workload is not None:
+        return named_trace(args.workload, args.rate, n, args.seed, args.arrivals)
+    desc = Description(args.rate, args.image_share, args.prompt_tokens, args.output_tokens,
+                       args.images_per_request, args.arrivals)
+    return described_trace(desc, model, n, args.seed)
+
+
+def build_problem(args: argparse.Namespace) -> Problem:
+    catalog = load_catalog(args.catalog)
+    model = catalog.model(args.model)
+    gpus = args.gpus or tuple(catalog.gpus)
+    for g in gpus:
+        catalog.gpu(g)
+    for g, _ in args.inventory or ():
+        catalog.gpu(g)
+    if args.inventory is not None:
+        gpus = tuple(g for g in gpus if dict(args.inventory).get(g, 0) > 0)
+    for policy in (args.policy, args.vision_policy):
+        build_policy(policy)
+    splits: tuple[Split, ...] = tuple(s for s in SPLITS if s in args.splits)
+    limits = Limits(args.budget, args.inventory, args.max_gpus, args.max_types, args.max_vision)
+    return Problem(catalog, model, build_trace(args, model), Slo(args.ttft_slo, args.itl_slo), limits, gpus,
+                   args.attainment, splits, not args.no_steal, Policies(args.policy, args.vision_policy),
+                   args.compare)
+
+
+def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str, Any]:
+    """The plan as backends.yaml content: one managed simulated engine per GPU (configs/backends.yaml's form)."""
+    backends: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    for gpu, role, steal in plan.members():
+        stem = f"{gpu.lower()}-vision" if role == "vision" else gpu.lower()
+        k = seen[stem] = seen.get(stem, -1) + 1
+        entry: dict[str, Any] = {"id": f"{stem}-{k}", "role": role, "gpu": gpu}
+        if steal:
+            entry["steal"] = True
+        entry["launch"] = {"time_scale": time_scale}
+        backends.append(entry)
+    routing = {"policy": problem.policies.language, "vision_policy": problem.policies.vision,
+               "itl_target_ms": round(problem.slo.itl_s * 1000, 3)}
+    return {"model": problem.model.name, "gateway": {"routing": routing}, "backends": backends}
+
+
+def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: float, command: str) -> None:
+    o = plan.outcome
+    header = [
+        f"Written by `{command}`.",
+        f"Plan: {plan.plan.label()} ({plan.plan.split}), ${plan.candidate.cost_per_hour:.2f}/hour.",
+        f"Predicted at {problem.trace.n} requests, {trace_rate(problem.trace):.1f} req/s: "
+        f"goodput {o.goodput_rps:.1f} req/s, "
+        f"SLO attainment {o.attainment:.1%} (TTFT <= {problem.slo.ttft_s:g} s, inter-token <= "
+        f"{problem.slo.itl_s * 1000:g} ms), {o.tokens_per_s:,.0f} tokens/s.",
+        "Managed simulated engines; give each its real engine (launch or address) to run it on GPUs.",
+    ]
+    body = yaml.safe_dump(backends_config(plan.plan, problem, time_scale), sort_keys=False, width=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"# {line}\n" for line in header) + body)
+
+
+def render(result: SearchResult, problem: Problem, top: int) -> str:
+    t, slo, lim = problem.trace, problem.slo, problem.limits
+    images = float((t.lengths.image_tokens > 0).mean())
+    span = float(t.arrival_s[-1] - t.arrival_s[0])
+    money = (f"budget ${lim.budget_per_hour:.2f}/hour" if lim.budget_per_hour is not None
+             else "inventory " + ", ".join(f"{n}×{g}" for g, n in lim.inventory or ()))
+    lines = [
+        f"workload: {problem.model.name}, {result.rate_rps:.1f} req/s ({t.n} requests over {span:.0f} s), "
+        f"{images:.0%} with images, mean prompt {t.lengths.input_tokens.mean():.0f} / output "
+        f"{t.lengths.output_tokens.mean():.0f} tokens",
+        f"SLO: TTFT <= {slo.ttft_s:g} s and mean inter-token <= {slo.itl_s * 1000:g} ms for {problem.target:.0%} "
+        f"of requests; {money}, at most {lim.max_gpus} GPUs, GPU types: {', '.join(problem.gpus)}",
+        f"search: {result.considered:,} plans considered, {result.ruled_out:,} ruled out by the capacity bound, "
+        f"{result.ruled_out_subplan:,} as sub-plans of failed plans, {result.simulated} simulated, "
+        f"{result.left:,} left unresolved; {result.seconds:.1f} s "
+        f"(enumerate {result.timings['enumerate_s']:.1f} s, bound {result.timings['bound_s']:.1f} s, "
+        f"simulate {result.timings['simulate_s']:.1f} s; {result.cpu_s:.0f} CPU-s of simulation)",
+    ]
+    if result.left:
+        lines.append(f"  stopped by --max-simulations or --time-limit: {result.left:,} plans no rule had ruled out "
+                     "were not simulated; the best below is the best found, not proven the best")
+    lines += ["", "best plans (simulated; sustains = the attainment target is met over the whole trace and its "
+              "last third)", _table(result.ranked[:top], result.target)]
+    if len(result.best_by_group) > 1:
+        lines += ["", f"best of each group ({problem.grouping})",
+                  _table(list(result.best_by_group.values()), result.target, result.best_by_group)]
+    best = result.best
+    if best is None:
+        lines.append("no plan fits the limits: raise the budget or the inventory, or allow more GPU types")
+    elif not best.outcome.sustains(result.target):
+        lines.append(f"no plan within the limits sustains {result.target:.0%} attainment; the best serves "
+                     f"{best.outcome.goodput_rps:.1f} of {result.rate_rps:.1f} req/s within the SLO")
+    return "\n".join(lines)
+
+
+def _table(rows: list[Evaluated], target: float, groups: dict[str, Evaluated] | None = None) -> str:
+    head = ["#", "plan", "split", "GPUs", "$/hour", "bound req/s", "goodput req/s", "attainment", "last third",
+            "sustains", "tokens/s", "tokens/$", "TTFT p95 s", "ITL p95 ms"]
+    names = list(groups) if groups else None
+    body = []
+    for k, e in enumerate(rows):
+        o = e.outcome
+        body.append([names[k] if names else str(k + 1), e.plan.label(), e.plan.split, str(e.plan.gpus),
+                     f"{e.candidate.cost_per_hour:.2f}", f"{e.candidate.bound_rps:.1f}", f"{o.goodput_rps:.1f}",
+                     f"{o.attainment:.1%}", f"{o.late_attainment:.1%}", "yes" if o.sustains(target) else "no",
+                     f"{o.tokens_per_s:,.0f}", f"{o.tokens_per_dollar:,.0f}", f"{o.ttft_p95_s:.2f}",
+                     f"{o.itl_p95_s * 1000:.0f}"])
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                                 strict=True)))
+                     for r in [head, *body])
+
+
+def as_json(result: SearchResult, problem: Problem) -> dict[str, Any]:
+    def row(e: Evaluated) -> dict[str, Any]:
+        return {"plan": e.plan.label(), "split": e.plan.split, "pools": [list(p) for p in e.plan.pools],
+                "steal": e.plan.steal, "gpus": e.plan.gpus, "cost_per_hour": e.candidate.cost_per_hour,
+                "bound_rps": e.candidate.bound_rps, **e.outcome.as_dict(),
+                "sustains": e.outcome.sustains(result.target)}
+
+    return {"model": problem.model.name, "rate_rps": result.rate_rps, "requests": problem.trace.n,
+            "slo": {"ttft_s": problem.slo.ttft_s, "itl_s": problem.slo.itl_s, "attainment": result.target},
+            "search": {"considered": result.considered, "ruled_out": result.ruled_out,
+                       "ruled_out_subplan": result.ruled_out_subplan, "simulated": result.simulated,
+                       "left": result.left, "seconds": result.seconds,
+                       "cpu_s": result.cpu_s, **result.timings},
+            "ranked": [row(e) for e in result.ranked],
+            "best_by_group": {g: row(e) for g, e in result.best_by_group.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        problem = build_problem(args)
+        result = search(problem, max_simulations=args.max_simulations, time_limit_s=args.time_limit,
+                        workers=args.workers)
+    except (ConfigError, WorkloadError, ValueError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    print(render(result, problem, args.top))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(as_json(result, problem), indent=2) + "\n")
+    if args.out is not None and result.best is not None:
+        write_backends(args.out, result.best, problem, args.time_scale, " ".join([PROG, *argv]))
+        print(f"\nwrote {args.out}: {result.best.plan.label()}, {result.best.plan.gpus} backends; "
+              f"run it with `gateway --backends {args.out}`")
+    return 0 if result.best is not None else 1

@@ -1,0 +1,109 @@
+"""One plan on one trace, in the discrete-event simulator running the gateway's live routing code.
+
+The engines are the simulator's vision-language GPUs (`loadtest.sim.modality.build_members`): the
+shared continuous batcher timed by the roofline model, the engines' vision-first loop and aligned
+encode batches, reporting to one gateway `StateTable` whose snapshots the gateway's own policies
+(language pool and vision pool, as the written backends.yaml names them) route on; stealers join the
+language candidates as `gateway.routing.policies.stealing` admits them. T̄_service starts where a live
+engine's does (`common.service_time.prior_service_s`), and the table's inter-token target is the SLO's,
+as the written `gateway.routing.itl_target_ms` makes it live.
+
+A request meets the SLO when its time to first token and its mean inter-token time
+((last token − first token) / (tokens − 1)) are both within their targets; one that is never served
+(its KV reservation fits no GPU it was sent to) does not.
+
+    attainment   share of the trace's requests that met the SLO
+    late         the same share among the requests of the last LATE_SHARE of the arrival window: a plan
+                 that cannot keep up serves its first requests well and its late ones ever later, so a
+                 plan sustains the target only if both reach it (a finite trace hides a slow backlog)
+    goodput      attainment × arrival rate: requests/s served within the SLO
+    tokens/s     output tokens / (first arrival → last completion) (loadtest/sim/metrics.py)
+    tokens/$     tokens/s · 3600 / the plan's $/hour
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.catalog import Catalog, ModelProfile
+from common.service_time import prior_service_s
+from loadtest.planner.space import Plan, Slo, trace_rate
+from loadtest.sim.engines import Recorder
+from loadtest.sim.metrics import summarize
+from loadtest.sim.modality import VlmRunSpec, VlmSimulation, build_members
+from loadtest.sim.workloads import Trace
+
+LATE_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class Policies:
+    language: str = "marginal_delay"     # the gateway's defaults (gateway.routing)
+    vision: str = "encode_cost"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    attainment: float
+    late_attainment: float
+    goodput_rps: float
+    tokens_per_s: float
+    tokens_per_dollar: float
+    ttft_p95_s: float
+    itl_p95_s: float
+    cost_per_hour: float
+    wall_s: float
+    cpu_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
+
+    def sustains(self, target: float) -> bool:
+        return self.attainment >= target and self.late_attainment >= target
+
+
+def late(arrival: np.ndarray) -> np.ndarray:
+    """The requests of the last LATE_SHARE of the arrival window."""
+    start, end = float(arrival[0]), float(arrival[-1])
+    return arrival >= end - (end - start) * LATE_SHARE
+
+
+def request_outcomes(arrival: np.ndarray, first: np.ndarray, finish: np.ndarray, tokens: np.ndarray,
+                     slo: Slo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request: (TTFT, mean inter-token time, met the SLO) from its times; NaN where it never finished.
+    The live check measures with this same function."""
+    ttft = first - arrival
+    itl = np.where(tokens > 1, (finish - first) / np.maximum(tokens - 1, 1), 0.0)
+    with np.errstate(invalid="ignore"):
+        good = ~np.isnan(finish) & (ttft <= slo.ttft_s) & (itl <= slo.itl_s)
+    return ttft, itl, good
+
+
+def simulate(plan: Plan, trace: Trace, model: ModelProfile, catalog: Catalog, slo: Slo,
+             policies: Policies = Policies()) -> Outcome:
+    """Run the trace through the plan (module docstring)."""
+    started, cpu = time.perf_counter(), time.process_time()
+    rec = Recorder.for_lengths(trace.lengths)
+    engines = build_members(plan.members(), model, catalog, rec, lambda gpu: prior_service_s(model, gpu))
+    engines[0].gateway.table.itl_target_s = slo.itl_s
+    spec = VlmRunSpec(plan.label(), trace_rate(trace), trace.n, model=model.name, policy=policies.language,
+                      vision_policy=policies.vision)
+    VlmSimulation(spec, trace, engines, rec).run()
+    cost = plan.cost_per_hour(catalog)
+    summary = summarize(trace, rec, np.array([e.gpu.name for e in engines]), [e.gpu.price_per_hour for e in engines])
+    ttft, itl, good = request_outcomes(trace.arrival_s, rec.first_token, rec.finish,
+                                       trace.lengths.output_tokens, slo)
+    done = ~np.isnan(rec.finish)
+    attainment = float(good.mean())
+    tokens_s = float(summary["throughput_tok_s"])
+    return Outcome(
+        attainment=attainment, late_attainment=float(good[late(trace.arrival_s)].mean()),
+        goodput_rps=attainment * trace_rate(trace), tokens_per_s=tokens_s,
+        tokens_per_dollar=tokens_s * 3600 / cost if cost else float("inf"),
+        ttft_p95_s=float(np.percentile(ttft[done], 95)) if done.any() else float("inf"),
+        itl_p95_s=float(np.percentile(itl[done], 95)) if done.any() else float("inf"),
+        cost_per_hour=cost, wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu)
