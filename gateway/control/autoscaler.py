@@ -220,7 +220,12 @@ class Autoscaler:
     # -- applying a step (manage) ------------------------------------------------------------
 
     def _forget_settled(self) -> None:
+        """Steps that settled leave the books, and so do added engines that left the fleet some other way
+        (an admin removal, a SIGHUP reload of a file that does not hold them)."""
         table = self._runtime.table
+        for added in self._added.values():
+            for backend_id in [i for i in added if table.get(i) is None]:
+                del added[backend_id]
         self._arriving = {i for i in self._arriving if (e := table.get(i)) is not None and not table.is_healthy(e)}
         self._leaving = {i: p for i, p in self._leaving.items() if table.get(i) is not None}
 

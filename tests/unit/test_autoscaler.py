@@ -3,13 +3,17 @@ shrinks after the down delay, one step at a time, within min, max and the invent
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from common.errors import ConfigError
 from gateway.config.autoscaling import AutoscalingConfig, Pool
+from gateway.config.cluster import load_cluster
 from gateway.control.autoscaler import PoolDemand, Scaler, pressure
+from tests.harness import write_config
 
 
 class FakeClock:
@@ -114,3 +118,20 @@ def test_config_is_checked() -> None:
     with pytest.raises(ValidationError, match="extra"):
         config(vision={"max": 2, "mark": 1})
     assert AutoscalingConfig().mode == "off"
+
+
+def test_manage_mode_is_checked_against_the_backends_file(tmp_path: Path) -> None:
+    def load(vision: dict[str, Any], backends: list[dict[str, Any]]) -> None:
+        load_cluster(write_config(tmp_path, {
+            "model": "llava-1.5-7b", "backends": backends,
+            "gateway": {"autoscaling": {"mode": "manage", "pools": {"vision": vision}}}}))
+
+    language = {"id": "h100-0", "gpu": "H100", "launch": {}}
+    encoder = {"id": "l4-0", "role": "vision", "gpu": "L4", "launch": {}}
+    load({"max": 2, "gpus": ["L4"]}, [language, encoder])
+    with pytest.raises(ConfigError, match=r"gateway.autoscaling.pools.vision.gpus.*NO-SUCH-GPU"):
+        load({"max": 2, "gpus": ["NO-SUCH-GPU"]}, [language, encoder])
+    with pytest.raises(ConfigError, match=r"pools.vision.template.*role vision"):
+        load({"max": 2}, [language, {**encoder, "launch": None, "address": "127.0.0.1:9"}])
+    with pytest.raises(ConfigError, match=r"template 'h100-0'"):
+        load({"max": 2, "template": "h100-0"}, [language, encoder])
