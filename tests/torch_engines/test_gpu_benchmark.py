@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import ROOT
 
 
+@pytest.mark.timeout(360)   # two gateways with torch engines, one after the other, on a 2-core machine
 def test_gpu_benchmark_runs_on_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     proc = subprocess.run(
