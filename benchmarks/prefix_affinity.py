@@ -1,0 +1,603 @@
+"""Cache-aware routing on mixed tiers, replayed in virtual time: shared-prefix chat, no sharing, a hot prefix.
+
+    nice -n 19 python benchmarks/prefix_affinity.py [--seeds 1 2 3 4 5] [--sessions 600] [--loads 1.0 1.5] \
+        [--workloads multiturn nosharing hotprefix] [--targets rr cwlor hg-blind hg-cache ...] [--latency]
+
+The eight emulated engines of the mixed-tier benchmark (benchmarks/emulated_engine.py: 2 x H100, 3 x
+A100-80GB, 3 x L40S, chunked prefill, KV 60k / 50k / 24k tokens) with vLLM-like automatic prefix caching
+(`common.prefix_blocks.EnginePrefixCache`: running sequences' blocks pinned, free blocks cached and
+evicted least recently used first, prefill skipped for the cached prefix, vLLM's query / hit counters),
+stepped in emulated time; no sockets. The gateway targets are its real objects on a virtual clock: the
+state table (leases, learned speeds, engine reports every --interval-ms), the policy, and the prefix
+index fed the engines' counters, as the pipeline wires them. Targets:
+
+    rr          round robin
+    cwlor       capacity-weighted least outstanding (weights: each engine's saturated rate on the workload)
+    hg-blind    the gateway's default policy without cache awareness (gateway.routing.prefix_cache off)
+    hg-cache    the gateway's default: the prefix index from the prompts' text blocks
+    hg-session  hg-cache, and the clients name their conversation (x-session-id)
+    hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
+
+Workloads (each request's prompt is the chat rendered as the gateway renders it, `role: text` lines):
+
+    multiturn   tenants (--tenants, 32) with system prompts of 1,000-2,500 tokens; conversations arrive
+                Poisson, 3-10 turns each; every turn resends the system prompt and the whole history with a
+                new user message (16-400 tokens, median 80) and arrives an exponential think time (mean
+                3 s) after the previous answer's last token; answers 16-384 tokens (median 96); a
+                conversation ends early where the next turn would pass the 4,096-token context
+    nosharing   the mixed-tier benchmark's single requests (benchmarks/mixed_workload.py), every prompt distinct
+    hotprefix   single requests, 80% of them one tenant's 2,400-token system prompt and a question of
+                their own, the rest distinct prompts of the mixed-tier mix
+
+Load (--loads, by default per workload: DEFAULT_LOADS) is a multiple of the cache-blind capacity: each
+engine alone saturated in emulated time with the workload's requests and no cache (as
+benchmarks/mixed_workload.saturated_rate), summed; shared prefixes let a cluster carry more than that.
+Every target first serves an unscored warm-up (--warmup conversations at 0.6x, other conversations of
+the same tenants) on the same engines, which then serve the scored run (--sessions conversations,
+--requests single requests) with what they cached. Per workload, load and target, medians over seeds
+(range for goodput): goodput (TTFT <= 2 s and mean inter-token time <= 100 ms), TTFT p50 / p90 / p99,
+the engines' prefix hit rate (hit / prompt tokens), prompt tokens prefilled per request, tier shares of
+requests, and the largest engine's request share over its capacity share; for the gateway with its
+index, the hit rate it predicted against the one the engines reported.
+
+--latency: the gateway's per-request cost of cache-aware routing at N=64 backends (hashing the prompt,
+index lookup, the policy's decision, recording; CPU time of the thread), from the multiturn workload's
+prompts.
+
+Writes benchmarks/results/prefix_affinity.json and prints the tables docs/ROUTING.md quotes. What the
+replay leaves out: network and gateway latency, CPU, scrape jitter (as benchmarks/routing_replay.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq, TierSpeed  # noqa: E402
+from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
+from benchmarks.mixed_workload import lengths, prompt_text  # noqa: E402
+from benchmarks.routing_replay import CLUSTER, ITL_SLO_S, LANGUAGE, MODEL, TTFT_SLO_S, Clock, Gateway  # noqa: E402
+from common.catalog import load_catalog  # noqa: E402
+from common.prefix_blocks import EnginePrefixCache, block_hashes  # noqa: E402
+from gateway.config.cluster import PrefixCacheConfig  # noqa: E402
+from gateway.routing.backend_entry import Reported  # noqa: E402
+from gateway.routing.policies import build_policy  # noqa: E402
+from gateway.routing.policies.contracts import RequestProfile  # noqa: E402
+from gateway.routing.prefix_index import PrefixIndex  # noqa: E402
+from gateway.routing.state_table import StateTable  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
+LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
+TARGETS = ("rr", "cwlor", "hg-blind", "hg-cache", "hg-session", "hg-oracle")
+WORKLOADS = ("multiturn", "nosharing", "hotprefix")
+# Loads (times the cache-blind capacity) by default: shared prefixes carry more than the blind capacity, so
+# the multiturn and hot-prefix runs go past it; the no-sharing run is the mixed-tier benchmark's 0.9x and 1.0x.
+DEFAULT_LOADS = {"multiturn": [1.0, 1.5, 2.0], "nosharing": [0.9, 1.0], "hotprefix": [2.0, 2.5, 3.0]}
+HOT_SHARE, THINK_MEAN_S, DEFAULT_TENANTS = 0.8, 3.0, 32
+_WORDS = "policy refund order account invoice shipping answer customer ticket window".split()
+
+
+# -- workloads -----------------------------------------------------------------------------------
+
+def text(rng: random.Random, tokens: int, tag: str) -> str:
+    """Text of `tokens` tokens as the gateway counts them (4 bytes a token), starting with `tag`."""
+    size = 4 * max(1, tokens)
+    words, n = [tag], len(tag)
+    while n < size:
+        w = rng.choice(_WORDS)
+        words.append(w)
+        n += len(w) + 1
+    return " ".join(words)[:size]
+
+
+def tokens_of(messages: list[tuple[str, str]]) -> int:
+    """The gateway's estimate (gateway.requests.tokens): 4 bytes a token, 4 a message."""
+    return sum(max(1, -(-len(t.encode()) // 4)) + 4 if t else 4 for _, t in messages)
+
+
+def render(messages: list[tuple[str, str]]) -> str:
+    return "\n".join(f"{role}: {t}" for role, t in messages)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A client's conversation: its turns arrive one after the other (a think time after each answer)."""
+
+    id: str
+    start_s: float
+    system: str                                   # "" for none
+    turns: list[tuple[str, int]]                  # (user message, output tokens)
+    thinks: list[float]                           # seconds before each turn after the first
+    replies: list[str] = field(default_factory=list)   # the answers so far, as the client keeps them
+    sent: int = 0                                 # turns sent
+
+    def messages(self) -> list[tuple[str, str]]:
+        """The next turn's messages: the system prompt, the history, the new user message."""
+        out = [("system", self.system)] if self.system else []
+        for k in range(self.sent):
+            out += [("user", self.turns[k][0]), ("assistant", self.replies[k])]
+        return [*out, ("user", self.turns[self.sent][0])]
+
+
+def output_tokens(rng: random.Random) -> int:
+    return int(min(384, max(16, rng.lognormvariate(4.56, 0.7))))   # median 96
+
+
+def user_tokens(rng: random.Random) -> int:
+    return int(min(400, max(16, rng.lognormvariate(4.38, 0.8))))   # median 80
+
+
+def tenants(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    return [text(rng, rng.randint(1000, 2500), f"tenant-{k}-instructions") for k in range(n)]
+
+
+def conversations(workload: str, n: int, rate: float, seed: int, tenant_prompts: list[str]) -> list[Conversation]:
+    """`n` conversations starting Poisson at `rate` a second (single requests: one turn each)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    hot = text(random.Random(seed), 2400, "hot-tenant-instructions")
+    for i in range(n):
+        t += rng.expovariate(rate)
+        tag = f"s{seed}-{i}-{rng.getrandbits(32):08x}"
+        if workload == "multiturn":
+            count = rng.randint(3, 10)
+            turns = [(text(rng, user_tokens(rng), f"{tag}-q{k}"), output_tokens(rng)) for k in range(count)]
+            out.append(Conversation(tag, t, rng.choice(tenant_prompts), turns,
+                                    [rng.expovariate(1 / THINK_MEAN_S) for _ in turns]))
+        elif workload == "hotprefix" and rng.random() < HOT_SHARE:
+            question = text(rng, user_tokens(rng), tag)
+            out.append(Conversation(tag, t, hot, [(question, output_tokens(rng))], [0.0]))
+        else:   # a distinct prompt of the mixed-tier mix
+            prompt, output = lengths(rng)
+            out.append(Conversation(tag, t, "", [(prompt_text(rng, prompt, tag), output)], [0.0]))
+    return out
+
+
+def request_sizes(workload: str, seed: int, tenant_prompts: list[str], n: int = 300) -> list[tuple[int, int]]:
+    """(prompt, output) tokens of the workload's requests, every turn of `n` conversations (answers of
+    their output length), for the capacity."""
+    sizes = []
+    rng = random.Random(seed)
+    for c in conversations(workload, n, 1.0, seed, tenant_prompts):
+        for k, (_, output) in enumerate(c.turns):
+            messages = c.messages()
+            tokens = tokens_of(messages)
+            if tokens + output > MAX_MODEL_LEN:
+                break
+            sizes.append((tokens, output))
+            c.replies.append(text(rng, output, "a"))
+            c.sent = k + 1
+    return sizes
+
+
+def saturated_rate(tier: TierSpeed, sizes: list[tuple[int, int]]) -> float:
+    """Requests/s one engine completes with an unbounded queue of these requests, no prefix cache."""
+    b = Batcher(tier)
+    for prompt, output in sizes:
+        b.waiting.append(Seq(prompt, output, 0.0))
+    now, done, target = 0.0, 0, int(0.9 * len(sizes))
+    while done < target:
+        plan = b.plan()
+        if plan is None:
+            break
+        now += plan.duration_s
+        done += len(b.apply(plan))
+    return done / now
+
+
+# -- routers -------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Request:
+    conversation: Conversation
+    prompt: str
+    tokens: int
+    max_tokens: int
+    hashes: list[int]
+
+
+class Router:
+    def route(self, r: Request) -> tuple[str, Any]:
+        raise NotImplementedError
+
+    def first_token(self, handle: Any) -> None:
+        pass
+
+    def done(self, handle: Any, tokens: int) -> None:
+        pass
+
+    def report(self, engine_id: str, b: Batcher) -> None:
+        pass
+
+
+class RoundRobin(Router):
+    def __init__(self, engines: list[str]) -> None:
+        self._next = itertools.cycle(engines)
+
+    def route(self, r: Request) -> tuple[str, Any]:
+        return next(self._next), None
+
+
+class Cwlor(Router):
+    """benchmarks/lor_proxy.py's rule: argmin (outstanding + 1) / weight."""
+
+    def __init__(self, weights: dict[str, float]) -> None:
+        self.weights, self.outstanding = weights, dict.fromkeys(weights, 0)
+
+    def route(self, r: Request) -> tuple[str, Any]:
+        eid = min(self.weights, key=lambda e: (self.outstanding[e] + 1) / self.weights[e])
+        self.outstanding[eid] += 1
+        return eid, eid
+
+    def done(self, handle: Any, tokens: int) -> None:
+        self.outstanding[handle] -= 1
+
+
+class CacheAware(Gateway):
+    """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
+    index (`mode` "index", "session") or the engines' exact caches (`mode` "oracle"), or neither ("blind")."""
+
+    def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher]) -> None:
+        super().__init__("marginal_delay", {}, clock)
+        self.mode, self.engines = mode, engines
+        config = PrefixCacheConfig()
+        self.index = PrefixIndex(config.block_tokens, config.max_blocks_per_backend) if mode in (
+            "index", "session") else None
+        if self.index is not None:
+            for entry in self.table.entries():
+                self.index.add_backend(entry.id, self.table.kv_capacity(entry)[1] // self.model.kv_bytes_per_token)
+
+    def route(self, r: Request) -> tuple[str, Any]:
+        cached: dict[str, int] = {}
+        query = None
+        if self.index is not None:
+            session = r.conversation.id if self.mode == "session" else ""
+            query = self.index.lookup(r.hashes, session, r.tokens)
+            cached = dict(query.cached)
+        elif self.mode == "oracle":
+            for eid, b in self.engines.items():
+                assert b.cache is not None
+                if hit := b.cache.match(r.hashes, r.tokens):
+                    cached[eid] = hit
+        profile = RequestProfile(r.conversation.id, r.tokens, r.max_tokens, cached_tokens=cached)
+        now = self.clock.now
+        candidates = self.table.candidates(LANGUAGE, now).fitting(r.tokens + r.max_tokens)
+        backend = self.policy.choose(profile, candidates, now).backend
+        if self.index is not None and query is not None:
+            entry = self.table.get(backend.id)
+            assert entry is not None
+            self.index.observe(backend.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
+            self.index.record(query, backend.id, backend.kv_total_bytes // backend.kv_bytes_per_token)
+        return backend.id, self.table.acquire(backend.id, r.tokens, r.max_tokens, cached.get(backend.id, 0))
+
+    def report(self, engine_id: str, b: Batcher) -> None:
+        per_block = BLOCK_SIZE * self.model.kv_bytes_per_token
+        self.seq += 1
+        queries, hits = (b.cache.queries, b.cache.hits) if b.cache is not None else (0, 0)
+        self.table.apply_heartbeat(engine_id, self.seq, engine_id, Reported(
+            seq=self.seq, waiting=len(b.waiting), running=len(b.running), kv_free_bytes=b.free_blocks * per_block,
+            kv_total_bytes=b.tier.num_blocks * per_block, max_model_len=MAX_MODEL_LEN, kv_source="engine",
+            prefix_cache_queries=queries, prefix_cache_hits=hits))
+
+
+def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: dict[str, float]) -> Router:
+    if target == "rr":
+        return RoundRobin(list(engines))
+    if target == "cwlor":
+        return Cwlor(rates)
+    mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle"}[target]
+    return CacheAware(mode, clock, engines)
+
+
+# -- the replay ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Outcome:
+    engine: str
+    prompt: int
+    max_tokens: int
+    arrived: float
+    cached: int = 0
+    first: float = float("nan")
+    last: float = float("nan")
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.arrived
+
+    @property
+    def itl(self) -> float:
+        return (self.last - self.first) / (self.max_tokens - 1) if self.max_tokens > 1 else 0.0
+
+
+@dataclass(order=True)
+class _Event:
+    at: float
+    order: int
+    kind: str = field(compare=False)
+    what: Any = field(compare=False)
+
+
+def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation], clock: Clock,
+          interval_s: float, seed: int) -> list[Outcome]:
+    """Run `convs` (start offsets from now) through `router` onto `engines` until every turn is answered."""
+    rng = random.Random(seed)
+    busy = dict.fromkeys(engines, False)
+    start = clock.now
+    events: list[_Event] = []
+    counter = itertools.count()
+    handles: dict[int, tuple[Any, Outcome, Conversation]] = {}
+    outcomes: list[Outcome] = []
+
+    def push(at: float, kind: str, what: Any) -> None:
+        heapq.heappush(events, _Event(at, next(counter), kind, what))
+
+    def step(eid: str) -> None:
+        plan = engines[eid].plan()
+        busy[eid] = plan is not None
+        if plan is not None:
+            push(clock.now + plan.duration_s, "step", (eid, plan))
+
+    for c in convs:
+        push(start + c.start_s, "arrive", c)
+    reporting = [eid for eid in engines]
+    for k, eid in enumerate(reporting):
+        router.report(eid, engines[eid])
+        push(start + interval_s * (k + 1) / len(reporting), "report", eid)
+    open_conversations = len(convs)
+    while open_conversations:
+        ev = heapq.heappop(events)
+        clock.now = ev.at
+        if ev.kind == "arrive":
+            c = ev.what
+            messages = c.messages()
+            tokens, max_tokens = tokens_of(messages), c.turns[c.sent][1]
+            prompt = render(messages)
+            r = Request(c, prompt, tokens, max_tokens, block_hashes(prompt, max_blocks=tokens // BLOCK_SIZE))
+            eid, handle = router.route(r)
+            out = Outcome(eid, tokens, max_tokens, clock.now)
+            outcomes.append(out)
+            seq = Seq(tokens, max_tokens, clock.now, hashes=r.hashes)
+            handles[id(seq)] = (handle, out, c)
+            engines[eid].waiting.append(seq)
+            if not busy[eid]:
+                step(eid)
+        elif ev.kind == "step":
+            eid, plan = ev.what
+            done = engines[eid].apply(plan)
+            for s in plan.first:
+                handle, out, _ = handles[id(s)]
+                out.first = out.last = clock.now
+                out.cached = s.cached
+                router.first_token(handle)
+            for s in plan.decoded:
+                handles[id(s)][1].last = clock.now
+            for s in done:
+                handle, out, c = handles.pop(id(s))
+                router.done(handle, s.generated)
+                c.replies.append(text(rng, s.generated, "answer"))
+                c.sent += 1
+                more = c.sent < len(c.turns)
+                if more:
+                    nxt = c.messages()
+                    more = tokens_of(nxt) + c.turns[c.sent][1] <= MAX_MODEL_LEN
+                if more:
+                    push(clock.now + c.thinks[c.sent], "arrive", c)
+                else:
+                    open_conversations -= 1
+            step(eid)
+        else:
+            router.report(ev.what, engines[ev.what])
+            push(clock.now + interval_s, "report", ev.what)
+    return outcomes
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> dict[str, Any]:
+    tiers = dict(CLUSTER)
+    n = len(outcomes)
+    good = sum(1 for o in outcomes if o.ttft <= TTFT_SLO_S and o.itl <= ITL_SLO_S)
+    ttft = [o.ttft for o in outcomes]
+    shares: dict[str, float] = {}
+    per_engine: dict[str, int] = dict.fromkeys(rates, 0)
+    for o in outcomes:
+        shares[tiers[o.engine]] = shares.get(tiers[o.engine], 0.0) + 1 / n
+        per_engine[o.engine] += 1
+    capacity = sum(rates.values())
+    prompt = sum(o.prompt for o in outcomes)
+    cached = sum(o.cached for o in outcomes)
+    row = {"requests": n, "goodput": good / n, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
+           "ttft_p99_s": percentile(ttft, 0.99), "hit_rate": cached / prompt,
+           "prefilled_per_request": (prompt - cached) / n, "tier_shares": shares,
+           "max_engine_over_capacity_share": max(per_engine[e] / n / (rates[e] / capacity) for e in rates)}
+    if isinstance(router, CacheAware) and router.index is not None:
+        described = [router.index.describe(eid) for eid in rates]
+        queries = sum(d["predicted_query_tokens"] for d in described)
+        row["predicted_hit_rate"] = sum(d["predicted_hit_tokens"] for d in described) / queries if queries else 0.0
+        reported = sum(d["reported_query_tokens"] for d in described)
+        row["reported_hit_rate"] = sum(d["reported_hit_tokens"] for d in described) / reported if reported else 0.0
+    return row
+
+
+def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[float] | None, sessions: int,
+        requests: int, warmup: int, n_tenants: int, interval_s: float, log: Callable[[str], None] = print,
+        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    capacities: dict[str, Any] = {}
+    for workload in workloads:
+        for seed in seeds:
+            prompts = tenants(seed, n_tenants)
+            sizes = request_sizes(workload, 99 + seed, prompts)
+            rates = {eid: saturated_rate(TIERS[tier], sizes) for eid, tier in CLUSTER}
+            turns = len(sizes) / 300
+            capacities[f"{workload}/{seed}"] = {"requests_per_s": sum(rates.values()), "turns": turns}
+            count = sessions if workload == "multiturn" else requests
+            for load in loads or DEFAULT_LOADS[workload]:
+                session_rate = load * sum(rates.values()) / turns
+                for target in targets:
+                    clock = Clock()
+                    engines = {eid: Batcher(TIERS[tier], cache=EnginePrefixCache(BLOCK_SIZE)) for eid, tier in CLUSTER}
+                    router = make_router(target, clock, engines, rates)
+                    if warmup:
+                        serve(router, engines, conversations(workload, warmup, 0.6 * session_rate / load, 7 + seed,
+                                                             prompts), clock, interval_s, seed)
+                        clock.now += 5.0
+                    convs = conversations(workload, count, session_rate, 1000 * seed + 1, prompts)
+                    row = score(serve(router, engines, convs, clock, interval_s, 2 * seed), rates, router)
+                    row |= {"workload": workload, "load": load, "target": target, "seed": seed}
+                    rows.append(row)
+                    log(f"{workload} {load}x seed {seed} {target}: goodput {row['goodput']:.1%} ttft p90 "
+                        f"{row['ttft_p90_s']:.2f} s hit {row['hit_rate']:.1%} prefilled/req "
+                        f"{row['prefilled_per_request']:.0f}")
+    return rows, capacities
+
+
+def med(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def tables(rows: list[dict[str, Any]], workloads: list[str], targets: list[str]) -> str:
+    tiers = list(dict.fromkeys(t for _, t in CLUSTER))
+    out = []
+    for workload, load in dict.fromkeys((r["workload"], r["load"]) for r in rows if r["workload"] in workloads):
+        out += [f"\n{workload} at {load}x the cache-blind capacity", "",
+                "| target | goodput (range) | TTFT p50 / p90 / p99 s | hit rate | prefilled tokens per request | "
+                f"tier shares ({' / '.join(tiers)}) | max engine / capacity share | predicted / reported hit rate |",
+                "|---|---:|---:|---:|---:|---|---:|---:|"]
+        for target in targets:
+            rs = [r for r in rows if r["workload"] == workload and r["load"] == load and r["target"] == target]
+            if not rs:
+                continue
+            g = [r["goodput"] for r in rs]
+            shares = " / ".join(f"{statistics.median(r['tier_shares'].get(t, 0.0) for r in rs):.0%}" for t in tiers)
+            predicted = (f"{med(rs, 'predicted_hit_rate'):.1%} / {med(rs, 'reported_hit_rate'):.1%}"
+                         if "predicted_hit_rate" in rs[0] else "")
+            out.append(f"| {target} | {statistics.median(g):.1%} ({min(g):.1%}-{max(g):.1%}) | "
+                       f"{med(rs, 'ttft_p50_s'):.2f} / {med(rs, 'ttft_p90_s'):.2f} / {med(rs, 'ttft_p99_s'):.2f} | "
+                       f"{med(rs, 'hit_rate'):.1%} | {med(rs, 'prefilled_per_request'):.0f} | {shares} | "
+                       f"{med(rs, 'max_engine_over_capacity_share'):.2f} | {predicted} |")
+    return "\n".join(out)
+
+
+# -- routing cost at N=64 ------------------------------------------------------------------------
+
+def latency(n_backends: int = 64, requests: int = 3000, seed: int = 1) -> dict[str, Any]:
+    """Per-request µs of the cache-aware routing steps on a table of `n_backends`, multiturn prompts: CPU
+    time of this thread (time.thread_time), so that other processes on a shared machine do not count."""
+    clock = Clock()
+    catalog = load_catalog()
+    model = catalog.model(MODEL)
+    table = StateTable(model, 0.2, clock=clock)
+    per_block = BLOCK_SIZE * model.kv_bytes_per_token
+    for k in range(n_backends):
+        eid = f"b{k}"
+        gpu = catalog.gpu(CLUSTER[k % len(CLUSTER)][1])
+        table.register(eid, "language", gpu, address=eid, managed=False, external=True)
+        table.apply_heartbeat(eid, 1, eid, Reported(seq=1, kv_free_bytes=3000 * per_block,
+                                                    kv_total_bytes=3000 * per_block, max_model_len=MAX_MODEL_LEN,
+                                                    kv_source="engine"))
+    index = PrefixIndex()
+    for entry in table.entries():
+        index.add_backend(entry.id, 48_000)
+    policy = build_policy("marginal_delay", {})
+    rng = random.Random(seed)
+    timings: dict[str, list[float]] = {"hash": [], "lookup": [], "choose": [], "record": [], "total": []}
+    convs = conversations("multiturn", requests, 1.0, seed, tenants(seed, DEFAULT_TENANTS))
+    leases = []
+    blocks: list[int] = []
+    for c in _turns(convs, rng, requests):
+        messages = c.messages()
+        tokens = tokens_of(messages)
+        prompt = render(messages)
+        t0 = time.thread_time()
+        hashes = index.hashes(prompt, (), tokens)
+        t1 = time.thread_time()
+        blocks.append(len(hashes))
+        query = index.lookup(hashes, "", tokens)
+        t2 = time.thread_time()
+        profile = RequestProfile(c.id, tokens, 64, cached_tokens=query.cached)
+        backend = policy.choose(profile, table.candidates(LANGUAGE, clock.now), clock.now).backend
+        t3 = time.thread_time()
+        index.record(query, backend.id, 48_000)
+        t4 = time.thread_time()
+        leases.append(table.acquire(backend.id, tokens, 64, query.cached.get(backend.id, 0)))
+        if len(leases) > 4 * n_backends:   # a steady number in flight
+            table.release(leases.pop(0))
+        for key, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+            timings[key].append(dt * 1e6)
+    return {"backends": n_backends, "requests": len(timings["total"]),
+            "blocks_per_prompt_mean": statistics.mean(blocks),
+            **{f"{k}_us": {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99)} for k, v in timings.items()}}
+
+
+def _turns(convs: list[Conversation], rng: random.Random, n: int) -> Iterator[Conversation]:
+    """Conversations at their successive turns, interleaved, until `n` turns."""
+    count = 0
+    live = list(convs)
+    while live and count < n:
+        c = live.pop(0)
+        yield c
+        count += 1
+        c.replies.append(text(rng, c.turns[c.sent][1], "answer"))
+        c.sent += 1
+        if c.sent < len(c.turns) and tokens_of(c.messages()) + c.turns[c.sent][1] <= MAX_MODEL_LEN:
+            live.insert(min(len(live), 8), c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--loads", type=float, nargs="+", default=None,
+                   help=f"times the cache-blind capacity, for every workload (default: {DEFAULT_LOADS})")
+    p.add_argument("--tenants", type=int, default=DEFAULT_TENANTS, help="tenants with a system prompt of their own")
+    p.add_argument("--sessions", type=int, default=600, help="multiturn: conversations per scored run")
+    p.add_argument("--requests", type=int, default=3000, help="nosharing, hotprefix: requests per scored run")
+    p.add_argument("--warmup", type=int, default=150, help="conversations of the unscored warm-up")
+    p.add_argument("--interval-ms", type=float, default=200, help="engine report interval (heartbeats: 200)")
+    p.add_argument("--latency", action="store_true", help="also the routing cost per request at N=64")
+    p.add_argument("--latency-only", action="store_true", help="only that (results: prefix_affinity_latency.json)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    if args.latency_only:
+        args.workloads, args.latency = [], True
+        if args.out == RESULTS:
+            args.out = LATENCY_RESULTS
+    rows, capacities = run(args.workloads, args.targets, args.seeds, args.loads, args.sessions, args.requests,
+                           args.warmup, args.tenants, args.interval_ms / 1000)
+    text_tables = tables(rows, args.workloads, args.targets)
+    print(text_tables)
+    report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                              "git": git_state(), "capacities": capacities, "tables": text_tables, "runs": rows}
+    if args.latency:
+        report["latency"] = lat = latency()
+        print(f"\nrouting cost at N={lat['backends']} ({lat['requests']} requests, "
+              f"{lat['blocks_per_prompt_mean']:.0f} blocks a prompt): " + ", ".join(
+                  f"{k[:-3]} p50 {v['p50']:.0f} / p99 {v['p99']:.0f} us" for k, v in lat.items() if k.endswith("_us")))
+    report["wall_s"] = time.monotonic() - started
+    save_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
