@@ -12,12 +12,13 @@ server answers as vLLM does (or SGLang, `--engine sglang`) on the routes the gat
 
 A completion is `max_tokens` placeholder words ("w0 w1 ..."), one every `--token-delay-ms`. To watch
 the gateway react to a busy or failing engine, `POST /control` with any of {"waiting": 40, "running": 3,
-"fail": 2, "fail_delay_ms": 0, "token_delay_ms": 5} sets what /metrics reports, fails the next `fail`
-completions with 503 (each after `fail_delay_ms`) and changes the pace; `GET /stats` shows what it
-served: counts, arrival times (`time.monotonic()`), the `max_tokens` asked, the last body and
-Authorization header. `--api-key K` refuses /v1/* requests without `Authorization: Bearer K` (401),
-as `vllm serve --api-key` does. It runs on the gateway's own HTTP server and only the gateway's
-runtime dependencies; it listens on 127.0.0.1 unless `--host` says otherwise.
+"fail": 2, "fail_delay_ms": 0, "token_delay_ms": 5, "metrics_status": 500} sets what /metrics reports
+(or the status it fails with), fails the next `fail` completions with 503 (each after `fail_delay_ms`)
+and changes the pace; `GET /stats` shows what it served: counts, arrival times (`time.monotonic()`),
+the `max_tokens` asked, the last body and Authorization header. `--api-key K` refuses /v1/* requests
+without `Authorization: Bearer K` (401), as `vllm serve --api-key` does. It runs on the gateway's own
+HTTP server and only the gateway's runtime dependencies; it listens on 127.0.0.1 unless `--host` says
+otherwise.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ METRICS = {
     ),
 }
 DEFAULT_MAX_TOKENS = 8          # a request without max_tokens gets this many words
-CONTROLS = ("waiting", "running", "fail", "fail_delay_ms", "token_delay_ms")
+CONTROLS = ("waiting", "running", "fail", "fail_delay_ms", "token_delay_ms", "metrics_status")
 
 # A check every completion body passes before it is served: what it returns is kept in /stats under
 # "checked"; a ValueError is answered 400 with its message.
@@ -112,7 +113,7 @@ class DemoUpstream:
         self.options = options
         self.check_body = check_body
         self.state: dict[str, Any] = {
-            "waiting": 0, "running": 0, "fail": 0, "fail_delay_ms": 0, "served": 0,
+            "waiting": 0, "running": 0, "fail": 0, "fail_delay_ms": 0, "metrics_status": 200, "served": 0,
             "token_delay_ms": options.token_delay_ms, "max_tokens": [], "last_body": None,
             "last_authorization": None, "pid": os.getpid(), "arrivals": [], "checked": [], **(stats or {}),
         }
@@ -135,9 +136,13 @@ class DemoUpstream:
             exchange.respond(200, [], b"", TEXT)
 
     async def metrics(self, request: Request, exchange: Exchange) -> None:
-        if self._method(request, exchange, "GET"):
-            text = self.metrics_text.format(model=self.options.model, **self.state)
-            exchange.respond(200, [], text.encode(), TEXT)
+        if not self._method(request, exchange, "GET"):
+            return
+        if self.state["metrics_status"] != 200:   # a broken metrics endpoint on an engine that still serves
+            exchange.respond(int(self.state["metrics_status"]), [], b"metrics unavailable\n", TEXT)
+            return
+        text = self.metrics_text.format(model=self.options.model, **self.state)
+        exchange.respond(200, [], text.encode(), TEXT)
 
     async def stats(self, request: Request, exchange: Exchange) -> None:
         if self._method(request, exchange, "GET"):

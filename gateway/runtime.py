@@ -42,19 +42,20 @@ class Runtime:
     def limits(self) -> Limits:
         return self.config.settings.limits
 
-    def healthy_language_backends(self) -> int:
-        return len(self.table.candidates(LANGUAGE_ROLES))
-
     def readiness(self) -> dict[str, Any]:
-        """Ready when every pool a served request kind needs has a healthy backend: the language pool
-        always; the vision pool too when the cluster serves images and some language backend relies on
-        a separate encoder (a `both` backend or an upstream that reads images itself does not)."""
-        language = self.healthy_language_backends()
+        """Ready when the language pool has a backend that can serve now (`StateTable.servable`: not
+        the stale ones kept only to fail open on). The vision pool is reported when the cluster serves
+        images and some language backend relies on a separate encoder (a `both` backend or an upstream
+        that reads images itself does not); without it image requests get 503 while text is served, so
+        the gateway stays ready and says `"degraded": ["vision"]`: taking every replica out of its
+        load balancer for the images would stop the text too."""
+        language = self.table.servable(LANGUAGE_ROLES)
         out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
         if needs_vision_pool(self.config):
-            vision = len(self.table.candidates(VISION_ROLES))
+            vision = self.table.servable(VISION_ROLES)
             out["healthy_vision_backends"] = vision
-            out["ready"] = language > 0 and vision > 0
+            if vision == 0:
+                out["degraded"] = ["vision"]
         return out
 
     def _prefix_cache(self, e: BackendEntry) -> dict[str, Any] | None:
@@ -83,6 +84,7 @@ class Runtime:
                 "pid": e.reported.pid or None,
                 "healthy": self.table.is_healthy(e),
                 "draining": self.table.is_draining(e.id),   # no new requests (fleet changes at runtime)
+                "reachable": self.table.reachable(e.id),   # kind: openai: does the upstream answer the probe
                 "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,

@@ -133,7 +133,8 @@ def on_loopback(args: list[str]) -> list[str]:
 
 def test_the_pods_gateway_process_starts(tmp_path: Path) -> None:
     """The gateway itself with the pod's options and environment, its doors on loopback: it starts
-    (the engines' hosts and the Redis Service do not resolve here) and answers its liveness probe."""
+    (the engines' hosts and the Redis Service do not resolve here), answers its liveness probe, and its
+    readiness probe says 503: no upstream answers."""
     args, container, _ = pod_command(tmp_path)
     ref = next(e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == ENV_CLUSTER_TOKEN)
     env = container_env(container, {ref["name"]: {ref["key"]: "a-token-from-the-secret"}})
@@ -141,6 +142,10 @@ def test_the_pods_gateway_process_starts(tmp_path: Path) -> None:
     with run_gateway(backends, *on_loopback(args[1:]), healthy=0, env=env, timeout=60) as gw:
         liveness = container["livenessProbe"]["httpGet"]["path"]
         assert httpx.get(f"{gw.url}{liveness}", timeout=5).status_code == 200
+        # nothing can serve here: the pod must not be ready (it said 200 with every upstream unresolvable)
+        gw.wait_until(lambda: all(b.get("reachable") is False for b in gw.backends()))
+        readiness = container["readinessProbe"]["httpGet"]["path"]
+        assert httpx.get(f"{gw.url}{readiness}", timeout=5).status_code == 503
 
 
 def test_without_its_secret_the_pod_would_not_start_and_says_what_is_missing(tmp_path: Path) -> None:

@@ -128,6 +128,21 @@ class ScrapeSpec(StrictModel):
     interval_ms: PositiveInt = 500
 
 
+class ProbeSpec(StrictModel):
+    """How the gateway asks a kind: openai upstream whether it answers at all, apart from its metrics:
+    GET `path` every `interval_ms`; any HTTP status below 500 within `timeout_ms` is an answer. After
+    `failures` probes in a row without one the backend is unreachable: no candidate and not counted
+    ready, so requests fail at once (503) instead of waiting on it; one answer brings it back."""
+
+    path: str | None = Field(default=None, pattern=r"^/")   # default: launch.ready_path, else /v1/models
+    interval_ms: PositiveInt | None = None   # default: gateway.heartbeat_interval_ms
+    timeout_ms: PositiveInt = 2000
+    failures: PositiveInt = 2
+
+    def url(self, address: str, launch: CommandLaunchSpec | None) -> str:
+        return address + (self.path or (launch.ready_path if launch is not None else "/v1/models"))
+
+
 class BackendSpec(StrictModel):
     id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     kind: Literal["engine", "openai"] = "engine"   # engine: our gRPC engine; openai: vLLM/SGLang/... over HTTP
@@ -138,6 +153,7 @@ class BackendSpec(StrictModel):
     steal: bool = False
     upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
     scrape: ScrapeSpec | None = None
+    probe: ProbeSpec | None = None      # openai: the liveness probe (default: ProbeSpec())
     # openai: the upstream takes vLLM `image_embeds` parts (vllm serve --enable-mm-embeds), so a vision
     # backend encodes the images and the upstream runs only the language model
     image_embeds: bool = False
@@ -170,7 +186,7 @@ class BackendSpec(StrictModel):
         else:
             if isinstance(self.launch, CommandLaunchSpec):
                 raise ValueError("`launch.command` applies to kind: openai backends only")
-            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env")
+            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env", "probe")
             given = [f"`{name}`" for name in openai_only if getattr(self, name) not in (None, False)]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to kind: openai backends only")

@@ -1,17 +1,21 @@
-"""The gateway-side producer of load signals for `kind: openai` backends it can watch itself.
+"""The gateway's own watch over the `kind: openai` backends: whether each upstream answers, and the
+load signals of those it can read itself.
 
-Two kinds of such backends, neither with an agent of its own:
-- with `scrape:` (managed or not): the engine's Prometheus /metrics are scraped by the agent's
+Every kind: openai backend is probed (`probe:`, a GET of `/v1/models` by default, of `launch.ready_path`
+for a managed one): the answer, apart from any metrics, is what the state table keeps as its
+reachability (`StateTable.set_reachable`), so an upstream that stopped answering is no candidate and a
+stale one that answers can be failed open on. Load signals come from:
+- `scrape:` (managed or not): the engine's Prometheus /metrics are scraped by the agent's
   `MetricsAgent` (the same metric tables and staleness rule as the standalone agent), and what it
   would send as a heartbeat is written straight into the state table;
-- managed without `scrape:`: the readiness probe doubles as liveness, each success a heartbeat with
-  no load figures (routing then rests on the gateway's own in-flight counts), and the context length
-  is read from its /v1/models once per launch.
+- managed without `scrape:`: each answer of the probe is a heartbeat with no load figures (routing then
+  rests on the gateway's own in-flight counts), and the context length is read from its /v1/models
+  once per launch;
+- otherwise the standalone agent (`backends.agent`) beside the engine, through the control port.
 
 A managed backend is watched only while the supervisor has it `ready`; a failed probe or scrape
-simply writes nothing, so the entry goes stale after the heartbeat miss limit like any other.
-The standalone agent (`backends.agent`) remains the producer for engines on other hosts. A backend
-with an api key is asked with it (vLLM's --api-key guards /v1/models).
+simply writes no heartbeat, so the entry goes stale after the heartbeat miss limit like any other.
+A backend with an api key is asked with it (vLLM's --api-key guards /v1/models).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import structlog
 from common.engine_scraper import AgentConfig, MetricsAgent
 from common.metric_tables import TABLES
 from common.upstream_models import ModelsUnavailable, fetch_max_model_len
-from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, ProbeSpec
 from gateway.control.heartbeat_service import reported_from
 from gateway.routing.backend_entry import Reported
 from gateway.routing.state_table import StateTable
@@ -48,16 +52,28 @@ def make_probe(client: httpx.AsyncClient) -> Callable[[str], Awaitable[bool]]:
     return lambda url: probe(client, url)
 
 
+async def answers(client: httpx.AsyncClient, url: str, timeout_s: float) -> bool:
+    """GET url got an HTTP answer below 500 within `timeout_s`: the server is up, whatever it says."""
+    try:
+        return (await client.get(url, timeout=timeout_s)).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
 @dataclass
 class Watched:
     spec: BackendSpec
     address: str
-    interval_s: float
-    agent: MetricsAgent | None      # None: probe only
-    ready_url: str | None           # managed: its readiness URL
+    probe_url: str
+    probe_interval_s: float
+    probe_timeout_s: float
+    probe_failures: int             # failed probes in a row that make it unreachable
+    agent: MetricsAgent | None      # with `scrape:`
+    managed: bool
     client: httpx.AsyncClient
     seq: int = 0
-    max_model_len: int | None = None   # probe only: from /v1/models, read once per launch
+    failed: int = 0                 # probes in a row without an answer
+    max_model_len: int | None = None   # managed without `scrape:`: from /v1/models, read once per launch
     context_read: bool = False
 
 
@@ -76,29 +92,31 @@ class UpstreamMonitor:
             self.watch(config, spec, addresses.get(spec.id))
 
     def watch(self, config: ClusterConfig, spec: BackendSpec, managed_address: str | None) -> None:
-        """Watch one entry of `config` if it is a kind: openai backend the gateway launches or scrapes
-        (at start-up, and for a backend added at runtime: gateway/control/fleet.py)."""
-        managed = isinstance(spec.launch, CommandLaunchSpec)
-        if spec.kind != "openai" or not (managed or spec.scrape is not None):
+        """Watch one entry of `config` if it is a kind: openai backend (at start-up, and for a backend
+        added at runtime: gateway/control/fleet.py)."""
+        if spec.kind != "openai":
             return
+        launch = spec.launch if isinstance(spec.launch, CommandLaunchSpec) else None
         address = managed_address or (spec.address or "").rstrip("/")
         key = config.api_keys.get(spec.id)
         own = self._client
         if key:
             own = httpx.AsyncClient(timeout=self._client.timeout, follow_redirects=True, trust_env=False,
                                     headers={"authorization": f"Bearer {key}"})
-        agent, interval_s = None, self._heartbeat_s
+        agent = None
         if spec.scrape is not None:
             engine = TABLES[spec.scrape.engine]
-            interval_s = spec.scrape.interval_ms / 1000
             agent = MetricsAgent(AgentConfig(
                 backend_id=spec.id, table=engine, address=address,
                 metrics_url=spec.scrape.metrics_url or address + engine.metrics_path,
-                gateway="", interval_s=interval_s, kv_total_tokens=spec.kv_capacity_tokens,
+                gateway="", interval_s=spec.scrape.interval_ms / 1000, kv_total_tokens=spec.kv_capacity_tokens,
                 upstream_model=spec.upstream_model or config.served_model_name,
             ), config.model, config.gpus[spec.id], own)
-        ready_url = address + spec.launch.ready_path if isinstance(spec.launch, CommandLaunchSpec) else None
-        w = self._watched[spec.id] = Watched(spec, address, interval_s, agent, ready_url, own, time.time_ns() // 1000)
+        probing = spec.probe or ProbeSpec()
+        interval_s = probing.interval_ms / 1000 if probing.interval_ms is not None else self._heartbeat_s
+        w = self._watched[spec.id] = Watched(
+            spec, address, probing.url(address, launch), interval_s, probing.timeout_ms / 1000, probing.failures,
+            agent, launch is not None, own, time.time_ns() // 1000)
         if self._running:
             self._tasks[spec.id] = asyncio.create_task(self._watch(w))
 
@@ -122,40 +140,71 @@ class UpstreamMonitor:
             await asyncio.gather(*(self.unwatch(backend_id) for backend_id in list(self._watched)))
 
     async def _watch(self, w: Watched) -> None:
-        next_at = time.monotonic()
-        while True:
-            await self.tick(w)
-            next_at += w.interval_s
-            delay = next_at - time.monotonic()
-            if delay < 0:   # a tick ran past its slot: skip the slots it missed
-                next_at, delay = time.monotonic(), 0.0
-            await asyncio.sleep(delay)
-
-    async def tick(self, w: Watched) -> bool:
-        """One look at the backend; True when it wrote a heartbeat into the table."""
-        entry = self._table.get(w.spec.id)
-        if entry is None or (w.ready_url is not None and entry.lifecycle != "ready"):
-            w.context_read = False   # a relaunched engine may serve another context
-            return False
+        """Probe it, and scrape it when it has `scrape:`, each at its own interval."""
+        loops = [every(w.probe_interval_s, self.probe_once, w)]
         if w.agent is not None:
-            await w.agent.scrape_once()
-            if not w.agent.first_scrape.is_set():
-                return False
-            reported = reported_from(w.agent.state())
-            reported.pid = 0   # the scraper's own (this gateway's): the engine's pid is not in its metrics
-        elif w.ready_url is not None and await probe(w.client, w.ready_url):
+            loops.append(every(w.agent.config.interval_s, self.scrape_once, w))
+        await asyncio.gather(*loops)
+
+    def _watching(self, w: Watched) -> bool:
+        """A managed backend only while the supervisor has it ready (a relaunched engine starts afresh)."""
+        entry = self._table.get(w.spec.id)
+        if entry is not None and (not w.managed or entry.lifecycle == "ready"):
+            return True
+        if w.managed and entry is not None:
+            w.context_read, w.failed = False, 0   # a relaunched engine may serve another context
+            self._table.set_reachable(w.spec.id, None)
+        return False
+
+    async def probe_once(self, w: Watched) -> None:
+        """One probe: the backend's reachability, and for a managed one without `scrape:` its heartbeat."""
+        if not self._watching(w):
+            return
+        answered = await answers(w.client, w.probe_url, w.probe_timeout_s)
+        w.failed = 0 if answered else w.failed + 1
+        if answered or w.failed >= w.probe_failures:
+            known = self._table.reachable(w.spec.id)
+            if answered and known is False:
+                log.info("upstream_answers", backend=w.spec.id, url=w.probe_url)
+            elif not answered and known is not False:
+                log.warning("upstream_unreachable", backend=w.spec.id, url=w.probe_url, probes=w.failed)
+            self._table.set_reachable(w.spec.id, answered)
+        if answered and w.managed and w.agent is None:
             if not w.context_read:
                 await self._read_context(w)
-            reported = Reported(max_model_len=w.max_model_len or 0)
-        else:
-            return False
+            self._heartbeat(w, Reported(max_model_len=w.max_model_len or 0))
+
+    async def scrape_once(self, w: Watched) -> None:
+        """One scrape; once one succeeded, what the agent would send (saturated when stale) is written."""
+        assert w.agent is not None
+        if not self._watching(w):
+            return
+        await w.agent.scrape_once()
+        if w.agent.first_scrape.is_set():
+            reported = reported_from(w.agent.state())
+            reported.pid = 0   # the scraper's own (this gateway's): the engine's pid is not in its metrics
+            self._heartbeat(w, reported)
+
+    def _heartbeat(self, w: Watched, reported: Reported) -> None:
         w.seq += 1
         reported.seq = w.seq
-        return self._table.apply_heartbeat(w.spec.id, w.seq, w.address, reported) is not None
+        self._table.apply_heartbeat(w.spec.id, w.seq, w.address, reported)
 
     async def _read_context(self, w: Watched) -> None:
         try:
             w.max_model_len = await fetch_max_model_len(w.client, w.address, w.spec.upstream_model or self._model)
         except ModelsUnavailable:
-            return   # asked again on the next tick
+            return   # asked again on the next probe
         w.context_read = True
+
+
+async def every(interval_s: float, tick: Callable[[Watched], Awaitable[None]], w: Watched) -> None:
+    """Run `tick(w)` every `interval_s`, skipping the slots a slow tick ran past."""
+    next_at = time.monotonic()
+    while True:
+        await tick(w)
+        next_at += interval_s
+        delay = next_at - time.monotonic()
+        if delay < 0:
+            next_at, delay = time.monotonic(), 0.0
+        await asyncio.sleep(delay)

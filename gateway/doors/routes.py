@@ -75,11 +75,12 @@ def create_app(runtime: Runtime, fleet: Fleet | None = None) -> FastAPI:
         jobs.check_model(model_id)
         return json_response(model_item())
 
-    @app.get("/health")
+    # Probes and load balancers may ask with HEAD: the same status, no body (the server drops it).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return json_response({"status": "ok"})
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
         state = runtime.readiness()
         return json_response(state, 200 if state["ready"] else 503)

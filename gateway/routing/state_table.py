@@ -12,6 +12,15 @@ engine really holds (including work from other gateway replicas). With replicas 
 (gateway/replicas/shared_state.py) the gateway's count is this replica's live count + the other replicas'
 counts as of the last refresh.
 
+Freshness: a backend is heard from when it heartbeated within the miss limit. A heartbeat carrying the
+stale-metrics marker (queue depth SATURATED_QUEUE: the agent's and the gateway's scraper's way of
+saying their last good scrape is too old) is not news of load: the backend stops being heard from at
+once. A kind: openai backend heard from or not stays a candidate while its upstream answers the
+gateway's probe (`set_reachable`); once the probe finds it unreachable it is no candidate at all, so
+requests fail at once instead of waiting on it. Readiness (`servable`) counts only the backends that
+can serve now: heard from, or an upstream that answers; not the ones kept as candidates only to fail
+open on.
+
 Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
     context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model
     KV capacity  the engine's (heartbeat) · configured (agent flag, or the entry's `kv_capacity_tokens`)
@@ -36,7 +45,6 @@ from common.itl_slack import DEFAULT_TARGET_S, InterTokenSlack
 from common.metric_tables import SATURATED_QUEUE
 from common.speed_estimator import prior_speed
 from gateway.routing.backend_entry import (
-    SERVING,
     BackendEntry,
     Lease,
     Lifecycle,
@@ -83,6 +91,7 @@ class StateTable:
         self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
         self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
         self.failing_open = False
+        self._reachable: dict[str, bool] = {}   # kind: openai: whether its upstream answers the probe (absent: unknown)
         self._open: dict[tuple[Role, ...], tuple[Sequence[BackendEntry], Candidates]] = {}   # (stale, candidates)
         self._draining: set[str] = set()   # no new requests (gateway/control/fleet.py); their leases finish
 
@@ -112,6 +121,7 @@ class StateTable:
         entry = self._entries.pop(backend_id)
         del self._fixed[backend_id]
         self._draining.discard(backend_id)
+        self._reachable.pop(backend_id, None)
         self._changes.discard(backend_id)
         self._roles = {e.role for e in self._entries.values()}
         self._pools.clear()
@@ -149,7 +159,8 @@ class StateTable:
             self._largest_context = None
         entry.reported = reported
         entry.address = address or entry.address
-        entry.last_heartbeat = self.clock() if at is None else at
+        # the stale-metrics marker: no fresh load figure, so the backend is not heard from any more
+        entry.last_heartbeat = None if reported.waiting >= SATURATED_QUEUE else self.clock() if at is None else at
         entry.snapshot = None
         return entry
 
@@ -159,6 +170,22 @@ class StateTable:
         if state != "ready":
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
         entry.snapshot = None   # the pools re-read its row
+
+    def set_reachable(self, backend_id: str, answers: bool | None) -> None:
+        """What the gateway's probe of a kind: openai upstream found: it answers (True), it stopped
+        answering (False: no candidate until it answers again), or nothing yet (None)."""
+        if backend_id not in self._entries:   # it left the fleet while the probe was out
+            return
+        before = self._reachable.get(backend_id)
+        if answers is None:
+            self._reachable.pop(backend_id, None)
+        else:
+            self._reachable[backend_id] = answers
+        if before is not answers:
+            self._entries[backend_id].snapshot = None   # the pools re-read whether it serves
+
+    def reachable(self, backend_id: str) -> bool | None:
+        return self._reachable.get(backend_id)
 
     def set_peer_load(self, backend_id: str, load: PeerLoad) -> None:
         """The other replicas' requests, image tokens and leases on this backend (shared state)."""
@@ -241,10 +268,24 @@ class StateTable:
         return self._entries.values()
 
     def is_healthy(self, entry: BackendEntry, now: float | None = None) -> bool:
-        if entry.last_heartbeat is None or entry.lifecycle not in SERVING:
+        """Heard from within the miss limit, and not found unreachable."""
+        if entry.last_heartbeat is None or not self._serves(entry):
             return False
         now = self.clock() if now is None else now
         return now - entry.last_heartbeat <= self.miss_limit * self.heartbeat_interval_s
+
+    def servable(self, roles: tuple[Role, ...], now: float | None = None) -> int:
+        """How many backends with one of `roles` can serve now (readiness): heard from within the miss
+        limit, or kind: openai upstreams that answer the probe though their metrics are stale or absent;
+        not draining. A stale backend kept as a candidate only to fail open on, before or without an
+        answer, is not counted."""
+        now = self.clock() if now is None else now
+        return sum(1 for e in self._entries.values() if e.role in roles and e.id not in self._draining and (
+            self.is_healthy(e, now) or (e.external and serves(e) and self._reachable.get(e.id) is True)))
+
+    def _serves(self, entry: BackendEntry) -> bool:
+        """May be routed to at all: a launched engine once ready, and not an upstream found unreachable."""
+        return serves(entry) and self._reachable.get(entry.id) is not False
 
     def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> (
         Candidates
@@ -254,7 +295,8 @@ class StateTable:
 
         An external (kind: openai) backend whose metrics are stale stays a candidate but looks
         saturated; when every candidate is such a backend the table fails open and routes on the
-        gateway's own in-flight counts (`failing_open` says so).
+        gateway's own in-flight counts (`failing_open` says so). One whose upstream does not answer
+        the probe is no candidate.
         """
         now = self.clock() if now is None else now
         if self._draining:
@@ -289,7 +331,7 @@ class StateTable:
             self._changes.clear()
         if roles not in self._pools:
             members = [e for e in self._entries.values() if e.role in roles]
-            self._pools[roles] = CandidateColumns(members, self.snapshot, serves)
+            self._pools[roles] = CandidateColumns(members, self.snapshot, self._serves)
         return self._pools[roles]
 
     def _saturated(self, e: BackendEntry) -> BackendSnapshot:

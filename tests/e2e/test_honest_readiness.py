@@ -1,0 +1,92 @@
+"""`kind: openai` backends whose signals fail, from a real gateway in front of the fake OpenAI server
+(tests/fake_openai_server.py) on 127.0.0.1: metrics that go stale while the upstream answers fail open
+(served on the gateway's own in-flight counts, `heterogate_routing_failing_open` 1, still ready); an
+upstream that stops answering, or was never there, is no candidate: requests get 503 at once, not an
+admission wait, and /ready says 503 (to HEAD as to GET)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.test_external_engines import spawn, stop
+from tests.harness import Gateway, free_port, metric_total, run_gateway, write_config
+
+MODEL = "llava-1.5-7b"
+pytestmark = pytest.mark.timeout(180)
+# The request's own deadline: an admission wait on a backend that looks saturated would end in a 429
+# after it, where the gateway should answer at once.
+DEADLINE = {"x-request-timeout": "5"}
+
+
+def config(tmp: Path, address: str, scrape: bool) -> Path:
+    backend: dict[str, Any] = {"id": "up", "kind": "openai", "gpu": "L40S", "address": address}
+    if scrape:
+        backend["scrape"] = {"engine": "vllm", "interval_ms": 100}
+    return write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100}, "backends": [backend]})
+
+
+@contextmanager
+def scraped_upstream(tmp: Path) -> Iterator[tuple[Gateway, str, Any]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    upstream = spawn("tests.fake_openai_server", "--port", str(port), "--engine", "vllm")
+    try:
+        with run_gateway(config(tmp, url, scrape=True), healthy=1, timeout=60) as gw:
+            yield gw, url, upstream
+    finally:
+        stop(upstream)
+
+
+def chat(gw: Gateway) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=DEADLINE, timeout=30)
+
+
+def ready(gw: Gateway, method: str = "GET") -> httpx.Response:
+    return httpx.request(method, f"{gw.url}/ready", timeout=5)
+
+
+def test_metrics_failing_while_the_upstream_answers_fails_open(tmp_path: Path) -> None:
+    with scraped_upstream(tmp_path) as (gw, url, _):
+        assert chat(gw).status_code == 200
+        assert metric_total(gw, "heterogate_routing_failing_open") == 0
+        httpx.post(f"{url}/control", json={"metrics_status": 500}, timeout=5).raise_for_status()
+        gw.wait_until(lambda: not gw.backend("up")["healthy"])   # its metrics went stale
+        resp = chat(gw)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-heterogate-backend"] == "up"
+        assert metric_total(gw, "heterogate_routing_failing_open") == 1
+        assert gw.backend("up")["reachable"] is True
+        assert ready(gw).status_code == 200 and ready(gw, "HEAD").status_code == 200
+        httpx.post(f"{url}/control", json={"metrics_status": 200}, timeout=5).raise_for_status()
+        gw.wait_until(lambda: gw.backend("up")["healthy"])
+        assert chat(gw).status_code == 200
+        assert metric_total(gw, "heterogate_routing_failing_open") == 0
+
+
+def test_an_upstream_that_stops_fails_requests_at_once_and_is_not_ready(tmp_path: Path) -> None:
+    with scraped_upstream(tmp_path) as (gw, _, upstream):
+        assert chat(gw).status_code == 200 and ready(gw).status_code == 200
+        stop(upstream)
+        gw.wait_until(lambda: gw.backend("up").get("reachable") is False)
+        resp = chat(gw)
+        assert resp.status_code == 503, resp.text   # not a 429 after the request's deadline
+        assert resp.json()["error"]["code"] != "overloaded"
+        assert ready(gw).status_code == 503 and ready(gw, "HEAD").status_code == 503
+        assert ready(gw).json()["healthy_language_backends"] == 0
+
+
+@pytest.mark.parametrize("scrape", [False, True], ids=["probe-only", "scraped"])
+def test_nothing_listening_is_not_ready_and_fails_at_once(tmp_path: Path, scrape: bool) -> None:
+    with run_gateway(config(tmp_path, f"http://127.0.0.1:{free_port()}", scrape), healthy=0, timeout=60) as gw:
+        gw.wait_until(lambda: gw.backend("up").get("reachable") is False)
+        assert ready(gw).status_code == 503 and ready(gw).json()["healthy_language_backends"] == 0
+        resp = chat(gw)
+        assert resp.status_code == 503, resp.text
+        assert httpx.head(f"{gw.url}/health", timeout=5).status_code == 200   # the process itself is fine
