@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from gateway.clients.engine_client import EngineClients
+from gateway.clients.engine_client import EngineClients, client_factory
 from gateway.clients.openai_upstream import Upstream
 from gateway.config.auth import KeyRing
 from gateway.config.cluster import BackendSpec, ClusterConfig, GatewaySettings, Limits
@@ -164,10 +164,10 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     name = policy_name or routing.policy
     policy = build_policy(name, routing.params.get(name))
     vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
-    clients = EngineClients({
+    clients = EngineClients(client_factory({
         s.id: upstream_of(config, s) for s in config.raw.backends if s.kind == "openai"
     }, upstream_idle_s=settings.keep_alive.upstream_idle_s,
-        upstream_max_connections=settings.keep_alive.upstream_max_connections)
+        upstream_max_connections=settings.keep_alive.upstream_max_connections))
     for spec in config.raw.backends:
         if (address := address_of[spec.id]) is not None:
             clients.ensure(spec.id, address)

@@ -4,15 +4,16 @@ Generation goes over one long-lived multiplexed Session stream per engine (gatew
 Encode stays a unary call (one per image batch, megabytes each).
 
 grpc.aio errors become `BackendFailure` (retryable unless the engine said the request itself is bad)
-or `BackendTimeout`. Clients are created by `EngineClients` at start-up and on address changes, and
-closed at shutdown; nothing else in the gateway touches grpc.
+or `BackendTimeout`. Clients are made by `EngineClients`' factory at start-up and on address changes
+(`client_factory` makes the real ones; a test gives fakes), and closed at shutdown; nothing else in the
+gateway touches grpc.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol, cast
 
 import grpc
 
@@ -122,44 +123,59 @@ class BackendClient(Protocol):
     async def close(self) -> None: ...
 
 
+class EncoderClient(BackendClient, Protocol):
+    """A backend that speaks the engine protocol (handoff "direct"): it also encodes images."""
+
+    async def encode(self, request: engine_pb2.EncodeRequest, *, timeout_s: float) -> engine_pb2.EncodeReply: ...
+
+
+# (backend id, address) -> its client
+ClientFactory = Callable[[str, str], BackendClient]
+
+
+def client_factory(
+    upstreams: Mapping[str, Upstream] | None = None, *, upstream_idle_s: float = 4.0,
+    upstream_max_connections: int = 1024,
+) -> ClientFactory:
+    """The real clients: `kind: engine` backends get a gRPC client; `kind: openai` backends (those in
+    `upstreams`) an HTTP client with its own pool of keep-alive connections (`gateway.clients.upstream_http`)."""
+    known = dict(upstreams or {})
+
+    def make(backend_id: str, address: str) -> BackendClient:
+        upstream = known.get(backend_id)
+        if upstream is None:
+            return EngineClient(backend_id, address)
+        # Each connection may stay pooled: a closed loop of c requests needs c live connections, and
+        # one dropped is a new handshake next time.
+        pool = UpstreamPool(address, max_connections=upstream_max_connections, idle_s=upstream_idle_s)
+        return OpenAIUpstreamClient(backend_id, address, pool, upstream)
+
+    return make
+
+
 class EngineClients:
-    """The pool: one client per backend, replaced when a backend reports a new address.
+    """The pool: one client per backend, made by `factory` (the real clients by default), replaced
+    when a backend reports a new address."""
 
-    `kind: engine` backends get a gRPC client; `kind: openai` backends an HTTP client with its own
-    pool of keep-alive connections (`gateway.clients.upstream_http`).
-    """
-
-    def __init__(
-        self, upstreams: dict[str, Upstream] | None = None, *, upstream_idle_s: float = 4.0,
-        upstream_max_connections: int = 1024,
-    ) -> None:
+    def __init__(self, factory: ClientFactory | None = None) -> None:
         self._clients: dict[str, BackendClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
-        self._upstreams = upstreams or {}   # openai backend id -> how to talk to it
-        self._upstream_idle_s = upstream_idle_s
-        self._upstream_max_connections = upstream_max_connections
+        self._factory = factory or client_factory()
 
     def get(self, backend_id: str) -> BackendClient | None:
         return self._clients.get(backend_id)
 
-    def engine(self, backend_id: str) -> EngineClient | None:
-        """The gRPC client of a backend that speaks the engine protocol (vision pool, hand-offs)."""
+    def engine(self, backend_id: str) -> EncoderClient | None:
+        """The client of a backend that speaks the engine protocol (vision pool, hand-offs)."""
         client = self._clients.get(backend_id)
-        return client if isinstance(client, EngineClient) else None
+        return cast(EncoderClient, client) if client is not None and client.handoff == "direct" else None
 
     def ensure(self, backend_id: str, address: str) -> None:
         """Called on every heartbeat: a no-op unless the backend moved (e.g. a restarted engine)."""
         current = self._clients.get(backend_id)
         if current is not None and current.address == address.rstrip("/"):
             return
-        upstream = self._upstreams.get(backend_id)
-        if upstream is not None:
-            # Each connection may stay pooled: a closed loop of c requests needs c live connections, and
-            # one dropped is a new handshake next time.
-            pool = UpstreamPool(address, max_connections=self._upstream_max_connections, idle_s=self._upstream_idle_s)
-            self.put(backend_id, OpenAIUpstreamClient(backend_id, address, pool, upstream))
-        else:
-            self.put(backend_id, EngineClient(backend_id, address))
+        self.put(backend_id, self._factory(backend_id, address))
 
     def put(self, backend_id: str, client: BackendClient | None) -> None:
         """Install `client` for the backend (None: forget it, the backend left the fleet), closing the

@@ -3,9 +3,11 @@
     closed ──(failure_threshold consecutive failures)──▶ open ──(open_s elapsed)──▶ half-open
     half-open ──(the one probe succeeds)──▶ closed;  ──(it fails)──▶ open again
 
-Only backend faults count (connection errors, timeouts, engine errors); a client's bad request
-never does. While open, the backend is not a routing candidate; in half-open exactly one request
-is let through as the probe.
+Only backend faults count (connection errors, timeouts, engine errors); what the client does never
+does: its bad request, its disconnect. The pipeline decides which is which (`Pipeline.backend_fault`).
+While open, the backend is not a routing candidate; in half-open exactly one request is let through
+as the probe, and a probe that ends for the client's reasons (`on_abandon`) proves nothing either
+way: the next request probes instead.
 """
 
 from __future__ import annotations
@@ -59,6 +61,13 @@ class Breakers:
         b = self._breakers.get(backend_id)
         if b is not None:
             b.state, b.failures, b.probing = State.CLOSED, 0, False
+
+    def on_abandon(self, backend_id: str) -> None:
+        """A dispatch ended before the backend answered, and not by its fault: nothing is counted, and
+        a probe that was out is given back (else the backend would stay blocked)."""
+        b = self._breakers.get(backend_id)
+        if b is not None:
+            b.probing = False
 
     def on_failure(self, backend_id: str) -> None:
         b = self._breakers.setdefault(backend_id, _Breaker())

@@ -1,22 +1,34 @@
 """The request pipeline: route both pools, dispatch, hand off embeddings, retry before the first token.
 
-Text-only: route the language pool (heteroserve with L_r = text tokens) and call Generate.
-With images: route the language pool first (L_r = text + image tokens), then the vision pool; the
-vision engine encodes and delivers the embedding straight to the chosen language engine while that
-engine's Generate waits for it. The gateway carries control, not tensors, with one exception: an
-OpenAI-compatible upstream that takes embeddings in its request (vLLM `image_embeds`) gets them from
-the gateway, so there the encode comes first. A vision failure before delivery re-encodes on another
-vision backend; a `both` (monolithic) backend encodes its own images.
+Text-only: route the language pool (L_r = text tokens) and call Generate. With images: route the
+language pool first (L_r = text + image tokens), then the vision pool; the vision engine encodes and
+delivers the embedding straight to the chosen language engine while that engine's Generate waits for
+it. The gateway carries control, not tensors, with one exception: an OpenAI-compatible upstream that
+takes embeddings in its request (vLLM `image_embeds`) gets them from the gateway, so there the encode
+comes first. A vision failure before delivery re-encodes on another vision backend; a `both`
+(monolithic) backend encodes its own images.
 
 `start()` returns only once the first token is in hand, so every failure that can still be retried
-is retried (up to `max_attempts` per pool) and the HTTP door can still answer with a proper status.
-After the first token, failures surface from `Dispatch.rest()`: nothing is dispatched twice once a
-token has been sent.
+is retried and the HTTP door can still answer with a proper status. After the first token, failures
+surface from `Dispatch.rest()`: nothing is dispatched twice once a token has been sent. A
+non-streamed request (`complete()`) has sent nothing until its last token, so a backend that fails
+mid-generation is restarted on another.
 
-One deadline bounds the whole request (the client's `x-request-timeout` or gRPC deadline, capped by
-`request_timeout_s`), counted from its arrival and kept in its `RequestRecord`: the admission wait,
-every attempt, every encode, every backoff and the stream itself. No attempt starts after it; a
-request that runs out of time gets `DeadlineExceeded` (504).
+One budget bounds the request, kept in its `RequestRecord`:
+- one deadline (the client's `x-request-timeout` or gRPC deadline, capped by `request_timeout_s`),
+  counted from its arrival: the admission wait, every attempt, every encode, every backoff and the
+  stream itself. No attempt starts after it; a request that runs out of time gets
+  `DeadlineExceeded` (504);
+- at most `max_attempts` dispatches per pool (language attempts, restarts included; encodes), each
+  retry after a backoff, none to a backend that already failed the request.
+
+Each dispatch is one `Dispatch`: it holds the backend's lease from the attempt's start to its end and
+settles the backend's breaker, both in one place (`Dispatch._end`). Only the backend's own faults count
+against it (`Pipeline.backend_fault`): a request whose client leaves, or that the backend refuses as
+invalid, costs the backend nothing.
+
+Clock, randomness and clients are the constructor's (the client factory is `EngineClients`'), so a
+test builds a Pipeline on fake engine clients (tests/unit/test_pipeline.py).
 """
 
 from __future__ import annotations
@@ -26,13 +38,13 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import structlog
 
 from common.wire import engine_pb2
-from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EngineClient, EngineClients
+from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EncoderClient, EngineClients
 from gateway.config.tenants import TenantsConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers
@@ -68,65 +80,85 @@ class PipelineSettings:
 
 
 class Dispatch:
-    """A request that has its first token; read it with exactly one of `rest()` and `whole()` (each
-    releases the backend)."""
+    """One dispatch of a request to one backend, from its lease to its end: the one owner of the
+    lease and of the backend's breaker verdict, both settled in `_end`, once, however it ends.
+
+    `start()` hands it out once it has its first token; read it with exactly one of `rest()` and
+    `whole()` (each ends it)."""
+
+    __slots__ = ("_answered", "_ended", "_pipeline", "_stream", "backend_id", "decision", "first", "lease",
+                 "record", "request_id", "started", "streamed", "ttft_s", "vision_backend_id")
+
+    first: engine_pb2.GenerateChunk   # set once the first token is in hand
+    ttft_s: float
 
     def __init__(
-        self,
-        pipeline: Pipeline,
-        job: GenerationJob,
-        decision: Decision,
-        vision_backend_id: str | None,
-        first: engine_pb2.GenerateChunk,
-        stream: AsyncIterator[engine_pb2.GenerateChunk],
+        self, pipeline: Pipeline, job: GenerationJob, decision: Decision, record: RequestRecord, lease: Lease,
         started: float,
-        record: RequestRecord,
-        lease: Lease,
     ) -> None:
         self._pipeline = pipeline
         self.request_id = job.request_id
         self.decision = decision
         self.backend_id = decision.backend.id
-        self.vision_backend_id = vision_backend_id
-        self.first = first
-        self._stream = stream
-        self.started = started
+        self.vision_backend_id: str | None = None
         self.record = record
-        self.ttft_s = time.monotonic() - started
-        record.ttft_s = time.monotonic() - record.started
-        record.policy = decision.policy
         self.lease = lease
+        self.started = started
         self.streamed = not job.whole   # tokens arrive as they are made: the decode time is measurable
+        self._stream: AsyncIterator[engine_pb2.GenerateChunk] | None = None
+        self._answered = False   # the breaker has its success: the first token came
+        self._ended = False
+
+    def _first_token(self, first: engine_pb2.GenerateChunk, job: GenerationJob) -> None:
+        p, record = self._pipeline, self.record
+        now = p.clock()
+        self.first = first
+        self.ttft_s = now - self.started
+        record.ttft_s = now - record.started
+        record.policy = self.decision.policy
+        self._answered = True
+        p.breakers.on_success(self.backend_id)
+        p.table.first_token(self.lease)
+        if first.embedding_wait_s:
+            p.metrics.handoff_wait_seconds.labels(self.backend_id).observe(first.embedding_wait_s)
+        p.metrics.ttft_seconds.observe((self.backend_id,), self.ttft_s)
 
     async def rest(self) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """The chunks as they come, the first one included (a streamed response)."""
         completed = 0   # tokens of a completed request
+        error: BaseException | None = None
         try:
             chunk = self.first
-            chunks = 1
             yield chunk
             while not chunk.finish_reason:
                 chunk = await self._next()
-                chunks += 1
                 yield chunk
-            completed = chunk.usage.completion_tokens or chunks
+            completed = chunk.usage.completion_tokens or chunk.index + 1
+        except BaseException as exc:   # GeneratorExit (closed early) included: the dispatch still ends
+            error = exc
+            raise
         finally:
-            await self._close(completed)
+            await self.close(completed, error)
 
     async def whole(self) -> list[engine_pb2.GenerateChunk]:
         """Every chunk, the first one included (a non-streamed response): one coroutine, where
         collecting `rest()` would take an async generator and its clean-up per request."""
         completed = 0
+        error: BaseException | None = None
         chunks = [self.first]
         try:
             while not chunks[-1].finish_reason:
                 chunks.append(await self._next())
-            completed = chunks[-1].usage.completion_tokens or len(chunks)
+            completed = chunks[-1].usage.completion_tokens or chunks[-1].index + 1
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            await self._close(completed)
+            await self.close(completed, error)
         return chunks
 
     async def _next(self) -> engine_pb2.GenerateChunk:
+        assert self._stream is not None
         try:
             return await anext(self._stream)
         except StopAsyncIteration:
@@ -135,14 +167,32 @@ class Dispatch:
                 backend_id=self.backend_id,
                 retryable=False,
             ) from None
-        except BackendFailure:
-            self._pipeline.breakers.on_failure(self.backend_id)
-            raise
 
-    async def _close(self, completed: int) -> None:
-        """The stream closed and the backend released (`completed` > 0: with that many tokens)."""
-        await self._stream.aclose()  # type: ignore[attr-defined]
-        self._pipeline.finish(self, completed)
+    async def close(self, completed: int, error: BaseException | None) -> None:
+        """Close the stream (the engine cancels what it still runs), then `_end`."""
+        try:
+            if self._stream is not None:
+                await self._stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._end(completed, error)
+
+    def _end(self, completed: int, error: BaseException | None) -> None:
+        """The one place the dispatch lets go of its backend: the lease back (`completed` > 0: with that
+        many tokens, which teach the backend's decode speed when they were streamed), the admission
+        queue woken, and the breaker told: a failure for the backend's own fault, nothing else (a probe
+        that ended for the client's reasons is given back)."""
+        if self._ended:
+            return
+        self._ended = True
+        p = self._pipeline
+        p.table.release(self.lease, completed if self.streamed else 0)
+        p.admission.notify()
+        if error is not None and p.backend_fault(error, self.backend_id):
+            p.breakers.on_failure(self.backend_id)
+        elif not self._answered:
+            p.breakers.on_abandon(self.backend_id)
+        if completed:
+            p.metrics.e2e_seconds.observe((self.backend_id,), p.clock() - self.started)
 
 
 class Pipeline:
@@ -156,7 +206,12 @@ class Pipeline:
         settings: PipelineSettings,
         breakers: Breakers,
         admission: AdmissionQueue,
+        *,
+        clock: Callable[[], float] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        """`clock`: monotonic seconds, the table's own by default (health and deadlines read one clock);
+        `rng`: the retries' backoff jitter; `clients`: the engine clients, made by its factory."""
         self.breakers = breakers
         self.admission = admission
         self.debug = logging.getLogger().isEnabledFor(logging.DEBUG)   # set by configure_logging
@@ -168,6 +223,8 @@ class Pipeline:
         self.settings = settings
         self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
         self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
+        self.clock = clock or table.clock
+        self.rng = rng or random.Random()
 
     def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float) -> Decision:
         t0 = time.perf_counter()
@@ -220,7 +277,7 @@ class Pipeline:
         Decision | None
     ):
         """Route among healthy language candidates whose context holds `context_tokens` (prompt + max_tokens)."""
-        now = time.monotonic()
+        now = self.clock()
         exclude = exclude + self.breakers.blocked()
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
         if self.settings.stealing and self.table.has_role(VISION_ROLES):   # a text-only cluster: nobody to steal
@@ -250,10 +307,16 @@ class Pipeline:
             record.deadline = record.started + min(job.timeout_s or limit, limit)
         return record.deadline
 
+    @staticmethod
+    def backend_fault(error: BaseException, backend_id: str) -> bool:
+        """Whether a dispatch to `backend_id` ended by the backend's own fault: its failure, but not a
+        hand-off the vision side never delivered, nor anything else (the client left, its request is
+        invalid, another backend failed)."""
+        return isinstance(error, BackendFailure) and error.backend_id == backend_id and error.code != HANDOFF_TIMEOUT
+
     async def start(self, job: GenerationJob, record: RequestRecord | None = None) -> Dispatch:
-        """Admit, route, dispatch; retry (with backoff and jitter) until the first token or the deadline."""
-        started = time.monotonic()
-        record = record or RequestRecord(job.request_id, job.kind)
+        """Admit, route, dispatch; retry until the first token, the deadline or the end of the budget."""
+        record = record or RequestRecord(job.request_id, job.kind, started=self.clock())
         ticket = record.tenant = self.tenants.ticket(job)
         if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits
             await self.tenants.charge(ticket)
@@ -262,38 +325,43 @@ class Pipeline:
         admitted = self._admitted(profile, job.context_tokens)
         if admitted is None:
             await self.admission.wait_for_capacity(self.saturated, deadline, ticket.share)
-        tried: list[str] = []
+        return await self._dispatch(job, record, profile, admitted)
+
+    async def _dispatch(
+        self, job: GenerationJob, record: RequestRecord, profile: RequestProfile, decision: Decision | None,
+    ) -> Dispatch:
+        """The one retry loop: attempts on the language pool, each retry after a backoff and on a backend
+        that has not failed the request, until one has its first token, the deadline passes (504) or the
+        budget is spent (the last failure)."""
+        assert record.deadline is not None
+        deadline = record.deadline
+        started = self.clock()
         last_error: BackendFailure | None = None
-        out_of_time = False
-        for attempt in range(self.settings.max_attempts):
-            if (attempt and not await self._backoff(attempt, deadline)) or time.monotonic() >= deadline:
-                out_of_time = True
-                break
-            decision = admitted if attempt == 0 and admitted is not None else (
-                self.route_language(profile, tried, job.context_tokens))
+        while record.attempts < self.settings.max_attempts:
+            if record.attempts and not await self._backoff(record.attempts, deadline):
+                raise self._deadline_error(record, last_error)
+            if self.clock() >= deadline:
+                raise self._deadline_error(record, last_error)
+            decision = decision or self.route_language(profile, record.failed, job.context_tokens)
             if decision is None:
                 break
             backend_id = decision.backend.id
-            tried.append(backend_id)
             client = self.clients.get(backend_id)
-            if client is None:
+            if client is None:   # no address yet: not an attempt
+                record.failed.append(backend_id)
+                decision = None
                 continue
-            record.attempt(backend_id)
-            self.breakers.on_dispatch(backend_id)
             try:
-                dispatch = await self._attempt(job, decision, client, started, record)
+                return await self._attempt(job, decision, client, record, started)
             except BackendFailure as exc:
-                if exc.backend_id == backend_id and exc.code != HANDOFF_TIMEOUT:   # not the vision side's fault
-                    self.breakers.on_failure(backend_id)
+                record.failed.append(backend_id)
                 if not exc.retryable:
                     raise
                 last_error = exc
                 self.metrics.retries.labels(backend_id).inc()
                 log.warning("dispatch_failed", request_id=job.request_id, backend=backend_id, error=str(exc))
-                continue
-            self.breakers.on_success(backend_id)
-            return dispatch
-        if out_of_time or time.monotonic() >= deadline:
+            decision = None
+        if self.clock() >= deadline:
             raise self._deadline_error(record, last_error)
         if last_error is not None:
             raise last_error
@@ -314,102 +382,117 @@ class Pipeline:
         """A whole completion for a non-streamed response.
 
         Nothing has reached the client yet, so a backend that dies mid-generation is not fatal: the
-        request starts over on another backend (within max_attempts), and the client gets one answer.
-        Engines send it in two messages (`whole`): the first token, then the rest.
+        request starts over on another backend (within the request's budget and deadline), and the
+        client gets one answer. Engines send it in two messages (`whole`): the first token, then the rest.
         """
         if not job.whole:   # the door builds a non-streamed request's job whole already
             job = replace(job, whole=True)
-        record = record or RequestRecord(job.request_id, job.kind)
-        for attempt in range(1, self.settings.max_attempts + 1):
-            dispatch = await self.start(job, record)
+        record = record or RequestRecord(job.request_id, job.kind, started=self.clock())
+        dispatch = await self.start(job, record)
+        while True:
             try:
                 return dispatch, await dispatch.whole()
             except BackendFailure as exc:
-                if attempt == self.settings.max_attempts:
+                if record.attempts >= self.settings.max_attempts:
                     raise
+                record.failed.append(dispatch.backend_id)
                 self.metrics.retries.labels(dispatch.backend_id).inc()
                 log.warning("restarting_after_midstream_failure", request_id=job.request_id,
                             backend=dispatch.backend_id, error=str(exc))
-        raise AssertionError("unreachable")
+            dispatch = await self._dispatch(job, record, self.profile(job, record), None)
 
     async def _backoff(self, attempt: int, deadline: float) -> bool:
         """Sleep before retry `attempt` (full-jitter exponential); False if the deadline leaves no time."""
         cap = min(self.settings.retry_backoff_max_s, self.settings.retry_backoff_s * 2 ** (attempt - 1))
-        delay = cap * random.uniform(0.5, 1.0)
-        if time.monotonic() + delay >= deadline:
+        delay = cap * self.rng.uniform(0.5, 1.0)
+        if self.clock() + delay >= deadline:
             return False
         await asyncio.sleep(delay)
         return True
 
     async def _attempt(
-        self, job: GenerationJob, decision: Decision, client: BackendClient, started: float, record: RequestRecord
+        self, job: GenerationJob, decision: Decision, client: BackendClient, record: RequestRecord, started: float,
     ) -> Dispatch:
+        """One attempt: its `Dispatch` takes the lease, sends the request and waits for its first token
+        (and its images' hand-off); if none comes, the dispatch ends here."""
+        backend = decision.backend
+        job = job.for_context(backend.max_context)
+        record.attempt(backend.id)
+        self.breakers.on_dispatch(backend.id)
+        cached = self._routed(record, backend)
+        dispatch = Dispatch(self, job, decision, record,
+                            self.table.acquire(backend.id, job.prompt_tokens + job.image_tokens, job.max_tokens,
+                                               cached), started)
+        if backend.role == "vision":
+            self.metrics.stolen_requests.labels(backend.id).inc()
+        try:
+            if job.images:
+                first, job = await self._first_with_images(dispatch, job, client, record)
+            else:   # read in this task: no task, and no loop turn, per request
+                first = await anext(self._send(dispatch, job, client, record))
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, StopAsyncIteration):
+                error = BackendFailure(f"backend {backend.id}: empty stream", backend_id=backend.id)
+            await dispatch.close(0, error)
+            if error is not exc:
+                raise error from None
+            raise
+        dispatch._first_token(first, job)
+        return dispatch
+
+    def _send(
+        self, dispatch: Dispatch, job: GenerationJob, client: BackendClient, record: RequestRecord, key: str = "",
+        handoff_s: float = 0.0,
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """The attempt's stream, bounded by the request's deadline and the first-token timeout (plus the
+        hand-off's time)."""
         assert record.deadline is not None
-        deadline = record.deadline
-        backend_id = decision.backend.id
-        job = job.for_context(decision.backend.max_context)
-        lease = self.table.acquire(backend_id, job.prompt_tokens + job.image_tokens, job.max_tokens,
-                                   self._routed(record, decision.backend))
-        if decision.backend.role == "vision":
-            self.metrics.stolen_requests.labels(backend_id).inc()
-        key = uuid.uuid4().hex if job.images else ""   # never the client's id: no cross-request pick-up
-        vision_id = None
-        if job.images and client.handoff == "inline":   # encode first: the embeddings go in the request
-            try:
-                vision_id, reply = await self._encode(job, key, decision.backend, "", record)
-            except BaseException:
-                self._abandon(lease)
-                raise
-            job = replace(job, embeddings=tuple(reply.embeddings))
-        direct = bool(job.images) and client.handoff == "direct"
-        remaining = max(0.001, deadline - time.monotonic())
-        # The language engine waits long enough for every vision attempt (a re-encode must still land).
-        handoff_s = self.settings.handoff_timeout_s * self.settings.max_attempts if direct else 0.0
-        stream = client.generate(
-            job, handoff_key=key if direct else "", handoff_timeout_s=handoff_s,
+        remaining = max(0.001, record.deadline - self.clock())
+        stream = dispatch._stream = client.generate(
+            job, handoff_key=key, handoff_timeout_s=handoff_s,
             first_token_timeout_s=min(self.settings.first_token_timeout_s + handoff_s, remaining), timeout_s=remaining,
         )
-        first_read: asyncio.Future[engine_pb2.GenerateChunk] | None = None
-        encoding: asyncio.Future[tuple[str, engine_pb2.EncodeReply]] | None = None
+        return stream
+
+    async def _first_with_images(
+        self, dispatch: Dispatch, job: GenerationJob, client: BackendClient, record: RequestRecord,
+    ) -> tuple[engine_pb2.GenerateChunk, GenerationJob]:
+        """The first token of a request with images, and the job as sent. An upstream that takes the
+        embeddings in its request gets them encoded first; an engine waits for the embeddings the vision
+        engine delivers (direct)."""
+        backend = dispatch.decision.backend
+        key = uuid.uuid4().hex   # never the client's id: no cross-request pick-up
+        if client.handoff != "direct":
+            if client.handoff == "inline":   # encode first: the embeddings go in the request
+                dispatch.vision_backend_id, reply = await self._encode(job, key, backend, "", record)
+                job = replace(job, embeddings=tuple(reply.embeddings))
+            return await anext(self._send(dispatch, job, client, record)), job
+        # The language engine waits long enough for every vision attempt (a re-encode must still land).
+        stream = self._send(dispatch, job, client, record, key, self.settings.handoff_timeout_s
+                            * self.settings.max_attempts)
+        first_read = asyncio.ensure_future(anext(stream))
+        encoding = asyncio.ensure_future(self._encode(job, key, backend, client.address, record))
         try:
-            if direct:   # the language engine waits for the embeddings the vision engine delivers
-                first_read = asyncio.ensure_future(anext(stream))
-                encoding = asyncio.ensure_future(self._encode(job, key, decision.backend, client.address, record))
-                await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
-                if encoding.done() and encoding.exception() is not None:
-                    raise encoding.exception()  # type: ignore[misc]
-                first = await first_read
-                vision_id, _ = await encoding
-            else:   # read in this task: no task, and no loop turn, per request
-                first = await anext(stream)
-        except BaseException as exc:
-            pending = [t for t in (first_read, encoding) if t is not None]
+            await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
+            if encoding.done() and encoding.exception() is not None:
+                raise encoding.exception()  # type: ignore[misc]
+            first = await first_read
+            dispatch.vision_backend_id, _ = await encoding
+        finally:
+            pending = [t for t in (first_read, encoding) if not t.done()]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)   # the stream must be idle to close it
-            self._abandon(lease)
-            await stream.aclose()  # type: ignore[attr-defined]
-            if isinstance(exc, StopAsyncIteration):
-                raise BackendFailure(f"backend {backend_id}: empty stream", backend_id=backend_id) from None
-            raise
-        if first.embedding_wait_s:
-            self.metrics.handoff_wait_seconds.labels(backend_id).observe(first.embedding_wait_s)
-        self.table.first_token(lease)
-        dispatch = Dispatch(self, job, decision, vision_id, first, stream, started, record, lease)
-        self.metrics.ttft_seconds.observe((backend_id,), dispatch.ttft_s)
-        return dispatch
-
-    def _abandon(self, lease: Lease) -> None:
-        """An attempt that never reached its first token gives its slot back."""
-        self.table.release(lease)
-        self.admission.notify()
+        return first, job
 
     async def _encode(
         self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str, record: RequestRecord
     ) -> tuple[str, engine_pb2.EncodeReply]:
         """Encode the job's images for `language` under `key`: delivered to `deliver_to`, or returned in
-        the reply when it is empty. Returns the vision backend that did it, and its reply. Each encode
-        is bounded by the request's deadline too."""
+        the reply when it is empty. Returns the vision backend that did it, and its reply. Encodes share
+        the request's budget (at most `max_attempts`, none after the deadline, none on a vision backend
+        that failed it)."""
         assert record.deadline is not None
         request = engine_pb2.EncodeRequest(
             request_id=key, deliver_to=deliver_to,
@@ -420,54 +503,52 @@ class Pipeline:
         if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images
             return language.id, await self._encode_on(language.id, own, request, job.image_tokens, record.deadline)
         profile = job.profile()
-        tried: list[str] = []
         last_error: BackendFailure | None = None
-        for _ in range(self.settings.max_attempts):
-            now = time.monotonic()
+        while len(record.vision_backends) < self.settings.max_attempts:
+            now = self.clock()
             if now >= record.deadline:
                 break
-            candidates = self.table.candidates(VISION_ROLES, now, tried + self.breakers.blocked())
-            client = None
-            if candidates:
-                vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id
-                tried.append(vision_id)
-                client = self.clients.engine(vision_id)
+            candidates = self.table.candidates(VISION_ROLES, now, record.failed + self.breakers.blocked())
+            if not candidates:
+                break
+            vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id
+            client = self.clients.engine(vision_id)
             if client is None:
                 break
             record.vision_backends.append(vision_id)
             self.breakers.on_dispatch(vision_id)
             try:
                 reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline)
-                self.breakers.on_success(vision_id)
-                return vision_id, reply
-            except BackendFailure as exc:
+            except BaseException as exc:
+                if isinstance(exc, BackendFailure) and self.backend_fault(exc, vision_id):
+                    self.breakers.on_failure(vision_id)
+                else:
+                    self.breakers.on_abandon(vision_id)
+                if not isinstance(exc, BackendFailure):
+                    raise
                 last_error = exc
-                self.breakers.on_failure(vision_id)
+                record.failed.append(vision_id)
                 self.metrics.retries.labels(vision_id).inc()
                 log.warning("encode_failed", request_id=job.request_id, backend=vision_id, error=str(exc))
-        if time.monotonic() >= record.deadline:
+                continue
+            self.breakers.on_success(vision_id)
+            return vision_id, reply
+        if self.clock() >= record.deadline:
             raise self._deadline_error(record, last_error)
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
             raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
         raise NoBackendAvailable("no healthy vision backend is available for the request's images; retry later")
 
     async def _encode_on(
-        self, backend_id: str, client: EngineClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float
+        self, backend_id: str, client: EncoderClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float
     ) -> engine_pb2.EncodeReply:
         self.table.acquire_vision(backend_id, tokens)
-        t0 = time.monotonic()
+        t0 = self.clock()
         timeout_s = max(0.001, min(self.settings.handoff_timeout_s, deadline - t0))
         try:
             reply = await client.encode(request, timeout_s=timeout_s)
         finally:
             self.table.release_vision(backend_id, tokens)
-        self.metrics.encode_seconds.labels(backend_id).observe(time.monotonic() - t0)
+        self.metrics.encode_seconds.labels(backend_id).observe(self.clock() - t0)
         self.metrics.embedding_bytes.labels(backend_id).inc(reply.embedding_bytes)
         return reply
-
-    def finish(self, dispatch: Dispatch, completion_tokens: int) -> None:
-        """`completion_tokens` > 0: the request completed with that many tokens."""
-        self.table.release(dispatch.lease, completion_tokens if dispatch.streamed else 0)
-        self.admission.notify()
-        if completion_tokens:
-            self.metrics.e2e_seconds.observe((dispatch.backend_id,), time.monotonic() - dispatch.started)

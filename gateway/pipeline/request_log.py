@@ -37,6 +37,7 @@ class RequestRecord:
     attempts: int = 0                    # language dispatch attempts, restarts included
     backends: list[str] = field(default_factory=list)          # in attempt order
     vision_backends: list[str] = field(default_factory=list)   # encode attempts, in order
+    failed: list[str] = field(default_factory=list)   # backends that failed it: not tried again for it
     policy: str = ""
     ttft_s: float | None = None
     finished: bool = False

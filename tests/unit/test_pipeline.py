@@ -1,0 +1,372 @@
+"""The Pipeline on fake engine clients: retries, the deadline, hand-off failures and cancellation.
+
+The fakes stand in for the engine clients (`EngineClients`' factory), not for the pipeline: the real
+Pipeline, state table, policies, breakers and admission queue run, on a clock the test moves. Each
+fake backend plays a script per call: an async generator of the chunks it sends, raising what the
+real client raises (BackendFailure, BackendTimeout, InvalidRequest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from common.wire import engine_pb2
+from gateway.clients.engine_client import BackendClient, EngineClients
+from gateway.config.sections import AdmissionConfig, BreakerConfig
+from gateway.pipeline.admission import AdmissionQueue
+from gateway.pipeline.breakers import Breakers, State
+from gateway.pipeline.dispatch import Pipeline, PipelineSettings
+from gateway.pipeline.metrics import GatewayMetrics
+from gateway.pipeline.request_log import RequestRecord
+from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, InvalidRequest
+from gateway.requests.images import ImageInput
+from gateway.requests.job import GenerationJob, Handoff
+from gateway.routing.backend_entry import Reported
+from gateway.routing.policies import build_policy
+from gateway.routing.policies.contracts import Role
+from gateway.routing.state_table import StateTable
+from tests.snapshots import catalog
+
+MODEL = "llava-1.5-7b"
+
+
+class Clock:
+    """Monotonic seconds that move only when the test (or a fake engine's work) moves them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class Call:
+    """One generate call a fake engine got."""
+
+    backend_id: str
+    job: GenerationJob
+    at: float                       # the clock when it was made
+    handoff_key: str
+    timeout_s: float
+    first_token_timeout_s: float
+    closed: bool = False            # the stream was closed: the real client cancels it on the engine
+
+
+Script = Callable[[Call, "Fleet"], AsyncIterator[engine_pb2.GenerateChunk]]
+
+
+def chunk(index: int, finish: str = "", prompt_tokens: int = 0) -> engine_pb2.GenerateChunk:
+    c = engine_pb2.GenerateChunk(text=f"t{index} ", index=index, finish_reason=finish)
+    if finish:
+        c.usage.prompt_tokens, c.usage.completion_tokens = prompt_tokens, index + 1
+    return c
+
+
+async def serves(call: Call, fleet: Fleet, tokens: int = 3) -> AsyncIterator[engine_pb2.GenerateChunk]:
+    if call.job.images:   # a language engine waits for the embeddings the vision engine delivers
+        await asyncio.wait_for(fleet.delivery(call.handoff_key).wait(), 5)
+    for i in range(tokens):
+        yield chunk(i, "stop" if i == tokens - 1 else "", call.job.prompt_tokens)
+
+
+async def fails(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+    """Refused before any token, as an engine that is down (UNAVAILABLE)."""
+    raise BackendFailure(f"backend {call.backend_id}: unavailable", backend_id=call.backend_id)
+    yield chunk(0)
+
+
+def fails_after(seconds: float) -> Script:
+    """Works `seconds` on the clock, then fails before any token."""
+    async def script(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        fleet.clock.advance(seconds)
+        raise BackendFailure(f"backend {call.backend_id}: failed after {seconds} s", backend_id=call.backend_id)
+        yield chunk(0)
+    return script
+
+
+async def hangs(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+    """Never answers; cut only by whoever gives up on it."""
+    await asyncio.Event().wait()
+    yield chunk(0)
+
+
+async def times_out(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+    """Never answers; the client's own timer ends it as the real client's does (BackendTimeout at the
+    request's deadline), here with the clock moved to that moment."""
+    await asyncio.sleep(0)
+    fleet.clock.advance(call.timeout_s)
+    raise BackendTimeout(f"backend {call.backend_id}: deadline_exceeded: deadline exceeded",
+                         backend_id=call.backend_id)
+    yield chunk(0)
+
+
+async def refuses(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+    """The engine says the request itself is bad (INVALID_ARGUMENT)."""
+    raise InvalidRequest("max_tokens must be at least 1")
+    yield chunk(0)
+
+
+def first_then_fails(*, deadline: bool) -> Script:
+    """The first token, then a failure: the backend's own (`deadline` False) or the request's deadline
+    passing (the clock moved to it, as the real client's timer fires then)."""
+    async def script(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        yield chunk(0)
+        await asyncio.sleep(0)
+        if deadline:
+            fleet.clock.advance(call.timeout_s)
+            raise BackendTimeout(f"backend {call.backend_id}: deadline_exceeded: deadline exceeded",
+                                 backend_id=call.backend_id, retryable=False)
+        raise BackendFailure(f"backend {call.backend_id}: stream broke", backend_id=call.backend_id, retryable=False)
+    return script
+
+
+@dataclass
+class Fleet:
+    """The fake engines of one test: the script of each backend and the calls each got."""
+
+    clock: Clock
+    scripts: dict[str, Script] = field(default_factory=dict)
+    encode_fails: set[str] = field(default_factory=set)
+    calls: list[Call] = field(default_factory=list)
+    encodes: list[str] = field(default_factory=list)
+    _deliveries: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def delivery(self, key: str) -> asyncio.Event:
+        return self._deliveries.setdefault(key, asyncio.Event())
+
+    def client(self, backend_id: str, address: str) -> BackendClient:
+        return FakeEngineClient(self, backend_id, address)
+
+    def backends_called(self) -> list[str]:
+        return [c.backend_id for c in self.calls]
+
+
+class FakeEngineClient:
+    """A fake of `EngineClient`: generate runs the backend's script; encode delivers to the
+    language engine (or fails, for the backends in `encode_fails`)."""
+
+    handoff: Handoff = "direct"
+
+    def __init__(self, fleet: Fleet, backend_id: str, address: str) -> None:
+        self.fleet, self.backend_id, self.address = fleet, backend_id, address
+
+    async def generate(
+        self, job: GenerationJob, *, handoff_key: str = "", handoff_timeout_s: float, first_token_timeout_s: float,
+        timeout_s: float,
+    ) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        call = Call(self.backend_id, job, self.fleet.clock(), handoff_key, timeout_s, first_token_timeout_s)
+        self.fleet.calls.append(call)
+        try:
+            async for c in self.fleet.scripts[self.backend_id](call, self.fleet):
+                yield c
+        finally:
+            call.closed = True
+
+    async def encode(self, request: engine_pb2.EncodeRequest, *, timeout_s: float) -> engine_pb2.EncodeReply:
+        self.fleet.encodes.append(self.backend_id)
+        await asyncio.sleep(0)
+        if self.backend_id in self.fleet.encode_fails:
+            raise BackendFailure(f"backend {self.backend_id}: encoder crashed", backend_id=self.backend_id)
+        self.fleet.delivery(request.request_id).set()
+        return engine_pb2.EncodeReply(embedding_bytes=1024)
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class Rig:
+    pipeline: Pipeline
+    table: StateTable
+    fleet: Fleet
+    clock: Clock
+    breakers: Breakers
+
+    def heartbeat(self, *backend_ids: str) -> None:
+        for b in backend_ids or [e.id for e in self.table.entries()]:
+            entry = self.table.get(b)
+            assert entry is not None
+            self.table.apply_heartbeat(b, entry.reported.seq + 1, f"fake://{b}", Reported(
+                seq=entry.reported.seq + 1, kv_free_bytes=40 << 30, kv_total_bytes=40 << 30))
+
+    def in_flight(self, backend_id: str) -> tuple[int, int, int]:
+        """The backend's leases as the table holds them: in flight, prefilling, KV tokens reserved."""
+        e = self.table.get(backend_id)
+        assert e is not None
+        return e.in_flight, e.prefilling, e.kv_reserved_tokens
+
+
+def rig(
+    backends: dict[str, Role], *, max_attempts: int = 3, breaker: BreakerConfig | None = None,
+    heartbeat_s: float = 10.0, **settings: Any,
+) -> Rig:
+    """A Pipeline as `build_runtime` builds it, on fake engines (round robin: the order is known).
+    Backends heartbeat once, at the start: they stay healthy for 3 x `heartbeat_s` on the clock."""
+    clock = Clock()
+    cat = catalog()
+    table = StateTable(cat.model(MODEL), heartbeat_s, 3, clock=clock)
+    fleet = Fleet(clock)
+    clients = EngineClients(fleet.client)
+    for b, role in backends.items():
+        table.register(b, role, cat.gpu("A100-80GB" if role != "vision" else "RTX-4090"),
+                       address=f"fake://{b}", managed=False)
+        clients.ensure(b, f"fake://{b}")
+    defaults: dict[str, Any] = dict(first_token_timeout_s=60.0, request_timeout_s=600.0, handoff_timeout_s=5.0,
+                                    stealing=False, steal_threshold=8, steal_max_batch=4, retry_backoff_s=0.001,
+                                    retry_backoff_max_s=0.002)
+    breakers = Breakers(breaker or BreakerConfig(), clock)
+    pipeline = Pipeline(table, build_policy("round_robin"), build_policy("round_robin"), clients,
+                        GatewayMetrics(table), PipelineSettings(max_attempts=max_attempts, **(defaults | settings)),
+                        breakers, AdmissionQueue(AdmissionConfig(), clock), rng=random.Random(7))
+    r = Rig(pipeline, table, fleet, clock, breakers)
+    r.heartbeat()
+    return r
+
+
+def job(rid: str = "r", *, timeout_s: float | None = None, images: int = 0, whole: bool = False) -> GenerationJob:
+    pictures = tuple(ImageInput(b"png", 32, 32, "PNG", 576) for _ in range(images))
+    return GenerationJob(rid, "hello", 12, 8, images=pictures, timeout_s=timeout_s, whole=whole)
+
+
+def record(r: Rig, rid: str = "r") -> RequestRecord:
+    return RequestRecord(rid, "chat", started=r.clock())
+
+
+async def drain(dispatch: Any) -> list[engine_pb2.GenerateChunk]:
+    return [c async for c in dispatch.rest()]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110 - polling what the fakes record
+            await asyncio.sleep(0.001)
+
+
+# --- retries, the deadline, hand-offs, cancellation ------------------------------------------------
+
+
+async def test_a_failure_before_the_first_token_is_retried_on_another_backend() -> None:
+    r = rig({"a": "language", "b": "language", "c": "language"}, breaker=BreakerConfig(failure_threshold=1))
+    r.fleet.scripts = {"a": fails, "b": serves, "c": serves}
+    rec = record(r)
+    dispatch = await r.pipeline.start(job(), rec)
+    chunks = await drain(dispatch)
+    assert [c.finish_reason for c in chunks] == ["", "", "stop"]
+    first, second = r.fleet.backends_called()
+    assert first == "a" and second != "a" and dispatch.backend_id == second
+    assert rec.attempts == 2 and rec.backends == ["a", second] and rec.failed == ["a"]
+    assert r.breakers.state("a") is State.OPEN and r.breakers.state(second) is State.CLOSED
+    assert all(r.in_flight(b) == (0, 0, 0) for b in "abc")   # both leases back
+    assert all(c.closed for c in r.fleet.calls)
+
+
+async def test_the_budget_spans_the_request_and_the_last_failure_is_the_answer() -> None:
+    r = rig({"a": "language", "b": "language", "c": "language", "d": "language"}, max_attempts=3)
+    r.fleet.scripts = dict.fromkeys("abcd", fails)
+    rec = record(r)
+    with pytest.raises(BackendFailure) as err:
+        await r.pipeline.start(job(), rec)
+    assert err.value.status == 502 and rec.attempts == 3 and len(set(r.fleet.backends_called())) == 3
+    assert all(r.in_flight(b) == (0, 0, 0) for b in "abcd")
+
+
+async def test_no_attempt_starts_after_the_deadline() -> None:
+    r = rig({"a": "language", "b": "language", "c": "language", "d": "language"}, max_attempts=4)
+    r.fleet.scripts = dict.fromkeys("abcd", fails_after(0.6))
+    rec = record(r)
+    with pytest.raises(DeadlineExceeded) as err:
+        await r.pipeline.start(job(timeout_s=1.5), rec)
+    assert err.value.status == 504 and "deadline" in err.value.message
+    assert rec.deadline == rec.started + 1.5
+    starts = [c.at for c in r.fleet.calls]
+    # Each attempt took 0.6 s: at 0, 0.6 and 1.2 s they started before the deadline, a fourth would not.
+    assert len(starts) == 3 < 4 and all(t < rec.deadline for t in starts)
+    assert all(r.in_flight(b) == (0, 0, 0) for b in "abcd")
+
+
+async def test_a_deadline_already_past_starts_nothing() -> None:
+    r = rig({"a": "language"})
+    r.fleet.scripts = {"a": serves}
+    rec = record(r)
+    r.clock.advance(2.0)
+    with pytest.raises(DeadlineExceeded):
+        await r.pipeline.start(job(timeout_s=1.0), rec)
+    assert r.fleet.calls == [] and rec.attempts == 0
+
+
+async def test_a_failed_encode_is_redone_on_another_vision_backend() -> None:
+    r = rig({"lang": "language", "v1": "vision", "v2": "vision"}, breaker=BreakerConfig(failure_threshold=1))
+    r.fleet.scripts = {"lang": serves}
+    r.fleet.encode_fails = {"v1"}
+    rec = record(r)
+    dispatch = await r.pipeline.start(job(images=1), rec)
+    await drain(dispatch)
+    assert r.fleet.encodes == ["v1", "v2"] and dispatch.vision_backend_id == "v2"
+    assert rec.vision_backends == ["v1", "v2"] and rec.attempts == 1 and r.fleet.backends_called() == ["lang"]
+    assert r.breakers.state("v1") is State.OPEN and r.breakers.state("lang") is State.CLOSED
+    assert r.in_flight("lang") == (0, 0, 0)
+    vision = r.table.get("v1")
+    assert vision is not None and vision.vision_in_flight_tokens == 0
+
+
+async def test_every_encode_failing_fails_the_request_not_the_language_backend() -> None:
+    r = rig({"lang": "language", "lang2": "language", "v1": "vision", "v2": "vision"})
+    r.fleet.scripts = {"lang": serves, "lang2": serves}
+    r.fleet.encode_fails = {"v1", "v2"}
+    rec = record(r)
+    with pytest.raises(BackendFailure) as err:
+        await r.pipeline.start(job(images=1), rec)
+    assert err.value.backend_id in {"v1", "v2"} and not err.value.retryable
+    assert rec.attempts == 1, "the language backend was not at fault: not re-dispatched"
+    assert r.breakers.state("lang") is State.CLOSED and r.in_flight("lang") == (0, 0, 0)
+
+
+async def test_a_cancelled_request_releases_its_lease_and_counts_nothing() -> None:
+    r = rig({"a": "language"}, breaker=BreakerConfig(failure_threshold=1, open_s=1.0))
+    r.fleet.scripts = {"a": hangs}
+    r.breakers.on_failure("a")
+    r.clock.advance(1.0)
+    assert r.breakers.state("a") is State.HALF_OPEN
+    task = asyncio.create_task(r.pipeline.start(job()))
+    await until(lambda: bool(r.fleet.calls))
+    assert r.in_flight("a")[0] == 1 and r.breakers.blocked() == ["a"]   # this request is the probe
+    task.cancel()   # the client left
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert r.in_flight("a") == (0, 0, 0) and r.fleet.calls[0].closed
+    # Not a failure of the backend: the breaker is as it was, and the next request may probe.
+    assert r.breakers.state("a") is State.HALF_OPEN and r.breakers.blocked() == []
+
+
+async def test_a_client_leaving_mid_stream_releases_the_lease_and_counts_nothing() -> None:
+    r = rig({"a": "language"}, breaker=BreakerConfig(failure_threshold=1))
+    r.fleet.scripts = {"a": lambda call, fleet: serves(call, fleet, tokens=50)}
+    rec = record(r)
+    dispatch = await r.pipeline.start(job(), rec)
+    stream = dispatch.rest()
+    for _ in range(5):
+        await anext(stream)
+    await stream.aclose()   # the door closes it when its client is gone
+    assert r.in_flight("a") == (0, 0, 0) and r.fleet.calls[0].closed
+    assert r.breakers.state("a") is State.CLOSED and r.breakers.blocked() == []
+
+
+async def test_a_non_streamed_request_restarts_after_a_midstream_failure() -> None:
+    r = rig({"a": "language", "b": "language"})
+    r.fleet.scripts = {"a": first_then_fails(deadline=False), "b": serves}
+    rec = record(r)
+    dispatch, chunks = await r.pipeline.complete(job(whole=True), rec)
+    assert dispatch.backend_id == "b" and chunks[-1].finish_reason == "stop"
+    assert rec.attempts == 2 and rec.failed == ["a"]
+    assert r.in_flight("a") == r.in_flight("b") == (0, 0, 0)
+
