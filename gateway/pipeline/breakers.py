@@ -3,11 +3,11 @@
     closed ──(failure_threshold consecutive failures)──▶ open ──(open_s elapsed)──▶ half-open
     half-open ──(the one probe succeeds)──▶ closed;  ──(it fails)──▶ open again
 
-Only backend faults count (connection errors, timeouts, engine errors); what the client does never
-does: its bad request, its disconnect. The pipeline decides which is which (`Pipeline.backend_fault`).
-While open, the backend is not a routing candidate; in half-open exactly one request is let through
-as the probe, and a probe that ends for the client's reasons (`on_abandon`) proves nothing either
-way: the next request probes instead.
+Only backend faults count (connection errors, the backend's own timeouts, engine errors); what the
+client does never does: its bad request, its own deadline passing, its disconnect. The pipeline
+decides which is which (`Pipeline.backend_fault`). While open, the backend is not a routing
+candidate; in half-open exactly one request is let through as the probe, and a probe that ends for
+the client's reasons (`on_abandon`) proves nothing either way: the next request probes instead.
 """
 
 from __future__ import annotations

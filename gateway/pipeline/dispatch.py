@@ -24,8 +24,8 @@ One budget bounds the request, kept in its `RequestRecord`:
 
 Each dispatch is one `Dispatch`: it holds the backend's lease from the attempt's start to its end and
 settles the backend's breaker, both in one place (`Dispatch._end`). Only the backend's own faults count
-against it (`Pipeline.backend_fault`): a request whose client leaves, or that the backend refuses as
-invalid, costs the backend nothing.
+against it (`Pipeline.backend_fault`): a request whose own deadline passes, whose client leaves, or
+that the backend refuses as invalid costs the backend nothing.
 
 Clock, randomness and clients are the constructor's (the client factory is `EngineClients`'), so a
 test builds a Pipeline on fake engine clients (tests/unit/test_pipeline.py).
@@ -51,7 +51,7 @@ from gateway.pipeline.breakers import Breakers
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.request_log import RequestRecord
 from gateway.pipeline.tenants import Tenants
-from gateway.requests.errors import BackendFailure, DeadlineExceeded, NoBackendAvailable
+from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, NoBackendAvailable
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Lease
 from gateway.routing.policies.candidates import Candidates
@@ -62,6 +62,8 @@ from gateway.routing.state_table import StateTable
 
 log = structlog.get_logger("pipeline")
 
+# The loop's timers may fire this much before their time (uvloop's count whole milliseconds).
+LOOP_TIMER_RESOLUTION_S = 0.001
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")
 VISION_ROLES: tuple[Role, ...] = ("vision",)
 
@@ -87,7 +89,7 @@ class Dispatch:
     `whole()` (each ends it)."""
 
     __slots__ = ("_answered", "_ended", "_pipeline", "_stream", "backend_id", "decision", "first", "lease",
-                 "record", "request_id", "started", "streamed", "ttft_s", "vision_backend_id")
+                 "loop_deadline", "record", "request_id", "started", "streamed", "ttft_s", "vision_backend_id")
 
     first: engine_pb2.GenerateChunk   # set once the first token is in hand
     ttft_s: float
@@ -106,6 +108,7 @@ class Dispatch:
         self.started = started
         self.streamed = not job.whole   # tokens arrive as they are made: the decode time is measurable
         self._stream: AsyncIterator[engine_pb2.GenerateChunk] | None = None
+        self.loop_deadline: float | None = None   # the deadline its client's timers count to (`backend_fault`)
         self._answered = False   # the breaker has its success: the first token came
         self._ended = False
 
@@ -187,7 +190,7 @@ class Dispatch:
         p = self._pipeline
         p.table.release(self.lease, completed if self.streamed else 0)
         p.admission.notify()
-        if error is not None and p.backend_fault(error, self.backend_id):
+        if error is not None and p.backend_fault(error, self.backend_id, self.record, self.loop_deadline):
             p.breakers.on_failure(self.backend_id)
         elif not self._answered:
             p.breakers.on_abandon(self.backend_id)
@@ -307,12 +310,27 @@ class Pipeline:
             record.deadline = record.started + min(job.timeout_s or limit, limit)
         return record.deadline
 
-    @staticmethod
-    def backend_fault(error: BaseException, backend_id: str) -> bool:
+    def backend_fault(
+        self, error: BaseException, backend_id: str, record: RequestRecord, loop_deadline: float | None = None,
+    ) -> bool:
         """Whether a dispatch to `backend_id` ended by the backend's own fault: its failure, but not a
-        hand-off the vision side never delivered, nor anything else (the client left, its request is
-        invalid, another backend failed)."""
-        return isinstance(error, BackendFailure) and error.backend_id == backend_id and error.code != HANDOFF_TIMEOUT
+        hand-off the vision side never delivered, nor a timeout of the request's own deadline (the
+        client chose it), nor anything else (the client left, its request is invalid, another
+        backend failed)."""
+        if not isinstance(error, BackendFailure) or error.backend_id != backend_id or error.code == HANDOFF_TIMEOUT:
+            return False
+        return not (isinstance(error, BackendTimeout) and self.deadline_passed(record, loop_deadline))
+
+    def deadline_passed(self, record: RequestRecord, loop_deadline: float | None = None) -> bool:
+        """Whether the request's deadline has passed. The clients' timers run on the event loop's clock,
+        which can lag the monotonic clock by a loop turn (uvloop reads it once a turn) and counts whole
+        milliseconds there: a timer set for the deadline may fire before the monotonic clock reaches
+        it. So the deadline has passed when the monotonic clock says so, or the loop's clock is within
+        its resolution of `loop_deadline`, the deadline an attempt gave its client in loop time."""
+        if record.deadline is not None and self.clock() >= record.deadline:
+            return True
+        return loop_deadline is not None and (
+            asyncio.get_running_loop().time() >= loop_deadline - LOOP_TIMER_RESOLUTION_S)
 
     async def start(self, job: GenerationJob, record: RequestRecord | None = None) -> Dispatch:
         """Admit, route, dispatch; retry until the first token, the deadline or the end of the budget."""
@@ -445,10 +463,11 @@ class Pipeline:
         self, dispatch: Dispatch, job: GenerationJob, client: BackendClient, record: RequestRecord, key: str = "",
         handoff_s: float = 0.0,
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        """The attempt's stream, bounded by the request's deadline and the first-token timeout (plus the
-        hand-off's time)."""
+        """The attempt's stream, bounded by the request's deadline (`dispatch.loop_deadline`: as its
+        client's timers count it) and the first-token timeout (plus the hand-off's time)."""
         assert record.deadline is not None
         remaining = max(0.001, record.deadline - self.clock())
+        dispatch.loop_deadline = asyncio.get_running_loop().time() + remaining
         stream = dispatch._stream = client.generate(
             job, handoff_key=key, handoff_timeout_s=handoff_s,
             first_token_timeout_s=min(self.settings.first_token_timeout_s + handoff_s, remaining), timeout_s=remaining,
@@ -520,7 +539,7 @@ class Pipeline:
             try:
                 reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline)
             except BaseException as exc:
-                if isinstance(exc, BackendFailure) and self.backend_fault(exc, vision_id):
+                if isinstance(exc, BackendFailure) and self.backend_fault(exc, vision_id, record):
                     self.breakers.on_failure(vision_id)
                 else:
                     self.breakers.on_abandon(vision_id)

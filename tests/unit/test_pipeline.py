@@ -1,4 +1,5 @@
-"""The Pipeline on fake engine clients: retries, the deadline, hand-off failures and cancellation.
+"""The Pipeline on fake engine clients: retries, the deadline, hand-off failures, cancellation, what
+counts against a backend's breaker.
 
 The fakes stand in for the engine clients (`EngineClients`' factory), not for the pipeline: the real
 Pipeline, state table, policies, breakers and admission queue run, on a clock the test moves. Each
@@ -369,4 +370,41 @@ async def test_a_non_streamed_request_restarts_after_a_midstream_failure() -> No
     assert dispatch.backend_id == "b" and chunks[-1].finish_reason == "stop"
     assert rec.attempts == 2 and rec.failed == ["a"]
     assert r.in_flight("a") == r.in_flight("b") == (0, 0, 0)
+
+
+# --- what counts against a backend's breaker ----------------------------------------------------------
+
+
+async def test_requests_whose_own_deadline_passes_never_open_a_breaker() -> None:
+    r = rig({"a": "language", "b": "language", "c": "language"}, breaker=BreakerConfig(failure_threshold=2))
+    r.fleet.scripts = dict.fromkeys("abc", times_out)
+    for i in range(30):
+        with pytest.raises(DeadlineExceeded):
+            await r.pipeline.start(job(f"impatient-{i}", timeout_s=0.001))
+    assert len(r.fleet.calls) == 30, "each had one attempt, cut by its own deadline"
+    assert all(r.breakers.state(b) is State.CLOSED for b in "abc") and r.breakers.blocked() == []
+    r.fleet.scripts = dict.fromkeys("abc", serves)
+    dispatch = await r.pipeline.start(job("patient"))
+    assert (await drain(dispatch))[-1].finish_reason == "stop"
+
+
+async def test_a_request_the_engine_refuses_as_invalid_counts_nothing() -> None:
+    r = rig({"a": "language"}, breaker=BreakerConfig(failure_threshold=1))
+    r.fleet.scripts = {"a": refuses}
+    for _ in range(3):
+        with pytest.raises(InvalidRequest):
+            await r.pipeline.start(job())
+    assert r.breakers.state("a") is State.CLOSED and r.in_flight("a") == (0, 0, 0)
+
+
+async def test_the_backends_own_timeout_before_the_deadline_still_counts() -> None:
+    async def first_token_timeout(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        raise BackendTimeout(f"backend {call.backend_id}: no first token within 0.5 s", backend_id=call.backend_id)
+        yield chunk(0)
+
+    r = rig({"a": "language", "b": "language"}, breaker=BreakerConfig(failure_threshold=1))
+    r.fleet.scripts = {"a": first_token_timeout, "b": serves}
+    dispatch = await r.pipeline.start(job(timeout_s=30))
+    await drain(dispatch)
+    assert dispatch.backend_id == "b" and r.breakers.state("a") is State.OPEN
 
