@@ -134,6 +134,8 @@ def pipeline_settings(settings: GatewaySettings) -> PipelineSettings:
         steal_max_batch=settings.stealing.max_batch,
         retry_backoff_s=settings.retry_backoff_s,
         retry_backoff_max_s=settings.retry_backoff_max_s,
+        first_token_floor_s=limits.first_token_floor_s,
+        first_token_ttft_factor=limits.first_token_ttft_factor,
     )
 
 

@@ -211,7 +211,9 @@ class Limits(StrictModel):
     max_messages: PositiveInt = 256
     max_choices: PositiveInt = 8                   # `n`: kind: openai backends only (engines give one choice)
     max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
-    first_token_timeout_s: PositiveFloat = 60.0
+    first_token_timeout_s: PositiveFloat = 60.0        # the longest wait for a first token, whatever is predicted
+    first_token_floor_s: PositiveFloat = 10.0          # the first-token limit: max(this, factor x predicted TTFT)
+    first_token_ttft_factor: PositiveFloat = 4.0       # (the pipeline's `predicted_ttft_s`), at most the timeout
     request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
 
 

@@ -27,6 +27,12 @@ settles the backend's breaker, both in one place (`Dispatch._end`). Only the bac
 against it (`Pipeline.backend_fault`): a request whose own deadline passes, whose client leaves, or
 that the backend refuses as invalid costs the backend nothing.
 
+A first token is awaited for at most `max(first_token_floor_s, first_token_ttft_factor x predicted
+TTFT)` (predicted from the backend's learned prefill speed and prefill backlog, as `marginal_delay`'s
+T_first; at most `first_token_timeout_s`), and no longer than the backend stays healthy: a backend
+that misses its heartbeats while a request waits on it (a hung or stopped engine) loses the request
+to another backend at once (`FirstTokenWatch`).
+
 Clock, randomness and clients are the constructor's (the client factory is `EngineClients`'), so a
 test builds a Pipeline on fake engine clients (tests/unit/test_pipeline.py).
 """
@@ -40,6 +46,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 
@@ -79,6 +86,93 @@ class PipelineSettings:
     steal_max_batch: int
     retry_backoff_s: float = 0.02
     retry_backoff_max_s: float = 1.0
+    first_token_floor_s: float = 10.0      # the first-token limit is never below this
+    first_token_ttft_factor: float = 4.0   # ... nor below this many times the predicted TTFT
+
+
+def predicted_ttft_s(backend: BackendSnapshot, prompt_tokens: int) -> float:
+    """A request's time to first token there: the prompts ahead of it and its own at the learned prefill
+    speed, then one decode step (`marginal_delay`'s T_first). Queueing for a batch slot or for KV cache
+    is not in it."""
+    per_token = backend.learned_prefill_s_per_token or backend.prefill_s_per_token
+    return (backend.prefill_backlog_tokens + prompt_tokens) * per_token + backend.decode_step_s
+
+
+class _Wait:
+    """One attempt waiting for its first token: what to cancel, and what its limit is worked out from
+    (at the watch's first tick: most first tokens come before it)."""
+
+    __slots__ = ("backend", "due", "reason", "since", "target", "tokens", "whole")
+
+    def __init__(self, target: asyncio.Future[Any], backend: BackendSnapshot, tokens: int, whole: bool,
+                 since: float | None) -> None:
+        self.target = target            # the task or future that waits
+        self.backend = backend          # as routed
+        self.tokens = tokens            # its prompt's (text + image)
+        self.whole = whole              # a non-streamed request
+        self.since = since              # loop time its limit counts from; None: not yet (embeddings to come)
+        self.due: float | None = None   # loop time its limit passes (inf: none); None: not worked out yet
+        self.reason: str | None = None  # why it was ended; None while it was not
+
+
+class FirstTokenWatch:
+    """Ends waits for a first token early, by cancelling what waits: when its backend is marked
+    unhealthy (missed heartbeats), or when its first-token limit (`limit`) passes. One timer for all of
+    a pipeline's waits, ticking every `every_s` (the heartbeat interval) while any wait, and the limits
+    worked out at a wait's first tick: a timer per request cost the request path ~15 us in
+    benchmarks/gateway_micro.py. A limit is so met within a tick of its time (limits are seconds).
+
+    A kind: openai backend is known by scraping, whose staleness does not mean it hangs (the table
+    fails open on it): only its limit is watched, and not for a non-streamed reply, which comes whole
+    after its last token."""
+
+    def __init__(self, table: StateTable, every_s: float, limit: Callable[[BackendSnapshot, int], float | None]) -> (
+        None
+    ):
+        self._table = table
+        self._every_s = every_s
+        self._limit = limit
+        self._waits: set[_Wait] = set()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def watch(self, target: asyncio.Future[Any], backend: BackendSnapshot, tokens: int, whole: bool,
+              since: float | None) -> _Wait:
+        wait = _Wait(target, backend, tokens, whole, since)
+        self._waits.add(wait)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self._every_s, self._tick)
+        return wait
+
+    @staticmethod
+    def arm(wait: _Wait) -> None:
+        """Count `wait`'s limit from now (the embeddings it waited for have been delivered)."""
+        wait.since, wait.due = asyncio.get_running_loop().time(), None
+
+    def stop(self, wait: _Wait) -> None:
+        self._waits.discard(wait)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        now, table = loop.time(), self._table
+        health: dict[str, bool] = {}
+        for wait in list(self._waits):
+            backend = wait.backend
+            entry = table.get(backend.id)
+            if entry is None or (entry.external and wait.whole):
+                self._waits.discard(wait)
+                continue
+            if wait.due is None and wait.since is not None:
+                limit = self._limit(backend, wait.tokens)
+                wait.due = float("inf") if limit is None else wait.since + limit
+            if wait.due is not None and now >= wait.due:
+                wait.reason = f"no first token within {wait.due - (wait.since or 0.0):.3g} s (its first-token limit)"
+            elif not entry.external and not health.setdefault(backend.id, table.is_healthy(entry)):
+                wait.reason = "marked unhealthy (missed heartbeats) while the request waited for its first token"
+            else:
+                continue
+            self._waits.discard(wait)
+            wait.target.cancel()
+        self._handle = loop.call_later(self._every_s, self._tick) if self._waits else None
 
 
 class Dispatch:
@@ -89,7 +183,8 @@ class Dispatch:
     `whole()` (each ends it)."""
 
     __slots__ = ("_answered", "_ended", "_pipeline", "_stream", "backend_id", "decision", "first", "lease",
-                 "loop_deadline", "record", "request_id", "started", "streamed", "ttft_s", "vision_backend_id")
+                 "loop_deadline", "record", "request_id", "sent", "started", "streamed", "ttft_s",
+                 "vision_backend_id")
 
     first: engine_pb2.GenerateChunk   # set once the first token is in hand
     ttft_s: float
@@ -108,6 +203,7 @@ class Dispatch:
         self.started = started
         self.streamed = not job.whole   # tokens arrive as they are made: the decode time is measurable
         self._stream: AsyncIterator[engine_pb2.GenerateChunk] | None = None
+        self.sent = 0.0                           # loop time the request went to its client
         self.loop_deadline: float | None = None   # the deadline its client's timers count to (`backend_fault`)
         self._answered = False   # the breaker has its success: the first token came
         self._ended = False
@@ -225,6 +321,7 @@ class Pipeline:
         self.metrics = metrics
         self.settings = settings
         self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
+        self.watch = FirstTokenWatch(table, table.heartbeat_interval_s, self.first_token_limit)
         self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
         self.clock = clock or table.clock
         self.rng = rng or random.Random()
@@ -447,7 +544,18 @@ class Pipeline:
             if job.images:
                 first, job = await self._first_with_images(dispatch, job, client, record)
             else:   # read in this task: no task, and no loop turn, per request
-                first = await anext(self._send(dispatch, job, client, record))
+                stream = self._send(dispatch, job, client, record)
+                task = asyncio.current_task()
+                assert task is not None
+                wait = self.watch.watch(task, backend, job.prompt_tokens, job.whole, dispatch.sent)
+                try:
+                    first = await anext(stream)
+                except asyncio.CancelledError:
+                    if wait.reason is None or task.uncancel() > 0:   # the client left
+                        raise
+                    raise self._silent(backend.id, wait.reason) from None
+                finally:
+                    self.watch.stop(wait)
         except BaseException as exc:
             error = exc
             if isinstance(exc, StopAsyncIteration):
@@ -459,6 +567,13 @@ class Pipeline:
         dispatch._first_token(first, job)
         return dispatch
 
+    def first_token_limit(self, backend: BackendSnapshot, prompt_tokens: int) -> float | None:
+        """How long an attempt on `backend` may wait for its first token; None: as long as its client's
+        own timers allow (`first_token_timeout_s` and the deadline)."""
+        s = self.settings
+        limit = max(s.first_token_floor_s, s.first_token_ttft_factor * predicted_ttft_s(backend, prompt_tokens))
+        return limit if limit < s.first_token_timeout_s else None
+
     def _send(
         self, dispatch: Dispatch, job: GenerationJob, client: BackendClient, record: RequestRecord, key: str = "",
         handoff_s: float = 0.0,
@@ -467,7 +582,8 @@ class Pipeline:
         client's timers count it) and the first-token timeout (plus the hand-off's time)."""
         assert record.deadline is not None
         remaining = max(0.001, record.deadline - self.clock())
-        dispatch.loop_deadline = asyncio.get_running_loop().time() + remaining
+        dispatch.sent = asyncio.get_running_loop().time()
+        dispatch.loop_deadline = dispatch.sent + remaining
         stream = dispatch._stream = client.generate(
             job, handoff_key=key, handoff_timeout_s=handoff_s,
             first_token_timeout_s=min(self.settings.first_token_timeout_s + handoff_s, remaining), timeout_s=remaining,
@@ -479,31 +595,56 @@ class Pipeline:
     ) -> tuple[engine_pb2.GenerateChunk, GenerationJob]:
         """The first token of a request with images, and the job as sent. An upstream that takes the
         embeddings in its request gets them encoded first; an engine waits for the embeddings the vision
-        engine delivers (direct)."""
+        engine delivers (direct), and its first-token limit counts from their delivery."""
         backend = dispatch.decision.backend
         key = uuid.uuid4().hex   # never the client's id: no cross-request pick-up
         if client.handoff != "direct":
             if client.handoff == "inline":   # encode first: the embeddings go in the request
                 dispatch.vision_backend_id, reply = await self._encode(job, key, backend, "", record)
                 job = replace(job, embeddings=tuple(reply.embeddings))
-            return await anext(self._send(dispatch, job, client, record)), job
+            stream = self._send(dispatch, job, client, record)
+            task = asyncio.current_task()
+            assert task is not None
+            wait = self.watch.watch(task, backend, job.prompt_tokens + job.image_tokens, job.whole, dispatch.sent)
+            try:
+                return await anext(stream), job
+            except asyncio.CancelledError:
+                if wait.reason is None or task.uncancel() > 0:
+                    raise
+                raise self._silent(backend.id, wait.reason) from None
+            finally:
+                self.watch.stop(wait)
         # The language engine waits long enough for every vision attempt (a re-encode must still land).
         stream = self._send(dispatch, job, client, record, key, self.settings.handoff_timeout_s
                             * self.settings.max_attempts)
         first_read = asyncio.ensure_future(anext(stream))
         encoding = asyncio.ensure_future(self._encode(job, key, backend, client.address, record))
+        wait = self.watch.watch(first_read, backend, job.prompt_tokens + job.image_tokens, job.whole, None)
         try:
             await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
-            if encoding.done() and encoding.exception() is not None:
-                raise encoding.exception()  # type: ignore[misc]
-            first = await first_read
+            if encoding.done():
+                if encoding.exception() is not None:
+                    raise encoding.exception()  # type: ignore[misc]
+                self.watch.arm(wait)
+            try:
+                first = await first_read
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if wait.reason is None or (current is not None and current.cancelling()):
+                    raise
+                raise self._silent(backend.id, wait.reason) from None
             dispatch.vision_backend_id, _ = await encoding
         finally:
+            self.watch.stop(wait)
             pending = [t for t in (first_read, encoding) if not t.done()]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)   # the stream must be idle to close it
         return first, job
+
+    @staticmethod
+    def _silent(backend_id: str, reason: str) -> BackendTimeout:
+        return BackendTimeout(f"backend {backend_id}: {reason}", backend_id=backend_id)
 
     async def _encode(
         self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str, record: RequestRecord

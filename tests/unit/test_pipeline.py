@@ -1,5 +1,5 @@
 """The Pipeline on fake engine clients: retries, the deadline, hand-off failures, cancellation, what
-counts against a backend's breaker.
+counts against a backend's breaker and the first-token watch.
 
 The fakes stand in for the engine clients (`EngineClients`' factory), not for the pipeline: the real
 Pipeline, state table, policies, breakers and admission queue run, on a clock the test moves. Each
@@ -22,7 +22,7 @@ from gateway.clients.engine_client import BackendClient, EngineClients
 from gateway.config.sections import AdmissionConfig, BreakerConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
-from gateway.pipeline.dispatch import Pipeline, PipelineSettings
+from gateway.pipeline.dispatch import Pipeline, PipelineSettings, predicted_ttft_s
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.request_log import RequestRecord
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, InvalidRequest
@@ -407,4 +407,61 @@ async def test_the_backends_own_timeout_before_the_deadline_still_counts() -> No
     dispatch = await r.pipeline.start(job(timeout_s=30))
     await drain(dispatch)
     assert dispatch.backend_id == "b" and r.breakers.state("a") is State.OPEN
+
+
+# --- the first-token watch --------------------------------------------------------------------------
+
+
+async def test_a_backend_marked_unhealthy_while_a_request_waits_loses_it_at_once() -> None:
+    r = rig({"a": "language", "b": "language"}, heartbeat_s=0.01, breaker=BreakerConfig(failure_threshold=1))
+    r.fleet.scripts = {"a": hangs, "b": serves}
+    rec = record(r)
+    task = asyncio.create_task(r.pipeline.start(job(), rec))
+    await until(lambda: bool(r.fleet.calls))
+    assert r.fleet.calls[0].backend_id == "a"
+    r.clock.advance(1.0)   # a misses its heartbeats (3 x 10 ms); b keeps sending them
+    r.heartbeat("b")
+    dispatch = await asyncio.wait_for(task, 5)
+    await drain(dispatch)
+    assert rec.backends == ["a", "b"] and dispatch.backend_id == "b"
+    assert r.fleet.calls[0].closed and r.in_flight("a") == (0, 0, 0)
+    assert r.breakers.state("a") is State.OPEN   # a silent backend is a backend fault
+
+
+async def test_a_first_token_slower_than_its_limit_is_retried_elsewhere() -> None:
+    # The watch ticks every heartbeat interval: 10 ms here (the clock stands still: nobody goes stale).
+    r = rig({"a": "language", "b": "language"}, heartbeat_s=0.01, first_token_floor_s=0.05,
+            first_token_ttft_factor=4.0)
+    r.fleet.scripts = {"a": hangs, "b": serves}
+    rec = record(r)
+    dispatch = await asyncio.wait_for(r.pipeline.start(job(timeout_s=60), rec), 5)
+    await drain(dispatch)
+    assert rec.backends == ["a", "b"] and r.fleet.calls[0].closed and r.in_flight("a") == (0, 0, 0)
+
+
+async def test_the_first_token_limit_follows_the_predicted_ttft() -> None:
+    r = rig({"a": "language"}, first_token_floor_s=0.5, first_token_ttft_factor=4.0)
+    quiet = r.table.candidates(("language",))[0]
+    assert r.pipeline.first_token_limit(quiet, 12) == 0.5   # a short prompt on an idle backend: the floor
+    backlog = r.table.acquire("a", 100_000, 16)   # prompts ahead of it, not yet prefilled
+    busy = r.table.candidates(("language",))[0]
+    predicted = predicted_ttft_s(busy, 12)
+    assert predicted == pytest.approx((100_000 + 12) * busy.learned_prefill_s_per_token + busy.decode_step_s)
+    assert r.pipeline.first_token_limit(busy, 12) == pytest.approx(4.0 * predicted) and 0.5 < 4.0 * predicted < 60
+    r.table.release(backlog)
+
+
+async def test_a_whole_reply_from_an_openai_upstream_is_not_cut_by_the_first_token_limit() -> None:
+    async def answers_whole_later(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        await asyncio.sleep(0.2)   # the reply comes after its last token, past the 0.01 s limit
+        yield chunk(7, "stop", call.job.prompt_tokens)
+
+    r = rig({"a": "language"}, heartbeat_s=0.01, first_token_floor_s=0.01, first_token_ttft_factor=1.0)
+    entry = r.table.get("a")
+    assert entry is not None
+    entry.external = True   # as a kind: openai backend registers
+    r.fleet.scripts = {"a": answers_whole_later}
+    rec = record(r)
+    _, chunks = await r.pipeline.complete(job(whole=True), rec)
+    assert rec.attempts == 1 and chunks[-1].finish_reason == "stop"
 
