@@ -215,6 +215,8 @@ class Dispatch:
         self.ttft_s = now - self.started
         record.ttft_s = now - record.started
         record.policy = self.decision.policy
+        record.prompt_tokens = len(job.token_ids) or job.prompt_tokens + job.image_tokens
+        record.completion_tokens = first.index + 1
         self._answered = True
         p.breakers.on_success(self.backend_id)
         p.table.first_token(self.lease)
@@ -226,11 +228,13 @@ class Dispatch:
         """The chunks as they come, the first one included (a streamed response)."""
         completed = 0   # tokens of a completed request
         error: BaseException | None = None
+        record = self.record
         try:
             chunk = self.first
             yield chunk
             while not chunk.finish_reason:
                 chunk = await self._next()
+                record.completion_tokens = chunk.index + 1   # handed to the door: the door sends it
                 yield chunk
             completed = chunk.usage.completion_tokens or chunk.index + 1
         except BaseException as exc:   # GeneratorExit (closed early) included: the dispatch still ends
@@ -248,6 +252,7 @@ class Dispatch:
         try:
             while not chunks[-1].finish_reason:
                 chunks.append(await self._next())
+                self.record.completion_tokens = chunks[-1].index + 1
             completed = chunks[-1].usage.completion_tokens or chunks[-1].index + 1
         except BaseException as exc:
             error = exc
@@ -508,6 +513,8 @@ class Pipeline:
             try:
                 return dispatch, await dispatch.whole()
             except BackendFailure as exc:
+                if self.deadline_passed(record, dispatch.loop_deadline):   # nothing can restart
+                    raise self._deadline_error(record, exc) from None
                 if record.attempts >= self.settings.max_attempts:
                     raise
                 record.failed.append(dispatch.backend_id)

@@ -1,12 +1,17 @@
 """One JSON line per inference request, and the request counters, written in one place.
 
 A `RequestRecord` is opened by a front door when a request arrives and filled by the pipeline (its
-deadline, every dispatch attempt and the backends tried); `RequestLog.finish` closes it exactly once,
-whatever the outcome (served, refused with a 4xx, failed with a 5xx, or abandoned by the client):
+deadline, every dispatch attempt and the backends tried, the tokens handed to the door so far);
+`RequestLog.finish` closes it exactly once, whatever the outcome (served, refused with a 4xx, failed
+with a 5xx, or abandoned by the client):
 
     {"event": "request", "request_id": ..., "endpoint": "chat", "status": 200, "attempts": 2,
      "backends": ["a100-0", "h100-1"], "vision_backend": null, "latency_s": 0.84, "ttft_s": 0.12,
      "prompt_tokens": 31, "completion_tokens": 64, ...}
+
+The token counts are the engine's final usage when the door has it; a request that ends before its
+last chunk (a client that leaves mid-stream, a deadline or a backend failure after tokens flowed)
+logs what the pipeline counted: its prompt tokens and the chunks handed out (one token each).
 
 The hot path pays for one small object, a few appends, three counter increments (plain tables,
 `gateway.pipeline.request_metrics`) and one log call; the line is rendered by the logging set-up of
@@ -40,6 +45,8 @@ class RequestRecord:
     failed: list[str] = field(default_factory=list)   # backends that failed it: not tried again for it
     policy: str = ""
     ttft_s: float | None = None
+    prompt_tokens: int = 0               # of the dispatch that got a first token (text + image tokens)
+    completion_tokens: int = 0           # chunks of that dispatch handed to the door so far
     finished: bool = False
     prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
     tenant: Ticket | None = None         # its tenant's charges (from admission), settled with its usage at the end
@@ -61,10 +68,13 @@ class RequestLog:
         self, record: RequestRecord, status: int, *, prompt_tokens: int = 0, completion_tokens: int = 0,
         error: str | None = None,
     ) -> None:
-        """Count and log the request once; later calls for the same record are no-ops."""
+        """Count and log the request once; later calls for the same record are no-ops. Token counts
+        left at 0 (no final usage came) are the record's."""
         if record.finished:
             return
         record.finished = True
+        prompt_tokens = prompt_tokens or record.prompt_tokens
+        completion_tokens = completion_tokens or record.completion_tokens
         backend = record.backends[-1] if record.backends else "none"
         policy = record.policy or self._policy
         m = self._metrics

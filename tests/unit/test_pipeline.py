@@ -1,5 +1,5 @@
 """The Pipeline on fake engine clients: retries, the deadline, hand-off failures, cancellation, what
-counts against a backend's breaker and the first-token watch.
+counts against a backend's breaker, the first-token watch and what the request log is left with.
 
 The fakes stand in for the engine clients (`EngineClients`' factory), not for the pipeline: the real
 Pipeline, state table, policies, breakers and admission queue run, on a clock the test moves. Each
@@ -10,12 +10,14 @@ real client raises (BackendFailure, BackendTimeout, InvalidRequest).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from common.wire import engine_pb2
 from gateway.clients.engine_client import BackendClient, EngineClients
@@ -24,7 +26,7 @@ from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import Pipeline, PipelineSettings, predicted_ttft_s
 from gateway.pipeline.metrics import GatewayMetrics
-from gateway.pipeline.request_log import RequestRecord
+from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, InvalidRequest
 from gateway.requests.images import ImageInput
 from gateway.requests.job import GenerationJob, Handoff
@@ -360,6 +362,7 @@ async def test_a_client_leaving_mid_stream_releases_the_lease_and_counts_nothing
     await stream.aclose()   # the door closes it when its client is gone
     assert r.in_flight("a") == (0, 0, 0) and r.fleet.calls[0].closed
     assert r.breakers.state("a") is State.CLOSED and r.breakers.blocked() == []
+    assert rec.completion_tokens == 5
 
 
 async def test_a_non_streamed_request_restarts_after_a_midstream_failure() -> None:
@@ -465,3 +468,54 @@ async def test_a_whole_reply_from_an_openai_upstream_is_not_cut_by_the_first_tok
     _, chunks = await r.pipeline.complete(job(whole=True), rec)
     assert rec.attempts == 1 and chunks[-1].finish_reason == "stop"
 
+
+# --- what the request log is left with ------------------------------------------------------------
+
+
+def request_line(logs: list[dict[str, Any]]) -> dict[str, Any]:
+    lines = [e for e in logs if e["event"] == "request"]
+    assert len(lines) == 1, logs
+    return lines[0]
+
+
+async def test_a_deadline_after_tokens_flowed_logs_its_tokens_and_restarts_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)   # the request log writes its lines at INFO
+    r = rig({"a": "language", "b": "language"})
+    requests = RequestLog(r.pipeline.metrics, "round_robin")
+    r.fleet.scripts = {"a": first_then_fails(deadline=True), "b": serves}
+    rec = record(r)
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(DeadlineExceeded) as err:
+            await r.pipeline.complete(job(whole=True, timeout_s=5), rec)
+        requests.finish(rec, err.value.status, error=err.value.message)
+    assert not [e for e in logs if e["event"] == "restarting_after_midstream_failure"], logs
+    assert rec.attempts == 1 and r.fleet.backends_called() == ["a"]
+    line = request_line(logs)
+    assert line["status"] == 504 and line["prompt_tokens"] == 12 and line["completion_tokens"] == 1
+
+
+async def test_a_midstream_failure_that_restarts_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    r = rig({"a": "language", "b": "language"})
+    r.fleet.scripts = {"a": first_then_fails(deadline=False), "b": serves}
+    with structlog.testing.capture_logs() as logs:
+        await r.pipeline.complete(job(whole=True, timeout_s=5), record(r))
+    assert [e["backend"] for e in logs if e["event"] == "restarting_after_midstream_failure"] == ["a"]
+
+
+async def test_a_client_leaving_mid_stream_logs_the_tokens_sent(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    r = rig({"a": "language"})
+    requests = RequestLog(r.pipeline.metrics, "round_robin")
+    r.fleet.scripts = {"a": lambda call, fleet: serves(call, fleet, tokens=100)}
+    rec = record(r)
+    dispatch = await r.pipeline.start(job(), rec)
+    stream = dispatch.rest()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(7):
+            await anext(stream)
+        requests.finish(rec, 499)   # the door's line, written as the client goes
+        await stream.aclose()
+    line = request_line(logs)
+    assert line["status"] == 499 and line["prompt_tokens"] == 12 and line["completion_tokens"] == 7
