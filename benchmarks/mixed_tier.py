@@ -154,7 +154,7 @@ def gateway_config(engines: Engines, scrape: bool) -> dict[str, Any]:
     tiers = dict(CLUSTER)
     return {"model": MODEL, "backends": [
         {"id": eid, "kind": "openai", "role": "language", "gpu": tiers[eid], "address": url,
-         **({"scrape": {"engine": "vllm"}} if scrape else {})}
+         **({"scrape": {"engine": "vllm"}} if scrape else {"agent": True})}
         for eid, url in engines.urls.items()]}
 
 

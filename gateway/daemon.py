@@ -163,6 +163,7 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
     auth = ControlAuth.load(
         settings.auth, managed=managed_ids(config), api_keys_on=keys.enabled, control_host=options.grpc_host,
         ca_file=grpc_tls.ca_file if grpc_tls else None, launching=options.redis_url is None,
+        agents=[s.id for s in config.raw.backends if s.agent],
     )
     warnings = []
     if not keys.enabled and not is_loopback(options.host):

@@ -153,6 +153,9 @@ class BackendSpec(StrictModel):
     steal: bool = False
     upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
     scrape: ScrapeSpec | None = None
+    # openai: a heartbeat agent (heterogate-agent) pushes its load; heartbeats for any other kind: openai
+    # backend are refused, since the gateway watches those itself
+    agent: bool = False
     probe: ProbeSpec | None = None      # openai: the liveness probe (default: ProbeSpec())
     # openai: the upstream takes vLLM `image_embeds` parts (vllm serve --enable-mm-embeds), so a vision
     # backend encodes the images and the upstream runs only the language model
@@ -183,10 +186,13 @@ class BackendSpec(StrictModel):
                 raise ValueError("a managed kind: openai entry gets its address from `launch.port`; drop `address`")
             if self.api_key is not None and self.api_key_env is not None:
                 raise ValueError("give `api_key` or `api_key_env`, not both")
+            if self.agent and (self.scrape is not None or self.launch is not None):
+                raise ValueError("`agent: true` is for an engine the gateway neither scrapes nor launches: with "
+                                 "`scrape` or `launch` the gateway reads its load itself")
         else:
             if isinstance(self.launch, CommandLaunchSpec):
                 raise ValueError("`launch.command` applies to kind: openai backends only")
-            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env", "probe")
+            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env", "agent", "probe")
             given = [f"`{name}`" for name in openai_only if getattr(self, name) not in (None, False)]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to kind: openai backends only")

@@ -16,6 +16,9 @@ no one by default:
 - **Address moves.** A heartbeat that would move a backend to another address must prove it is that
   backend: the engine identity for a managed backend, the cluster token for any other. On an open
   loopback control port (no token) an external backend keeps the first address it was given.
+- **Watched upstreams.** A `kind: openai` backend has no agent of its own unless its entry says
+  `agent: true`: the gateway probes and scrapes it itself, so a heartbeat for it can only be a mistake
+  or an impostor (one could advertise any context length), and is refused (PERMISSION_DENIED).
 
 The check runs when a stream names a backend and whenever a message carries a new address; a refused
 stream changes nothing in the state table.
@@ -75,11 +78,12 @@ class ControlAuth:
     token: str | None = None
     identities: EngineIdentities = field(default_factory=EngineIdentities)   # managed backends' engines
     ca_file: Path | None = None                                 # TLS control port: what local clients trust
+    agents: frozenset[str] = frozenset()   # the kind: openai backends that take heartbeats (`agent: true`)
 
     @classmethod
     def load(
         cls, config: AuthConfig, *, managed: Iterable[str], api_keys_on: bool, control_host: str,
-        ca_file: Path | None = None, launching: bool = True,
+        ca_file: Path | None = None, launching: bool = True, agents: Iterable[str] = (),
     ) -> ControlAuth:
         """ConfigError (naming the setting) for a missing token source, or a token the setup requires.
         `launching`: False for a replica that launches the engines only once it leads."""
@@ -88,7 +92,7 @@ class ControlAuth:
             why = "API keys are on" if api_keys_on else f"the control port listens on {control_host}, beyond loopback"
             raise ConfigError(f"gateway.auth.cluster_token_file or cluster_token_env is required, or the token in "
                               f"${ENV_CLUSTER_TOKEN}: {why}")
-        return cls(token, EngineIdentities.drawn(managed, launching=launching), ca_file)
+        return cls(token, EngineIdentities.drawn(managed, launching=launching), ca_file, frozenset(agents))
 
     # -- what the gateway hands out --------------------------------------------------------------
 
@@ -114,6 +118,10 @@ class ControlAuth:
 
     def admit(self, entry: BackendEntry, address: str, metadata: dict[str, str]) -> Refusal | None:
         """May this (authenticated) stream speak for `entry`, from `address`?"""
+        if entry.external and entry.id not in self.agents:
+            return Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                           f"backend {entry.id!r} is a kind: openai backend the gateway watches itself; it takes "
+                           "heartbeats only with `agent: true` on its entry in the gateway's backends file")
         if entry.id in self.identities:
             if not self.identities.verify(entry.id, metadata.get(IDENTITY_METADATA, "")):
                 return Refusal(grpc.StatusCode.PERMISSION_DENIED,

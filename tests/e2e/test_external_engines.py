@@ -48,7 +48,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
         "gateway": {"heartbeat_interval_ms": 100, "routing": {"policy": "shortest_queue"},
                     "retry_backoff_s": 0.001},
         "backends": [{"id": bid, "kind": "openai", "role": "language", "gpu": "A100-80GB", "address": urls[bid],
-                      **({"upstream_model": UPSTREAM_MODEL} if bid == "ext-vllm" else {})} for bid in engines],
+                      "agent": True, **({"upstream_model": UPSTREAM_MODEL} if bid == "ext-vllm" else {})}
+                     for bid in engines],
     })
     with ExitStack() as stack:
         for engine, port in engines.values():
