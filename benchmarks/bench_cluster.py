@@ -3,7 +3,7 @@
 Two kinds of engine:
     stub  benchmarks/stub_engine.py processes, external backends (`address:` in backends.yaml);
     sim   real `backends.engine` processes launched by the gateway with `time_scale: 0`.
-The gateway is started by tests.harness.run_gateway (free ports, `--log-level warning`), or, for
+The gateway is started by testkit.harness.run_gateway (free ports, `--log-level warning`), or, for
 the variant experiments, by `launch` (the same, with another command in place of `-m gateway.cli`).
 """
 
@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 import httpx  # noqa: E402
 
-from tests.harness import Gateway, free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import Gateway, free_port, run_gateway, write_config  # noqa: E402
 
 EngineKind = Literal["stub", "sim"]
 MODEL = "llava-1.5-7b"

@@ -76,7 +76,7 @@ import httpx  # noqa: E402
 from benchmarks import loadgen  # noqa: E402
 from benchmarks.bench_cluster import launch, running_cluster, stop_process  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
-from tests.harness import free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import free_port, run_gateway, write_config  # noqa: E402
 
 PEERS_VENV = ROOT / "benchmarks" / ".peers-venv"
 GATEWAY_VENVS = ROOT / "benchmarks" / ".gateway-venvs"

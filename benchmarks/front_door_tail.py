@@ -42,7 +42,7 @@ from benchmarks import loadgen  # noqa: E402
 from benchmarks.bench_cluster import launch  # noqa: E402
 from benchmarks.front_door import body, openai_config, process, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
-from tests.harness import free_port  # noqa: E402
+from testkit.harness import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "front_door_tail.json"
 TRACE_ENV = "FRONT_DOOR_TAIL_TRACE"   # where a traced process writes its trace when it stops

@@ -48,7 +48,7 @@ from gateway.doors.routes import create_server  # noqa: E402
 from gateway.requests.job import GenerationJob  # noqa: E402
 from gateway.routing.backend_entry import Reported  # noqa: E402
 from gateway.runtime import Runtime, build_runtime  # noqa: E402
-from tests.harness import write_config  # noqa: E402
+from testkit.harness import write_config  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gateway_micro.json"
 

@@ -61,7 +61,7 @@ from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_workload import Request, saturated_rate, trace  # noqa: E402
 from gateway.config.cluster import RoutingConfig  # noqa: E402
 from gateway.routing.policies import REGISTRY  # noqa: E402
-from tests.harness import free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import free_port, run_gateway, write_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier.json"
 QUICK_RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier_quick.json"   # --quick leaves the full run's alone

@@ -57,8 +57,8 @@ from benchmarks.mixed_tier import (  # noqa: E402
     start_engines,
 )
 from benchmarks.mixed_workload import Request, trace  # noqa: E402
-from tests.harness import run_gateway, write_config  # noqa: E402
-from tests.replicas.herding import l1, shares  # noqa: E402
+from testkit.harness import run_gateway, write_config  # noqa: E402
+from testkit.herding import l1, shares  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "replicas_goodput.json"
 REDIS_URL = "redis://127.0.0.1:6379/0"

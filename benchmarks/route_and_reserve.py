@@ -12,7 +12,7 @@ every policy the snapshot mode serves (the spreading layer is policy-agnostic). 
 one hash `P reserved`; a production version would also need per-replica counts with expiry, as the
 snapshot mode has, so that a dead replica's bookings do not stay.
 
-1. Herding (tests/replicas/herding.py, the test's setup: 3 replicas vs 1, 25 req/s for 90 s over
+1. Herding (testkit/herding.py, the test's setup: 3 replicas vs 1, 25 req/s for 90 s over
    1×H100, 2×A100, 2×L40S, seeded): L1 distance of per-backend shares to the single gateway's for
    the snapshot mode (shared + spreading, the default) and route-and-reserve (heartbeats shared the
    same way; the decision made in Redis). Also route-and-reserve with one replica (must be 0: the
@@ -50,7 +50,7 @@ from gateway.routing.backend_entry import Reported  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
-from tests.replicas.herding import l1, route_trace, seeded_trace, shares  # noqa: E402
+from testkit.herding import l1, route_trace, seeded_trace, shares  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "route_and_reserve.json"
 REDIS_URL = "redis://127.0.0.1:6379/0"

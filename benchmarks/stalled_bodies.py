@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_cluster import launch  # noqa: E402
 from benchmarks.front_door import body, openai_config, process, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
-from tests.harness import free_port  # noqa: E402
+from testkit.harness import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "stalled_bodies.json"
 DECLARED = 32 << 20   # the default limits.max_body_bytes

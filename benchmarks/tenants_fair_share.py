@@ -54,7 +54,7 @@ import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
-from tests.harness import demo_config, run_gateway  # noqa: E402
+from testkit.harness import demo_config, run_gateway  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "tenants_fair_share.json"
 MODEL = "llava-1.5-7b"

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 import httpx  # noqa: E402
 
-from tests.harness import Gateway, data_url, image_bytes, image_part, run_gateway, text_part, write_config  # noqa: E402
+from testkit.harness import Gateway, data_url, image_bytes, image_part, run_gateway, text_part, write_config  # noqa: E402
 
 SETUPS = ("monolithic", "split")
 PROMPT = "Describe this picture in detail."

@@ -31,7 +31,7 @@ import uvloop  # noqa: E402
 from benchmarks.front_door import body, process, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from gateway.clients.upstream_http import UpstreamPool  # noqa: E402
-from tests.harness import free_port  # noqa: E402
+from testkit.harness import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "upstream_client.json"
 PATH = "/v1/chat/completions"

@@ -41,7 +41,7 @@ from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from gateway.config.cluster import load_cluster  # noqa: E402
 from gateway.replicas.shared_state import SharedState, connect  # noqa: E402
 from gateway.runtime import build_runtime  # noqa: E402
-from tests.harness import free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import free_port, run_gateway, write_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "workers.json"
 

@@ -48,7 +48,7 @@ from loadtest.sim import capacity, workloads
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder
 from loadtest.sim.simulator import simulate
 from loadtest.sim.workloads import Lengths, Trace, make_trace
-from tests.harness import run_gateway, write_config
+from testkit.harness import run_gateway, write_config
 
 MODEL = "llava-1.5-7b"            # served text-only: no vision pool, so no work stealing either
 CLUSTER = (("h100-0", "H100"), ("a100-0", "A100-80GB"), ("a100-1", "A100-80GB"), ("l40s-0", "L40S"),

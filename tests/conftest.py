@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Gateway, demo_config, run_gateway
+from testkit.harness import Gateway, demo_config, run_gateway
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

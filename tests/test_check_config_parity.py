@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import free_port, run_gateway, write_config
+from testkit.harness import free_port, run_gateway, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "llava-1.5-7b"

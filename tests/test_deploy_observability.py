@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.harness import ROOT, demo_config, run_gateway
+from testkit.harness import ROOT, demo_config, run_gateway
 
 METRIC = re.compile(r"\bheterogate_[a-z_]+\b")
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",), "info": ("_info",)}

@@ -15,7 +15,7 @@ import yaml
 from common.control_credentials import ENV_CLUSTER_TOKEN
 from gateway.cli import parse_args
 from gateway.config.cluster import load_cluster
-from tests.harness import ROOT, run_gateway
+from testkit.harness import ROOT, run_gateway
 from tests.test_check_config_parity import run_cli
 
 K8S = ROOT / "deploy" / "k8s"

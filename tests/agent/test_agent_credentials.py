@@ -17,8 +17,8 @@ from common.wire import control_pb2_grpc
 from gateway.control.control_auth import ControlAuth
 from gateway.control.heartbeat_service import ControlService
 from gateway.routing.state_table import StateTable
+from testkit.harness import ROOT
 from tests.agent.test_agent_heartbeats import GPU, MODEL, MetricsEndpoint, endpoint, vllm_text, wait_for
-from tests.harness import ROOT
 from tests.tls_certs import self_signed
 
 __all__ = ["endpoint"]   # the fixture, shared with test_agent_heartbeats

@@ -27,7 +27,7 @@ from common.wire import control_pb2_grpc
 from gateway.control.heartbeat_service import ControlService
 from gateway.routing.backend_entry import BackendEntry
 from gateway.routing.state_table import StateTable
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.harness import (
+from testkit.harness import (
     ROOT,
     Gateway,
     data_url,

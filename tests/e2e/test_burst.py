@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Gateway, wait_all_healthy
+from testkit.harness import Gateway, wait_all_healthy
 
 MODEL = "llava-1.5-7b"
 BURST = 200

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Gateway, long_request_id, metric_total, run_gateway, write_config
+from testkit.harness import Gateway, long_request_id, metric_total, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 BACKENDS = ("a100-a", "a100-b")

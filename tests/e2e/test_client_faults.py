@@ -21,8 +21,8 @@ import httpx
 import orjson
 import pytest
 
+from testkit.harness import Gateway, long_request_id, run_gateway, sse_payloads, write_config
 from tests.e2e.test_deadlines import request_line
-from tests.harness import Gateway, long_request_id, run_gateway, sse_payloads, write_config
 
 MODEL = "llava-1.5-7b"
 BACKENDS = ["h100-0", "a100-0"]

@@ -21,7 +21,7 @@ import pytest
 
 from common.control_credentials import ControlCredentials
 from common.wire import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
+from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
 from tests.tls_certs import self_signed
 
 MODEL = "llava-1.5-7b"

@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
+from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 BACKENDS = ["up-a", "up-b", "up-c", "up-d"]

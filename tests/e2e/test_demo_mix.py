@@ -7,7 +7,7 @@ from collections import Counter
 
 import httpx
 
-from tests.harness import Gateway, data_url, image_bytes
+from testkit.harness import Gateway, data_url, image_bytes
 
 MODEL = "llava-1.5-7b"
 TOTAL = 100

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.harness import ROOT, free_port, run_gateway, write_config
+from testkit.harness import ROOT, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from backends.sim_executor import natural_length
-from tests.harness import run_gateway, sse_payloads, write_config
+from testkit.harness import run_gateway, sse_payloads, write_config
 
 MODEL = "llava-1.5-7b"
 WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")

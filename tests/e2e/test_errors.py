@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from common.wire import inference_pb2, inference_pb2_grpc
-from tests.harness import (
+from testkit.harness import (
     Gateway,
     engine_pid,
     free_port,

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from common.catalog import load_catalog
-from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
+from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 UPSTREAM_MODEL = "llava-hf/llava-1.5-7b-hf"   # what ext-vllm serves under

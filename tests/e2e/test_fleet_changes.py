@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.harness import Gateway, long_request_id, run_gateway, write_config
+from testkit.harness import Gateway, long_request_id, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 

@@ -22,7 +22,7 @@ import pytest
 
 from common.heartbeat_sender import HeartbeatSender
 from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
-from tests.harness import Gateway, free_port, run_gateway, write_config
+from testkit.harness import Gateway, free_port, run_gateway, write_config
 
 pytestmark = pytest.mark.timeout(60)
 

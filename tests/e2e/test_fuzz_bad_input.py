@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 EXAMPLES = 150

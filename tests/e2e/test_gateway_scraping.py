@@ -6,8 +6,8 @@ from pathlib import Path
 
 import httpx
 
+from testkit.harness import free_port, run_gateway, write_config
 from tests.e2e.test_external_engines import MODEL, spawn, stop
-from tests.harness import free_port, run_gateway, write_config
 
 
 def test_scraped_backend_is_healthy_and_follows_its_metrics(tmp_path: Path) -> None:

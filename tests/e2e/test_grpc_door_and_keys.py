@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire import inference_pb2, inference_pb2_grpc
-from tests.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, run_gateway, write_config
 
 USER, ADMIN = "user-secret", "admin-secret"
 MODEL = "llava-1.5-7b"

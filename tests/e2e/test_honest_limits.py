@@ -19,9 +19,9 @@ import pytest
 
 from common import perf_model
 from common.catalog import load_catalog
+from testkit.harness import Gateway, free_port, metric_total, run_gateway, write_config
 from tests.e2e.test_errors import assert_openai_error
 from tests.e2e.test_external_engines import MODEL, spawn, stop
-from tests.harness import Gateway, free_port, metric_total, run_gateway, write_config
 
 ENGINES: dict[str, tuple[str, ...]] = {
     "long": ("--engine", "vllm", "--max-model-len", "32768"),

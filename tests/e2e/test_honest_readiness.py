@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from testkit.harness import Gateway, free_port, metric_total, run_gateway, write_config
 from tests.e2e.test_external_engines import spawn, stop
-from tests.harness import Gateway, free_port, metric_total, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 pytestmark = pytest.mark.timeout(180)

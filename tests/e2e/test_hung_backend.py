@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.harness import Gateway, engine_pid, run_gateway, sigstopped, wait_all_healthy, write_config
 from tests.e2e.test_deadlines import request_line
-from tests.harness import Gateway, engine_pid, run_gateway, sigstopped, wait_all_healthy, write_config
 
 MODEL = "llava-1.5-7b"
 REQUESTS = 6

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import demo_config, run_gateway
+from testkit.harness import demo_config, run_gateway
 
 MODEL = "llava-1.5-7b"
 TOTAL, CONCURRENCY = 300, 48

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, Gateway
+from testkit.harness import ROOT, Gateway
 
 
 @pytest.mark.timeout(180)   # Locust's clock runs from its own start-up, which takes seconds on a busy machine

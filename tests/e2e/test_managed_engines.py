@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 BACKEND = "managed-vllm"

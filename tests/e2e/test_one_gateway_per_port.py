@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit.harness import ROOT, free_port, run_gateway, write_config
 from tests.e2e.test_managed_engines import BACKEND, MODEL, chat, managed_config
-from tests.harness import ROOT, free_port, run_gateway, write_config
 
 
 def second_gateway(tmp: Path, port: int, grpc_port: int) -> tuple[subprocess.CompletedProcess[str], Path]:

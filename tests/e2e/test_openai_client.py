@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from tests.harness import Gateway
+from testkit.harness import Gateway
 
 MODEL = "llava-1.5-7b"
 

@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from common import __version__
-from tests.harness import ROOT, Gateway, data_url, free_port, image_bytes, image_part, run_gateway, write_config
+from testkit.harness import ROOT, Gateway, data_url, free_port, image_bytes, image_part, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 VISION = "vis-0"

@@ -23,8 +23,8 @@ import pytest
 
 from common import __version__
 from common.wire import inference_pb2, inference_pb2_grpc
+from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
 from tests.e2e.test_external_engines import MODEL, spawn, stop
-from tests.harness import ROOT, Gateway, free_port, run_gateway, write_config
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
+from testkit.harness import Gateway, free_port, run_gateway, write_config
 from tests.e2e.test_external_engines import spawn, stop
-from tests.harness import Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 UPSTREAM_MODEL = "llava-hf/llava-1.5-7b-hf"

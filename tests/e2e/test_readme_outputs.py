@@ -17,7 +17,7 @@ import time
 import pytest
 
 from loadtest.consistency import DEFAULT_OUT, RECORDED_OUT, parse_args
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 README = ROOT / "README.md"
 LOCUST_CSV_SUFFIXES = ("_stats.csv", "_stats_history.csv", "_failures.csv", "_exceptions.csv")

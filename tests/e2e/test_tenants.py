@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, run_gateway, write_config
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "llava-1.5-7b"

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import ROOT, Gateway, data_url, free_port, image_bytes, run_gateway, sse_payloads, write_config
+from testkit.harness import ROOT, Gateway, data_url, free_port, image_bytes, run_gateway, sse_payloads, write_config
 
 MODEL = "llava-1.5-7b"
 VISION, UPSTREAM = "rtx4090-0", "ext-vllm"

@@ -17,8 +17,8 @@ import pytest
 from common.errors import ConfigError
 from common.wire import control_pb2, control_pb2_grpc
 from gateway.config.cluster import load_cluster
+from testkit.harness import free_port, run_gateway, write_config
 from tests.e2e.test_external_engines import spawn, stop
-from tests.harness import free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 pytestmark = pytest.mark.timeout(120)

@@ -29,7 +29,7 @@ from gateway.clients.engine_client import EngineClient
 from gateway.requests.errors import BackendFailure, BackendTimeout
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Reported
-from tests.harness import StandaloneEngines, free_port, long_request_id, standalone_engines
+from testkit.harness import StandaloneEngines, free_port, long_request_id, standalone_engines
 
 MODEL = "llava-1.5-7b"
 WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")

@@ -21,7 +21,7 @@ import pytest
 from common.grpc_keepalive import ENV_KEEPALIVE_MS
 from gateway.clients.engine_client import EngineClient
 from gateway.requests.job import GenerationJob
-from tests.harness import run_gateway, standalone_engines, write_config
+from testkit.harness import run_gateway, standalone_engines, write_config
 
 MODEL = "llava-1.5-7b"
 PING_MS = 1000

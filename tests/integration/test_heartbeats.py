@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import (
+from testkit.harness import (
     Gateway,
     engine_pid,
     pid_alive,

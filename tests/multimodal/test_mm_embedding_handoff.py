@@ -26,7 +26,7 @@ import pytest
 from common import perf_model, service_time
 from common.catalog import load_catalog
 from common.wire import engine_pb2, engine_pb2_grpc
-from tests.harness import StandaloneEngines, image_bytes, standalone_engines
+from testkit.harness import StandaloneEngines, image_bytes, standalone_engines
 
 MODEL = "llava-1.5-7b"
 LLAVA_TOKENS, LLAVA_HIDDEN, FP16_BYTES = 576, 4096, 2

@@ -22,7 +22,7 @@ from common.catalog import load_catalog
 from gateway.config.cluster import GatewaySettings
 from gateway.requests.errors import InvalidRequest
 from gateway.requests.images import ImageLimits, decode_data_url, fetch, inspect
-from tests.harness import (
+from testkit.harness import (
     Gateway,
     ImageServer,
     data_url,

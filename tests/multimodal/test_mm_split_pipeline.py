@@ -30,7 +30,7 @@ import openai
 import pytest
 
 from common.wire import engine_pb2, engine_pb2_grpc
-from tests.harness import (
+from testkit.harness import (
     Gateway,
     data_url,
     engine_pid,

@@ -26,7 +26,7 @@ import pytest
 
 from common import perf_model
 from common.catalog import load_catalog
-from tests.harness import (
+from testkit.harness import (
     Gateway,
     data_url,
     image_bytes,

@@ -16,7 +16,7 @@ from common.catalog import load_catalog
 from gateway.config.sections import RedisConfig
 from gateway.replicas.shared_state import SharedState, connect
 from gateway.routing.state_table import StateTable
-from tests.harness import free_port
+from testkit.harness import free_port
 
 SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
 

@@ -18,7 +18,7 @@ import pytest
 from common.control_credentials import ENV_ENGINE_IDENTITY
 from gateway.control.adoption import EXIT_UNKNOWN, adopt_engine
 from gateway.control.engine_identities import EngineIdentities, digest
-from tests.harness import ROOT, free_port
+from testkit.harness import ROOT, free_port
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="Linux pidfds")]
 SECRET = "the-identity-the-earlier-leader-gave"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.replicas.herding import l1, route_trace, seeded_trace, shares
+from testkit.herding import l1, route_trace, seeded_trace, shares
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix
 
 pytestmark = pytest.mark.timeout(90)

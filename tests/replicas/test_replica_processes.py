@@ -26,7 +26,7 @@ import pytest
 
 from common.control_credentials import ENV_ENGINE_IDENTITY, IDENTITY_METADATA
 from common.wire import control_pb2, control_pb2_grpc
-from tests.harness import ROOT, Gateway, free_port, long_request_id, metric_total, run_gateway, write_config
+from testkit.harness import ROOT, Gateway, free_port, long_request_id, metric_total, run_gateway, write_config
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, redis_server
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from gateway.replicas.shared_state import connect
 from gateway.replicas.tenant_limits import RedisLimitStore
 from gateway.requests.errors import LimiterUnavailable, RateLimited
 from gateway.requests.job import GenerationJob
-from tests.harness import free_port
+from testkit.harness import free_port
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix
 
 pytestmark = pytest.mark.timeout(30)

@@ -21,7 +21,7 @@ from loadtest.planner.evaluate import simulate
 from loadtest.planner.search import Candidate, Evaluated, Problem, better, search
 from loadtest.planner.space import Limits, Plan, Slo, enumerate_space
 from loadtest.planner.workload import Description, described_trace, log_trace
-from tests.harness import ROOT, data_url, image_bytes, image_part, run_gateway, text_part, write_config
+from testkit.harness import ROOT, data_url, image_bytes, image_part, run_gateway, text_part, write_config
 
 pytestmark = pytest.mark.timeout(120)
 

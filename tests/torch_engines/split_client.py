@@ -7,7 +7,7 @@ from typing import Any
 
 import openai
 
-from tests.harness import Gateway, data_url, image_bytes, image_part, text_part
+from testkit.harness import Gateway, data_url, image_bytes, image_part, text_part
 
 
 def launch(model_dir: Path, **extra: Any) -> dict[str, Any]:

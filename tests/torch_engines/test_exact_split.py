@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, run_gateway, write_config
 from tests.torch_engines.conftest import TINY
 from tests.torch_engines.reference import Reference
 from tests.torch_engines.split_client import ask_on, client, images, launch, user_message

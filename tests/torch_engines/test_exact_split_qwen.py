@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from backends.torch_models import save_random_model
 from common.catalog import load_catalog
-from tests.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, run_gateway, write_config
 from tests.torch_engines.conftest import TINY_QWEN
 from tests.torch_engines.reference import Reference
 from tests.torch_engines.split_client import ask_on, images, launch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 
 @pytest.mark.timeout(360)   # two gateways with torch engines, one after the other, on a 2-core machine

@@ -14,7 +14,7 @@ from common.catalog import load_catalog
 from common.errors import ConfigError
 from gateway.config.cluster import load_cluster
 from gateway.control.launchers import engine_argv
-from tests.harness import write_config
+from testkit.harness import write_config
 
 
 def cluster(tmp: Path, *launches: dict[str, Any], model: str = "llava-1.5-tiny") -> Path:

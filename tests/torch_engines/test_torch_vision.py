@@ -14,7 +14,7 @@ from backends.torch_vision import TorchEncoder
 from common.catalog import load_catalog
 from common.errors import ConfigError
 from common.wire import engine_pb2
-from tests.harness import ROOT, image_bytes
+from testkit.harness import ROOT, image_bytes
 from tests.torch_engines.conftest import TINY, TINY_QWEN
 from tests.torch_engines.reference import Reference
 

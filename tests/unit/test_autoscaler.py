@@ -13,7 +13,7 @@ from common.errors import ConfigError
 from gateway.config.autoscaling import AutoscalingConfig, Pool
 from gateway.config.cluster import load_cluster
 from gateway.control.autoscaler import PoolDemand, Scaler, pressure
-from tests.harness import write_config
+from testkit.harness import write_config
 
 
 class FakeClock:

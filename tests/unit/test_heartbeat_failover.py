@@ -13,7 +13,7 @@ from common.heartbeat_sender import HeartbeatSender
 from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.heartbeat_service import ControlService
 from gateway.routing.state_table import StateTable
-from tests.harness import free_port
+from testkit.harness import free_port
 
 pytestmark = pytest.mark.timeout(30)
 CATALOG = load_catalog()

@@ -10,7 +10,7 @@ import pytest
 from redis.exceptions import RedisError
 
 from gateway.routing.backend_entry import Reported
-from tests.harness import free_port
+from testkit.harness import free_port
 from tests.replicas.redis_helpers import redis_prefix, replica, table
 
 pytestmark = pytest.mark.timeout(30)

@@ -17,7 +17,7 @@ from gateway.config.auth import AuthConfig, KeyRing
 from gateway.config.cluster import load_cluster
 from gateway.config.tenants import TenantsConfig
 from gateway.requests.errors import Unauthorized
-from tests.harness import ROOT, write_config
+from testkit.harness import ROOT, write_config
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -192,7 +192,7 @@ async def _table(seeds: range, rate: float, duration_s: float, redis_url: str) -
 
 
 if __name__ == "__main__":
-    # python -m tests.replicas.herding [FIRST_SEED LAST_SEED]: the L1 distances of docs/REPLICAS.md
+    # python -m testkit.herding [FIRST_SEED LAST_SEED]: the L1 distances of docs/REPLICAS.md
     import asyncio
     import logging
     import sys
