@@ -9,7 +9,7 @@
             api_keys_env: SEARCH_KEYS # or api_keys_file; as gateway.auth: never the key itself
             priority: 1               # a higher class is always admitted first under contention
             weight: 3                 # the share within its class
-            min_in_flight: 1          # admitted past a saturated pool while fewer than this are under way
+            min_in_flight: 4          # admitted past a saturated pool while fewer than this are under way
             requests_per_minute: 600
             tokens_per_minute: 200000 # prompt + completion, from the engines' usage
             tokens_per_day: 50000000
@@ -40,8 +40,8 @@ class TenantPolicy(StrictModel):
     priority: int = 0                 # strict between classes: any waiting request of a higher class goes first
     weight: PositiveFloat = 1.0       # weighted fair share among the tenants of one class
     # Requests admitted past a saturated pool while the tenant has fewer under way (its guaranteed
-    # concurrency; 0: none), unless a higher class waits.
-    min_in_flight: NonNegativeInt = 1
+    # concurrency), unless a higher class waits; 0 (the default): none, every request waits its turn.
+    min_in_flight: NonNegativeInt = 0
     requests_per_minute: PositiveInt | None = None
     tokens_per_minute: PositiveInt | None = None   # prompt + completion tokens
     tokens_per_day: PositiveInt | None = None      # a daily budget, the UTC day

@@ -22,7 +22,7 @@ the flow holding the most places per weight, when that flow holds more than the 
 
 A request that finds nobody waiting and capacity free is not queued and not charged
 (`Pipeline._admitted`): shares count only under contention. Nor is one whose tenant has fewer than
-its `min_in_flight` requests under way (its guaranteed concurrency, 1 by default) while no request
+its `min_in_flight` requests under way (its guaranteed concurrency, none by default) while no request
 of a higher class waits: it goes at once, past a saturated pool, so a tenant's light traffic does not
 wait for a heavy one's requests to finish. The pool then holds at most the tenants' `min_in_flight`
 beyond the depth limit.

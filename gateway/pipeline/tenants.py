@@ -116,7 +116,7 @@ class MemoryLimitStore:
         now = self._clock()
         for lim, charged, delta in zip(limits, windows, deltas, strict=True):
             w = int(now // lim.period_s)
-            if delta > 0 or w == charged:
+            if delta > 0 or (delta and w == charged):
                 self._counts[tenant, lim.reason] = (w, max(0, self._count(tenant, lim, w) + delta))
 
     async def read(self, tenant: str, limits: Sequence[Limit]) -> list[WindowUsage]:
@@ -203,11 +203,11 @@ class Tenants:
                                   f"{lim.limit}, requested {amount}", kind="tokens", retry_after_s=None)
         try:
             charge = await self.store.charge(tenant.name, limits, amounts)
-        except LimitStoreUnavailable as exc:
+        except LimitStoreUnavailable:   # the store logs what went wrong; the client learns no address
             if self.fail_closed:
                 self.limiter_errors.inc(("refused",))
                 self.rate_limited.inc((tenant.name, "limiter_unavailable"))
-                raise LimiterUnavailable(f"the rate limits of tenant {tenant.name!r} cannot be checked ({exc}); "
+                raise LimiterUnavailable(f"the rate limits of tenant {tenant.name!r} cannot be checked right now; "
                                          "retry later") from None
             self.limiter_errors.inc(("admitted",))
             return

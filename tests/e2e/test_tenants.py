@@ -9,22 +9,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.wire import inference_pb2, inference_pb2_grpc
 from testkit.harness import Gateway, run_gateway, write_config
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "llava-1.5-7b"
-ALPHA, BETA, PLAIN, ADMIN = "sk-alpha", "sk-beta", "sk-plain", "sk-admin"
+ALPHA, BETA, GAMMA, PLAIN, ADMIN = "sk-alpha", "sk-beta", "sk-gamma", "sk-plain", "sk-admin"
 ALPHA_RPM = 3
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp: Path = tmp_path_factory.mktemp("tenants")
-    for name, key in (("alpha", ALPHA), ("beta", BETA), ("plain", PLAIN), ("admin", ADMIN)):
+    for name, key in (("alpha", ALPHA), ("beta", BETA), ("gamma", GAMMA), ("plain", PLAIN), ("admin", ADMIN)):
         (tmp / f"{name}.keys").write_text(f"{key}\n")
     (tmp / "cluster.token").write_text("cluster-secret\n")
     config = write_config(tmp, {
@@ -34,7 +36,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                      "cluster_token_file": str(tmp / "cluster.token")},
             "tenants": {"teams": {
                 "alpha": {"api_keys_file": str(tmp / "alpha.keys"), "requests_per_minute": ALPHA_RPM},
-                "beta": {"api_keys_file": str(tmp / "beta.keys"), "weight": 3, "tokens_per_minute": 1_000_000}}},
+                "beta": {"api_keys_file": str(tmp / "beta.keys"), "weight": 3, "tokens_per_minute": 1_000_000},
+                "gamma": {"api_keys_file": str(tmp / "gamma.keys"), "requests_per_minute": 1}}},
         },
         "backends": [
             {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}},
@@ -101,7 +104,7 @@ def test_usage_per_tenant_in_admin_usage_and_metrics(gateway: Gateway) -> None:
         if chat(gateway, ALPHA).status_code == 429:
             break
     after = usage(gateway)
-    assert set(after) == {"default", "alpha", "beta"}
+    assert set(after) == {"default", "alpha", "beta", "gamma"}
     beta, alpha = after["beta"], after["alpha"]
     assert (beta["priority"], beta["weight"], beta["limits"]) == (0, 3.0, {"tokens_per_minute": 1_000_000})
     assert beta["requests"] - before["beta"]["requests"] == 2
@@ -120,3 +123,18 @@ def test_usage_per_tenant_in_admin_usage_and_metrics(gateway: Gateway) -> None:
              frozenset({("tenant", "alpha"), ("reason", "requests_per_minute")})] == alpha["rate_limited"][
         "requests_per_minute"]
     assert m["heterogate_tenant_admission_waiting", frozenset({("tenant", "default")})] == 0
+
+
+async def test_the_grpc_door_names_the_tenant_too(gateway: Gateway) -> None:
+    """gamma may send one request a minute: its second on the gRPC door is RESOURCE_EXHAUSTED."""
+    minute_room()
+    auth = (("authorization", f"Bearer {GAMMA}"),)
+    request = inference_pb2.GenerateRequest(model=MODEL, messages=[inference_pb2.Message(role="user", text="hi")],
+                                            max_tokens=2)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        assert [r async for r in stub.Generate(request, metadata=auth, timeout=30)][-1].finish_reason
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in stub.Generate(request, metadata=auth, timeout=30)]
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'gamma' on requests per minute: limit 1" in (info.value.details() or "")
