@@ -1,7 +1,7 @@
 """Every routing policy over a seeded family of engine models and mixed-tier clusters, against the proxy.
 
     nice -n 19 python -m benchmarks.routing_family [--members m00 m01 ...] [--loads 0.6 0.9 1.0 1.2] \
-        [--seeds 1 2] [--requests 600] [--warmup 200] [--targets cwlor marginal_delay ...] \
+        [--seeds 11 12 13 14 15 16] [--requests 600] [--warmup 200] [--targets cwlor marginal_delay ...] \
         [--variant NAME=POLICY:JSON ...] [--jobs 2] [--out benchmarks/results/routing_family.json]
 
 The family (loadtest/sim/family.py): 16 members, each a cluster of 6-10 engines of two or three
@@ -55,6 +55,7 @@ PROXY = "cwlor"
 DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", "heteroserve", "batch_aware", "shortest_queue", "power_of_two",
                    "round_robin", "capacity_proportional")
 LOADS = (0.6, 0.9, 1.0, 1.2)
+SEEDS = (11, 12, 13, 14, 15, 16)   # the settings of the default policy were chosen on seeds 1-6 (tuned members)
 Cell = tuple[str, float, int, str]    # member, load, seed, target
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--members", nargs="+", default=None, help="member names (default: all)")
     p.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="default: seeds no tuning used")
     p.add_argument("--requests", type=int, default=600, help="scored requests a run")
     p.add_argument("--warmup", type=int, default=200, help="unscored requests first, at 0.6x")
     p.add_argument("--interval-ms", type=float, default=200, help="engine figures reach the gateway this often")

@@ -19,17 +19,20 @@ with n the samples seen so far and k0 = `prior_weight` (4: the prior counts as f
 one half after 4 samples and a tenth after 36). A sample is clipped to [estimate / C, estimate · C]
 (C = 4) before it enters the window, and the median ignores the rest of an outlier, so neither a
 warm-up request nor a stall moves an estimate far; a true change of speed is followed within half a
-window. T̄_service is `common.service_time` (prior, clipped EWMA). Pure: numbers in, numbers
-out; no clock, no I/O.
+window. T̄_service is `common.service_time` (prior, clipped EWMA). Each backend also calibrates the
+router's first-token and decode-time models (`common.calibration`) from the same first tokens and
+completions. Pure: numbers in, numbers out; no clock, no I/O.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common import perf_model
+from common.calibration import decode_fit, ttft_fit
 from common.catalog import GpuProfile, ModelProfile
 from common.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS, prior_service_s, updated_mean_service
 
@@ -82,9 +85,10 @@ def _median(ordered: list[float]) -> float:
 
 
 class BackendSpeed:
-    """p̂, ŝ and T̄_service of one backend."""
+    """p̂, ŝ and T̄_service of one backend, and its calibrated first-token and decode models
+    (`common.calibration`)."""
 
-    __slots__ = ("_params", "decode", "prefill", "service_s", "service_samples")
+    __slots__ = ("_params", "decode", "decode_model", "prefill", "service_s", "service_samples", "ttft_model")
 
     def __init__(
         self, prefill_s_per_token: float, decode_step_s: float, service_s: float, params: SpeedParams | None = None
@@ -94,25 +98,57 @@ class BackendSpeed:
         self.decode = RobustEstimate(decode_step_s, self._params)
         self.service_s = service_s
         self.service_samples = 0
+        self.ttft_model = ttft_fit()
+        self.decode_model = decode_fit(decode_step_s)
 
-    def first_token(self, ttft_s: float, tokens_ahead: int) -> None:
-        """A request's first token came `ttft_s` after dispatch with `tokens_ahead` tokens to prefill."""
+    def first_token(self, ttft_s: float, tokens_ahead: int, features: Sequence[float] = ()) -> None:
+        """A request's first token came `ttft_s` after dispatch with `tokens_ahead` tokens to prefill;
+        `features`: the first-token model's, as they were at its dispatch (none: not fitted)."""
         if tokens_ahead >= self._params.min_prefill_tokens:
             self.prefill.add(max(0.0, ttft_s - self.decode.value) / tokens_ahead)
+        if features:
+            self.ttft_model.add(features, ttft_s)
 
-    def completed(self, prompt_tokens: int, completion_tokens: int, decode_s: float) -> None:
-        """A request finished: `decode_s` from its first token to its last."""
+    def completed(self, prompt_tokens: int, completion_tokens: int, decode_s: float,
+                  stalls: tuple[float, int] | None = None) -> None:
+        """A request finished: `decode_s` from its first token to its last; `stalls`: (ΔC, ΔN), the
+        stall clock's advance and the prompts dispatched there meanwhile (none: not fitted)."""
         if completion_tokens >= 2:
             self.decode.add(decode_s / (completion_tokens - 1))
+            if stalls is not None:
+                self.decode_model.add((completion_tokens - 1, stalls[0], stalls[1]), decode_s)
         self.service_s = updated_mean_service(self.service_s, prompt_tokens * self.prefill.value + decode_s)
         self.service_samples += 1
 
-    def describe(self) -> dict[str, float | int]:
+    @property
+    def decode_floor_s(self) -> float:
+        """s0: the decode step without the stalls of other prompts' prefill (at most ŝ)."""
+        return min(self.decode_model.coefficients[0], self.decode.value)
+
+    @property
+    def stall_factor(self) -> float:
+        """κ: a prompt's actual stall on the requests decoding beside it over its predicted L·p̂."""
+        return self.decode_model.coefficients[1]
+
+    @property
+    def stall_per_prompt_s(self) -> float:
+        """c: a fixed stall per prompt on the requests decoding beside it."""
+        return self.decode_model.coefficients[2]
+
+    def describe(self) -> dict[str, float | int | list[float]]:
+        model = self.decode_model
         return {
             "prefill_s_per_token": self.prefill.value, "prefill_prior_s_per_token": self.prefill.prior,
             "prefill_samples": self.prefill.samples, "decode_step_s": self.decode.value,
             "decode_prior_s": self.decode.prior, "decode_samples": self.decode.samples,
             "service_s": self.service_s, "service_samples": self.service_samples,
+            "ttft_coefficients": list(self.ttft_model.coefficients), "ttft_samples": self.ttft_model.samples,
+            "ttft_observed_s": self.ttft_model.observed_mean, "ttft_predicted_s": self.ttft_model.predicted_mean,
+            "ttft_uncalibrated_s": self.ttft_model.prior_mean,
+            "decode_floor_s": self.decode_floor_s, "stall_factor": self.stall_factor,
+            "stall_per_prompt_s": self.stall_per_prompt_s, "decode_model_samples": model.samples,
+            "decode_observed_s": model.observed_mean, "decode_predicted_s": model.predicted_mean,
+            "decode_uncalibrated_s": model.prior_mean,
         }
 
 

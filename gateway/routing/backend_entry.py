@@ -118,3 +118,5 @@ class Lease:
     dispatched_s: float
     first_token_s: float | None = None
     itl_deadline: float | None = None         # in the backend's InterTokenSlack; None: a single token
+    first_token_features: tuple[float, ...] = ()   # the first-token model's, at dispatch (common.calibration)
+    stall_mark: tuple[float, int] | None = None    # the backend's stall clock at its first token

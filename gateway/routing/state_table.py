@@ -27,7 +27,9 @@ Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
                  · the performance-model estimate
 
 Each dispatch holds a `Lease` from `acquire` to `release`; its first token and its end feed the
-backend's learned speed (`common.speed_estimator`): prefill rate, decode step and T̄_service.
+backend's learned speed (`common.speed_estimator`): prefill rate, decode step and T̄_service, and its
+calibrated first-token and decode-time models (`common.calibration`, fitted on the features the lease
+took at dispatch and the stalls its decode saw).
 Each lease also holds an inter-token deadline (`common.itl_slack`, against
 `routing.itl_target_ms`): snapshots carry the smallest slacks of the requests in flight there.
 """
@@ -55,6 +57,7 @@ from gateway.routing.backend_entry import (
 from gateway.routing.candidate_columns import CandidateColumns
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Role
+from gateway.routing.policies.first_token import first_token_features
 
 
 class _Fixed(NamedTuple):
@@ -204,6 +207,8 @@ class StateTable:
         the whole prompt + max_tokens)."""
         entry = self._entries[backend_id]
         prefilled = prompt_tokens - cached_tokens
+        decided = entry.cached or entry.blind   # the snapshot the decision read (none: no first-token sample)
+        features = () if decided is None else first_token_features(decided, prefilled, prompt_tokens + max_tokens)
         entry.in_flight += 1
         entry.prefilling += 1
         entry.prefill_backlog_tokens += prefilled
@@ -213,8 +218,10 @@ class StateTable:
         # on this request's own few tokens
         ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
         speed = entry.speed
-        deadline = entry.slack.add(prefilled, max_tokens, speed.prefill.value, speed.decode.value)
-        return Lease(backend_id, prefilled, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline)
+        deadline = entry.slack.add(prefilled, max_tokens, speed.prefill.value, speed.decode_floor_s,
+                                   speed.stall_factor, speed.stall_per_prompt_s)
+        return Lease(backend_id, prefilled, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline,
+                     features)
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""
@@ -223,7 +230,8 @@ class StateTable:
         lease.first_token_s = now = self.clock()
         entry = self._entries[lease.backend_id]
         self._end_prefill(entry, lease)
-        entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead)
+        entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead, lease.first_token_features)
+        lease.stall_mark = entry.slack.mark()
         entry.snapshot = None
 
     def release(self, lease: Lease, completion_tokens: int = 0) -> None:
@@ -237,7 +245,8 @@ class StateTable:
         if lease.first_token_s is None:
             self._end_prefill(entry, lease)
         elif completion_tokens:
-            entry.speed.completed(lease.prompt_tokens, completion_tokens, self.clock() - lease.first_token_s)
+            stalls = None if lease.stall_mark is None else entry.slack.stalls_since(lease.stall_mark)
+            entry.speed.completed(lease.prompt_tokens, completion_tokens, self.clock() - lease.first_token_s, stalls)
         entry.snapshot = None
 
     @staticmethod
@@ -423,6 +432,7 @@ class StateTable:
             e.prefill_backlog_tokens + peer.prefill_backlog_tokens,
             e.kv_reserved_tokens + peer.kv_reserved_tokens,
             e.slack.slacks(),                                                       # itl_slack_s
+            speed.stall_factor, speed.stall_per_prompt_s,                           # calibrated stalls
         )
         if blind:
             e.blind = snap

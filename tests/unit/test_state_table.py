@@ -59,6 +59,7 @@ def test_a_snapshot_holds_each_signal_in_the_field_of_its_name() -> None:
     e.prefill_backlog_tokens, e.kv_reserved_tokens = 29, 31
     e.peer = PeerLoad(in_flight=5, vision_tokens=7, prefilling=11, prefill_backlog_tokens=13, kv_reserved_tokens=17)
     e.speed.prefill.value, e.speed.decode.value = 1.25e-4, 0.0375
+    e.speed.decode_model.coefficients = (0.02, 1.5, 0.004)
     e.slack.add(100, 64, 1e-4, 0.01)
     e.snapshot = None
     got = dataclasses.asdict(t.snapshot(e))
@@ -70,6 +71,7 @@ def test_a_snapshot_holds_each_signal_in_the_field_of_its_name() -> None:
         "weight_bytes": model.weight_bytes, "encode_s_per_token": perf_model.encode_seconds(model, gpu, 1),
         "steal": True, "max_context": 4096, "learned_prefill_s_per_token": 1.25e-4, "decode_step_s": 0.0375,
         "prefilling": 34, "prefill_backlog_tokens": 42, "kv_reserved_tokens": 48, "itl_slack_s": e.slack.slacks(),
+        "stall_factor": 1.5, "stall_per_prompt_s": 0.004,
     }
     assert got["itl_slack_s"]   # a lease's slack is there to be misplaced too
 

@@ -14,7 +14,8 @@ L_r > M_free_i / kv ⇔ L_r > kv_fit_tokens, exact for caches below 2^53 tokens.
 +inf where the snapshot's is 0 (unknown, no limit), as `BackendSnapshot.fits` reads it.
 `speed_prefill_s_per_token` is the learned p̂ where there is one, else 2·P / F_i; `kv_capacity_tokens`
 is K_i (0: unknown) and `kv_used_tokens` max(K_i − free tokens, this router's reservations), 0 where
-K_i is (the inputs of `marginal_delay`); `itl_slack_k_s` is the snapshot's k-th smallest inter-token
+K_i is (the inputs of `marginal_delay`); `stall_factor` and `stall_per_prompt_s` are the backend's
+calibrated stall (`common.calibration`); `itl_slack_k_s` is the snapshot's k-th smallest inter-token
 slack, +inf where it has fewer.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,10 +35,10 @@ FloatArray = npt.NDArray[np.float64]
 
 COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "kv_fit_tokens", "max_context",
            "speed_prefill_s_per_token", "decode_step_s", "in_flight", "prefill_backlog_tokens", "kv_capacity_tokens",
-           "kv_used_tokens", *(f"itl_slack_{k}_s" for k in range(EXPOSED)))
-(PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT,
- SPEED_PREFILL, DECODE_STEP, IN_FLIGHT, PREFILL_BACKLOG, KV_CAPACITY, KV_USED) = range(len(COLUMNS) - EXPOSED)
-ITL_SLACKS = slice(KV_USED + 1, KV_USED + 1 + EXPOSED)   # the rows of itl_slack_s, +inf past its end
+           "kv_used_tokens", "stall_factor", "stall_per_prompt_s", *(f"itl_slack_{k}_s" for k in range(EXPOSED)))
+(PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT, SPEED_PREFILL, DECODE_STEP, IN_FLIGHT, PREFILL_BACKLOG,
+ KV_CAPACITY, KV_USED, STALL_FACTOR, STALL_PER_PROMPT) = range(len(COLUMNS) - EXPOSED)
+ITL_SLACKS = slice(STALL_PER_PROMPT + 1, STALL_PER_PROMPT + 1 + EXPOSED)   # the rows of itl_slack_s, +inf past its end
 _INF = float("inf")
 _NO_SLACK = (_INF,) * EXPOSED
 # The policies compute on columns as Python computes on floats: 0 · inf is NaN, an overflow inf, x / 0 inf or
@@ -56,7 +58,8 @@ def column_values(b: BackendSnapshot) -> tuple[float, ...]:
     used = max(capacity - free // per_token, b.kv_reserved_tokens) if capacity else 0
     return (b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF,
             b.learned_prefill_s_per_token or b.prefill_s_per_token, b.decode_step_s, b.in_flight,
-            b.prefill_backlog_tokens, capacity, used, *(b.itl_slack_s + _NO_SLACK)[:EXPOSED])
+            b.prefill_backlog_tokens, capacity, used, b.stall_factor, b.stall_per_prompt_s,
+            *(b.itl_slack_s + _NO_SLACK)[:EXPOSED])
 
 
 def first_argmin(totals: FloatArray) -> int:
@@ -66,6 +69,33 @@ def first_argmin(totals: FloatArray) -> int:
     if totals[i] < _INF:   # neither NaN (argmin stops at the first) nor inf: argmin is the loop's answer
         return i
     return first_lowest(totals.tolist())
+
+
+class Draw(Protocol):
+    """Where a tie's draw comes from: `random.Random`, or a test's stand-in."""
+
+    def randrange(self, stop: int, /) -> int: ...
+
+
+def near_lowest(totals: Sequence[float] | FloatArray, rng: Draw, tolerance: float) -> int:
+    """The candidate with the lowest total, drawn with `rng` among those within `tolerance` (relative) of
+    it, so that backends alike share the load instead of the first taking it all; `first_argmin`'s
+    answer where the lowest is not finite or only one is that close. The loop over a list and the
+    array form give the same candidates in the same order, so they draw the same."""
+    if isinstance(totals, np.ndarray):
+        i = first_argmin(totals)
+        best = float(totals[i])
+        if not abs(best) < _INF:
+            return i
+        ties = np.flatnonzero(totals <= best + tolerance * abs(best)).tolist()
+    else:
+        i = first_lowest(totals)
+        best = totals[i]
+        if not abs(best) < _INF:
+            return i
+        limit = best + tolerance * abs(best)
+        ties = [k for k, t in enumerate(totals) if t <= limit]
+    return i if len(ties) < 2 else ties[rng.randrange(len(ties))]
 
 
 def first_lowest(totals: Iterable[float]) -> int:

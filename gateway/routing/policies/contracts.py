@@ -57,6 +57,10 @@ class BackendSnapshot:
     # The smallest inter-token slacks of the requests in flight here (common.itl_slack), smallest
     # first: the prefill stall (s) each can still take before its mean inter-token time passes the target.
     itl_slack_s: tuple[float, ...] = ()
+    # The backend's calibrated decode-time model (common.calibration; its prior until fitted): what a
+    # prompt's prefill stalls the requests decoding there, κ · L · p̂ + c.
+    stall_factor: float = 1.0
+    stall_per_prompt_s: float = 0.0
 
     def fits(self, tokens: int) -> bool:
         """Whether a request needing `tokens` of context (prompt + max_tokens) fits this backend."""

@@ -12,13 +12,16 @@ sent to backend i:
               time r's prefill runs (FIFO chunked prefill serves the backlog first)
     K_i     = KV cache tokens; U_i = max(K_i − free tokens reported, this router's reservations there)
     R       = L + M, the KV tokens the request can come to hold
+    κ_i, c_i = i's calibrated stall (`common.calibration`, fitted on its completed requests' decode
+              times): a prompt's prefill there stalls every request decoding beside it by
+              S_i = κ_i · L_i · p_i + c_i (κ = 1, c = 0 before any fit, or with `calibrate: false`)
     σ_i,k   = the k-th smallest inter-token slack of the requests in flight on i (k ≤ 3,
-              `common.itl_slack`): the prefill stall it can still take before its mean
-              inter-token time passes the target (`routing.itl_target_ms`, 100 ms)
+              `common.itl_slack`, in calibrated stall seconds): the stall it can still take before
+              its mean inter-token time passes the target (`routing.itl_target_ms`, 100 ms)
 
     T_first = (B_i + L_i) · p_i + s_i                         its own time to first token
-    T_stall = w_stall · n_i · L_i · p_i                        its prefill stalls every request decoding then
-    T_itl   = w_itl · #{k : σ_i,k < L_i · p_i}                 the requests its prefill would make miss the target
+    T_stall = w_stall · n_i · S_i                              its prefill stalls every request decoding then
+    T_itl   = w_itl · #{k : σ_i,k < S_i}                       the requests its prefill would make miss the target
     T_dec   = w_decode · f · M · s_i                           its own decode
     T_kv    = max(0, U_i + R − K_i) / K_i · T̄_service(i)      waiting for the cache to turn over
     cost    = T_first + T_stall + T_itl + T_dec + T_kv + veto · 1[R > K_i]
@@ -35,23 +38,34 @@ tokens left to generate, not of one with hundreds, so the prompt goes where it b
 A cached prefix enters as the prefill it saves on that backend, h_i · p_i seconds at that backend's
 own speed: a hit on a slow tier is weighed against a miss on a fast one in the units of queueing, and
 affinity gives way, per backend, once B_i · p_i (the queue) costs more than the recomputation saves.
+The stall is what each engine really does, not what chunked prefill would do: a prefill-first engine
+stalls its decodes for whole prompts and an extra step each (κ > 1, c of a step), which the
+uncalibrated L · p̂ undercounts by half for short prompts; the slacks' budgets use the decode step
+without stalls (s0), as ŝ already holds the average stall. On the engine family of
+benchmarks/routing_family.py this calibration and w_itl 0.8 (from 0.3) took the median goodput gain
+over capacity-weighted least-outstanding at 0.9x from +1.4 to +2.4 points on the tuned members
+(docs/ROUTING.md). Near-equal costs (within `tie_tolerance`, 1%, of the lowest) are a tie, drawn
+with a seeded rng (`seed`, or one injected), so identical backends share sequential requests.
 
 Reads: request.cached_tokens, learned_prefill_s_per_token (falls back to prefill_s_per_token),
 decode_step_s, in_flight, prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
-kv_reserved_tokens, mean_service_s, itl_slack_s. Parameters: w_stall (0.2), w_itl (0.3 s a request
-broken), w_decode (1), output_fraction f (0.5: max_tokens overstates what is generated), veto (1e6 s).
-Pure, O(N), no state. `choose` computes the terms as array operations on the candidates' columns
+kv_reserved_tokens, mean_service_s, itl_slack_s, stall_factor, stall_per_prompt_s. Parameters: w_stall
+(0.2), w_itl (0.8 s a request broken), w_decode (1), output_fraction f (0.5: max_tokens overstates what is
+generated), veto (1e6 s), calibrate (true), tie_tolerance (0.01), seed (0). Pure, O(N); its one state
+is the rng of the draw among ties. `choose` computes the terms as array operations on the candidates' columns
 (`gateway.routing.policies.candidates`), each element the same IEEE arithmetic in the same order as `cost`,
 the one-candidate form: the same costs and choices, at N=1024 in tens of microseconds instead of a
 millisecond; up to LOOP_UP_TO candidates it loops over `cost`, which is cheaper there.
 Limits: B_i and n_i count this router's requests only (with Redis, every replica's in-flight count
 but not their prefill backlog); s_i is an average over recent requests, so it lags a sudden change
 of batch size by about one request's decode time; the stall terms assume FIFO chunked prefill; the
-slacks take each request's max_tokens as what it generates and see this router's requests only.
+slacks take each request's max_tokens as what it generates and see this router's requests only; the
+calibration needs completed streamed requests (a backend that gets none keeps its prior).
 """
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -70,34 +84,42 @@ from gateway.routing.policies.candidates import (
     PREFILL_BACKLOG,
     SERVICE,
     SPEED_PREFILL,
+    STALL_FACTOR,
+    STALL_PER_PROMPT,
     Candidates,
-    first_argmin,
-    first_lowest,
+    Draw,
+    near_lowest,
 )
 from gateway.routing.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
 
 
 class MarginalDelayParams(StrictModel):
     w_stall: float = Field(default=0.2, ge=0)
-    w_itl: float = Field(default=0.3, ge=0)
+    w_itl: float = Field(default=0.8, ge=0)
     w_decode: float = Field(default=1.0, ge=0)
     output_fraction: float = Field(default=0.5, gt=0, le=1)
     veto: float = Field(default=1e6, ge=0)
+    calibrate: bool = True          # the backends' calibrated models (False: their priors, the uncalibrated model)
+    tie_tolerance: float = Field(default=0.01, ge=0)   # costs within this share of the lowest are a tie
+    seed: int = 0                   # of the draw among ties
 
 
 class MarginalDelay:
     name = "marginal_delay"
     Params = MarginalDelayParams
 
-    def __init__(self, params: MarginalDelayParams | None = None) -> None:
+    def __init__(self, params: MarginalDelayParams | None = None, rng: Draw | None = None) -> None:
         p = params or MarginalDelayParams()
         self.w_stall, self.w_itl, self.veto = p.w_stall, p.w_itl, p.veto
         self.decode_share = p.w_decode * p.output_fraction
+        self.calibrate, self.tie_tolerance = p.calibrate, p.tie_tolerance
+        self.rng = rng or random.Random(p.seed)
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
         if len(candidates) <= LOOP_UP_TO:   # a few candidates: a loop is cheaper than array operations
             costs = tuple([self.cost(request, b) for b in candidates])
-            return Decision(candidates[first_lowest([c.total for c in costs])], self.name, costs)
+            i = near_lowest([c.total for c in costs], self.rng, self.tie_tolerance)
+            return Decision(candidates[i], self.name, costs)
         chosen = Candidates.of(candidates)
         c = chosen.columns
         length, new_tokens = request.input_tokens, request.max_output_tokens
@@ -106,9 +128,13 @@ class MarginalDelay:
         if request.cached_tokens:
             cached = request.cached_tokens
             fresh = length - np.fromiter((cached.get(i, 0) for i in chosen.ids), np.float64, len(chosen))
-        p, step, capacity = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY]
-        prefill = (c[PREFILL_BACKLOG] + fresh) * p + step + self.w_stall * c[IN_FLIGHT] * fresh * p
-        stall, slacks = fresh * p, c[ITL_SLACKS]
+        p, step, capacity, in_flight = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY], c[IN_FLIGHT]
+        if self.calibrate:
+            stall = c[STALL_FACTOR] * (fresh * p) + c[STALL_PER_PROMPT]
+        else:
+            stall = 1.0 * (fresh * p) + 0.0
+        prefill = (c[PREFILL_BACKLOG] + fresh) * p + step + self.w_stall * in_flight * stall
+        slacks = c[ITL_SLACKS]
         if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
             prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
         queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
@@ -123,11 +149,11 @@ class MarginalDelay:
             oom = np.where(vetoed, self.veto, 0.0)
             prefill, queue = np.where(vetoed, 0.0, prefill), np.where(vetoed, 0.0, queue)
             total = np.where(vetoed, self.veto, total)
-        i = first_argmin(total)
+        i = near_lowest(total, self.rng, self.tie_tolerance)
         return Decision(chosen[i], self.name, CostColumns(chosen.ids, prefill, queue, oom, total, i))
 
     def cost(self, request: RequestProfile, b: BackendSnapshot) -> CostTerms:
-        """Cost terms: prefill = T_first + T_stall, queue = T_kv + T_dec, oom = veto."""
+        """Cost terms: prefill = T_first + T_stall + T_itl, queue = T_dec + T_kv, oom = veto."""
         length, new_tokens = request.input_tokens, request.max_output_tokens
         reserve = length + new_tokens
         kv_per_token = b.kv_bytes_per_token
@@ -138,11 +164,13 @@ class MarginalDelay:
         step = b.decode_step_s
         stalled = b.in_flight   # those decoding now and those whose prefill runs before this one's
         fresh = length - request.cached_tokens.get(b.id, 0)   # L_i: what i would prefill
-        stall = fresh * p
+        if self.calibrate:
+            stall = b.stall_factor * (fresh * p) + b.stall_per_prompt_s
+        else:
+            stall = 1.0 * (fresh * p) + 0.0
         slacks = b.itl_slack_s   # ascending: those below the stall are the first bisect_left
         broken = bisect_left(slacks, stall) if slacks and slacks[0] < stall else 0
-        prefill = (b.prefill_backlog_tokens + fresh) * p + step + self.w_stall * stalled * fresh * p \
-            + self.w_itl * broken
+        prefill = (b.prefill_backlog_tokens + fresh) * p + step + self.w_stall * stalled * stall + self.w_itl * broken
         queue = self.decode_share * new_tokens * step
         if capacity:
             used = max(capacity - b.kv_free_bytes // kv_per_token, b.kv_reserved_tokens)

@@ -1,0 +1,33 @@
+"""The features of the calibrated first-token model (`common.calibration`), from what a decision reads.
+
+    x = ((B + L)·p̂,  ŝ,  n·ŝ,  W_kv)        TTFT ≈ a · x, a per backend
+
+B: prompt tokens sent there whose first token has not come, L: the request's own prompt tokens to
+prefill there, p̂ and ŝ the learned prefill rate and decode step, n the requests in flight there, W_kv
+the wait for the cache to turn over, max(0, U + R − K) / K · T̄_service with K the KV capacity in
+tokens, U what is held or reserved there and R the request's prompt + max_tokens. One definition for
+the policy that predicts with them (`marginal_delay`) and the state table that fits them (from the
+snapshot its decision read, at the lease).
+"""
+
+from __future__ import annotations
+
+from gateway.routing.policies.contracts import BackendSnapshot
+
+
+def kv_wait_s(b: BackendSnapshot, reserve_tokens: int) -> float:
+    """W_kv: 0 where the request's prompt + max_tokens fit beside what is held there, or K is unknown."""
+    per_token = b.kv_bytes_per_token
+    capacity = b.kv_total_bytes // per_token if per_token else 0
+    if not capacity:
+        return 0.0
+    used = max(capacity - b.kv_free_bytes // per_token, b.kv_reserved_tokens)
+    over = used + reserve_tokens - capacity
+    return over / capacity * b.mean_service_s if over > 0 else 0.0
+
+
+def first_token_features(b: BackendSnapshot, prefill_tokens: int, reserve_tokens: int) -> tuple[float, ...]:
+    """x for a request that would prefill `prefill_tokens` there and reserve `reserve_tokens` of KV."""
+    p = b.learned_prefill_s_per_token or b.prefill_s_per_token
+    step = b.decode_step_s
+    return ((b.prefill_backlog_tokens + prefill_tokens) * p, step, b.in_flight * step, kv_wait_s(b, reserve_tokens))
