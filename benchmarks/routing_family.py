@@ -22,7 +22,7 @@ rate), `lor` (unweighted), and every language policy of the registry by name; `-
 name=policy:{"param": value}` adds a policy with parameters. Prints, per load, each member's proxy
 goodput and every other target's goodput minus the proxy's (points, mean over seeds), tuned and
 held-out members apart, with the median and the worst member of each group, then TTFT p99 per
-member; writes the cells (every seed's figures) to the results file.
+member; writes every run's figures (one run a line) to the results file.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
+from benchmarks.gateway_overhead import git_state  # noqa: E402
 from common.catalog import load_catalog  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import Policy  # noqa: E402
@@ -140,6 +140,27 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+CELL_COLUMNS = ("member", "load", "seed", "target", "goodput", "ttft_p99_s", "ttft_misses", "itl_misses", "rejected",
+                "tier_shares")
+
+
+def cell_row(cell: Cell, result: dict[str, Any]) -> list[Any]:
+    """One run as a row of CELL_COLUMNS, figures rounded to what the tables show and a little more."""
+    shares = {tier: round(v, 4) for tier, v in result["tier_shares"].items()}
+    return [*cell, round(result["goodput"], 5), round(result["ttft_p99_s"], 4), result["ttft_misses"],
+            result["itl_misses"], result["rejected"], shares]
+
+
+def save(path: Path, report: dict[str, Any]) -> None:
+    """The results file: the report's header indented, its cells one run a line (thousands of runs)."""
+    cells = report.pop("cells")
+    head = json.dumps(report, indent=1)
+    rows = ",\n".join(json.dumps(row) for row in cells)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{head[:-2]},\n "cells": [\n{rows}\n ]\n}}\n')
+    print(f"wrote {path} ({report['wall_s']:.0f} s)")
+
+
 def parse_variants(specs: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     variants = {}
     for spec in specs:
@@ -173,15 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     text = tables(results, members, args.loads, args.seeds, targets)
     print("\n".join(f"{m.name}{' (held out)' if m.held_out else ''}: {m.describe()}" for m in members))
     print(text)
-    cells = [{"member": c[0], "load": c[1], "seed": c[2], "target": c[3], **r} for c, r in sorted(results.items())]
     cpu_s = _cpu_s() - cpu
     print(f"\n{len(results)} runs, {cpu_s:.0f} s of CPU in all ({cpu_s / len(results):.2f} s a run)")
-    save_report(args.out, {
+    save(args.out, {
         "wall_s": time.monotonic() - started, "cpu_s": cpu_s, "git": git_state(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "settings": asdict(settings), "targets": targets, "variants": variants,
         "members": [{"name": m.name, "held_out": m.held_out, "describe": m.describe()} for m in members],
-        "table": text, "cells": cells,
+        "table": text, "columns": CELL_COLUMNS, "cells": [cell_row(c, r) for c, r in sorted(results.items())],
     })
     return 0
 
