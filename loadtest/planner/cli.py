@@ -208,7 +208,7 @@ def render(result: SearchResult, problem: Problem, top: int) -> str:
         f"{result.ruled_out_subplan:,} as sub-plans of failed plans, {result.simulated} simulated, "
         f"{result.left:,} left unresolved; {result.seconds:.1f} s "
         f"(enumerate {result.timings['enumerate_s']:.1f} s, bound {result.timings['bound_s']:.1f} s, "
-        f"simulate {result.timings['simulate_s']:.1f} s; {result.cpu_s:.0f} CPU-s of simulation)",
+        f"simulate {result.timings['simulate_s']:.1f} s; {result.cpu_s:.1f} CPU-s of simulation)",
     ]
     if result.left:
         lines.append(f"  stopped by --max-simulations or --time-limit: {result.left:,} plans no rule had ruled out "

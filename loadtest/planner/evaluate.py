@@ -9,15 +9,16 @@ engine's does (`common.service_time.prior_service_s`), and the table's inter-tok
 as the written `gateway.routing.itl_target_ms` makes it live.
 
 A request meets the SLO when its time to first token and its mean inter-token time
-((last token − first token) / (tokens − 1)) are both within their targets; one that is never served
-(its KV reservation fits no GPU it was sent to) does not.
+((last token − first token) / (tokens − 1)) are both within their targets.
 
-    attainment   share of the trace's requests that met the SLO
+    attainment   share of the trace's requests that met the SLO (a request never served does not)
     late         the same share among the requests of the last LATE_SHARE of the arrival window: a plan
                  that cannot keep up serves its first requests well and its late ones ever later, so a
                  plan sustains the target only if both reach it (a finite trace hides a slow backlog)
     goodput      attainment × arrival rate: requests/s served within the SLO
-    tokens/s     output tokens / (first arrival → last completion) (loadtest/sim/metrics.py)
+    tokens/s     output tokens emitted while requests were arriving / that window: what the plan delivers
+                 under this traffic, without the drain after the last arrival (loadtest/sim/metrics.py's
+                 steady_tok_s; its throughput_tok_s, first arrival → last completion, is kept beside it)
     tokens/$     tokens/s · 3600 / the plan's $/hour
 """
 
@@ -50,10 +51,12 @@ class Outcome:
     attainment: float
     late_attainment: float
     goodput_rps: float
-    tokens_per_s: float
+    tokens_per_s: float              # steady: emitted while requests arrive / that window
     tokens_per_dollar: float
+    throughput_tok_s: float          # output tokens / (first arrival → last completion): with the drain
     ttft_p95_s: float
     itl_p95_s: float
+    completed: int
     cost_per_hour: float
     wall_s: float
     cpu_s: float
@@ -65,21 +68,28 @@ class Outcome:
         return self.attainment >= target and self.late_attainment >= target
 
 
-def late(arrival: np.ndarray) -> np.ndarray:
-    """The requests of the last LATE_SHARE of the arrival window."""
-    start, end = float(arrival[0]), float(arrival[-1])
-    return arrival >= end - (end - start) * LATE_SHARE
-
-
-def request_outcomes(arrival: np.ndarray, first: np.ndarray, finish: np.ndarray, tokens: np.ndarray,
-                     slo: Slo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per request: (TTFT, mean inter-token time, met the SLO) from its times; NaN where it never finished.
-    The live check measures with this same function."""
-    ttft = first - arrival
-    itl = np.where(tokens > 1, (finish - first) / np.maximum(tokens - 1, 1), 0.0)
+def outcome(trace: Trace, rec: Recorder, slo: Slo, cost_per_hour: float, started: float, cpu: float) -> Outcome:
+    """The metrics of the module docstring from a run's per-request times (`rec`, indexed like the trace):
+    the simulator's, or the live gateway's (live_check.py) measured by this same function."""
+    summary = summarize(trace, rec, np.array([], dtype=str), [cost_per_hour or 1.0])   # its per-$ figure unused
+    ttft = rec.first_token - trace.arrival_s
+    tokens = trace.lengths.output_tokens
+    itl = np.where(tokens > 1, (rec.finish - rec.first_token) / np.maximum(tokens - 1, 1), 0.0)
+    done = ~np.isnan(rec.finish)
     with np.errstate(invalid="ignore"):
-        good = ~np.isnan(finish) & (ttft <= slo.ttft_s) & (itl <= slo.itl_s)
-    return ttft, itl, good
+        good = done & (ttft <= slo.ttft_s) & (itl <= slo.itl_s)
+    start, end = float(trace.arrival_s[0]), float(trace.arrival_s[-1])
+    late = trace.arrival_s >= end - (end - start) * LATE_SHARE
+    attainment, steady = float(good.mean()), float(summary["steady_tok_s"])
+    return Outcome(
+        attainment=attainment, late_attainment=float(good[late].mean()),
+        goodput_rps=attainment * trace_rate(trace), tokens_per_s=steady,
+        tokens_per_dollar=steady * 3600 / cost_per_hour if cost_per_hour else float("inf"),
+        throughput_tok_s=float(summary["throughput_tok_s"]),
+        ttft_p95_s=float(np.percentile(ttft[done], 95)) if done.any() else float("inf"),
+        itl_p95_s=float(np.percentile(itl[done], 95)) if done.any() else float("inf"),
+        completed=int(done.sum()), cost_per_hour=cost_per_hour, wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu)
 
 
 def simulate(plan: Plan, trace: Trace, model: ModelProfile, catalog: Catalog, slo: Slo,
@@ -92,18 +102,4 @@ def simulate(plan: Plan, trace: Trace, model: ModelProfile, catalog: Catalog, sl
     spec = VlmRunSpec(plan.label(), trace_rate(trace), trace.n, model=model.name, policy=policies.language,
                       vision_policy=policies.vision)
     VlmSimulation(spec, trace, engines, rec).run()
-    cost = plan.cost_per_hour(catalog)
-    summary = summarize(trace, rec, np.array([e.gpu.name for e in engines]), [e.gpu.price_per_hour for e in engines])
-    ttft, itl, good = request_outcomes(trace.arrival_s, rec.first_token, rec.finish,
-                                       trace.lengths.output_tokens, slo)
-    done = ~np.isnan(rec.finish)
-    attainment = float(good.mean())
-    tokens_s = float(summary["throughput_tok_s"])
-    return Outcome(
-        attainment=attainment, late_attainment=float(good[late(trace.arrival_s)].mean()),
-        goodput_rps=attainment * trace_rate(trace), tokens_per_s=tokens_s,
-        tokens_per_dollar=tokens_s * 3600 / cost if cost else float("inf"),
-        ttft_p95_s=float(np.percentile(ttft[done], 95)) if done.any() else float("inf"),
-        itl_p95_s=float(np.percentile(itl[done], 95)) if done.any() else float("inf"),
-        cost_per_hour=cost, wall_s=time.perf_counter() - started,
-        cpu_s=time.process_time() - cpu)
+    return outcome(trace, rec, slo, plan.cost_per_hour(catalog), started, cpu)

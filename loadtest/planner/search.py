@@ -25,7 +25,7 @@ fails, all its sub-plans go with it; if it sustains the target, every dearer pla
 the group sustains the target, plans are taken by bound, highest first. The search thus proves its plan
 the best (up to the margin and the monotony) when no candidate is left; it stops earlier at
 `max_simulations` or `time_limit_s` and then says how many plans neither rule had ruled out.
-Simulations run in parallel on a process pool, a batch of `workers` plans at a time.
+Simulations run in parallel on a process pool, a batch of `workers` plans at a time, the groups in turn.
 """
 
 from __future__ import annotations
@@ -210,16 +210,18 @@ def search(problem: Problem, *, max_simulations: int = 200, time_limit_s: float 
     evaluated: list[Evaluated] = []
     workers = workers or min(2, os.cpu_count() or 1)
     with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
-        for group in groups.values():
-            while len(evaluated) < max_simulations and time.perf_counter() - started < time_limit_s:
-                batch = group.take(min(workers, max_simulations - len(evaluated)))
-                if not batch:
-                    break
-                for (i, _), e in zip(batch, pool.map(_simulate, [(problem, c) for _, c in batch]), strict=True):
-                    evaluated.append(e)
-                    group.learn(i, e)
-                    if progress:
-                        progress(len(evaluated), len(space))
+        active = list(groups.values())       # in turn, a batch each, so that a cap leaves no group unsearched
+        while active and len(evaluated) < max_simulations and time.perf_counter() - started < time_limit_s:
+            group = active.pop(0)
+            batch = group.take(min(workers, max_simulations - len(evaluated)))
+            if not batch:
+                continue
+            active.append(group)
+            for (i, _), e in zip(batch, pool.map(_simulate, [(problem, c) for _, c in batch]), strict=True):
+                evaluated.append(e)
+                group.learn(i, e)
+                if progress:
+                    progress(len(evaluated), len(space))
     best = {g: grp.best for g, grp in groups.items() if grp.best is not None}
     return SearchResult(
         _ranked(evaluated, problem.target), best, len(space), len(evaluated),
