@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.catalog import load_catalog
+from common.catalog import CONFIG_DIR, load_catalog
 from gateway.config.cluster import load_cluster
 from loadtest.planner.cli import write_backends
 from loadtest.planner.evaluate import simulate
@@ -111,9 +111,17 @@ def test_the_written_backends_yaml_is_one_the_gateway_loads(tmp_path: Path) -> N
     assert config.settings.routing.policy == problem.policies.language
 
 
-def test_gateway_plan_runs_end_to_end_and_writes_a_runnable_plan(tmp_path: Path) -> None:
+def test_gateway_plan_runs_end_to_end_on_a_tiny_catalog_and_writes_a_runnable_plan(tmp_path: Path) -> None:
+    """A catalog of two GPU types at prices of its own: the plan is priced from it, stays in its budget, and
+    the written file is a cluster the gateway loads (with its own catalog: the same GPU names)."""
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    gpus = yaml.safe_load((CONFIG_DIR / "gpus.yaml").read_text())
+    prices = {"L40S": 0.40, "RTX-4090": 0.30}
+    (catalog / "gpus.yaml").write_text(yaml.safe_dump({g: {**gpus[g], "price_per_hour": p} for g, p in prices.items()}))
+    (catalog / "models.yaml").write_text((CONFIG_DIR / "models.yaml").read_text())
     out, report = tmp_path / "plan" / "backends.yaml", tmp_path / "plan.json"
-    done = plan_command("--rate", "8", "--image-share", "0.5", "--gpus", "L40S,RTX-4090", "--budget", "3",
+    done = plan_command("--catalog", str(catalog), "--rate", "8", "--image-share", "0.5", "--budget", "1.2",
                         "--max-gpus", "3", "--duration", "10", "--out", str(out), "--json", str(report))
     assert done.returncode == 0, done.stderr
     assert "plans considered" in done.stdout and "best plans" in done.stdout
@@ -121,10 +129,11 @@ def test_gateway_plan_runs_end_to_end_and_writes_a_runnable_plan(tmp_path: Path)
     best = result["ranked"][0]
     counts = result["search"]
     assert counts["simulated"] + counts["ruled_out"] + counts["ruled_out_subplan"] == counts["considered"]
+    assert best["cost_per_hour"] == pytest.approx(sum(prices[g] * n for g, _, n in best["pools"]))
+    assert best["cost_per_hour"] <= 1.2
     config = load_cluster(out)
     members = [(b.gpu, b.role) for b in config.raw.backends]
     assert sorted(members) == sorted((g, r) for g, r, n in best["pools"] for _ in range(n))
-    assert best["cost_per_hour"] <= 3.0
 
 
 @pytest.mark.parametrize(("args", "message"), [
