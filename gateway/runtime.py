@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -33,6 +33,7 @@ class Runtime:
     fetcher: httpx.AsyncClient    # remote image URLs (only when the config enables them)
     keys: KeyRing
     exact_prompts: ExactPrompts | None = None   # the model's tokenizer, when torch engines run the model
+    upstreams: dict[str, Upstream] = field(default_factory=dict)   # kind: openai backends, read by the clients' factory
 
     async def close(self) -> None:
         await self.clients.close()
@@ -166,10 +167,9 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     name = policy_name or routing.policy
     policy = build_policy(name, routing.params.get(name))
     vision_policy = build_policy(routing.vision_policy, routing.params.get(routing.vision_policy))
-    clients = EngineClients(client_factory({
-        s.id: upstream_of(config, s) for s in config.raw.backends if s.kind == "openai"
-    }, upstream_idle_s=settings.keep_alive.upstream_idle_s,
-        upstream_max_connections=settings.keep_alive.upstream_max_connections))
+    upstreams = {s.id: upstream_of(config, s) for s in config.raw.backends if s.kind == "openai"}
+    clients = EngineClients(client_factory(upstreams, upstream_idle_s=settings.keep_alive.upstream_idle_s,
+                                           upstream_max_connections=settings.keep_alive.upstream_max_connections))
     for spec in config.raw.backends:
         if (address := address_of[spec.id]) is not None:
             clients.ensure(spec.id, address)
@@ -191,4 +191,4 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     )
     exact = ExactPrompts(config.model, config.torch_weights[0]) if config.torch_weights is not None else None
     keys = KeyRing.load(settings.auth, settings.tenants)
-    return Runtime(config, table, clients, metrics, pipeline, fetcher, keys, exact)
+    return Runtime(config, table, clients, metrics, pipeline, fetcher, keys, exact, upstreams)

@@ -138,8 +138,9 @@ def client_factory(
     upstream_max_connections: int = 1024,
 ) -> ClientFactory:
     """The real clients: `kind: engine` backends get a gRPC client; `kind: openai` backends (those in
-    `upstreams`) an HTTP client with its own pool of keep-alive connections (`gateway.clients.upstream_http`)."""
-    known = dict(upstreams or {})
+    `upstreams`) an HTTP client with its own pool of keep-alive connections (`gateway.clients.upstream_http`).
+    `upstreams` is read at each call, not copied, so that backends added at runtime are made the same way."""
+    known: Mapping[str, Upstream] = upstreams if upstreams is not None else {}
 
     def make(backend_id: str, address: str) -> BackendClient:
         upstream = known.get(backend_id)

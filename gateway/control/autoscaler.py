@@ -47,7 +47,7 @@ from gateway.config.autoscaling import (
 )
 from gateway.control.fleet import Fleet
 from gateway.requests.errors import RequestError
-from gateway.routing.policies.contracts import BackendSnapshot
+from gateway.routing.policies.first_token import predicted_ttft_s
 from gateway.runtime import Runtime
 
 log = structlog.get_logger("autoscaler")
@@ -88,13 +88,6 @@ def pressure(scaling: PoolScaling, demand: PoolDemand) -> float:
     if demand.predicted_ttft_s is not None:
         signals.append(demand.predicted_ttft_s / scaling.ttft_slo_s)
     return max(signals)
-
-
-def _first_token_s(b: BackendSnapshot, prompt_tokens: int) -> float:
-    """A new prompt's time to first token there: the prompts ahead and its own at the learned prefill
-    speed, then one decode step (marginal_delay's T_first)."""
-    return (b.prefill_backlog_tokens + prompt_tokens) * (b.learned_prefill_s_per_token or b.prefill_s_per_token) \
-        + b.decode_step_s
 
 
 @dataclass
@@ -210,7 +203,7 @@ class Autoscaler:
                               addable=self._free_gpus(pool) if managing else None,
                               removable=len(added) if managing else None)
         assert isinstance(scaling, LanguageScaling)
-        ttfts = [_first_token_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
+        ttfts = [predicted_ttft_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
         return PoolDemand(
             len(members), len(serving), settling, sum(s.prefill_backlog_tokens for s in snaps),
             sum(s.queue_depth for s in snaps) + self._runtime.pipeline.admission.waiting,

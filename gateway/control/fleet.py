@@ -35,8 +35,6 @@ import structlog
 from pydantic import ValidationError
 
 from common.errors import ConfigError
-from gateway.clients.openai_upstream import OpenAIUpstreamClient
-from gateway.clients.upstream_http import UpstreamPool
 from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec, load_cluster
 from gateway.control.engine_identities import EngineIdentities
 from gateway.control.launchers import LaunchContext, Launcher, free_port, managed_address
@@ -203,12 +201,9 @@ class Fleet:
             port = spec.launch.port or free_port()
             address = managed_address(port)
         register_backend(runtime.table, config, spec, address)
-        if spec.kind == "openai" and address is not None:
-            keep_alive = config.settings.keep_alive
-            pool = UpstreamPool(address, max_connections=keep_alive.upstream_max_connections,
-                                idle_s=keep_alive.upstream_idle_s)
-            runtime.clients.put(spec.id, OpenAIUpstreamClient(spec.id, address, pool, upstream_of(config, spec)))
-        elif address is not None:
+        if spec.kind == "openai":
+            runtime.upstreams[spec.id] = upstream_of(config, spec)
+        if address is not None:
             runtime.clients.ensure(spec.id, address)
         index = runtime.pipeline.prefixes
         entry = runtime.table.get(spec.id)
@@ -261,6 +256,7 @@ class Fleet:
             await self._monitor.unwatch(backend_id)
             self._runtime.table.unregister(backend_id)
             self._runtime.clients.put(backend_id, None)
+            self._runtime.upstreams.pop(backend_id, None)
             self._set_backends([b for b in self.config.raw.backends if b.id != backend_id])
             log.info("backend_removed", backend=backend_id)
         finally:

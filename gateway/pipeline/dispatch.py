@@ -63,6 +63,7 @@ from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Lease
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
+from gateway.routing.policies.first_token import predicted_ttft_s
 from gateway.routing.policies.stealing import stealers
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
@@ -88,14 +89,6 @@ class PipelineSettings:
     retry_backoff_max_s: float = 1.0
     first_token_floor_s: float = 10.0      # the first-token limit is never below this
     first_token_ttft_factor: float = 4.0   # ... nor below this many times the predicted TTFT
-
-
-def predicted_ttft_s(backend: BackendSnapshot, prompt_tokens: int) -> float:
-    """A request's time to first token there: the prompts ahead of it and its own at the learned prefill
-    speed, then one decode step (`marginal_delay`'s T_first). Queueing for a batch slot or for KV cache
-    is not in it."""
-    per_token = backend.learned_prefill_s_per_token or backend.prefill_s_per_token
-    return (backend.prefill_backlog_tokens + prompt_tokens) * per_token + backend.decode_step_s
 
 
 class _Wait:

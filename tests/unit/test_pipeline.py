@@ -24,7 +24,7 @@ from gateway.clients.engine_client import BackendClient, EngineClients
 from gateway.config.sections import AdmissionConfig, BreakerConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
-from gateway.pipeline.dispatch import Pipeline, PipelineSettings, predicted_ttft_s
+from gateway.pipeline.dispatch import Pipeline, PipelineSettings
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, InvalidRequest
@@ -33,6 +33,7 @@ from gateway.requests.job import GenerationJob, Handoff
 from gateway.routing.backend_entry import Reported
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Role
+from gateway.routing.policies.first_token import predicted_ttft_s
 from gateway.routing.state_table import StateTable
 from tests.snapshots import catalog
 

@@ -26,6 +26,14 @@ def kv_wait_s(b: BackendSnapshot, reserve_tokens: int) -> float:
     return over / capacity * b.mean_service_s if over > 0 else 0.0
 
 
+def predicted_ttft_s(b: BackendSnapshot, prompt_tokens: int) -> float:
+    """A request's time to first token there: the prompts ahead of it and its own at the learned prefill speed,
+    then one decode step (`marginal_delay`'s T_first). Queueing for a batch slot or for KV cache is not in it.
+    The pipeline bounds a first-token wait by it; the autoscaler compares it with the SLO."""
+    per_token = b.learned_prefill_s_per_token or b.prefill_s_per_token
+    return (b.prefill_backlog_tokens + prompt_tokens) * per_token + b.decode_step_s
+
+
 def first_token_features(b: BackendSnapshot, prefill_tokens: int, reserve_tokens: int) -> tuple[float, ...]:
     """x for a request that would prefill `prefill_tokens` there and reserve `reserve_tokens` of KV."""
     p = b.learned_prefill_s_per_token or b.prefill_s_per_token
