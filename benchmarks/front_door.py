@@ -190,6 +190,19 @@ def process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
         stop_process(proc)
 
 
+def mock_engines(stack: ExitStack, tmp: Path, n: int = 2) -> list[str]:
+    """`n` fast mock engines (mock_openai_engine.py) on free ports for the rest of `stack`: their URLs."""
+    urls = []
+    for _ in range(n):
+        port = free_port()
+        proc = stack.enter_context(process(
+            [sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
+            tmp / f"mock-{port}.log"))
+        urls.append(f"http://127.0.0.1:{port}")
+        wait_http(f"{urls[-1]}/v1/chat/completions", proc)
+    return urls
+
+
 class Target:
     def __init__(self, name: str, url: str, pid: int, model: str = MODEL, engine_pids: tuple[int, ...] = ()) -> None:
         self.name, self.url, self.pid, self.model, self.engine_pids = name, url, pid, model, engine_pids
@@ -219,13 +232,7 @@ def start_targets(
 ) -> list[Target]:
     """`builds`: the gateway's builds beside this checkout on this interpreter (`--baseline`, `--python`)."""
     builds = (GatewayBuild(""), *builds)
-    engines = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in engines]
-    for port in engines:
-        proc = stack.enter_context(process(
-            [sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
-            tmp / f"mock-{port}.log"))
-        wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", proc)
+    urls = mock_engines(stack, tmp)
     targets = [Target("direct", urls[0], 0)]
     if openai:
         port = free_port()

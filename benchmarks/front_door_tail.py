@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import loadgen  # noqa: E402
 from benchmarks.bench_cluster import launch  # noqa: E402
-from benchmarks.front_door import body, openai_config, process, wait_http  # noqa: E402
+from benchmarks.front_door import body, mock_engines, openai_config, process, wait_http  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from testkit.harness import free_port  # noqa: E402
 
@@ -167,14 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp_dir, ExitStack() as stack:
         tmp = Path(tmp_dir)
-        urls = []
-        for _ in range(2):
-            port = free_port()
-            mock = stack.enter_context(process(
-                [sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
-                tmp / f"mock-{port}.log"))
-            urls.append(f"http://127.0.0.1:{port}")
-            wait_http(f"{urls[-1]}/v1/chat/completions", mock)
+        urls = mock_engines(stack, tmp)
         targets: dict[str, tuple[str, Path | None]] = {"direct": (urls[0], None)}
         traces = {name: tmp / f"{name}.trace.json" for name in ("io-floor", "gateway")}
         port = free_port()

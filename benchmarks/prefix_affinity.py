@@ -69,7 +69,17 @@ if str(ROOT) not in sys.path:
 from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq, TierSpeed  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_workload import lengths, prompt_text  # noqa: E402
-from benchmarks.routing_replay import CLUSTER, ITL_SLO_S, LANGUAGE, MODEL, TTFT_SLO_S, Clock, Gateway  # noqa: E402
+from benchmarks.routing_replay import (  # noqa: E402
+    CLUSTER,
+    ITL_SLO_S,
+    LANGUAGE,
+    MODEL,
+    TTFT_SLO_S,
+    Clock,
+    Gateway,
+    Proxy,
+    Router,
+)
 from common.catalog import load_catalog  # noqa: E402
 from common.prefix_blocks import EnginePrefixCache, block_hashes  # noqa: E402
 from gateway.config.cluster import PrefixCacheConfig  # noqa: E402
@@ -210,41 +220,12 @@ class Request:
     hashes: list[int]
 
 
-class Router:
-    def route(self, r: Request) -> tuple[str, Any]:
-        raise NotImplementedError
-
-    def first_token(self, handle: Any) -> None:
-        pass
-
-    def done(self, handle: Any, tokens: int) -> None:
-        pass
-
-    def report(self, engine_id: str, b: Batcher) -> None:
-        pass
-
-
 class RoundRobin(Router):
     def __init__(self, engines: list[str]) -> None:
         self._next = itertools.cycle(engines)
 
     def route(self, r: Request) -> tuple[str, Any]:
         return next(self._next), None
-
-
-class Cwlor(Router):
-    """benchmarks/lor_proxy.py's rule: argmin (outstanding + 1) / weight."""
-
-    def __init__(self, weights: dict[str, float]) -> None:
-        self.weights, self.outstanding = weights, dict.fromkeys(weights, 0)
-
-    def route(self, r: Request) -> tuple[str, Any]:
-        eid = min(self.weights, key=lambda e: (self.outstanding[e] + 1) / self.weights[e])
-        self.outstanding[eid] += 1
-        return eid, eid
-
-    def done(self, handle: Any, tokens: int) -> None:
-        self.outstanding[handle] -= 1
 
 
 class CacheAware(Gateway):
@@ -298,7 +279,7 @@ def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: d
     if target == "rr":
         return RoundRobin(list(engines))
     if target == "cwlor":
-        return Cwlor(rates)
+        return Proxy(rates)
     mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle"}[target]
     return CacheAware(mode, clock, engines)
 

@@ -36,25 +36,26 @@ if str(ROOT) not in sys.path:
 
 import redis  # noqa: E402
 
-from benchmarks.front_door import MODEL, Target, print_table, process, run_rounds, summarise, wait_http  # noqa: E402
+from benchmarks.front_door import (  # noqa: E402
+    MODEL,
+    Target,
+    mock_engines,
+    print_table,
+    run_rounds,
+    summarise,
+    wait_http,
+)
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from gateway.config.cluster import load_cluster  # noqa: E402
 from gateway.replicas.shared_state import SharedState, connect  # noqa: E402
 from gateway.runtime import build_runtime  # noqa: E402
-from testkit.harness import free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import run_gateway, write_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "workers.json"
 
 
 def start_targets(stack: ExitStack, tmp: Path, redis_url: str, prefix: str) -> list[Target]:
-    urls = []
-    for _ in range(2):
-        port = free_port()
-        proc = stack.enter_context(process(
-            [sys.executable, str(ROOT / "benchmarks" / "mock_openai_engine.py"), "--port", str(port)],
-            tmp / f"mock-{port}.log"))
-        urls.append(f"http://127.0.0.1:{port}")
-        wait_http(f"{urls[-1]}/v1/chat/completions", proc)
+    urls = mock_engines(stack, tmp)
     targets = [Target("direct", urls[0], 0)]
     for name, extra in (("1-worker", []), ("1-worker+redis", ["--redis-url", redis_url]),
                         ("2-workers+redis", ["--workers", "2", "--redis-url", redis_url])):
