@@ -124,7 +124,9 @@ def check_config(argv: list[str]) -> None:
     for warning in checked.checks.warnings:
         print(f"gateway: warning: {warning}", file=sys.stderr)
     config = checked.config
-    print(f"{config.path}: OK (model {config.raw.model}, {len(config.raw.backends)} backends)")
+    models = ", ".join(config.models.models)
+    print(f"{config.path}: OK ({'models' if len(config.models) > 1 else 'model'} {models}, "
+          f"{len(config.raw.backends)} backends)")
 
 
 def main(argv: list[str] | None = None) -> None:

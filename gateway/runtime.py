@@ -52,12 +52,29 @@ class Runtime:
         load balancer for the images would stop the text too."""
         language = self.table.servable(LANGUAGE_ROLES)
         out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
+        degraded = []
         if needs_vision_pool(self.config):
             vision = self.table.servable(VISION_ROLES)
             out["healthy_vision_backends"] = vision
             if vision == 0:
-                out["degraded"] = ["vision"]
+                degraded.append("vision")
+        if len(self.config.models) > 1:   # per model: ready while any model is, the others named degraded
+            per_model = {name: self.table.servable(LANGUAGE_ROLES, model=name) for name in self.config.models.models}
+            out["models"] = {name: {"ready": n > 0, "healthy_language_backends": n} for name, n in per_model.items()}
+            degraded += [f"model:{name}" for name, n in per_model.items() if n == 0]
+        if degraded:
+            out["degraded"] = degraded
         return out
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """`/v1/models`: every model the cluster serves, as vLLM lists one (max_model_len: here the longest
+        context any of its backends serves), with its aliases."""
+        return [self.model_card(name) for name in self.config.models.models]
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        served = self.config.models.models[name]
+        return {"id": served.name, "object": "model", "created": 0, "owned_by": "heterogate",
+                "max_model_len": self.table.largest_context(served.name), "aliases": list(served.aliases)}
 
     def _prefix_cache(self, e: BackendEntry) -> dict[str, Any] | None:
         """The prefix index's view of a backend (None: cache-aware routing is off), the engine's latest
@@ -77,6 +94,7 @@ class Runtime:
                 "id": e.id,
                 "role": e.role,
                 "gpu": e.gpu.name,
+                "models": sorted(e.models),
                 "address": e.address,
                 "managed": e.managed,
                 # starting / restarting / stopped (managed, by the supervisor), else healthy / unhealthy
@@ -119,7 +137,8 @@ def needs_vision_pool(config: ClusterConfig) -> bool:
     """Image requests are served (the model takes images and the cluster has encoders), and some language
     backend depends on a separate encoder for them."""
     backends = config.raw.backends
-    return (config.model.vision is not None and any(s.role == "vision" for s in backends)
+    return (any(m.profile.vision is not None for m in config.models.models.values())
+            and any(s.role == "vision" for s in backends)
             and any((s.kind == "engine" and s.role == "language") or s.image_embeds for s in backends))
 
 
@@ -145,13 +164,15 @@ def register_backend(table: StateTable, config: ClusterConfig, spec: BackendSpec
     table.register(
         spec.id, spec.role, config.gpus[spec.id], address=address, managed=spec.launch is not None,
         steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
-        kv_capacity_tokens=spec.kv_capacity_tokens,
+        kv_capacity_tokens=spec.kv_capacity_tokens, models=[m.name for m in config.backend_models[spec.id]],
+        profile=config.model_of(spec.id).profile,
     )
 
 
 def upstream_of(config: ClusterConfig, spec: BackendSpec) -> Upstream:
     """What the HTTP client of a kind: openai entry sends upstream (model name, image embeds, key)."""
-    return Upstream(spec.upstream_model, config.model if spec.image_embeds else None, config.api_keys[spec.id])
+    return Upstream(spec.upstream_model, config.model_of(spec.id).profile if spec.image_embeds else None,
+                    config.api_keys[spec.id])
 
 
 def build_runtime(config: ClusterConfig, policy_name: str | None = None,
@@ -183,12 +204,15 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     if prefix.enabled:
         pipeline.prefixes = index = PrefixIndex(prefix.block_tokens, prefix.max_blocks_per_backend)
         for entry in table.entries():
-            index.add_backend(entry.id, table.kv_capacity(entry)[1] // config.model.kv_bytes_per_token)
+            per_token = config.model_of(entry.id).profile.kv_bytes_per_token
+            index.add_backend(entry.id, table.kv_capacity(entry)[1] // per_token)
         metrics.registry.register(PrefixCollector(index, table))
     metrics.watch_breakers(lambda backend_id: pipeline.breakers.state(backend_id) is not State.CLOSED)
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False
     )
-    exact = ExactPrompts(config.model, config.torch_weights[0]) if config.torch_weights is not None else None
+    exact = None
+    if config.torch_weights is not None and config.torch_model is not None:
+        exact = ExactPrompts(config.torch_model.profile, config.torch_weights[0])
     keys = KeyRing.load(settings.auth, settings.tenants)
     return Runtime(config, table, clients, metrics, pipeline, fetcher, keys, exact, upstreams)

@@ -122,14 +122,24 @@ class OpenAIUpstreamClient:
         """The upstream's request body: the client's (or `body`, the client's with its images' embeddings)
         with the upstream's model, stream and max_tokens."""
         body = dict(job.body) if body is None else body
-        if self._model:
-            body["model"] = self._model
+        if self._renamed(job):
+            body["model"] = self._model or job.model
         body.update(stream=not job.whole, max_tokens=job.max_tokens)
         options = body.pop("stream_options", None)
         if not job.whole:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         body.pop("max_completion_tokens", None)
         return body
+
+    def _renamed(self, job: GenerationJob) -> bool:
+        """Whether the upstream knows the model by another name than the client sent: its `upstream_model`,
+        or the model's own name where the client used an alias (the reply names the client's again)."""
+        sent = self._model or job.model
+        return bool(sent) and sent != job.body.get("model")
+
+    def _reply_model(self, job: GenerationJob) -> str:
+        """The model name the client's reply carries where the upstream's differs ("": as it came)."""
+        return (job.model or job.body.get("model", "")) if self._renamed(job) else ""
 
     async def _body_with_embeds(self, job: GenerationJob) -> dict[str, Any]:
         """`_body` for an upstream that takes the images' embeddings in its request (built off the loop)."""
@@ -228,7 +238,7 @@ class OpenAIUpstreamClient:
         except (orjson.JSONDecodeError, KeyError, IndexError, AttributeError, TypeError) as exc:
             raise BackendFailure(f"backend {self.backend_id}: malformed reply: {exc!r}",
                                  backend_id=self.backend_id) from None
-        relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
+        relay = _Relay(completion_id(job.kind, job.request_id), self._reply_model(job))
         chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=relay.swapped(raw, reply))
         chunk.usage.prompt_tokens = usage.get("prompt_tokens", 0)
         chunk.usage.completion_tokens = usage.get("completion_tokens", 0)
@@ -246,7 +256,7 @@ class OpenAIUpstreamClient:
         door and a socket write.
         """
         index, held = 0, None
-        relay = _Relay(completion_id(job.kind, job.request_id), job.body.get("model", "") if self._model else "")
+        relay = _Relay(completion_id(job.kind, job.request_id), self._reply_model(job))
         finished = False
         pending = b""
         loop = asyncio.get_running_loop()

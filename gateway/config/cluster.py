@@ -15,6 +15,7 @@ from common.errors import ConfigError
 from common.yaml_files import StrictModel
 from gateway.config.auth import AuthConfig
 from gateway.config.autoscaling import AutoscalingConfig, template_of
+from gateway.config.models import MODEL_NAME, ModelNames, ModelSpec, ServedModel
 from gateway.config.sections import AdmissionConfig, BreakerConfig, RedisConfig, TlsConfig, require_torch
 from gateway.config.tenants import TenantsConfig
 from gateway.requests.images import ImageLimits
@@ -35,12 +36,15 @@ def find_cluster(given: str) -> Path:
     """`--backends`: a file, else the name of a shipped cluster (`tiny-real`, `backends.yaml`); a
     ConfigError naming the shipped ones for anything else."""
     path = Path(given)
-    if path.exists():
+    if path.exists() and not path.is_dir():
         return path
     shipped = shipped_clusters()
     name = given.removesuffix(".yaml")
-    if name in shipped and path.name == given:   # a bare name: a path with folders means that file
+    # a bare name (even where a folder has it, as `backends` in a checkout); a path with folders means that file
+    if name in shipped and path.name == given:
         return shipped[name]
+    if path.is_dir():
+        raise ConfigError(f"{given}: a folder, not a cluster file")
     raise ConfigError(f"{given}: no such file, and not the name of a shipped cluster ({', '.join(shipped)})")
 
 
@@ -151,7 +155,10 @@ class BackendSpec(StrictModel):
     address: str | None = None      # engine: host:port; openai: base URL. Managed engines report theirs.
     launch: Launch | None = None
     steal: bool = False
-    upstream_model: str | None = None   # openai: the model name the upstream serves (default: the client's)
+    # the model(s) it serves, by name (gateway/config/models.py): default the cluster's first model; a
+    # kind: openai upstream may serve several
+    model: str | list[str] | None = None
+    upstream_model: str | None = None   # openai: the model name the upstream serves (default: the model's name)
     scrape: ScrapeSpec | None = None
     # openai: a heartbeat agent (heterogate-agent) pushes its load; heartbeats for any other kind: openai
     # backend are refused, since the gateway watches those itself
@@ -175,6 +182,14 @@ class BackendSpec(StrictModel):
             raise ValueError("an entry needs `launch` (managed) or `address` (external)")
         if self.steal and self.role != "vision":
             raise ValueError("`steal` applies to vision backends only")
+        if isinstance(self.model, list) and not self.model:
+            raise ValueError("`model: []` serves nothing; name at least one model (or leave `model` out)")
+        if isinstance(self.model, list) and len(self.model) > 1:
+            if self.kind != "openai":
+                raise ValueError("an engine serves one model; only a kind: openai upstream may list several")
+            if self.upstream_model is not None:
+                raise ValueError("`upstream_model` renames one model; a backend serving several sends each "
+                                 "request's model under its own name")
         if self.kind == "openai":
             if self.role != "language":
                 raise ValueError("kind: openai backends are language backends (role language)")
@@ -288,7 +303,9 @@ class GatewaySettings(StrictModel):
 
 class ClusterFile(StrictModel):
     model: str
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(default=None, pattern=MODEL_NAME)
+    aliases: list[str] = Field(default_factory=list)   # other names of the first model
+    models: list[ModelSpec] = Field(default_factory=list)   # more models (gateway/config/models.py)
     gateway: GatewaySettings = GatewaySettings()
     backends: list[BackendSpec] = Field(min_length=1)
 
@@ -311,6 +328,11 @@ class ClusterConfig:
         self.raw = raw
         self.catalog = catalog
         self.model: ModelProfile = _resolve(path, "model", lambda: catalog.model(raw.model))
+        self.models = ModelNames(_served_models(path, raw, catalog, self.model))
+        self.backend_models: dict[str, tuple[ServedModel, ...]] = {
+            b.id: _models_of(path, f"backends.{i} ({b.id}).model", b, self.models)
+            for i, b in enumerate(raw.backends)
+        }
         self.gpus: dict[str, GpuProfile] = {
             b.id: _resolve(path, f"backends.{i} ({b.id}).gpu", lambda b=b: catalog.gpu(b.gpu))
             for i, b in enumerate(raw.backends)
@@ -318,18 +340,22 @@ class ClusterConfig:
         routing = raw.gateway.routing
         for key, name in (("policy", routing.policy), ("vision_policy", routing.vision_policy)):
             _resolve(path, f"gateway.routing.{key}", lambda n=name: build_policy(n, routing.params.get(n)))
-        if not any(b.role in ("language", "both") for b in raw.backends):
-            raise ConfigError(f"{path}: backends: none takes language work (role language or both); every "
-                              "request needs one, and a vision backend only encodes images")
+        for served in self.models.models.values():
+            if not any(b.role in ("language", "both") and served in self.backend_models[b.id] for b in raw.backends):
+                raise ConfigError(f"{path}: backends: none takes language work (role language or both) for model "
+                                  f"{served.name!r}; every request needs one, and a vision backend only encodes images")
         for i, b in enumerate(raw.backends):
-            if self.model.vision is None and (b.role != "language" or b.image_embeds):
-                field = "role" if b.role != "language" else "image_embeds"
-                raise ConfigError(f"{path}: backends.{i} ({b.id}).{field}: model {raw.model!r} has no vision encoder")
+            for served in self.backend_models[b.id]:
+                if served.profile.vision is None and (b.role != "language" or b.image_embeds):
+                    field = "role" if b.role != "language" else "image_embeds"
+                    raise ConfigError(f"{path}: backends.{i} ({b.id}).{field}: model {served.name!r} has no vision "
+                                      "encoder")
             if b.image_embeds:
                 _resolve(path, f"backends.{i} ({b.id}).image_embeds", require_torch)
-            if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and self.model.hf_config is None:
-                raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {raw.model!r} has no Hugging "
-                                  "Face config in the catalog (hf_config); it runs on simulated engines only")
+            runs = self.model_of(b.id)
+            if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and runs.profile.hf_config is None:
+                raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {runs.catalog!r} has no "
+                                  "Hugging Face config in the catalog (hf_config); it runs on simulated engines only")
         simulated_vision = [b.id for b in raw.backends if b.role == "vision" and isinstance(b.launch, LaunchSpec)
                             and b.launch.executor == "simulated"]
         embeds = [(i, b.id) for i, b in enumerate(raw.backends) if b.image_embeds]
@@ -344,7 +370,10 @@ class ClusterConfig:
             b.id: _resolve(path, f"backends.{i} ({b.id}).api_key_env", b.upstream_api_key)
             for i, b in enumerate(raw.backends) if b.kind == "openai"
         }
-        self.torch_weights = _torch_weights(path, raw.backends)
+        self.torch_weights = _torch_weights(path, raw.backends, self.backend_models)
+        torch_ids = [b.id for b in raw.backends if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch"]
+        # the model the torch engines run: its requests are tokenised exactly (gateway/requests/exact_prompt.py)
+        self.torch_model: ServedModel | None = self.model_of(torch_ids[0]) if torch_ids else None
         scaling = raw.gateway.autoscaling
         for pool, pool_scaling in scaling.scaled().items() if scaling.mode == "manage" else ():
             where = f"gateway.autoscaling.pools.{pool}"
@@ -356,22 +385,59 @@ class ClusterConfig:
 
     @property
     def served_model_name(self) -> str:
-        return self.raw.served_model_name or self.raw.model
+        """The first model's name (the one backends serve unless they name another)."""
+        return self.models.default.name
+
+    def model_of(self, backend_id: str) -> ServedModel:
+        """The (first) model a backend serves: its engine runs it, its figures come from its profile."""
+        return self.backend_models[backend_id][0]
 
     @property
     def settings(self) -> GatewaySettings:
         return self.raw.gateway
 
 
-def _torch_weights(path: Path, backends: list[BackendSpec]) -> tuple[str | None, int] | None:
+def _torch_weights(path: Path, backends: list[BackendSpec], models: dict[str, tuple[ServedModel, ...]]) -> (
+    tuple[str | None, int] | None
+):
     """The weights every torch engine runs ((model_path or None for random weights, seed)); None without
-    torch engines. They must agree: a split's halves must be one model, and the gateway tokenises for it."""
-    found = {(b.launch.model_path, b.launch.seed if b.launch.random_weights else 0): b.id
+    torch engines. They must agree: a split's halves must be one model, and the gateway tokenises for it
+    (one tokenizer: torch engines serve one model of the cluster, the others run on simulated engines or
+    upstreams)."""
+    found = {(b.launch.model_path, b.launch.seed if b.launch.random_weights else 0, models[b.id][0].name): b.id
              for b in backends if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch"}
     if len(found) > 1:
         raise ConfigError(f"{path}: torch engines {', '.join(found.values())} run different weights "
-                          "(model_path / seed); a split needs one model")
-    return next(iter(found), None)
+                          "(model_path / seed / model); a split needs one model, and the gateway tokenises for one")
+    return next(((model_path, seed) for model_path, seed, _ in found), None)
+
+
+def _served_models(path: Path, raw: ClusterFile, catalog: Catalog, first: ModelProfile) -> list[ServedModel]:
+    """The first model (`model`, `served_model_name`, `aliases`), then `models`; names unique across all."""
+    out = [ServedModel(raw.served_model_name or raw.model, raw.model, first, tuple(raw.aliases))]
+    for i, spec in enumerate(raw.models):
+        name = spec.catalog or spec.name
+        profile = _resolve(path, f"models.{i} ({spec.name}).catalog", lambda n=name: catalog.model(n))
+        out.append(ServedModel(spec.name, name, profile, tuple(spec.aliases)))
+    seen: dict[str, str] = {}
+    for m in out:
+        for alias in (m.name, *m.aliases):
+            if alias in seen:
+                raise ConfigError(f"{path}: model name {alias!r} is given twice ({seen[alias]!r} and {m.name!r}); "
+                                  "each name or alias picks one model")
+            seen[alias] = m.name
+    return out
+
+
+def _models_of(path: Path, where: str, spec: BackendSpec, names: ModelNames) -> tuple[ServedModel, ...]:
+    """A backend's models, by their served names (not aliases: a config names what it means)."""
+    given = [spec.model] if isinstance(spec.model, str) else spec.model or [names.default.name]
+    out = []
+    for name in given:
+        if name not in names.models:
+            raise ConfigError(f"{path}: {where}: no model {name!r} in this cluster (it serves {names.names()})")
+        out.append(names.models[name])
+    return tuple(dict.fromkeys(out))
 
 
 def _resolve(path: Path, where: str, fn: Any) -> Any:

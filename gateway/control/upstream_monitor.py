@@ -82,7 +82,7 @@ class UpstreamMonitor:
         self, config: ClusterConfig, table: StateTable, addresses: dict[str, str], client: httpx.AsyncClient,
     ) -> None:
         self._table = table
-        self._model = config.served_model_name
+        self._names: dict[str, str] = {}   # per backend, the model name whose context /v1/models gives
         self._client = client
         self._heartbeat_s = config.settings.heartbeat_interval_ms / 1000
         self._watched: dict[str, Watched] = {}
@@ -97,6 +97,7 @@ class UpstreamMonitor:
         if spec.kind != "openai":
             return
         launch = spec.launch if isinstance(spec.launch, CommandLaunchSpec) else None
+        self._names[spec.id] = spec.upstream_model or config.model_of(spec.id).name
         address = managed_address or (spec.address or "").rstrip("/")
         key = config.api_keys.get(spec.id)
         own = self._client
@@ -110,8 +111,8 @@ class UpstreamMonitor:
                 backend_id=spec.id, table=engine, address=address,
                 metrics_url=spec.scrape.metrics_url or address + engine.metrics_path,
                 gateway="", interval_s=spec.scrape.interval_ms / 1000, kv_total_tokens=spec.kv_capacity_tokens,
-                upstream_model=spec.upstream_model or config.served_model_name,
-            ), config.model, config.gpus[spec.id], own)
+                upstream_model=self._names[spec.id],
+            ), config.model_of(spec.id).profile, config.gpus[spec.id], own)
         probing = spec.probe or ProbeSpec()
         interval_s = probing.interval_ms / 1000 if probing.interval_ms is not None else self._heartbeat_s
         w = self._watched[spec.id] = Watched(
@@ -192,7 +193,7 @@ class UpstreamMonitor:
 
     async def _read_context(self, w: Watched) -> None:
         try:
-            w.max_model_len = await fetch_max_model_len(w.client, w.address, w.spec.upstream_model or self._model)
+            w.max_model_len = await fetch_max_model_len(w.client, w.address, self._names[w.spec.id])
         except ModelsUnavailable:
             return   # asked again on the next probe
         w.context_read = True

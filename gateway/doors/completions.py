@@ -148,7 +148,8 @@ class CompletionsDoor:
         else:
             use = usage(last.usage.prompt_tokens, last.usage.completion_tokens)
             text = "".join(c.text for c in chunks)
-            body = orjson.dumps(completion_body(kind, job.request_id, self._model_name, text, last.finish_reason, use))
+            body = orjson.dumps(completion_body(kind, job.request_id, job.model or self._model_name, text,
+                                                last.finish_reason, use))
         exchange.respond(200, backend_headers(dispatch), body)   # the client first, the log line after
         self._requests.finish(record, 200, prompt_tokens=last.usage.prompt_tokens,
                               completion_tokens=last.usage.completion_tokens)
@@ -157,7 +158,7 @@ class CompletionsDoor:
                       record: RequestRecord) -> None:
         dispatch = await self._runtime.pipeline.start(job, record)
         exchange.start_stream(200, [*_SSE, *backend_headers(dispatch)])
-        w = ChunkWriter(kind, job.request_id, self._model_name)
+        w = ChunkWriter(kind, job.request_id, job.model or self._model_name)
         status, error, last = 500, None, dispatch.first
         tail: bytes | None = None   # the stream's end, when it ends with one
         try:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from gateway.config.models import ServedModel
 from gateway.requests.errors import InvalidRequest, ModelNotFound
+from gateway.requests.exact_prompt import ExactPrompts
 from gateway.requests.images import ImageInput, load_image
 from gateway.requests.job import GenerationJob
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, ImagePart, image_parts, render_chat
@@ -21,15 +23,19 @@ class JobBuilder:
         self._runtime = runtime
         self._config = runtime.config
         self._limits = runtime.limits
+        self.models = runtime.config.models
         self.model_name = runtime.config.served_model_name
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ModelNotFound(
-                f"model {model!r} does not exist; this gateway serves {self.model_name!r}", param="model"
-            )
+    def check_model(self, model: str) -> ServedModel:
+        """The model `model` names (its name or an alias); 404 for any other."""
+        served = self.models.resolve(model)
+        if served is None:
+            serves = f"serves {self.models.names()}" if len(self.models) > 1 else f"serves {self.model_name!r}"
+            raise ModelNotFound(f"model {model!r} does not exist; this gateway {serves}", param="model")
+        return served
 
-    def max_tokens(self, prompt_tokens: int, asked: int | None, prompt_param: str = "messages") -> int:
+    def max_tokens(self, prompt_tokens: int, asked: int | None, prompt_param: str = "messages",
+                   model: str | None = None) -> int:
         """Check the prompt and max_tokens against the limits; return the max_tokens to use.
 
         Context as vLLM counts it: prompt + max_tokens ≤ max_model_len. The request is refused (400)
@@ -42,7 +48,7 @@ class JobBuilder:
                                  param=prompt_param, code="context_length_exceeded")
         if asked is not None and asked > self._limits.max_tokens:
             raise InvalidRequest(f"max_tokens is {asked}; the limit is {self._limits.max_tokens}", param="max_tokens")
-        context = self._runtime.table.largest_context()
+        context = self._runtime.table.largest_context(model)
         room = context - prompt_tokens
         if room < 1:
             raise InvalidRequest(
@@ -65,28 +71,29 @@ class JobBuilder:
             raise InvalidRequest(
                 f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
             )
-        self.check_model(req.model)
+        served = self.check_model(req.model)
         parts = image_parts(req.messages)
-        images = await self._images(parts) if parts else ()   # text only: no coroutine to run
+        images = await self._images(parts, served) if parts else ()   # text only: no coroutine to run
         prompt, tokens = render_chat(req.messages)
-        exact = self._runtime.exact_prompts
+        exact = self._exact(served)
         ids: tuple[int, ...] = ()
         spans: tuple[tuple[int, int], ...] = ()
         if exact is not None:
             prompt_ids = exact.chat(req.messages, images)
             ids, spans, tokens = tuple(prompt_ids.ids), tuple(prompt_ids.image_spans), prompt_ids.text_tokens
         asked = req.requested_max_tokens()
-        max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked)
+        max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked, model=served.name)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
                              token_ids=ids, image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
-                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "")
+                             top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "",
+                             model=served.name)
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None) -> GenerationJob:
-        self.check_model(req.model)
+        served = self.check_model(req.model)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
                 raise InvalidRequest("prompt must be one string (batched prompts are not supported)", param="prompt")
@@ -96,18 +103,18 @@ class JobBuilder:
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         tokens = count_text_tokens(prompt)
-        exact = self._runtime.exact_prompts
+        exact = self._exact(served)
         ids: tuple[int, ...] = ()
         if exact is not None:
             ids = tuple(exact.text(prompt).ids)
             tokens = len(ids)
         asked = req.requested_max_tokens()
-        max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt")
+        max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt", model=served.name)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
                              token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(),
-                             session=req.user or "")
+                             session=req.user or "", model=served.name)
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
         """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not
@@ -116,10 +123,14 @@ class JobBuilder:
             raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
         return body
 
-    async def _images(self, parts: list[tuple[int, int, ImagePart]]) -> tuple[ImageInput, ...]:
-        model = self._config.model
+    def _exact(self, served: ServedModel) -> ExactPrompts | None:
+        """The exact tokenizer, for the model the torch engines run."""
+        return self._runtime.exact_prompts if served is self._config.torch_model else None
+
+    async def _images(self, parts: list[tuple[int, int, ImagePart]], served: ServedModel) -> tuple[ImageInput, ...]:
+        model = served.profile
         if model.vision is None:
-            raise InvalidRequest(f"model {self.model_name!r} does not accept images", param="messages")
+            raise InvalidRequest(f"model {served.name!r} does not accept images", param="messages")
         limits = self._config.settings.images
         if len(parts) > limits.max_images:
             raise InvalidRequest(f"{len(parts)} images; the limit is {limits.max_images} per request",

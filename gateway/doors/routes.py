@@ -45,7 +45,6 @@ def request_id_of(request: Request) -> str:
 def create_app(runtime: Runtime, fleet: Fleet | None = None) -> FastAPI:
     app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.runtime = runtime
-    model_name = runtime.config.served_model_name
     jobs = JobBuilder(runtime)
 
     @app.exception_handler(RequestError)
@@ -59,21 +58,15 @@ def create_app(runtime: Runtime, fleet: Fleet | None = None) -> FastAPI:
     def authorize(request: Request, *, admin: bool = False) -> None:
         runtime.keys.check(request.headers.get("authorization"), admin=admin)
 
-    def model_item() -> dict[str, Any]:
-        # as vLLM lists it: max_model_len, here the longest context any backend serves
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "heterogate",
-                "max_model_len": runtime.table.largest_context()}
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request)
-        return json_response({"object": "list", "data": [model_item()]})
+        return json_response({"object": "list", "data": runtime.model_cards()})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         authorize(request)
-        jobs.check_model(model_id)
-        return json_response(model_item())
+        return json_response(runtime.model_card(jobs.check_model(model_id).name))
 
     # Probes and load balancers may ask with HEAD: the same status, no body (the server drops it).
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -40,6 +40,7 @@ test builds a Pipeline on fake engine clients (tests/unit/test_pipeline.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -365,34 +366,35 @@ class Pipeline:
         index.record(query, backend.id, backend.kv_total_bytes // per_token if per_token else 0)
         return query.cached.get(backend.id, 0)
 
-    def saturated(self) -> bool:
-        """Every language candidate is at the admission queue-depth limit (none at all: not saturated)."""
+    def saturated(self, model: str | None = None) -> bool:
+        """Every language candidate (of `model`'s pool) is at the admission queue-depth limit (none at
+        all: not saturated)."""
         limit = self.admission.config.saturated_queue_depth
-        candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
+        candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked(), model=model)
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
 
-    def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0) -> (
-        Decision | None
-    ):
-        """Route among healthy language candidates whose context holds `context_tokens` (prompt + max_tokens)."""
+    def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
+                       model: str | None = None) -> Decision | None:
+        """Route among healthy language candidates of `model`'s pool (None: every backend) whose context
+        holds `context_tokens` (prompt + max_tokens)."""
         now = self.clock()
         exclude = exclude + self.breakers.blocked()
-        candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude)
+        candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude, model)
         if self.settings.stealing and self.table.has_role(VISION_ROLES):   # a text-only cluster: nobody to steal
-            vision = self.table.candidates(VISION_ROLES, now, exclude)
-            candidates = candidates.extended(stealers(vision, self.table.language_backlog(),
+            vision = self.table.candidates(VISION_ROLES, now, exclude, model)
+            candidates = candidates.extended(stealers(vision, self.table.language_backlog(model),
                                                       self.settings.steal_threshold, self.settings.steal_max_batch))
         candidates = candidates.fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
-    def _admitted(self, profile: RequestProfile, context_tokens: int) -> Decision | None:
+    def _admitted(self, profile: RequestProfile, context_tokens: int, model: str | None) -> Decision | None:
         """The first attempt's decision when the request may go at once: it finds nobody waiting in the
         admission queue, and the language backend chosen for it is below the queue-depth limit, which
         proves the pool is not saturated (one read of the candidates instead of two). None: it waits in
         the queue while every language backend is saturated (`AdmissionQueue.wait_for_capacity`), then
         routes. A plain function: most requests never wait, and a coroutine per request costs."""
         if not self.admission.waiting:
-            decision = self.route_language(profile, [], context_tokens)
+            decision = self.route_language(profile, [], context_tokens, model)
             if (decision is not None and decision.backend.role in LANGUAGE_ROLES
                     and decision.backend.queue_depth < self.admission.config.saturated_queue_depth):
                 return decision
@@ -430,14 +432,16 @@ class Pipeline:
     async def start(self, job: GenerationJob, record: RequestRecord | None = None) -> Dispatch:
         """Admit, route, dispatch; retry until the first token, the deadline or the end of the budget."""
         record = record or RequestRecord(job.request_id, job.kind, started=self.clock())
+        record.model = job.model or ""
         ticket = record.tenant = self.tenants.ticket(job)
         if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits
             await self.tenants.charge(ticket)
         deadline = self.deadline(job, record)
         profile = self.profile(job, record)
-        admitted = self._admitted(profile, job.context_tokens)
+        admitted = self._admitted(profile, job.context_tokens, job.model)
         if admitted is None:
-            await self.admission.wait_for_capacity(self.saturated, deadline, ticket.share)
+            await self.admission.wait_for_capacity(functools.partial(self.saturated, job.model), deadline,
+                                                   ticket.share)
         return await self._dispatch(job, record, profile, admitted)
 
     async def _dispatch(
@@ -455,7 +459,7 @@ class Pipeline:
                 raise self._deadline_error(record, last_error)
             if self.clock() >= deadline:
                 raise self._deadline_error(record, last_error)
-            decision = decision or self.route_language(profile, record.failed, job.context_tokens)
+            decision = decision or self.route_language(profile, record.failed, job.context_tokens, job.model)
             if decision is None:
                 break
             backend_id = decision.backend.id
@@ -479,7 +483,8 @@ class Pipeline:
         if last_error is not None:
             raise last_error
         raise NoBackendAvailable(
-            f"no healthy language backend is available for a context of {job.context_tokens} tokens; retry later"
+            f"no healthy language backend is available for a context of {job.context_tokens} tokens"
+            + (f" of model {job.model!r}" if job.model else "") + "; retry later"
         )
 
     @staticmethod
@@ -668,7 +673,7 @@ class Pipeline:
             now = self.clock()
             if now >= record.deadline:
                 break
-            candidates = self.table.candidates(VISION_ROLES, now, record.failed + self.breakers.blocked())
+            candidates = self.table.candidates(VISION_ROLES, now, record.failed + self.breakers.blocked(), job.model)
             if not candidates:
                 break
             vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id

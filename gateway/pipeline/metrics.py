@@ -115,6 +115,22 @@ class BackendCollector(Collector):
             "the gateway's own in-flight counts")
         fail_open.add_metric([], 1.0 if self._table.failing_open else 0.0)
         yield fail_open
+        served = GaugeMetricFamily("heterogate_backend_model", "1 per model a backend serves (its pools)",
+                                   labels=["backend", "model"])
+        for e in self._table.entries():
+            for model in sorted(e.models):
+                served.add_metric([e.id, model], 1.0)
+        yield served
+        yield self.model_readiness()
+
+    def model_readiness(self) -> GaugeMetricFamily:
+        """Per model, the language backends that can serve it now (readiness: `StateTable.servable`)."""
+        family = GaugeMetricFamily("heterogate_model_servable_backends", "Language backends that can serve the "
+                                   "model now (0: its requests get 503)", labels=["model"])
+        models = sorted({m for e in self._table.entries() for m in e.models})
+        for model in models:
+            family.add_metric([model], self._table.servable(("language", "both"), model=model))
+        return family
 
 
 class PrefixCollector(Collector):
@@ -213,7 +229,7 @@ class GatewayMetrics:
             "heterogate_generation_tokens", "Tokens generated for served requests", ["backend"]
         )
         self.requests = CounterTable(
-            "heterogate_requests", "Requests by outcome", ["endpoint", "policy", "backend", "status"]
+            "heterogate_requests", "Requests by outcome", ["endpoint", "model", "policy", "backend", "status"]
         )
         self.decisions = CounterTable("heterogate_routing_decisions", "Routing decisions", ["policy", "backend"])
         self.decision_seconds = HistogramTable(

@@ -50,6 +50,7 @@ class RequestRecord:
     finished: bool = False
     prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
     tenant: Ticket | None = None         # its tenant's charges (from admission), settled with its usage at the end
+    model: str = ""                      # the model it asked for (its served name), once validated
 
     def attempt(self, backend_id: str) -> None:
         self.attempts += 1
@@ -78,7 +79,7 @@ class RequestLog:
         backend = record.backends[-1] if record.backends else "none"
         policy = record.policy or self._policy
         m = self._metrics
-        m.requests.inc((record.endpoint, policy, backend, str(status)))
+        m.requests.inc((record.endpoint, record.model, policy, backend, str(status)))
         if prompt_tokens or completion_tokens:
             m.prompt_tokens.inc((backend,), prompt_tokens)
             m.generation_tokens.inc((backend,), completion_tokens)
@@ -93,5 +94,5 @@ class RequestLog:
             latency_s=round(time.monotonic() - record.started, 4),
             ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error,
-            tenant=record.tenant.name if record.tenant is not None else None,
+            tenant=record.tenant.name if record.tenant is not None else None, model=record.model or None,
         )

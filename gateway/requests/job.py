@@ -52,6 +52,9 @@ class GenerationJob:
     session: str = ""
     # Whose request it is (gateway.config.tenants): its limits, its share of admission, its usage.
     tenant: str = DEFAULT_TENANT
+    # The model it asked for, by its served name (an alias resolved): its pool (gateway/config/models.py);
+    # None: every backend (a cluster of one model built without names, as in the simulator)
+    model: str | None = None
 
     @property
     def image_tokens(self) -> int:

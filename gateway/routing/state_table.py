@@ -71,6 +71,13 @@ class _Fixed(NamedTuple):
     weight_bytes: int
     encode_s_per_token: float
     unreported_kv_bytes: int                  # KV capacity where the engine reports none (`_unreported_kv`)
+    max_context: int                          # the catalog model's context
+
+
+def _serves_model(entry: BackendEntry, model: str | None) -> bool:
+    """Whether the entry is in `model`'s pool (None: every pool; an entry that names no model serves the
+    table's only one)."""
+    return model is None or not entry.models or model in entry.models
 
 
 class StateTable:
@@ -91,11 +98,13 @@ class StateTable:
         self._roles: set[Role] = set()   # of the backends registered
         self._fixed: dict[str, _Fixed] = {}   # per backend, what its snapshots take from its registration
         self._changes: set[str] = set()
-        self._pools: dict[tuple[Role, ...], CandidateColumns] = {}
-        self._largest_context: int | None = None   # None: recompute (a registration or a new max_model_len)
-        self.failing_open = False
+        # per (roles, model): a model's pool is the backends that serve it (None: every backend)
+        self._pools: dict[tuple[tuple[Role, ...], str | None], CandidateColumns] = {}
+        # per model; emptied by a registration or a new max_model_len
+        self._largest_context: dict[str | None, int] = {}
+        self._failing_open: dict[str | None, bool] = {}   # per model pool, as its last language decision found
         self._reachable: dict[str, bool] = {}   # kind: openai: whether its upstream answers the probe (absent: unknown)
-        self._open: dict[tuple[Role, ...], tuple[Sequence[BackendEntry], Candidates]] = {}   # (stale, candidates)
+        self._open: dict[tuple[tuple[Role, ...], str | None], tuple[Sequence[BackendEntry], Candidates]] = {}
         self._draining: set[str] = set()   # no new requests (gateway/control/fleet.py); their leases finish
 
     # -- producers ---------------------------------------------------------------------------
@@ -103,20 +112,25 @@ class StateTable:
     def register(
         self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool,
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
-        kv_capacity_tokens: int | None = None,
+        kv_capacity_tokens: int | None = None, models: Iterable[str] = (), profile: ModelProfile | None = None,
     ) -> BackendEntry:
-        entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(self.model, gpu),
+        """`models`: the names of the models it serves (none: the cluster serves one model); `profile`:
+        the catalog model its figures come from (default: the table's)."""
+        profile = profile or self.model
+        entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(profile, gpu),
                              InterTokenSlack(self.itl_target_s), steal, external, max_model_len=max_model_len,
-                             kv_capacity_tokens=kv_capacity_tokens, changes=self._changes)
+                             kv_capacity_tokens=kv_capacity_tokens, models=frozenset(models), changes=self._changes)
         self._entries[backend_id] = entry
         self._roles.add(role)
         self._fixed[backend_id] = _Fixed(
             (backend_id, role, gpu.name, gpu.tflops, gpu.bandwidth_gbs, gpu.price_per_hour),
-            self.model.kv_bytes_per_token, perf_model.prefill_seconds_per_token(self.model, gpu),
-            self.model.weight_bytes, perf_model.encode_seconds(self.model, gpu, 1), self._unreported_kv(entry),
+            profile.kv_bytes_per_token, perf_model.prefill_seconds_per_token(profile, gpu),
+            profile.weight_bytes, perf_model.encode_seconds(profile, gpu, 1), self._unreported_kv(entry, profile),
+            profile.max_context,
         )
         self._pools.clear()
-        self._largest_context = None
+        self._open.clear()
+        self._largest_context.clear()
         return entry
 
     def unregister(self, backend_id: str) -> None:
@@ -129,7 +143,7 @@ class StateTable:
         self._roles = {e.role for e in self._entries.values()}
         self._pools.clear()
         self._open.clear()
-        self._largest_context = None
+        self._largest_context.clear()
         entry.changes = None
 
     def drain(self, backend_id: str) -> None:
@@ -159,7 +173,7 @@ class StateTable:
         if same_sender and seq <= entry.reported.seq:
             return None
         if reported.max_model_len != entry.reported.max_model_len:
-            self._largest_context = None
+            self._largest_context.clear()
         entry.reported = reported
         entry.address = address or entry.address
         # the stale-metrics marker: no fresh load figure, so the backend is not heard from any more
@@ -283,24 +297,24 @@ class StateTable:
         now = self.clock() if now is None else now
         return now - entry.last_heartbeat <= self.miss_limit * self.heartbeat_interval_s
 
-    def servable(self, roles: tuple[Role, ...], now: float | None = None) -> int:
-        """How many backends with one of `roles` can serve now (readiness): heard from within the miss
-        limit, or kind: openai upstreams that answer the probe though their metrics are stale or absent;
-        not draining. A stale backend kept as a candidate only to fail open on, before or without an
-        answer, is not counted."""
+    def servable(self, roles: tuple[Role, ...], now: float | None = None, model: str | None = None) -> int:
+        """How many backends with one of `roles` (serving `model`; None: any) can serve now (readiness):
+        heard from within the miss limit, or kind: openai upstreams that answer the probe though their
+        metrics are stale or absent; not draining. A stale backend kept as a candidate only to fail open
+        on, before or without an answer, is not counted."""
         now = self.clock() if now is None else now
-        return sum(1 for e in self._entries.values() if e.role in roles and e.id not in self._draining and (
-            self.is_healthy(e, now) or (e.external and serves(e) and self._reachable.get(e.id) is True)))
+        return sum(1 for e in self._entries.values() if e.role in roles and e.id not in self._draining
+                   and _serves_model(e, model) and (
+                       self.is_healthy(e, now) or (e.external and serves(e) and self._reachable.get(e.id) is True)))
 
     def _serves(self, entry: BackendEntry) -> bool:
         """May be routed to at all: a launched engine once ready, and not an upstream found unreachable."""
         return serves(entry) and self._reachable.get(entry.id) is not False
 
-    def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = ()) -> (
-        Candidates
-    ):
-        """Healthy backends whose role is in `roles`, as snapshots (and columns), in registration order;
-        draining backends are not candidates.
+    def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = (),
+                   model: str | None = None) -> Candidates:
+        """Healthy backends whose role is in `roles` and that serve `model` (None: any), as snapshots (and
+        columns), in registration order; draining backends are not candidates.
 
         An external (kind: openai) backend whose metrics are stale stays a candidate but looks
         saturated; when every candidate is such a backend the table fails open and routes on the
@@ -310,38 +324,47 @@ class StateTable:
         now = self.clock() if now is None else now
         if self._draining:
             exclude = self._draining.union(exclude)
-        fresh, stale = self._pool(roles).select(now, self.miss_limit * self.heartbeat_interval_s, exclude)
+        fresh, stale = self._pool(roles, model).select(now, self.miss_limit * self.heartbeat_interval_s, exclude)
         failing_open = bool(stale) and not fresh
         if "language" in roles:   # the flag reports on the language pool
-            self.failing_open = failing_open
+            self._failing_open[model] = failing_open
         if failing_open:
-            return self._open_candidates(roles, stale)
+            return self._open_candidates((roles, model), stale)
         return fresh.extended([self._saturated(e) for e in stale])
 
-    def _open_candidates(self, roles: tuple[Role, ...], stale: Sequence[BackendEntry]) -> Candidates:
+    @property
+    def failing_open(self) -> bool:
+        """Some language pool's last decision found only stale candidates and routed on the gateway's own
+        in-flight counts."""
+        return any(self._failing_open.values())
+
+    def _open_candidates(self, key: tuple[tuple[Role, ...], str | None], stale: Sequence[BackendEntry]) -> (
+        Candidates
+    ):
         """The failing-open candidates, the same object while none of their snapshots changed, else the
         last ones patched in the rows that did (each request changes its backend's in-flight count).
         The pool hands out the same `stale` object while its members stay the same: then the rows line up."""
-        members, cached = self._open.get(roles, ((), None))
+        members, cached = self._open.get(key, ((), None))
         if cached is not None and members is stale:
             changes = [(k, b) for k, e in enumerate(stale) if (b := self._blind(e)) is not cached[k]]
             if changes:
                 cached = cached.replaced(changes)
-                self._open[roles] = (stale, cached)
+                self._open[key] = (stale, cached)
             return cached
         cached = Candidates([self._blind(e) for e in stale])
-        self._open[roles] = (stale, cached)
+        self._open[key] = (stale, cached)
         return cached
 
-    def _pool(self, roles: tuple[Role, ...]) -> CandidateColumns:
+    def _pool(self, roles: tuple[Role, ...], model: str | None = None) -> CandidateColumns:
         if self._changes:
             for pool in self._pools.values():
                 pool.changed(self._changes)
             self._changes.clear()
-        if roles not in self._pools:
-            members = [e for e in self._entries.values() if e.role in roles]
-            self._pools[roles] = CandidateColumns(members, self.snapshot, self._serves)
-        return self._pools[roles]
+        key = (roles, model)
+        if key not in self._pools:
+            members = [e for e in self._entries.values() if e.role in roles and _serves_model(e, model)]
+            self._pools[key] = CandidateColumns(members, self.snapshot, self._serves)
+        return self._pools[key]
 
     def _saturated(self, e: BackendEntry) -> BackendSnapshot:
         return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight + e.peer_in_flight),
@@ -353,11 +376,12 @@ class StateTable:
         reads these: kept until a producer drops the entry's snapshot."""
         return e.blind or self._rebuild(e, blind=True)
 
-    def _unreported_kv(self, e: BackendEntry) -> int:
+    @staticmethod
+    def _unreported_kv(e: BackendEntry, profile: ModelProfile) -> int:
         """KV bytes of a backend that reports none: its configured capacity, else the model's estimate."""
         if e.kv_capacity_tokens is not None:
-            return e.kv_capacity_tokens * self.model.kv_bytes_per_token
-        return perf_model.kv_capacity_bytes(self.model, e.gpu)
+            return e.kv_capacity_tokens * profile.kv_bytes_per_token
+        return perf_model.kv_capacity_bytes(profile, e.gpu)
 
     def context(self, e: BackendEntry) -> tuple[int, str]:
         """(tokens, source): the context length a backend serves, prompt + completion."""
@@ -365,7 +389,7 @@ class StateTable:
             return e.reported.max_model_len, "engine"
         if e.max_model_len is not None:
             return e.max_model_len, "config"
-        return self.model.max_context, "catalog"
+        return self._fixed[e.id].max_context, "catalog"
 
     def kv_capacity(self, e: BackendEntry) -> tuple[int, int, str]:
         """(free bytes, total bytes, source). A reported estimate gives way to the entry's configured
@@ -376,23 +400,26 @@ class StateTable:
             kv = self._fixed[e.id].unreported_kv_bytes
             return kv, kv, "config" if e.kv_capacity_tokens is not None else "estimate"
         if r.kv_source == "estimate" and e.kv_capacity_tokens is not None:
-            total = e.kv_capacity_tokens * self.model.kv_bytes_per_token
+            total = e.kv_capacity_tokens * self._fixed[e.id].kv_bytes_per_token
             free = int(total * r.kv_free_bytes / r.kv_total_bytes) if r.kv_total_bytes else total
             return free, total, "config"
         return r.kv_free_bytes, r.kv_total_bytes, r.kv_source or "unreported"
 
-    def largest_context(self) -> int:
-        """The longest context any backend that can take language work serves (0: none); read per
-        request, so kept until a registration or a heartbeat with another max_model_len."""
-        if self._largest_context is None:
-            self._largest_context = max(
-                (self.context(e)[0] for e in self._entries.values() if e.role != "vision" or e.steal), default=0
+    def largest_context(self, model: str | None = None) -> int:
+        """The longest context any backend that can take language work (for `model`; None: any) serves
+        (0: none); read per request, so kept until a registration or a heartbeat with another max_model_len."""
+        found = self._largest_context.get(model)
+        if found is None:
+            found = self._largest_context[model] = max(
+                (self.context(e)[0] for e in self._entries.values()
+                 if (e.role != "vision" or e.steal) and _serves_model(e, model)), default=0
             )
-        return self._largest_context
+        return found
 
-    def language_backlog(self) -> int:
-        """Requests waiting (admitted, not yet running) across the language pool, as last reported."""
-        return self._pool(("language", "both")).backlog()
+    def language_backlog(self, model: str | None = None) -> int:
+        """Requests waiting (admitted, not yet running) across the language pool (of `model`; None: every
+        backend), as last reported."""
+        return self._pool(("language", "both"), model).backlog()
 
     def snapshot(self, entry: BackendEntry) -> BackendSnapshot:
         return entry.cached or self._rebuild(entry)

@@ -143,5 +143,6 @@ def test_metrics_carry_the_operating_series(gateway: tuple[Gateway, int]) -> Non
     assert re.search(r'^heterogate_backend_heartbeat_age_seconds\{backend="lang-0",', text, re.M)
     assert re.search(r'^heterogate_backend_restarts_total\{backend="lang-0",[^}]*\} 0\.0$', text, re.M)
     assert "process_cpu_seconds_total" in text and "process_resident_memory_bytes" in text
-    assert re.search(r'^heterogate_requests_total\{backend="lang-0",endpoint="chat",policy="\w+",status="200"\}',
+    assert re.search(r'^heterogate_requests_total\{backend="lang-0",endpoint="chat",model="[^"]+",policy="\w+",'
+                     r'status="200"\}',
                      text, re.M)
