@@ -166,6 +166,7 @@ def register_backend(table: StateTable, config: ClusterConfig, spec: BackendSpec
         steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
         kv_capacity_tokens=spec.kv_capacity_tokens, models=[m.name for m in config.backend_models[spec.id]],
         profile=config.model_of(spec.id).profile,
+        report_interval_s=spec.scrape.interval_s(config.settings.heartbeat_interval_ms) if spec.scrape else None,
     )
 
 

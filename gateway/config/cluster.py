@@ -129,7 +129,12 @@ class ScrapeSpec(StrictModel):
 
     engine: Literal["vllm", "sglang", "trtllm"]
     metrics_url: str | None = None       # default: <address>/metrics
-    interval_ms: PositiveInt = 500
+    # default: gateway.heartbeat_interval_ms, as fresh as an agent's heartbeats (a longer one is allowed:
+    # the backend then stays heard from for the miss limit of its own interval)
+    interval_ms: PositiveInt | None = None
+
+    def interval_s(self, heartbeat_interval_ms: int) -> float:
+        return (self.interval_ms or heartbeat_interval_ms) / 1000
 
 
 class ProbeSpec(StrictModel):

@@ -110,7 +110,8 @@ class UpstreamMonitor:
             agent = MetricsAgent(AgentConfig(
                 backend_id=spec.id, table=engine, address=address,
                 metrics_url=spec.scrape.metrics_url or address + engine.metrics_path,
-                gateway="", interval_s=spec.scrape.interval_ms / 1000, kv_total_tokens=spec.kv_capacity_tokens,
+                gateway="", interval_s=spec.scrape.interval_s(config.settings.heartbeat_interval_ms),
+                kv_total_tokens=spec.kv_capacity_tokens,
                 upstream_model=self._names[spec.id],
             ), config.model_of(spec.id).profile, config.gpus[spec.id], own)
         probing = spec.probe or ProbeSpec()

@@ -70,6 +70,9 @@ class BackendEntry:
     steal: bool = False
     external: bool = False                    # kind: openai: reachable without heartbeats (see candidates)
     last_heartbeat: float | None = None       # monotonic seconds
+    # seconds its reports stay fresh beyond the table's window: a backend scraped less often than the
+    # heartbeat interval would otherwise go stale between two on-time scrapes
+    grace_s: float = 0.0
     reported: Reported = field(default_factory=Reported)
     in_flight: int = 0
     vision_in_flight_tokens: int = 0          # image tokens sent to this encoder, not yet encoded

@@ -97,7 +97,7 @@ class CandidateColumns:
         if serving != self._serving_rows[k]:
             self._serving[k] = self._serving_rows[k] = serving
             self._unheard = None
-        heartbeat = _NEVER if e.last_heartbeat is None or not serving else e.last_heartbeat
+        heartbeat = _NEVER if e.last_heartbeat is None or not serving else e.last_heartbeat + e.grace_s
         old = self._heartbeat_rows[k]
         if heartbeat != old:
             self._heartbeat[k] = self._heartbeat_rows[k] = heartbeat

@@ -113,13 +113,18 @@ class StateTable:
         self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool,
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
         kv_capacity_tokens: int | None = None, models: Iterable[str] = (), profile: ModelProfile | None = None,
+        report_interval_s: float | None = None,
     ) -> BackendEntry:
         """`models`: the names of the models it serves (none: the cluster serves one model); `profile`:
-        the catalog model its figures come from (default: the table's)."""
+        the catalog model its figures come from (default: the table's); `report_interval_s`: how often
+        its reports come when that is less often than heartbeats (a scrape interval): it is heard from
+        for the miss limit of its own interval."""
         profile = profile or self.model
         entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(profile, gpu),
                              InterTokenSlack(self.itl_target_s), steal, external, max_model_len=max_model_len,
                              kv_capacity_tokens=kv_capacity_tokens, models=frozenset(models), changes=self._changes)
+        if report_interval_s is not None:
+            entry.grace_s = self.miss_limit * max(0.0, report_interval_s - self.heartbeat_interval_s)
         self._entries[backend_id] = entry
         self._roles.add(role)
         self._fixed[backend_id] = _Fixed(
@@ -295,7 +300,7 @@ class StateTable:
         if entry.last_heartbeat is None or not self._serves(entry):
             return False
         now = self.clock() if now is None else now
-        return now - entry.last_heartbeat <= self.miss_limit * self.heartbeat_interval_s
+        return now - entry.last_heartbeat - entry.grace_s <= self.miss_limit * self.heartbeat_interval_s
 
     def servable(self, roles: tuple[Role, ...], now: float | None = None, model: str | None = None) -> int:
         """How many backends with one of `roles` (serving `model`; None: any) can serve now (readiness):

@@ -94,3 +94,22 @@ def test_candidates_follow_reachability_through_random_changes() -> None:
         assert t.failing_open == (not fresh and bool(entries))
         assert t.servable(LANGUAGE) == len(fresh) + sum(
             1 for e in entries if e.id not in fresh and t.reachable(e.id) is True)
+
+
+def test_a_backend_scraped_less_often_than_heartbeats_stays_heard_from_between_scrapes() -> None:
+    """Scraped every 0.25 s on a table of 0.1 s heartbeats (miss limit 3): fresh for 3 x 0.25 s, not 0.3 s,
+    so on-time scrapes never leave it looking stale (saturated) between them; the backend heartbeating at
+    the table's interval keeps the table's window."""
+    t, clock = table()
+    t.register("scraped", "language", catalog().gpu("L40S"), address="http://s:1", managed=False, external=True,
+               report_interval_s=0.25)
+    t.register("agent", "language", catalog().gpu("L40S"), address="http://a:1", managed=False, external=True)
+    for seq, backend in enumerate(("scraped", "agent")):
+        t.apply_heartbeat(backend, seq + 1, "", Reported(seq=seq + 1, waiting=1))
+    clock.now += 0.5   # past the table's window (0.3 s), within the scraped backend's (0.75 s)
+    assert [b.id for b in t.candidates(LANGUAGE) if b.queue_depth < SATURATED_QUEUE] == ["scraped"]
+    entry = t.get("scraped")
+    assert entry is not None and t.is_healthy(entry)
+    clock.now += 0.3   # past its own window too
+    assert not t.is_healthy(entry)
+    assert len(t.candidates(LANGUAGE)) == 2 and t.failing_open   # both stale: routed on in-flight counts
