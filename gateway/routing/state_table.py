@@ -2,8 +2,8 @@
 
 Signals have one producer each: heartbeats write what the engine reports; the pipeline writes the
 gateway's own in-flight counts (the paper's feedback loop) and measured service times. Policies only
-read immutable `BackendSnapshot`s, rebuilt when a signal changes (a producer drops
-`entry.snapshot`); each pool of backends is also kept as columns (`CandidateColumns`) patched in
+read immutable `BackendSnapshot`s, rebuilt by the pure builder of snapshots.py when a signal changes (a
+producer drops `entry.snapshot`); each pool of backends is also kept as columns (`CandidateColumns`) patched in
 the changed rows only, so that assembling a decision's candidates is array work, not a Python walk.
 
 Q_i (queue_depth) = max(in-flight from this gateway, engine-reported waiting + running): the
@@ -39,7 +39,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import NamedTuple
 
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
@@ -58,20 +57,7 @@ from gateway.routing.candidate_columns import CandidateColumns
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Role
 from gateway.routing.policies.first_token import first_token_features
-
-
-class _Fixed(NamedTuple):
-    """A backend's snapshot figures that depend only on the model, its GPU and its configuration:
-    computed once, at registration, instead of on every rebuild (a busy gateway rebuilds a few
-    snapshots per decision)."""
-
-    identity: tuple[str, Role, str, float, float, float]   # id, role, gpu, tflops, bandwidth_gbs, price_per_hour
-    kv_bytes_per_token: int
-    prefill_s_per_token: float
-    weight_bytes: int
-    encode_s_per_token: float
-    unreported_kv_bytes: int                  # KV capacity where the engine reports none (`_unreported_kv`)
-    max_context: int                          # the catalog model's context
+from gateway.routing.snapshots import FixedFigures, build_snapshot, fixed_figures
 
 
 def _serves_model(entry: BackendEntry, model: str | None) -> bool:
@@ -96,7 +82,7 @@ class StateTable:
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
         self._roles: set[Role] = set()   # of the backends registered
-        self._fixed: dict[str, _Fixed] = {}   # per backend, what its snapshots take from its registration
+        self._fixed: dict[str, FixedFigures] = {}   # per backend, what its snapshots take from its registration
         self._changes: set[str] = set()
         # per (roles, model): a model's pool is the backends that serve it (None: every backend)
         self._pools: dict[tuple[tuple[Role, ...], str | None], CandidateColumns] = {}
@@ -127,12 +113,7 @@ class StateTable:
             entry.grace_s = self.miss_limit * max(0.0, report_interval_s - self.heartbeat_interval_s)
         self._entries[backend_id] = entry
         self._roles.add(role)
-        self._fixed[backend_id] = _Fixed(
-            (backend_id, role, gpu.name, gpu.tflops, gpu.bandwidth_gbs, gpu.price_per_hour),
-            profile.kv_bytes_per_token, perf_model.prefill_seconds_per_token(profile, gpu),
-            profile.weight_bytes, perf_model.encode_seconds(profile, gpu, 1), self._unreported_kv(entry, profile),
-            profile.max_context,
-        )
+        self._fixed[backend_id] = fixed_figures(backend_id, role, gpu, profile, self._unreported_kv(entry, profile))
         self._pools.clear()
         self._open.clear()
         self._largest_context.clear()
@@ -438,34 +419,10 @@ class StateTable:
         return entry.speed.service_s
 
     def _rebuild(self, e: BackendEntry, blind: bool = False) -> BackendSnapshot:
-        """The entry's snapshot (`blind`: as `_blind` reads it), its arguments given by position in
-        BackendSnapshot's field order: 24 keyword arguments took longer to match than the snapshot
-        takes to build (1.3 µs against 0.3), and a busy gateway rebuilds a few snapshots per decision
-        (`dataclasses.replace` on the snapshot, for the blind one, took 4.6 µs against 2.0).
-        tests/unit/test_state_table.py checks every field by name."""
-        r, peer, speed = e.reported, e.peer, e.speed
+        """The entry's snapshot (`blind`: as `_blind` reads it), built and cached."""
         fixed = self._fixed[e.id]
-        in_flight = e.in_flight + peer.in_flight
-        if blind:
-            queue_depth, kv_free, kv_total = in_flight, fixed.unreported_kv_bytes, fixed.unreported_kv_bytes
-        else:
-            queue_depth = max(in_flight, r.waiting + r.running)
-            kv_free, kv_total, _ = self.kv_capacity(e)
-        snap = BackendSnapshot(
-            *fixed.identity,                                                        # id, role, gpu, tflops, ...
-            queue_depth, in_flight,
-            kv_free, kv_total, fixed.kv_bytes_per_token,
-            max(r.vision_backlog, e.vision_in_flight_tokens + peer.vision_tokens),   # vision_backlog
-            self.mean_service_s(e),
-            fixed.prefill_s_per_token, fixed.weight_bytes, fixed.encode_s_per_token, e.steal,
-            self.context(e)[0],                                                     # max_context
-            speed.prefill.value, speed.decode.value,            # learned_prefill_s_per_token, decode_step_s
-            e.prefilling + peer.prefilling,
-            e.prefill_backlog_tokens + peer.prefill_backlog_tokens,
-            e.kv_reserved_tokens + peer.kv_reserved_tokens,
-            e.slack.slacks(),                                                       # itl_slack_s
-            speed.stall_factor, speed.stall_per_prompt_s,                           # calibrated stalls
-        )
+        kv = (0, 0) if blind else self.kv_capacity(e)[:2]
+        snap = build_snapshot(e, fixed, kv, self.mean_service_s(e), self.context(e)[0], blind)
         if blind:
             e.blind = snap
         else:
