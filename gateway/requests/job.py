@@ -52,6 +52,8 @@ class GenerationJob:
     session: str = ""
     # Whose request it is (gateway.config.tenants): its limits, its share of admission, its usage.
     tenant: str = DEFAULT_TENANT
+    # W3C trace context of the dispatch span, passed on to the backend ("" untraced: gateway.pipeline.tracing).
+    traceparent: str = field(default="", compare=False)
 
     @property
     def image_tokens(self) -> int:
