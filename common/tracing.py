@@ -50,6 +50,11 @@ class TraceSetup:
     processors: tuple[SpanProcessor, ...]
 
 
+def _not_installed(exc: ImportError) -> ConfigError:
+    return ConfigError(f"tracing is configured (OTEL_*) but OpenTelemetry is not installed ({exc}); "
+                       "pip install 'heterogate[tracing]'")
+
+
 def exporters(env: Mapping[str, str] = os.environ) -> list[str]:
     """The trace exporters the environment asks for; empty: tracing is off."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -69,7 +74,10 @@ def exporters(env: Mapping[str, str] = os.environ) -> list[str]:
 def sampler(env: Mapping[str, str] = os.environ) -> Sampler:
     """The sampler `OTEL_TRACES_SAMPLER` names (default parentbased_always_on), with its ratio from
     `OTEL_TRACES_SAMPLER_ARG`."""
-    from opentelemetry.sdk.trace import sampling
+    try:
+        from opentelemetry.sdk.trace import sampling
+    except ImportError as exc:   # pragma: no cover - the extra is not installed
+        raise _not_installed(exc) from None
 
     name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
     fixed = {"always_on": sampling.ALWAYS_ON, "always_off": sampling.ALWAYS_OFF,
@@ -90,23 +98,32 @@ def sampler(env: Mapping[str, str] = os.environ) -> Sampler:
     return root if name == "traceidratio" else sampling.ParentBased(root)
 
 
+def check(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The exporters the environment asks for, once its exporters, OTLP protocol and sampler are known
+    to be ones this process can use (ConfigError naming the variable); start-up checks this first."""
+    names = exporters(env)
+    if not names:
+        return names
+    protocol = next((env[p] for p in _PROTOCOLS if env.get(p)), "http/protobuf")
+    if "otlp" in names and protocol != "http/protobuf":
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r}; traces are exported over http/protobuf only")
+    sampler(env)
+    return names
+
+
 def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> TraceSetup | None:
     """This process's tracing as the environment says; None when it is off. `service`: the service name
     unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES give one."""
-    names = exporters(env)
+    names = check(env)
     if not names:
         return None
-    protocol = next((env[p] for p in _PROTOCOLS if env.get(p)), "http/protobuf")
-    if "otlp" in names and protocol != "http/protobuf":
-        raise ConfigError(f"OTLP protocol {protocol!r}: the gateway exports traces over http/protobuf only")
     try:
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     except ImportError as exc:   # pragma: no cover - the extra is not installed
-        raise ConfigError(f"tracing is configured (OTEL_*) but OpenTelemetry is not installed ({exc}); "
-                          "pip install 'heterogate[tracing]'") from None
+        raise _not_installed(exc) from None
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service}))

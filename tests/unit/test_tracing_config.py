@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from common.errors import ConfigError
 from common.tracing import exporters, parent, sampler, setup
+from testkit.harness import write_config
 
 
 @pytest.mark.parametrize(("env", "expected"), [
@@ -77,3 +79,14 @@ print(sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk.trace", 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_check_config_refuses_a_bad_tracing_variable_by_name(tmp_path: Path) -> None:
+    """What start-up checks (`gateway check-config` runs the same): exit 2 and the variable, no traceback."""
+    config = write_config(tmp_path, {"model": "llava-1.5-7b", "backends": [
+        {"id": "up0", "kind": "openai", "role": "language", "gpu": "H100", "address": "http://127.0.0.1:9"}]})
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+           "OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "sometimes"}
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", "--backends", str(config)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and "OTEL_TRACES_SAMPLER" in out.stderr and "Traceback" not in out.stderr
