@@ -8,6 +8,7 @@ attempt's traceparent as an HTTP header.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -15,9 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
+from common.wire import inference_pb2, inference_pb2_grpc
 from testkit.harness import (
     Gateway,
     data_url,
@@ -209,3 +212,20 @@ def test_an_image_request_traces_encode_hand_off_and_both_engines(
     assert engine.attributes["gen_ai.usage.output_tokens"] == 3
     assert "first_token" in engine.events
     assert (vision.parent_id, vision.attributes["heterogate.backend"]) == (encode.span_id, "vis-0")
+
+
+def test_the_grpc_door_honours_traceparent_metadata(openai_gw: Gateway, collector: tuple[Collector, str]) -> None:
+    received, _ = collector
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+
+    async def generate() -> list[inference_pb2.GenerateReply]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{openai_gw.grpc_port}") as channel:
+            call = inference_pb2_grpc.InferenceStub(channel).Generate(
+                inference_pb2.GenerateRequest(model="mock", prompt="Once", max_tokens=2),
+                metadata=(("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01"),), timeout=30)
+            return [reply async for reply in call]
+
+    assert asyncio.run(generate())[-1].finish_reason
+    spans = received.wait(lambda: (s := received.trace(trace_id)) and any(x.name == "attempt up0" for x in s) and s)
+    root = one(spans, "text_completion mock")
+    assert (root.parent_id, root.attributes["gen_ai.operation.name"]) == (CLIENT_SPAN, "text_completion")
