@@ -143,9 +143,10 @@ def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> Trac
     return TraceSetup(provider.get_tracer(scope), chosen, resource, InstrumentationScope(scope), tuple(processors))
 
 
-def traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:
-    """The W3C `traceparent` header naming span `span_id` of trace `trace_id` as the callee's parent."""
-    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+def traceparent(trace_id: int, span_id: int) -> str:
+    """The W3C `traceparent` header naming span `span_id` of trace `trace_id` as the callee's parent
+    (sampled: only sampled requests are traced and pass theirs on)."""
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
 
 
 def parent(header: str | None) -> Context | None:
