@@ -23,6 +23,7 @@ from backends.batcher import SequenceTooLarge
 from backends.embedding_store import EmbeddingStore, EmbeddingTimeout
 from backends.engine_config import EngineConfig, parse_args
 from backends.engine_session import EngineSession, RequestFailed, generate_call
+from backends.engine_tracing import EngineTracing
 from backends.executor_factory import build_executors
 from backends.executors import GenerateInput, InvalidInput, Sampling
 from backends.gpu_scheduler import GpuScheduler
@@ -65,7 +66,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise AssertionError("abort raises")
         if not request.images:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Encode needs images")
+        tracing = self._engine.tracing
         try:
+            if tracing is not None and request.traceparent:
+                return await tracing.encode(request, vision.encode)
             return await vision.encode(request)
         except grpc.aio.AioRpcError as exc:
             detail = f"delivery to {request.deliver_to} failed: {exc.details()}"
@@ -130,13 +134,20 @@ class Engine:
         self.language, self.vision = build_executors(config, model, gpu, self.sender.deliver, self._changed)
         self.scheduler = GpuScheduler(self.language, self.vision, stealing=config.role == "vision")
         self.address = ""
+        self.tracing = EngineTracing.from_env(config.backend_id)   # None: tracing is off (OTEL_* variables)
         # Cluster token, the identity the launching gateway gave this engine, TLS: from the environment.
         self.heartbeats = HeartbeatSender(config.gateway, self.state, interval_s=config.heartbeat_ms / 1000,
                                           credentials=ControlCredentials.from_env())
 
-    async def generate(self, request: engine_pb2.GenerateRequest) -> AsyncGenerator[engine_pb2.GenerateChunk, None]:
+    def generate(self, request: engine_pb2.GenerateRequest) -> AsyncGenerator[engine_pb2.GenerateChunk, None]:
         """One request's chunks (a Generate call, or a request on a Session): one per token, or with
-        `whole` the first token and then the rest as one. Fails with `RequestFailed`."""
+        `whole` the first token and then the rest as one. Fails with `RequestFailed`. Inside a span
+        joined to the gateway's trace when both trace it."""
+        if self.tracing is not None and request.traceparent:
+            return self.tracing.generate(request, self._generate(request))
+        return self._generate(request)
+
+    async def _generate(self, request: engine_pb2.GenerateRequest) -> AsyncGenerator[engine_pb2.GenerateChunk, None]:
         executor = self.language
         if executor is None:
             raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION, "this engine holds no language model")

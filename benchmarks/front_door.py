@@ -2,7 +2,8 @@
 
     python benchmarks/front_door.py [--quick] [--rounds 3] [--duration 5] [--no-peers | --managed-only]
                                     [--baseline DIR] [--python EXE ...] [--out FILE]
-    python benchmarks/front_door.py --pairs N [--duration 4] [--baseline DIR] [--python EXE ...] [--out FILE]
+    python benchmarks/front_door.py --pairs N [--duration 4] [--baseline DIR] [--python EXE ...] [--tracing]
+                                    [--out FILE]
     python benchmarks/front_door.py --from FILE      # the tables of a results file again, nothing run
 
 Targets, each in front of two mock OpenAI engines on loopback (benchmarks/mock_openai_engine.py):
@@ -27,7 +28,11 @@ the mocks, the load and the peers stay as they are. A base interpreter gets a ve
 checkout installed, made on first use in benchmarks/.gateway-venvs/; a venv's interpreter is used as
 it is. Why: the gateway's CPU a request depends on how the interpreter was built (docs/FRONT_DOOR.md,
 "The interpreter"), and the interpreter that runs this script may not be the one the gateway is
-deployed on. Every interpreter in the run is recorded in the results (`interpreters`), with the
+deployed on. `--tracing` adds `heterogate-openai@otel` (OpenTelemetry on, every request traced),
+`heterogate-openai@otel-0.1` and `@otel-0.01` (`parentbased_traceidratio` at 0.1 and 0.01): this checkout
+with the OTEL_* variables set, exporting OTLP/HTTP to a receiver in this script that counts and drops
+what it gets.
+Every interpreter in the run is recorded in the results (`interpreters`), with the
 seconds it takes for the same plain-Python loop (`probe_s`). `--pairs N` measures only the builds'
 `heterogate-openai` targets against each other: the non-streamed rate at c=64 and the CPU a request,
 N rounds in rotating order, with each build's ratio to this checkout round by round (a tenth or two between
@@ -59,10 +64,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +127,7 @@ class GatewayBuild:
     suffix: str
     checkout: Path = ROOT
     python: str = sys.executable
+    env: tuple[tuple[str, str], ...] = ()   # added to the gateway's environment (kind: openai targets only)
 
     @property
     def command(self) -> list[str]:
@@ -128,6 +136,47 @@ class GatewayBuild:
     @property
     def default(self) -> bool:
         return self.checkout == ROOT and self.python == sys.executable
+
+
+@contextmanager
+def otlp_sink() -> Iterator[tuple[str, dict[str, int]]]:
+    """An OTLP/HTTP endpoint that takes every export and drops it, counting requests and bytes (in this
+    process: its CPU is not the gateway's)."""
+    counts = {"exports": 0, "bytes": 0}
+
+    class Sink(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            counts["bytes"] += len(self.rfile.read(int(self.headers.get("content-length", 0))))
+            counts["exports"] += 1
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", counts
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+TRACE_RATIOS = (0.1, 0.01)   # the sampled tracing targets' OTEL_TRACES_SAMPLER_ARG
+
+
+def tracing_builds(endpoint: str) -> list[GatewayBuild]:
+    """This checkout with tracing on: every request traced (`@otel`), and a share of them (`@otel-<ratio>`)."""
+    env = (("OTEL_TRACES_EXPORTER", "otlp"), ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint))
+    return [GatewayBuild("@otel", env=env), *(
+        GatewayBuild(f"@otel-{ratio:g}", env=(*env, ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+                                              ("OTEL_TRACES_SAMPLER_ARG", str(ratio)))) for ratio in TRACE_RATIOS)]
 
 
 # The same plain-Python loop in every interpreter of a run: how fast each runs Python code, at that moment.
@@ -259,13 +308,13 @@ def start_targets(
         (tmp / name).mkdir()
         config = openai_config(tmp / name, urls)
         if build.default:
-            gw = stack.enter_context(run_gateway(config, healthy=0))
+            gw = stack.enter_context(run_gateway(config, healthy=0, env=dict(build.env)))
         else:   # `python -m` in the build's checkout imports its code
             gw = stack.enter_context(launch(config, build.command, build.checkout.resolve()))
         targets.append(Target(name, gw.url, gw.process.pid))
     # Both cores, as the Rust routers use them: two workers sharing state (not for an older checkout,
     # whose workers may not exist)
-    for build in [b for b in builds if b.checkout == ROOT] if openai and workers_redis else ():
+    for build in [b for b in builds if b.checkout == ROOT and not b.env] if openai and workers_redis else ():
         name = f"heterogate-openai-2w{build.suffix}"
         (tmp / name).mkdir()
         config = openai_config(tmp / name, urls,
@@ -273,7 +322,7 @@ def start_targets(
         gw = stack.enter_context(launch(config, [*build.command, "--workers", "2", "--redis-url", workers_redis]))
         wait_http(f"{gw.url}/v1/chat/completions", gw.process)
         targets.append(Target(name, gw.url, 0))   # two processes: no CPU column
-    for build in builds[::-1] if managed else ():
+    for build in [b for b in builds[::-1] if not b.env] if managed else ():
         targets.append(managed_target(stack, tmp, build))
     return targets
 
@@ -467,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, metavar="N",
                    help="instead of the table: only the gateway's builds (this checkout, --baseline, --python), "
                         "kind: openai, non-streamed at c=64, N rounds in turn; CPU a request and ratios per round")
+    p.add_argument("--tracing", action="store_true",
+                   help="also run this checkout's kind: openai target with OpenTelemetry on (all requests, "
+                        "1 in 10, 1 in 100), exporting to a receiver in this script")
     p.add_argument("--pairs-managed", action="store_true",
                    help="with --pairs: the managed targets too (--managed-only: only them)")
     p.add_argument("--out", type=Path, help=f"results file (default: {RESULTS.relative_to(ROOT)}, "
@@ -483,16 +535,26 @@ def main(argv: list[str] | None = None) -> int:
         print_table(saved["summary"])
         print_checks(saved["runs"])
         return 0
+    with ExitStack() as script:   # the OTLP sink lives as long as the run
+        sink, exported = script.enter_context(otlp_sink()) if args.tracing else ("", {})
+        return run(args, sink, exported)
+
+
+def run(args: argparse.Namespace, sink: str, exported: dict[str, int]) -> int:
+    """The run `args` ask for; `sink`: the OTLP endpoint of the tracing targets, whose counts are `exported`."""
     rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
     started = time.monotonic()
     builds = [gateway_python(exe) for exe in args.python]
     if args.baseline is not None:
         builds.insert(0, GatewayBuild("@base", args.baseline))
+    if args.tracing:
+        builds += tracing_builds(sink)
     interpreters: dict[str, dict[str, Any]] = {}   # by path: this script's, then each --python's venv
     for build in [GatewayBuild(""), *builds]:
         if build.python not in interpreters:
             interpreters[build.python] = interpreter(build.python)
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "git": git_state(), "interpreters": interpreters}
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "git": git_state(), "interpreters": interpreters,
+                              **({"otlp_exported": exported} if args.tracing else {})}
     if args.pairs:
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
             targets = start_targets(stack, Path(tmp), False, openai=not args.managed_only, builds=tuple(builds),

@@ -26,6 +26,7 @@ import httpx
 import structlog
 from redis.exceptions import RedisError
 
+from common import tracing
 from common.errors import HeteroGateError
 from common.grpc_keepalive import keepalive
 from common.wire import control_pb2_grpc
@@ -156,6 +157,7 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
     token for these options); ConfigError naming the setting. `gateway check-config` runs this same
     function, so its OK means that start-up accepts the file with these options."""
     settings = config.settings
+    tracing.check()   # the OTEL_* variables (common/tracing.py): a bad exporter or sampler stops start-up
     keys = KeyRing.load(settings.auth, settings.tenants)
     grpc_tls = load_grpc_tls(settings.tls)
     ssl_context = http_ssl_context(settings.tls)

@@ -44,7 +44,7 @@ _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
 # The `endpoint` label of the request counters, by path: the same on the success and the error paths.
 ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat"),
                                           "/v1/completions": ("completions", "text")}
-_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id"})
+_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id", b"traceparent"})
 
 
 def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
@@ -107,7 +107,7 @@ class CompletionsDoor:
     async def _serve(self, request: Request, exchange: Exchange, *, path: str, endpoint: str, kind: Kind) -> None:
         headers = {k.decode(): v.decode("latin-1") for k, v in request.headers if k in _WANTED}
         rid = new_request_id(headers.get("x-request-id"))
-        record = RequestRecord(rid, endpoint)
+        record = RequestRecord(rid, endpoint, traceparent=headers.get("traceparent"))   # W3C trace context
         try:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")

@@ -85,6 +85,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateReply]:
         record = RequestRecord(request.request_id or uuid.uuid4().hex, "grpc")
+        record.traceparent = dict(context.invocation_metadata() or ()).get("traceparent")   # W3C trace context
         status, error, usage = 499, None, None   # closed early: the client went away
         try:
             job = await self._job(request, record.request_id, context)

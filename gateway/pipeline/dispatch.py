@@ -59,6 +59,7 @@ from gateway.pipeline.breakers import Breakers
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.request_log import RequestRecord
 from gateway.pipeline.tenants import Tenants
+from gateway.pipeline.tracing import AttemptTrace, RequestTrace, Tracing
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, NoBackendAvailable
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Lease
@@ -177,7 +178,7 @@ class Dispatch:
     `whole()` (each ends it)."""
 
     __slots__ = ("_answered", "_ended", "_pipeline", "_stream", "backend_id", "decision", "first", "lease",
-                 "loop_deadline", "record", "request_id", "sent", "started", "streamed", "ttft_s",
+                 "loop_deadline", "record", "request_id", "sent", "started", "streamed", "trace", "ttft_s",
                  "vision_backend_id")
 
     first: engine_pb2.GenerateChunk   # set once the first token is in hand
@@ -201,6 +202,7 @@ class Dispatch:
         self.loop_deadline: float | None = None   # the deadline its client's timers count to (`backend_fault`)
         self._answered = False   # the breaker has its success: the first token came
         self._ended = False
+        self.trace: AttemptTrace | None = None   # its spans, when the request is traced
 
     def _first_token(self, first: engine_pb2.GenerateChunk, job: GenerationJob) -> None:
         p, record = self._pipeline, self.record
@@ -217,6 +219,8 @@ class Dispatch:
         if first.embedding_wait_s:
             p.metrics.handoff_wait_seconds.labels(self.backend_id).observe(first.embedding_wait_s)
         p.metrics.ttft_seconds.observe((self.backend_id,), self.ttft_s)
+        if self.trace is not None:
+            self.trace.first_token(first)
 
     async def rest(self) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """The chunks as they come, the first one included (a streamed response)."""
@@ -290,7 +294,12 @@ class Dispatch:
         elif not self._answered:
             p.breakers.on_abandon(self.backend_id)
         if completed:
-            p.metrics.e2e_seconds.observe((self.backend_id,), p.clock() - self.started)
+            now = p.clock()
+            p.metrics.e2e_seconds.observe((self.backend_id,), now - self.started)
+            if self.streamed and completed > 1:   # the request's mean inter-token time
+                p.metrics.itl_seconds.observe((self.backend_id,), (now - self.started - self.ttft_s) / (completed - 1))
+        if self.trace is not None:
+            self.trace.end(completed, error)
 
 
 class Pipeline:
@@ -324,6 +333,7 @@ class Pipeline:
         self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
         self.clock = clock or table.clock
         self.rng = rng or random.Random()
+        self.tracing = Tracing.from_env()   # None: tracing is off (the OTEL_* variables, common.tracing)
 
     def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float) -> Decision:
         t0 = time.perf_counter()
@@ -433,6 +443,8 @@ class Pipeline:
         """Admit, route, dispatch; retry until the first token, the deadline or the end of the budget."""
         record = record or RequestRecord(job.request_id, job.kind, started=self.clock())
         record.model = job.model or ""
+        if self.tracing is not None and record.trace is None:
+            record.trace = self.tracing.request(job, record.traceparent, self.clock() - record.started)
         ticket = record.tenant = self.tenants.ticket(job)
         if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits
             await self.tenants.charge(ticket)
@@ -440,8 +452,13 @@ class Pipeline:
         profile = self.profile(job, record)
         admitted = self._admitted(profile, job.context_tokens, job.model)
         if admitted is None:
-            await self.admission.wait_for_capacity(functools.partial(self.saturated, job.model), deadline,
-                                                   ticket.share)
+            waiting = self.clock()
+            try:
+                await self.admission.wait_for_capacity(functools.partial(self.saturated, job.model), deadline,
+                                                       ticket.share)
+            finally:
+                if record.trace is not None:
+                    record.trace.admission(self.clock() - waiting)
         return await self._dispatch(job, record, profile, admitted)
 
     async def _dispatch(
@@ -543,6 +560,9 @@ class Pipeline:
         dispatch = Dispatch(self, job, decision, record,
                             self.table.acquire(backend.id, job.prompt_tokens + job.image_tokens, job.max_tokens,
                                                cached), started)
+        if record.trace is not None:   # the engine's spans join the dispatch's
+            dispatch.trace = record.trace.attempt(decision, record.attempts)
+            job = replace(job, traceparent=dispatch.trace.traceparent)
         if backend.role == "vision":
             self.metrics.stolen_requests.labels(backend.id).inc()
         try:
@@ -666,7 +686,8 @@ class Pipeline:
         )
         own = self.clients.engine(language.id)
         if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images
-            return language.id, await self._encode_on(language.id, own, request, job.image_tokens, record.deadline)
+            return language.id, await self._encode_on(language.id, own, request, job.image_tokens, record.deadline,
+                                                      record.trace)
         profile = job.profile()
         last_error: BackendFailure | None = None
         while len(record.vision_backends) < self.settings.max_attempts:
@@ -683,7 +704,8 @@ class Pipeline:
             record.vision_backends.append(vision_id)
             self.breakers.on_dispatch(vision_id)
             try:
-                reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline)
+                reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline,
+                                              record.trace)
             except BaseException as exc:
                 if isinstance(exc, BackendFailure) and self.backend_fault(exc, vision_id, record):
                     self.breakers.on_failure(vision_id)
@@ -705,15 +727,23 @@ class Pipeline:
         raise NoBackendAvailable("no healthy vision backend is available for the request's images; retry later")
 
     async def _encode_on(
-        self, backend_id: str, client: EncoderClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float
+        self, backend_id: str, client: EncoderClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float,
+        trace: RequestTrace | None,
     ) -> engine_pb2.EncodeReply:
         self.table.acquire_vision(backend_id, tokens)
         t0 = self.clock()
         timeout_s = max(0.001, min(self.settings.handoff_timeout_s, deadline - t0))
+        encode = trace.encode(backend_id, request) if trace is not None else None
         try:
             reply = await client.encode(request, timeout_s=timeout_s)
+        except BaseException as exc:
+            if encode is not None:
+                encode.end(None, exc)
+            raise
         finally:
             self.table.release_vision(backend_id, tokens)
+        if encode is not None:
+            encode.end(reply, None)
         self.metrics.encode_seconds.labels(backend_id).observe(self.clock() - t0)
         self.metrics.embedding_bytes.labels(backend_id).inc(reply.embedding_bytes)
         return reply

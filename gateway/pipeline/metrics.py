@@ -33,6 +33,8 @@ from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Inter-token times: a fast GPU's decode step is a few ms, a slow tier's or a loaded batch's tens to hundreds.
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
 
 
@@ -239,8 +241,14 @@ class GatewayMetrics:
                                            _LATENCY_BUCKETS)
         self.e2e_seconds = HistogramTable("heterogate_e2e_seconds", "End-to-end request latency", ["backend"],
                                           _LATENCY_BUCKETS)
+        # One observation per completed streamed request of two tokens or more: its mean gap between tokens,
+        # (end - first token) / (tokens - 1). Per-token gaps are not seen: an engine's or upstream's tokens
+        # that arrive together reach the pipeline as one chunk.
+        self.itl_seconds = HistogramTable(
+            "heterogate_itl_seconds", "Mean inter-token time of a completed streamed request", ["backend"],
+            _ITL_BUCKETS)
         r.register(TablesCollector([self.prompt_tokens, self.generation_tokens, self.requests, self.decisions,
-                                    self.decision_seconds, self.ttft_seconds, self.e2e_seconds]))
+                                    self.decision_seconds, self.ttft_seconds, self.itl_seconds, self.e2e_seconds]))
         self.admission_waiting = Gauge(
             "heterogate_admission_queue_waiting", "Requests waiting in the admission queue", registry=r
         )

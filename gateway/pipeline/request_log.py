@@ -28,6 +28,7 @@ import structlog
 
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.tenants import Ticket
+from gateway.pipeline.tracing import RequestTrace
 from gateway.routing.prefix_index import PrefixQuery
 
 log = structlog.get_logger("http")
@@ -51,6 +52,8 @@ class RequestRecord:
     prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
     tenant: Ticket | None = None         # its tenant's charges (from admission), settled with its usage at the end
     model: str = ""                      # the model it asked for (its served name), once validated
+    traceparent: str | None = None       # the client's W3C trace context header, if it sent one
+    trace: RequestTrace | None = None    # its spans, when tracing is on and it is sampled (gateway.pipeline.tracing)
 
     def attempt(self, backend_id: str) -> None:
         self.attempts += 1
@@ -85,6 +88,8 @@ class RequestLog:
             m.generation_tokens.inc((backend,), completion_tokens)
         if record.tenant is not None:
             record.tenant.finish(status, prompt_tokens, completion_tokens)
+        if record.trace is not None:
+            record.trace.end(status, prompt_tokens, completion_tokens, error)
         if not self._lines:
             return
         log.info(

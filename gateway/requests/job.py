@@ -55,6 +55,8 @@ class GenerationJob:
     # The model it asked for, by its served name (an alias resolved): its pool (gateway/config/models.py);
     # None: every backend (a cluster of one model built without names, as in the simulator)
     model: str | None = None
+    # W3C trace context of the dispatch span, passed on to the backend ("" untraced: gateway.pipeline.tracing).
+    traceparent: str = field(default="", compare=False)
 
     @property
     def image_tokens(self) -> int:

@@ -67,12 +67,14 @@ def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_pat
             assert shown[backend_id]["state"] == "healthy" and shown[backend_id]["restarts"] == "0"
 
         with gw.client() as client:
-            for _ in range(5):
+            for _ in range(5):   # streamed: each gives its mean inter-token time too
                 resp = client.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
+                    "model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4,
+                    "stream": True})
                 assert resp.status_code == 200
         wait.until(lambda d: ["200", "5"] in table(d, "#outcomes"))
         wait.until(lambda d: "–" not in d.find_element(By.ID, "ttft").text)   # three percentiles, in ms or s
+        wait.until(lambda d: "–" not in d.find_element(By.ID, "itl").text)    # p50 / p99 of heterogate_itl_seconds
         shot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if SCREENSHOT_DIR:   # README's picture: HETEROGATE_SCREENSHOT_DIR=docs python -m pytest tests/browser

@@ -1,0 +1,160 @@
+"""OpenTelemetry tracing of the gateway and the engines, set up from the standard OTEL_* variables.
+
+Off unless `OTEL_TRACES_EXPORTER` names an exporter (`otlp` or `console`; `none` is off too) or an OTLP
+endpoint is set (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`); `OTEL_SDK_DISABLED=true`
+turns it off whatever else is set. Off, nothing of OpenTelemetry's tracing is imported and `setup()` is
+None: the request path's only cost is checking for None. On, the sampler comes from `OTEL_TRACES_SAMPLER`
+and `OTEL_TRACES_SAMPLER_ARG` (an unknown one is refused, not replaced), and the SDK (the `tracing` extra)
+reads the rest of the standard variables itself: the resource (`OTEL_SERVICE_NAME`,
+`OTEL_RESOURCE_ATTRIBUTES`), the OTLP/HTTP exporter's endpoint, headers and timeout, and the batch
+processor's queue and delays (`OTEL_BSP_*`).
+
+The provider is the process's own, not OpenTelemetry's global one: libraries that trace through the
+global provider (FastAPI's routes) stay silent. W3C `traceparent` strings are formatted here, not by a
+propagator: one goes with every dispatch, and a format string is a fraction of the propagator's cost;
+incoming ones are parsed by the API's propagator (validation included).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace.sampling import Sampler
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import Tracer
+
+_EXPORTERS = ("otlp", "console")
+_ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+_PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSetup:
+    """What a process traces with: the SDK's tracer (spans made one at a time), and for a caller that
+    records its spans itself (the gateway's request path, gateway/pipeline/tracing.py) the sampler, the
+    resource and scope its spans carry, and the processors that export them."""
+
+    tracer: Tracer
+    sampler: Sampler
+    resource: Resource
+    scope: InstrumentationScope
+    processors: tuple[SpanProcessor, ...]
+
+
+def _not_installed(exc: ImportError) -> ConfigError:
+    return ConfigError(f"tracing is configured (OTEL_*) but OpenTelemetry is not installed ({exc}); "
+                       "pip install 'heterogate[tracing]'")
+
+
+def exporters(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The trace exporters the environment asks for; empty: tracing is off."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    named = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not named:
+        return ["otlp"] if any(env.get(name) for name in _ENDPOINTS) else []
+    if "none" in named:
+        return []
+    unknown = [n for n in named if n not in _EXPORTERS]
+    if unknown:
+        raise ConfigError(f"OTEL_TRACES_EXPORTER: unknown exporter(s) {', '.join(unknown)}; "
+                          f"use {', '.join(_EXPORTERS)} or none")
+    return named
+
+
+def sampler(env: Mapping[str, str] = os.environ) -> Sampler:
+    """The sampler `OTEL_TRACES_SAMPLER` names (default parentbased_always_on), with its ratio from
+    `OTEL_TRACES_SAMPLER_ARG`."""
+    try:
+        from opentelemetry.sdk.trace import sampling
+    except ImportError as exc:   # pragma: no cover - the extra is not installed
+        raise _not_installed(exc) from None
+
+    name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    fixed = {"always_on": sampling.ALWAYS_ON, "always_off": sampling.ALWAYS_OFF,
+             "parentbased_always_on": sampling.DEFAULT_ON, "parentbased_always_off": sampling.DEFAULT_OFF}
+    if name in fixed:
+        return fixed[name]
+    if name not in ("traceidratio", "parentbased_traceidratio"):
+        raise ConfigError(f"OTEL_TRACES_SAMPLER: unknown sampler {name!r}; use one of "
+                          f"{', '.join([*fixed, 'traceidratio', 'parentbased_traceidratio'])}")
+    raw = env.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG: {raw!r} is not a ratio between 0 and 1")
+    root = sampling.TraceIdRatioBased(ratio)
+    return root if name == "traceidratio" else sampling.ParentBased(root)
+
+
+def check(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The exporters the environment asks for, once its exporters, OTLP protocol and sampler are known
+    to be ones this process can use (ConfigError naming the variable); start-up checks this first."""
+    names = exporters(env)
+    if not names:
+        return names
+    protocol = next((env[p] for p in _PROTOCOLS if env.get(p)), "http/protobuf")
+    if "otlp" in names and protocol != "http/protobuf":
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r}; traces are exported over http/protobuf only")
+    sampler(env)
+    return names
+
+
+def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> TraceSetup | None:
+    """This process's tracing as the environment says; None when it is off. `service`: the service name
+    unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES give one."""
+    names = check(env)
+    if not names:
+        return None
+    try:
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    except ImportError as exc:   # pragma: no cover - the extra is not installed
+        raise _not_installed(exc) from None
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: service}))
+    chosen = sampler(env)
+    provider = TracerProvider(sampler=chosen, resource=resource)   # shut down at exit: what is queued is exported
+    processors = []
+    for name in names:
+        exporter: SpanExporter
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+        else:
+            exporter = ConsoleSpanExporter()
+        processors.append(BatchSpanProcessor(exporter))
+        provider.add_span_processor(processors[-1])
+    return TraceSetup(provider.get_tracer(scope), chosen, resource, InstrumentationScope(scope), tuple(processors))
+
+
+def traceparent(trace_id: int, span_id: int) -> str:
+    """The W3C `traceparent` header naming span `span_id` of trace `trace_id` as the callee's parent
+    (sampled: only sampled requests are traced and pass theirs on)."""
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+def parent(header: str | None) -> Context | None:
+    """The remote parent a W3C `traceparent` header names; None when there is none or it is malformed."""
+    if not header:
+        return None
+    from opentelemetry.trace import get_current_span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    context = TraceContextTextMapPropagator().extract({"traceparent": header})
+    return context if get_current_span(context).get_span_context().is_valid else None
