@@ -4,9 +4,9 @@
 
 The real front door (`gateway.doors.routes.create_server` over `gateway.runtime.build_runtime`, one
 backend) is called in process, on uvloop: each request is handed to the server's handler for its path
-(the completions door, or the FastAPI app through the server's ASGI adapter) as the server would
-after parsing it, with the response written to a sink instead of a socket, and a fake engine client in
-place of the gRPC one (it yields max_tokens GenerateChunks at once). What is left is everything the
+(the completions door, or the route table for the other routes) as the server would after parsing it,
+with the response written to a sink instead of a socket, and a fake engine client in place of the
+gRPC one (it yields max_tokens GenerateChunks at once). What is left is everything the
 gateway does in Python for a request: the door, body parsing and validation, job building,
 admission, routing, metrics, logging calls, response rendering. Subtracting it from the gateway's
 CPU per request under wrk (gateway_overhead.py) leaves the HTTP parsing and socket I/O and the
@@ -22,7 +22,6 @@ benchmarks/results/gateway_micro.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import sys
@@ -111,9 +110,6 @@ class Sink:
     async def drain(self) -> None:
         pass
 
-    def disconnected(self) -> asyncio.Future[None]:
-        return asyncio.get_running_loop().create_future()
-
     def status(self) -> int:
         return int(b"".join(self.data)[9:12])
 
@@ -124,11 +120,7 @@ async def one(server: HttpServer, method: str, path: str, body: bytes) -> int:
     request = Request(method, path.encode(), b"", headers, body, True)
     sink = Sink()
     exchange = Exchange(sink, False, True)  # type: ignore[arg-type]
-    handler = server.routes.get(path)
-    if handler is not None:
-        await handler(request, exchange)
-    else:
-        await server.asgi(sink, request, exchange)  # type: ignore[arg-type]
+    await server.routes.get(path, server.fallback)(request, exchange)
     return sink.status()
 
 

@@ -54,7 +54,7 @@ async def serve(port: int, upstreams: list[str]) -> None:
         finally:
             resp.release()
 
-    async def not_found(scope: dict[str, object], receive: object, send: object) -> None:
+    async def not_found(request: Request, exchange: Exchange) -> None:
         raise RuntimeError("only the completion routes are served")
 
     routes = {path: functools.partial(forward, path=path) for path in ("/v1/chat/completions", "/v1/completions")}

@@ -281,11 +281,9 @@ class DemoUpstream:
         })
 
 
-async def not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Every other path: a 404 in the OpenAI error shape (the server hands unknown paths to an ASGI app)."""
-    body = _error_body(404, f"no route {scope.get('path', '')}")
-    await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", JSON)]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+async def not_found(request: Request, exchange: Exchange) -> None:
+    """Every other path: a 404 in the OpenAI error shape."""
+    exchange.respond(404, [], _error_body(404, f"no route {request.path}"))
 
 
 @dataclass(frozen=True)

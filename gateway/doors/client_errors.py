@@ -5,12 +5,17 @@ transport wrote (gRPC's "<AioRpcError of RPC that terminated with ...>", "failed
 addresses; ... Failed to connect to remote host", "Cancelling all calls", an OSError naming an
 internal address) says nothing a client can act on and names the cluster's insides: it goes to the
 request's log line (under the `x-request-id` the client also gets), never into a response.
+
+Every HTTP route answers an error with `error_headers` and `error_json`: the OpenAI error shape, the
+request's id, and `retry-after` where the error has one.
 """
 
 from __future__ import annotations
 
+import orjson
+
 from gateway.clients.engine_client import HANDOFF_TIMEOUT
-from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, RequestError
+from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, RequestError, openai_error_body
 
 _LAST_ERROR = "; last error: "   # how the pipeline appends a deadline's last backend failure
 
@@ -36,3 +41,15 @@ def client_view(err: RequestError) -> RequestError:
     view = RequestError(message, param=err.param, code=err.code)
     view.status, view.type, view.retry_after_s = err.status, err.type, err.retry_after_s
     return view
+
+
+def error_headers(err: RequestError, request_id: str) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-request-id", request_id.encode())]
+    if err.retry_after_s is not None:
+        headers.append((b"retry-after", b"%d" % max(1, round(err.retry_after_s))))
+    return headers
+
+
+def error_json(err: RequestError) -> bytes:
+    """The body of an HTTP error response: `client_view(err)` in the OpenAI error shape."""
+    return orjson.dumps(openai_error_body(client_view(err)))

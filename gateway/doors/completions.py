@@ -1,12 +1,13 @@
 """The two routes that carry every generation, POST /v1/chat/completions and /v1/completions.
 
-Why not FastAPI here: in front of a fast engine, FastAPI's routing, request objects, dependency
-solving and exception middleware were the largest single share of the gateway's CPU per request
-after the upstream client (docs/FRONT_DOOR.md). These two routes are handlers of the front door's
-own HTTP server (`gateway.doors.http_server`): they get the parsed request and write their response
-straight to the connection. Every other route (models, health, readiness, metrics, admin) stays on
-the FastAPI app. The contract: OpenAI bodies and error shapes, `x-request-id`,
-`x-request-timeout`, API keys, 499 when the client leaves.
+Why handlers of the server itself and not routes of a framework: in front of a fast engine, FastAPI's
+routing, request objects, dependency solving and exception middleware were the largest single share
+of the gateway's CPU per request after the upstream client (docs/FRONT_DOOR.md). These two routes
+are handlers of the front door's own HTTP server (`gateway.doors.http_server`): they get the parsed
+request and write their response straight to the connection, past the route table that serves the
+other routes (`gateway.doors.route_table`). The contract: OpenAI bodies and error shapes,
+`x-request-id`, `x-request-timeout`, API keys, 405 with `allow: POST` for another method, 499 when
+the client leaves.
 
 A client that disconnects cancels its request: the server cancels the handler's task when the
 connection is lost (`Exchange.gone`), which cancels the engine call with it.
@@ -25,13 +26,13 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import ValidationError
 
-from gateway.doors.client_errors import client_view
+from gateway.doors.client_errors import client_view, error_headers, error_json
 from gateway.doors.http_server import Exchange, Handler, Request
 from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.dispatch import Dispatch
 from gateway.pipeline.request_log import RequestLog, RequestRecord
-from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError, openai_error_body
+from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError
 from gateway.requests.job import DEFAULT_TENANT, GenerationJob
 from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,7 @@ _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
 # The `endpoint` label of the request counters, by path: the same on the success and the error paths.
 ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat"),
                                           "/v1/completions": ("completions", "text")}
+_ALLOW = [(b"allow", b"POST")]
 _WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id", b"traceparent"})
 
 
@@ -74,13 +76,6 @@ def client_timeout(raw: str | None) -> float | None:
     if not 0 < value < float("inf"):
         raise InvalidRequest("x-request-timeout must be a positive number of seconds", param="x-request-timeout")
     return value
-
-
-def error_headers(err: RequestError, request_id: str) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-request-id", request_id.encode())]
-    if err.retry_after_s is not None:
-        headers.append((b"retry-after", b"%d" % max(1, round(err.retry_after_s))))
-    return headers
 
 
 def backend_headers(dispatch: Dispatch) -> list[tuple[bytes, bytes]]:
@@ -122,7 +117,8 @@ class CompletionsDoor:
             else:
                 await self._complete(exchange, kind, job, record)
         except RequestError as exc:   # the client gets the gateway's words; the log line, the whole error
-            exchange.respond(exc.status, error_headers(exc, rid), orjson.dumps(openai_error_body(client_view(exc))))
+            allow = _ALLOW if isinstance(exc, MethodNotAllowed) else []
+            exchange.respond(exc.status, error_headers(exc, rid) + allow, error_json(exc))
             self._requests.finish(record, exc.status, error=exc.message)
         except asyncio.CancelledError:
             if not exchange.gone:

@@ -9,31 +9,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI
-from fastapi.responses import FileResponse, Response
+from gateway.doors.http_server import Request
+from gateway.doors.route_table import Reply, RouteHandler, RouteTable
 
 ASSETS = Path(__file__).with_name("dashboard")
-_TYPES = {"index.html": "text/html; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8",
-          "dashboard.css": "text/css; charset=utf-8"}
+_TYPES = {"index.html": b"text/html; charset=utf-8", "dashboard.js": b"text/javascript; charset=utf-8",
+          "dashboard.css": b"text/css; charset=utf-8"}
+_PATHS = {"/dashboard": "index.html", "/dashboard/dashboard.js": "dashboard.js",
+          "/dashboard/dashboard.css": "dashboard.css"}
 # The scripts and styles come from this origin only: a page behind an admin key loads nothing else.
-_CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; frame-ancestors 'none'"
+_HEADERS = [(b"content-security-policy", b"default-src 'self'; img-src 'self' data:; object-src 'none'; "
+                                         b"frame-ancestors 'none'"),
+            (b"cache-control", b"no-cache")]
 
 
-def add_dashboard(app: FastAPI) -> None:
-    """Register `/dashboard` and its two assets on the routes' app."""
+def add_dashboard(table: RouteTable) -> None:
+    """Register `/dashboard` and its two assets, read once here (a few kB, shipped with the package)."""
+    for path, name in _PATHS.items():
+        table.add("GET", path, _asset(Reply(200, (ASSETS / name).read_bytes(), _TYPES[name], _HEADERS)))
 
-    def asset(name: str) -> Response:
-        return FileResponse(ASSETS / name, media_type=_TYPES[name],
-                            headers={"content-security-policy": _CSP, "cache-control": "no-cache"})
 
-    @app.get("/dashboard", include_in_schema=False)
-    async def page() -> Response:
-        return asset("index.html")
+def _asset(reply: Reply) -> RouteHandler:
+    async def serve(request: Request, _: str) -> Reply:
+        return reply
 
-    @app.get("/dashboard/dashboard.js", include_in_schema=False)
-    async def script() -> Response:
-        return asset("dashboard.js")
-
-    @app.get("/dashboard/dashboard.css", include_in_schema=False)
-    async def style() -> Response:
-        return asset("dashboard.css")
+    return serve

@@ -15,38 +15,38 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from gateway.control.fleet import Fleet
+from gateway.doors.http_server import Request
+from gateway.doors.route_table import Reply, RouteTable, json_reply
 from gateway.requests.errors import InvalidRequest
 from gateway.runtime import Runtime
 
-Respond = Callable[[Any, int], Response]
-Authorize = Callable[..., None]
+Authorize = Callable[..., None]   # (request, *, admin): raises Unauthorized
 
 
-def add_fleet_routes(app: FastAPI, runtime: Runtime, fleet: Fleet, authorize: Authorize, respond: Respond) -> None:
+def add_fleet_routes(table: RouteTable, runtime: Runtime, fleet: Fleet, authorize: Authorize) -> None:
     def described(backend_id: str) -> dict[str, Any]:
         return next((b for b in runtime.describe_backends() if b["id"] == backend_id), {"id": backend_id})
 
-    @app.post("/admin/backends")
-    async def add_backend(request: Request) -> Response:
+    async def add_backend(request: Request, _: str) -> Reply:
         authorize(request, admin=True)
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"the body is not JSON: {exc}", code="invalid_backend") from None
-        return respond(described(fleet.add(body)), 201)
+        return json_reply(described(fleet.add(body)), 201)
 
-    @app.post("/admin/backends/{backend_id}/drain")
-    async def drain_backend(request: Request, backend_id: str) -> Response:
+    async def drain_backend(request: Request, backend_id: str) -> Reply:
         authorize(request, admin=True)
         fleet.drain(backend_id)
-        return respond(described(backend_id), 202)
+        return json_reply(described(backend_id), 202)
 
-    @app.delete("/admin/backends/{backend_id}")
-    async def remove_backend(request: Request, backend_id: str) -> Response:
+    async def remove_backend(request: Request, backend_id: str) -> Reply:
         authorize(request, admin=True)
         fleet.remove(backend_id)
-        return respond({"id": backend_id, "removing": True}, 202)
+        return json_reply({"id": backend_id, "removing": True}, 202)
+
+    table.add("POST", "/admin/backends", add_backend)
+    table.add("POST", "/admin/backends/{backend_id}/drain", drain_backend)
+    table.add("DELETE", "/admin/backends/{backend_id}", remove_backend)

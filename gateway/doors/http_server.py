@@ -4,8 +4,9 @@ Why not uvicorn: in front of a fast engine, uvicorn's ASGI cycle (scope and mess
 checks, two writes a response) and the task a raw-ASGI route needs to hear a disconnect were about a
 quarter of the gateway's CPU per request (docs/FRONT_DOOR.md). Here the hot routes (the completions
 door) get the parsed request and write their response to the transport themselves, in one write; a
-client that leaves cancels its handler from `connection_lost`, with no watcher task. Every other
-route (models, health, metrics, admin) goes to an ASGI app (FastAPI) through a small adapter.
+client that leaves cancels its handler from `connection_lost`, with no watcher task. It is the
+gateway's only HTTP server: every other route (models, health, metrics, admin, the dashboard) is a
+handler of it too, through the route table (`gateway.doors.route_table`).
 
 What it does: keep-alive with an idle timeout (which also bounds how long a request's line and
 headers may take to arrive), a deadline for the whole body from the end of the headers (408 and a
@@ -27,7 +28,6 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import httptools
@@ -40,9 +40,6 @@ from gateway.requests.errors import http_error, openai_error_body
 log = structlog.get_logger("gateway.http")
 
 Headers = list[tuple[bytes, bytes]]
-Message = dict[str, Any]
-ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
-                   Awaitable[None]]
 
 MAX_HEADER_BYTES = 64 * 1024     # request line and headers; more gets 431
 MAX_PIPELINED = 16               # complete requests queued behind the one in flight before reading pauses
@@ -52,8 +49,8 @@ _JSON = b"application/json"
 
 
 class Request:
-    """One parsed request; header names are lower case. `path` is decoded as ASGI's is (percent-escapes,
-    then UTF-8), and routes match it; `raw_path` is the bytes as sent."""
+    """One parsed request; header names are lower case. `path` is decoded (every percent-escape, `%2F`
+    included, then UTF-8, as ASGI servers give it), and routes match it; `raw_path` is the bytes as sent."""
 
     __slots__ = ("body", "headers", "http_11", "method", "path", "query", "raw_path")
 
@@ -214,7 +211,6 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
         self._closed = False
-        self._disconnected: asyncio.Future[None] | None = None   # for ASGI receive() after the body
         self._last_read = False     # a request without keep-alive, or a refused one, was read: no more are
         self._queue_full = False    # reading paused while MAX_PIPELINED requests wait
         self._owe_continue = False  # a 100 Continue to send once the responses before it are written
@@ -270,9 +266,8 @@ class _Connection(asyncio.Protocol):
         if exchange is not None and not exchange.done and self._task is not None:
             exchange.gone = True
             self._task.cancel()
-        for waiter in (self._drained, self._disconnected):
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -380,9 +375,8 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
         exchange = Exchange(self, request.method == "HEAD", request.http_11)
         self._exchange = exchange
-        handler = self._server.routes.get(request.path)
-        coro = handler(request, exchange) if handler is not None else self._server.asgi(self, request, exchange)
-        self._task = self._loop.create_task(self._run(coro, exchange))
+        handler = self._server.routes.get(request.path, self._server.fallback)
+        self._task = self._loop.create_task(self._run(handler(request, exchange), exchange))
 
     async def _run(self, coro: Awaitable[None], exchange: Exchange) -> None:
         try:
@@ -412,13 +406,6 @@ class _Connection(asyncio.Protocol):
         if self._paused and not self._closed:
             self._drained = self._loop.create_future()
             await self._drained
-
-    def disconnected(self) -> asyncio.Future[None]:
-        if self._disconnected is None:
-            self._disconnected = self._loop.create_future()
-            if self._closed:
-                self._disconnected.set_result(None)
-        return self._disconnected
 
     def _refuse(self, status: int, message: str) -> None:
         """Answers a request that could not be read and closes: at once when nothing is in flight, else
@@ -490,9 +477,9 @@ class _Connection(asyncio.Protocol):
 
 
 class HttpServer:
-    """Serves `routes` (exact paths) natively and everything else through the ASGI app `fallback`."""
+    """Serves `routes` (exact paths) with their handlers, and every other path with `fallback`."""
 
-    def __init__(self, routes: dict[str, Handler], fallback: ASGIApp, *, max_body_bytes: int, idle_s: float,
+    def __init__(self, routes: dict[str, Handler], fallback: Handler, *, max_body_bytes: int, idle_s: float,
                  body_timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self.routes = routes
         self.fallback = fallback
@@ -543,51 +530,3 @@ class HttpServer:
             self._trim = None
         if self._server is not None:
             await self._server.wait_closed()
-
-    async def asgi(self, conn: _Connection, request: Request, exchange: Exchange) -> None:
-        """Runs the fallback ASGI app for one request: the body is already read, a disconnect ends receive()."""
-        transport = conn._transport
-        server = transport.get_extra_info("sockname") if transport is not None else None
-        client = transport.get_extra_info("peername") if transport is not None else None
-        scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1" if request.http_11 else "1.0", "method": request.method,
-            "scheme": "https" if self._ssl is not None else "http", "path": request.path,
-            "raw_path": request.raw_path, "query_string": request.query, "root_path": "",
-            "headers": request.headers, "server": tuple(server[:2]) if server else None,
-            "client": tuple(client[:2]) if client else None,
-        }
-        sent_body = False
-
-        async def receive() -> Message:
-            nonlocal sent_body
-            if not sent_body:
-                sent_body = True
-                return {"type": "http.request", "body": request.body, "more_body": False}
-            await conn.disconnected()
-            return {"type": "http.disconnect"}
-
-        start: Message = {}
-
-        async def send(message: Message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start":
-                start = message
-                return
-            if message["type"] != "http.response.body" or exchange.done:
-                return
-            body, more = message.get("body", b""), message.get("more_body", False)
-            if not exchange.started:
-                headers = [(bytes(k).lower(), bytes(v)) for k, v in start.get("headers", [])]
-                sized = any(k == b"content-length" for k, _ in headers)
-                if not sized and not more:
-                    headers.append((b"content-length", b"%d" % len(body)))
-                    sized = True
-                exchange.start_stream(start["status"], headers, sized=sized)
-            exchange.send(body)
-            if not more:
-                exchange.end_stream()
-            else:
-                await exchange.drain()   # ASGI's send() is where an app waits for a slow client
-
-        await self.fallback(scope, receive, send)

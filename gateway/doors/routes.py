@@ -1,110 +1,96 @@
-"""The HTTP front door: the completions routes on the door's own server (`completions_door`), the rest on FastAPI.
+"""The HTTP front door: one server (`gateway.doors.http_server`) for every route.
 
-Every error leaves through `error_response`, so clients always get an OpenAI-shaped body, never a
-stack trace.
+    POST /v1/chat/completions, /v1/completions   the completions door (`completions.py`)
+    GET  /v1/models, /v1/models/{id}              the served model, behind the API keys
+    GET  /health, /ready                          liveness; readiness (503 while not ready)
+    GET  /metrics, /admin/backends, /admin/usage  behind the admin keys
+    POST, DELETE /admin/backends...               the fleet changed at runtime (`fleet_routes.py`)
+    GET  /dashboard                               the operator's page (`dashboard.py`)
+
+Every route but the completions is a handler of the route table (`route_table.py`), which answers
+HEAD, 404, 405, `x-request-id` and errors in the OpenAI shape for all of them.
 """
 
 from __future__ import annotations
 
 import ssl
-from typing import Any
-
-import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.control.fleet import Fleet
-from gateway.doors.completions import CompletionsDoor, error_headers
+from gateway.doors.completions import CompletionsDoor
 from gateway.doors.dashboard import add_dashboard
 from gateway.doors.fleet_routes import add_fleet_routes
-from gateway.doors.http_server import HttpServer
+from gateway.doors.http_server import HttpServer, Request, find_header
 from gateway.doors.jobs import JobBuilder
-from gateway.doors.request_ids import new_request_id
-from gateway.requests.errors import RequestError, http_error, openai_error_body
+from gateway.doors.route_table import Reply, RouteTable, json_reply
 from gateway.runtime import Runtime
 
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+_METRICS = b"text/plain; version=0.0.4; charset=utf-8"
 
 
-def error_response(err: RequestError, request_id: str) -> Response:
-    headers = {k.decode(): v.decode() for k, v in error_headers(err, request_id)}
-    return json_response(openai_error_body(err), err.status, headers)
+class GatewayRoutes:
+    """The handlers of the routes other than the completions and the fleet's, on one runtime."""
 
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._jobs = JobBuilder(runtime)
 
-def request_id_of(request: Request) -> str:
-    rid = getattr(request.state, "request_id", None)
-    if rid is None:
-        rid = new_request_id(request.headers.get("x-request-id"))
-        request.state.request_id = rid
-    return str(rid)
+    def add_to(self, table: RouteTable) -> None:
+        table.add("GET", "/v1/models", self.models)
+        table.add("GET", "/v1/models/{model_id:path}", self.model)
+        table.add("GET", "/health", self.health)
+        table.add("GET", "/ready", self.ready)
+        table.add("GET", "/metrics", self.metrics)
+        table.add("GET", "/admin/backends", self.admin_backends)
+        table.add("GET", "/admin/usage", self.admin_usage)
 
+    def authorize(self, request: Request, *, admin: bool = False) -> None:
+        header = find_header(request.headers, b"authorization")
+        self._runtime.keys.check(header.decode("latin-1") if header is not None else None, admin=admin)
 
-def create_app(runtime: Runtime, fleet: Fleet | None = None) -> FastAPI:
-    app = FastAPI(title="HeteroGate", version="0.1.0", docs_url=None, redoc_url=None)
-    app.state.runtime = runtime
-    jobs = JobBuilder(runtime)
+    async def models(self, request: Request, _: str) -> Reply:
+        self.authorize(request)
+        return json_reply({"object": "list", "data": self._runtime.model_cards()})
 
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, exc: RequestError) -> Response:
-        return error_response(exc, request_id_of(request))
+    async def model(self, request: Request, model_id: str) -> Reply:
+        self.authorize(request)
+        return json_reply(self._runtime.model_card(self._jobs.check_model(model_id).name))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(http_error(exc.status_code, str(exc.detail)), request_id_of(request))
+    async def health(self, request: Request, _: str) -> Reply:
+        return json_reply({"status": "ok"})
 
-    def authorize(request: Request, *, admin: bool = False) -> None:
-        runtime.keys.check(request.headers.get("authorization"), admin=admin)
+    async def ready(self, request: Request, _: str) -> Reply:
+        state = self._runtime.readiness()
+        return json_reply(state, 200 if state["ready"] else 503)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        authorize(request)
-        return json_response({"object": "list", "data": runtime.model_cards()})
+    async def metrics(self, request: Request, _: str) -> Reply:
+        self.authorize(request, admin=True)
+        return Reply(200, self._runtime.metrics.render(), _METRICS)
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str) -> Response:
-        authorize(request)
-        return json_response(runtime.model_card(jobs.check_model(model_id).name))
+    async def admin_backends(self, request: Request, _: str) -> Reply:
+        self.authorize(request, admin=True)
+        return json_reply({"object": "list", "data": self._runtime.describe_backends()})
 
-    # Probes and load balancers may ask with HEAD: the same status, no body (the server drops it).
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        return json_response({"status": "ok"})
-
-    @app.api_route("/ready", methods=["GET", "HEAD"])
-    async def ready() -> Response:
-        state = runtime.readiness()
-        return json_response(state, 200 if state["ready"] else 503)
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        authorize(request, admin=True)
-        return Response(runtime.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/admin/backends")
-    async def admin_backends(request: Request) -> Response:
-        authorize(request, admin=True)
-        return json_response({"object": "list", "data": runtime.describe_backends()})
-
-    if fleet is not None:
-        add_fleet_routes(app, runtime, fleet, authorize, json_response)
-
-    @app.get("/admin/usage")
-    async def admin_usage(request: Request) -> Response:
+    async def admin_usage(self, request: Request, _: str) -> Reply:
         """Per tenant: policy, current windows (every replica's, with Redis), this process's counters."""
-        authorize(request, admin=True)
-        return json_response({"object": "list", "data": await runtime.pipeline.tenants.usage()})
+        self.authorize(request, admin=True)
+        return json_reply({"object": "list", "data": await self._runtime.pipeline.tenants.usage()})
 
-    add_dashboard(app)
-    return app
+
+def route_table(runtime: Runtime, fleet: Fleet | None = None) -> RouteTable:
+    """Every route but the completions; with `fleet`, the admin routes that change the fleet at runtime."""
+    table = RouteTable()
+    routes = GatewayRoutes(runtime)
+    routes.add_to(table)
+    if fleet is not None:
+        add_fleet_routes(table, runtime, fleet, routes.authorize)
+    add_dashboard(table)
+    return table
 
 
 def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext | None = None,
                   fleet: Fleet | None = None) -> HttpServer:
-    """The front door: the completions routes natively, the FastAPI app for the rest (with `fleet`, the
-    admin routes that change the fleet at runtime)."""
-    return HttpServer(CompletionsDoor(runtime).routes(), create_app(runtime, fleet),  # type: ignore[arg-type]
+    """The front door: the completions door's handlers, and the route table for every other path."""
+    table = route_table(runtime, fleet)
+    return HttpServer({**table.handlers(), **CompletionsDoor(runtime).routes()}, table.fallback,
                       max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s,
                       body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context)

@@ -1,6 +1,7 @@
 """The real gateway's front door against hostile clients and broken backends: stalled bodies cut by
 `limits.body_timeout_s`; requests with two `Authorization` headers refused on every route, on both
-doors; a backend that cannot be reached reported in the gateway's words, never gRPC's.
+doors; wrong methods, unknown paths, HEAD and percent-escapes on the routes of the route table; a
+backend that cannot be reached reported in the gateway's words, never gRPC's.
 
 `gw`: one `kind: openai` backend where nothing listens (nothing there needs an engine's answer), a
 short body timeout, API keys on. `unreachable_gw`: one external engine that heartbeats (from this
@@ -122,6 +123,28 @@ def test_two_authorization_headers_get_400_on_every_route(gw: Gateway, method: s
     # one header with either key is read as it always was
     one = httpx.get(f"{gw.url}/admin/backends", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=IO_S)
     assert one.status_code == 200
+
+
+def test_the_route_tables_answers_on_the_real_gateway(gw: Gateway) -> None:
+    user, admin = {"authorization": f"Bearer {KEY}"}, {"authorization": f"Bearer {ADMIN_KEY}"}
+    with httpx.Client(base_url=gw.url, timeout=IO_S) as c:
+        for path, keys in (("/v1/models", user), ("/metrics", admin), ("/dashboard", {})):
+            got, head = c.get(path, headers=keys), c.head(path, headers=keys)
+            assert (got.status_code, head.status_code, head.content) == (200, 200, b"")
+            assert head.headers["content-type"] == got.headers["content-type"]
+            assert int(head.headers["content-length"]) > 0
+        refused = c.head("/v1/models")
+        assert (refused.status_code, refused.content) == (401, b"")
+        model = c.get("/v1/models/llava%2D1.5-7b", headers={**user, "x-request-id": "routes-1"})
+        assert (model.json()["id"], model.headers["x-request-id"]) == ("llava-1.5-7b", "routes-1")
+        for method, path, allow in (("POST", "/health", "GET, HEAD"), ("DELETE", "/admin/backends", "GET, HEAD, POST"),
+                                    ("GET", "/admin/backends/up0/drain", "POST"), ("PUT", "/v1/completions", "POST")):
+            wrong = c.request(method, path, headers=admin)
+            assert (wrong.status_code, wrong.headers["allow"]) == (405, allow)
+            assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+        unknown = c.get("/v1/nope", headers=user)
+        assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "Not Found"
+        assert "x-request-id" in unknown.headers
 
 
 def test_two_authorization_entries_on_the_grpc_door(gw: Gateway) -> None:

@@ -1,7 +1,7 @@
 """The front door's HTTP/1.1 server (gateway.doors.http_server) as a real server on loopback: raw sockets and
 httpx against small handlers written here. Keep-alive and close, pipelining, `Expect: 100-continue`,
 body and header limits, garbage, disconnects, the idle timeout, chunked streaming and write flow
-control, the ASGI fallback, handler errors, the drain on stop, and TLS."""
+control, the fallback handler of unrouted paths, handler errors, the drain on stop, and TLS."""
 
 from __future__ import annotations
 
@@ -29,17 +29,14 @@ from tests.tls_certs import self_signed
 pytestmark = pytest.mark.timeout(30)   # a backstop; every test also bounds its own waits
 
 Handler = Callable[[Request, Exchange], Awaitable[None]]
-Message = dict[str, Any]
 IO_S = 5.0   # the longest any single read or connect may take
 
 
 # -- the server under test ---------------------------------------------------------------------
 
 
-async def not_found(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
-                    send: Callable[[Message], Awaitable[None]]) -> None:
-    await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"text/plain")]})
-    await send({"type": "http.response.body", "body": b"not found"})
+async def not_found(request: Request, exchange: Exchange) -> None:
+    exchange.respond(404, [], b"not found", b"text/plain")
 
 
 async def ping(request: Request, exchange: Exchange) -> None:
@@ -57,7 +54,7 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(routes: dict[str, Handler], fallback: Any = not_found, *, max_body_bytes: int = 1 << 20,
+async def serve(routes: dict[str, Handler], fallback: Handler = not_found, *, max_body_bytes: int = 1 << 20,
                 idle_s: float = 5.0, body_timeout_s: float = 5.0,
                 ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[Served]:
     """An HttpServer listening on 127.0.0.1:<free port>; stopped, with every task it started finished, on exit."""
@@ -570,7 +567,7 @@ async def test_a_request_head_trickled_in_is_cut_at_idle_s() -> None:
         await conn.close()
 
 
-@pytest.mark.parametrize("path", ["/ping", "/asgi"], ids=["native", "asgi"])
+@pytest.mark.parametrize("path", ["/ping", "/elsewhere"], ids=["route", "fallback"])
 async def test_two_authorization_headers_get_400_and_a_close(path: str) -> None:
     """Readers of headers differ on which of two counts (the first, the last): neither is served."""
     async with serve({"/ping": ping}) as s:
@@ -762,10 +759,10 @@ async def test_http_1_0_stream_is_unchunked_and_ends_with_the_close() -> None:
         await conn.close()
 
 
-@pytest.mark.parametrize("side", ["handler", "asgi"])
+@pytest.mark.parametrize("side", ["route", "fallback"])
 async def test_streaming_to_a_client_that_does_not_read_is_flow_controlled(side: str) -> None:
     """32 MiB in 64 KiB pieces to a client that reads nothing at first: the writer (a handler awaiting
-    exchange.drain(), or an ASGI app awaiting send()) stalls early; once the client reads, all of it
+    exchange.drain(), as a route or as the fallback) stalls early; once the client reads, all of it
     arrives intact."""
     piece_size, pieces = 64 * 1024, 512
     total = piece_size * pieces
@@ -785,18 +782,8 @@ async def test_streaming_to_a_client_that_does_not_read_is_flow_controlled(side:
         exchange.end_stream()
         done.set()
 
-    async def asgi_firehose(scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
-                            send: Callable[[Message], Awaitable[None]]) -> None:
-        nonlocal sent
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        for i in range(pieces):
-            await send({"type": "http.response.body", "body": piece(i), "more_body": True})
-            sent += piece_size
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        done.set()
-
-    routes: dict[str, Handler] = {"/firehose": firehose} if side == "handler" else {}
-    async with serve(routes, asgi_firehose) as s:
+    routes: dict[str, Handler] = {"/firehose": firehose} if side == "route" else {}
+    async with serve(routes, firehose if side == "fallback" else not_found) as s:
         conn = await Conn.open(s.port, rcvbuf=256 * 1024)
         conn.send(get("/firehose"))
         await asyncio.sleep(0.3)
@@ -825,77 +812,41 @@ async def test_streaming_to_a_client_that_does_not_read_is_flow_controlled(side:
         await conn.close()
 
 
-# -- the ASGI fallback -------------------------------------------------------------------------
+# -- the fallback ------------------------------------------------------------------------------
 
 
-class AsgiApp:
-    """A bare ASGI app (no framework) for the paths the server has no route for."""
+class Fallback:
+    """The fallback handler: records every request it gets and answers 404."""
 
     def __init__(self) -> None:
-        self.scopes: list[dict[str, Any]] = []
-        self.received: list[Message] = []
-        self.finished = asyncio.Event()
+        self.requests: list[Request] = []
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
-        assert scope["type"] == "http"
-        self.scopes.append(scope)
-        path = scope["path"]
-        start: Message = {"type": "http.response.start", "status": 200,
-                          "headers": [(b"content-type", b"text/plain"), (b"x-app", b"asgi")]}
-        if path == "/sized":
-            start["headers"] = [*start["headers"], (b"Content-Length", b"5")]
-            await send(start)
-            await send({"type": "http.response.body", "body": b"hello"})
-        elif path == "/unsized":
-            await send(start)
-            await send({"type": "http.response.body", "body": b"no length given"})
-        elif path == "/pieces":
-            await send(start)
-            for part in (b"one", b"two", b"three"):
-                await send({"type": "http.response.body", "body": part, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        elif path == "/linger":   # answers, then waits for the client to leave
-            self.received.append(await receive())
-            await send({**start, "status": 201})
-            await send({"type": "http.response.body", "body": b"bye"})
-            self.received.append(await receive())
-            self.finished.set()
-        else:
-            await not_found(scope, receive, send)
+    async def __call__(self, request: Request, exchange: Exchange) -> None:
+        self.requests.append(request)
+        await not_found(request, exchange)
 
 
-async def test_asgi_fallback_responses() -> None:
-    app = AsgiApp()
-    async with serve({"/ping": ping}, app) as s:
+async def test_the_fallback_gets_every_path_without_a_route() -> None:
+    fallback = Fallback()
+    async with serve({"/ping": ping}, fallback) as s:
         conn = await Conn.open(s.port)
-        conn.send(get("/sized") + get("/unsized") + get("/pieces") + get("/ping") + get("/nowhere?x=1"))
-        sized = await conn.response()
-        assert (sized.status, sized.body, sized.headers[b"content-length"]) == (200, b"hello", b"5")
-        assert sized.headers[b"x-app"] == b"asgi" and b"transfer-encoding" not in sized.headers
-        unsized = await conn.response()
-        assert (unsized.body, unsized.headers[b"content-length"]) == (b"no length given", b"15")
-        pieces = await conn.response()
-        assert pieces.headers[b"transfer-encoding"] == b"chunked"
-        assert pieces.chunks == [b"one", b"two", b"three"]
-        assert (await conn.response()).body == b"pong"   # a route: never reaches the app
-        missing = await conn.response()
-        assert (missing.status, missing.body) == (404, b"not found")
+        conn.send(get("/ping") + get("/nowhere?x=1") + post("/ping/", b"body"))
+        assert (await conn.response()).body == b"pong"   # a route: never reaches the fallback
+        for _ in range(2):
+            missing = await conn.response()
+            assert (missing.status, missing.body) == (404, b"not found")
         await conn.close()
-
-    assert [scope["path"] for scope in app.scopes] == ["/sized", "/unsized", "/pieces", "/nowhere"]
-    scope = app.scopes[-1]
-    assert (scope["method"], scope["query_string"], scope["http_version"], scope["scheme"]) == \
-        ("GET", b"x=1", "1.1", "http")
-    assert scope["server"] == ("127.0.0.1", s.port) and scope["client"][0] == "127.0.0.1"
-    assert (b"host", b"test") in scope["headers"]
+    nowhere, slash = fallback.requests
+    assert (nowhere.method, nowhere.path, nowhere.query, nowhere.http_11) == ("GET", "/nowhere", b"x=1", True)
+    assert (b"host", b"test") in nowhere.headers
+    assert (slash.method, slash.path, slash.body) == ("POST", "/ping/", b"body")
 
 
-async def test_paths_are_percent_decoded_as_asgi_says_and_raw_path_is_kept() -> None:
-    """ASGI: `path` with percent-escapes and UTF-8 decoded, `raw_path` the bytes as sent; routes match
-    the decoded path, as a framework's would."""
-    app = AsgiApp()
-    async with serve({"/ping": ping}, app) as s:
+async def test_paths_are_percent_decoded_and_raw_path_is_kept() -> None:
+    """`path` with every percent-escape and UTF-8 decoded (as ASGI servers give it), `raw_path` the bytes
+    as sent; routes match the decoded path."""
+    fallback = Fallback()
+    async with serve({"/ping": ping}, fallback) as s:
         conn = await Conn.open(s.port)
         conn.send(get("/caf%C3%A9/a%20b%2Fc?q=%20") + get("/pi%6Eg") + get("/plain") + get("/bad%ff%"))
         assert (await conn.response()).status == 404
@@ -904,28 +855,10 @@ async def test_paths_are_percent_decoded_as_asgi_says_and_raw_path_is_kept() -> 
         for _ in range(2):
             assert (await conn.response()).status == 404
         await conn.close()
-    encoded, plain, bad = app.scopes
-    assert (encoded["path"], encoded["raw_path"], encoded["query_string"]) == \
-        ("/café/a b/c", b"/caf%C3%A9/a%20b%2Fc", b"q=%20")
-    assert (plain["path"], plain["raw_path"]) == ("/plain", b"/plain")
-    assert (bad["path"], bad["raw_path"]) == ("/bad\ufffd%", b"/bad%ff%")
-
-
-async def test_asgi_receive_gives_the_body_then_the_disconnect() -> None:
-    app = AsgiApp()
-    async with serve({}, app) as s:
-        conn = await Conn.open(s.port)
-        conn.send(post("/linger", b"payload"))
-        response = await conn.response()
-        assert (response.status, response.body) == (201, b"bye")
-        assert not app.finished.is_set()   # receive() waits while the client is there
-        await asyncio.sleep(0.05)
-        assert not app.finished.is_set()
-        await conn.close()
-        async with asyncio.timeout(IO_S):
-            await app.finished.wait()
-    assert app.received == [{"type": "http.request", "body": b"payload", "more_body": False},
-                            {"type": "http.disconnect"}]
+    encoded, plain, bad = fallback.requests
+    assert (encoded.path, encoded.raw_path, encoded.query) == ("/café/a b/c", b"/caf%C3%A9/a%20b%2Fc", b"q=%20")
+    assert (plain.path, plain.raw_path) == ("/plain", b"/plain")
+    assert (bad.path, bad.raw_path) == ("/bad\ufffd%", b"/bad%ff%")
 
 
 # -- handler errors ----------------------------------------------------------------------------
@@ -1043,15 +976,21 @@ async def test_tls(tmp_path: Path) -> None:
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(cert, key)
     client_ctx = ssl.create_default_context(cafile=str(cert))
-    app = AsgiApp()
-    async with serve({"/echo": echo}, app, ssl_context=server_ctx) as s, \
+
+    async def pieces(request: Request, exchange: Exchange) -> None:
+        exchange.start_stream(200, [(b"content-type", b"text/plain")])
+        for part in (b"one", b"two", b"three"):
+            exchange.send(part)
+            await exchange.drain()
+        exchange.end_stream()
+
+    async with serve({"/echo": echo, "/pieces": pieces}, ssl_context=server_ctx) as s, \
             httpx.AsyncClient(verify=client_ctx, timeout=IO_S) as client:
         base = f"https://127.0.0.1:{s.port}"
         r = await client.post(f"{base}/echo", content=b"over tls")
         assert (r.status_code, r.content) == (200, b"over tls")
         r = await client.get(f"{base}/pieces")
-        assert (r.status_code, r.content) == (200, b"onetwothree")
-        assert app.scopes[-1]["scheme"] == "https"
+        assert (r.status_code, r.content, r.headers["transfer-encoding"]) == (200, b"onetwothree", "chunked")
         assert len(s.server.connections) == 1   # one TLS connection for both
 
         with pytest.raises(httpx.ConnectError):   # a client that does not trust the certificate
