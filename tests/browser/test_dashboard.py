@@ -64,6 +64,7 @@ def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_pat
         shown = rows(driver)
         for backend_id, b in backends.items():
             assert shown[backend_id]["GPU"] == b["gpu"] and shown[backend_id]["role"] == b["role"]
+            assert shown[backend_id]["models"] == ", ".join(b["models"])
             assert shown[backend_id]["state"] == "healthy" and shown[backend_id]["restarts"] == "0"
 
         with gw.client() as client:

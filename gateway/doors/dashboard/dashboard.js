@@ -86,6 +86,7 @@ function renderBackends(backends, metrics, rates) {
     cell(tr, b.id);
     cell(tr, b.role);
     cell(tr, b.gpu);
+    cell(tr, (b.models || []).join(", "));
     cell(tr, b.state, "state");
     cell(tr, b.breaker, b.breaker === "closed" ? "breaker" : "breaker breaker-open");
     cell(tr, String(b.queue_depth));
