@@ -56,6 +56,7 @@ from gateway.config.tenants import TenantsConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers
 from gateway.pipeline.metrics import GatewayMetrics
+from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.request_log import RequestRecord
 from gateway.pipeline.tenants import Tenants
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, NoBackendAvailable
@@ -213,6 +214,8 @@ class Dispatch:
         self._answered = True
         p.breakers.on_success(self.backend_id)
         p.table.first_token(self.lease)
+        if p.overload is not None:   # the backlog ahead of a held request fell
+            p.overload.notify()
         if first.embedding_wait_s:
             p.metrics.handoff_wait_seconds.labels(self.backend_id).observe(first.embedding_wait_s)
         p.metrics.ttft_seconds.observe((self.backend_id,), self.ttft_s)
@@ -284,6 +287,8 @@ class Dispatch:
         p = self._pipeline
         p.table.release(self.lease, completed if self.streamed else 0)
         p.admission.notify()
+        if p.overload is not None:
+            p.overload.finished()
         if error is not None and p.backend_fault(error, self.backend_id, self.record, self.loop_deadline):
             p.breakers.on_failure(self.backend_id)
         elif not self._answered:
@@ -319,6 +324,7 @@ class Pipeline:
         self.metrics = metrics
         self.settings = settings
         self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
+        self.overload: OverloadGate | None = None   # the overload queue (set by the runtime when enabled)
         self.watch = FirstTokenWatch(table, table.heartbeat_interval_s, self.first_token_limit)
         self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
         self.clock = clock or table.clock
@@ -370,6 +376,10 @@ class Pipeline:
         limit = self.admission.config.saturated_queue_depth
         candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
+
+    def language_candidates(self) -> Candidates:
+        """The healthy language candidates now, as the overload queue reads them."""
+        return self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
 
     def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0) -> (
         Decision | None
@@ -436,6 +446,10 @@ class Pipeline:
         deadline = self.deadline(job, record)
         profile = self.profile(job, record)
         admitted = self._admitted(profile, job.context_tokens)
+        gate = self.overload
+        if gate is not None and (gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
+            if await gate.wait(profile, self.language_candidates, deadline):   # held: route when released
+                admitted = self._admitted(profile, job.context_tokens)
         if admitted is None:
             await self.admission.wait_for_capacity(self.saturated, deadline, ticket.share)
         return await self._dispatch(job, record, profile, admitted)
