@@ -19,7 +19,9 @@ every target sees the same requests per member, load and seed. Goodput = share o
 requests with TTFT <= 2 s and mean inter-token time <= 100 ms.
 
 Targets: `cwlor` (the proxy: capacity-weighted least-outstanding, weights = each engine's saturated
-rate), `lor` (unweighted), and every language policy of the registry by name; `--variant
+rate), `lor` (unweighted), `default` (the gateway as configured by default: its default policy
+behind its overload queue, gateway/pipeline/overload.py, when that is on by default), and every
+language policy of the registry by name (without the overload queue); `--variant
 name=policy:{"param": value}` adds a policy with parameters; `--gate name=target:{"setting": value}`
 adds a target (a policy or a variant) behind the gateway's overload queue with those settings
 (gateway.config.sections.OverloadConfig, enabled; `{}`: its defaults). Prints, per load, each member's proxy
@@ -49,6 +51,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.gateway_overhead import git_state  # noqa: E402
 from common.catalog import load_catalog  # noqa: E402
+from gateway.config.cluster import RoutingConfig  # noqa: E402
 from gateway.config.sections import OverloadConfig  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import Policy  # noqa: E402
@@ -56,13 +59,14 @@ from loadtest.sim.family import Member, RunSettings, capacity_rps, family, run  
 
 RESULTS = ROOT / "benchmarks" / "results" / "routing_family.json"
 PROXY = "cwlor"
-DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", "heteroserve", "batch_aware", "shortest_queue", "power_of_two",
-                   "round_robin", "capacity_proportional")
+DEFAULT = "default"   # the gateway as configured by default: its default policy behind its default overload queue
+DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", DEFAULT, "heteroserve", "batch_aware", "shortest_queue",
+                   "power_of_two", "round_robin", "capacity_proportional")
 LOADS = (0.6, 0.9, 1.0, 1.2)
 SEEDS = (11, 12, 13, 14, 15, 16)   # the settings of the default policy were chosen on seeds 1-6 (tuned members)
 Cell = tuple[str, float, int, str]    # member, load, seed, target
 Variants = dict[str, tuple[str, dict[str, Any]]]   # name -> (policy, its parameters)
-Gates = dict[str, tuple[str, OverloadConfig]]      # name -> (target, the overload queue's settings)
+Gates = dict[str, tuple[str, OverloadConfig | None]]   # name -> (target, the overload queue's settings)
 
 
 def make_policy(target: str, variants: dict[str, tuple[str, dict[str, Any]]], member: Member, seed: int) -> Policy:
@@ -183,6 +187,12 @@ def parse_variants(specs: list[str]) -> Variants:
     return variants
 
 
+def default_gateway() -> tuple[str, OverloadConfig | None]:
+    """The `default` target: the default language policy, behind the overload queue if it is on by default."""
+    overload = OverloadConfig()
+    return RoutingConfig().policy, overload if overload.enabled else None
+
+
 def parse_gates(specs: list[str]) -> Gates:
     """NAME=TARGET:JSON: TARGET behind the overload queue, enabled, with the JSON's settings."""
     return {name: (target, OverloadConfig(**{**params, "enabled": True}))
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    variants, gates = parse_variants(args.variant), parse_gates(args.gate)
+    variants, gates = parse_variants(args.variant), {DEFAULT: default_gateway(), **parse_gates(args.gate)}
     targets = [*(args.targets or DEFAULT_TARGETS), *(v for v in [*variants, *gates] if v not in (args.targets or ()))]
     if PROXY not in targets:
         targets.insert(0, PROXY)
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started, "cpu_s": cpu_s, "git": git_state(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "settings": asdict(settings), "targets": targets, "variants": variants,
-        "gates": {name: (target, cfg.model_dump()) for name, (target, cfg) in gates.items()},
+        "gates": {name: (target, cfg and cfg.model_dump()) for name, (target, cfg) in gates.items() if name in targets},
         "members": [{"name": m.name, "held_out": m.held_out, "describe": m.describe()} for m in members],
         "table": text, "columns": CELL_COLUMNS, "cells": [cell_row(c, r) for c, r in sorted(results.items())],
     })

@@ -32,12 +32,12 @@ class OverloadConfig(StrictModel):
     completing would take it past its start deadline), or that finds `max_queued` held, gets 429 with
     Retry-After at once; one still held at its start deadline gets it then."""
 
-    enabled: bool = False
+    enabled: bool = True
     ttft_slo_s: PositiveFloat = 2.0       # the time to first token a request is held against
     hold_above_s: PositiveFloat = 1.0     # hold while every backend's predicted TTFT for it is above this
     max_wait_s: PositiveFloat = 1.0       # held at most this long
     max_queued: NonNegativeInt = 1024     # held at most this many at once (0: 429 instead of holding)
-    protect_itl: bool = False             # hold too while its prefill would break every backend's inter-token slack
+    protect_itl: bool = True              # hold too while its prefill would break every backend's inter-token slack
     rate_window: PositiveInt = Field(default=64, ge=2)   # completions the recent completion rate is taken over
 
     @model_validator(mode="after")
