@@ -53,9 +53,12 @@ def takes(candidates: Iterable[BackendSnapshot], profile: RequestProfile, hold_a
     """Whether some candidate can take `profile` now: its predicted TTFT there (its cached prefix not
     prefilled) is at most `hold_above_s`, or at most its TTFT with nothing ahead (a prompt too long for
     the bound goes to an idle backend); and, with `protect_itl`, its prefill's calibrated stall there is
-    within every in-flight request's inter-token slack. O(N); False when there is no candidate."""
+    within every in-flight request's inter-token slack. O(N). With no candidate at all there is nothing
+    to wait for: True (the router answers that no backend is available)."""
     cached = profile.cached_tokens
+    seen = False
     for b in candidates:
+        seen = True
         tokens = profile.input_tokens - cached.get(b.id, 0) if cached else profile.input_tokens
         p = b.learned_prefill_s_per_token or b.prefill_s_per_token
         ttft = predicted_ttft_s(b, tokens)
@@ -64,7 +67,7 @@ def takes(candidates: Iterable[BackendSnapshot], profile: RequestProfile, hold_a
         if protect_itl and b.itl_slack_s and b.itl_slack_s[0] < b.stall_factor * tokens * p + b.stall_per_prompt_s:
             continue
         return True
-    return False
+    return not seen
 
 
 @dataclass(order=True, slots=True)

@@ -45,7 +45,7 @@ def test_a_backend_takes_a_request_while_its_predicted_first_token_is_within_the
     assert takes([backend("a")], request(), 1.0, protect_itl=False)
     assert not takes(BUSY, request(), 1.0, protect_itl=False)
     assert takes(ONE_FREE, request(), 1.0, protect_itl=False)
-    assert not takes([], request(), 1.0, protect_itl=False)
+    assert takes([], request(), 1.0, protect_itl=False)   # no backend at all: nothing to wait for (503 follows)
     # A prompt whose own prefill is past the bound still goes where nothing is ahead of it, not elsewhere.
     assert takes([backend("a")], request(tokens=50_000), 1.0, protect_itl=False)
     assert not takes([backend("a", 1)], request(tokens=50_000), 1.0, protect_itl=False)
