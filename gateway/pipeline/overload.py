@@ -19,7 +19,8 @@ held. One still held at its start deadline is refused then.
 
 A request whose own prefill on an idle backend is predicted above hold_above_s everywhere (a very
 long prompt) is held against that idle prediction instead: it goes once some backend has nothing
-ahead of it.
+ahead of it. A request with images is never held: its first token waits on the vision pool's encode
+too, which the prediction does not model (the admission queue still applies to it).
 
 `OverloadQueue` is the pure part, on explicit times: the decisions (hold or go, refuse, release),
 the EDF heap and the completion rate. The live gateway wraps it in `OverloadGate` (asyncio waiters
@@ -104,9 +105,10 @@ class OverloadQueue(Generic[T]):
     def offer(self, item: T, profile: RequestProfile, goes: bool, now: float,
               deadline: float = math.inf) -> Held[T] | None:
         """A request arrives; `goes`: some backend can take it (`goes`). None: it goes now (nobody is
-        held, and it can); else it is held, in the returned place. Raises `Overloaded` when it cannot
-        start in time or the queue is full."""
-        if not self._held and goes:
+        held, and it can; or it has images, whose first token waits on the vision pool, which the
+        prediction does not model); else it is held, in the returned place. Raises `Overloaded` when it
+        cannot start in time or the queue is full."""
+        if profile.image_tokens or (not self._held and goes):
             return None
         due = min(now + self.window_s, deadline)
         if self._held >= self.config.max_queued:

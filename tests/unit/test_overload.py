@@ -71,6 +71,8 @@ def test_nobody_held_and_a_backend_free_goes_at_once_else_it_is_held_behind_thos
     assert held is not None and q.held == 1
     assert q.offer("r2", request(), True, now=0.0) is not None   # no overtaking of the one held
     assert q.held == 2
+    with_images = RequestProfile("img", 1576, 64, image_tokens=576)   # the vision pool is not modelled: never held
+    assert q.offer("r3", with_images, False, now=0.0) is None and q.held == 2
 
 
 def test_held_requests_leave_earliest_start_deadline_first_then_in_arrival_order() -> None:
