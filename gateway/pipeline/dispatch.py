@@ -374,11 +374,11 @@ class Pipeline:
     def saturated(self) -> bool:
         """Every language candidate is at the admission queue-depth limit (none at all: not saturated)."""
         limit = self.admission.config.saturated_queue_depth
-        candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
+        candidates = self.language_candidates()
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
 
     def language_candidates(self) -> Candidates:
-        """The healthy language candidates now, as the overload queue reads them."""
+        """The healthy language candidates now (what saturation and the overload queue read)."""
         return self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked())
 
     def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0) -> (

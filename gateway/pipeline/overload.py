@@ -112,19 +112,23 @@ class OverloadQueue(Generic[T]):
             return None
         due = min(now + self.window_s, deadline)
         if self._held >= self.config.max_queued:
-            raise Overloaded(f"every backend's first token is predicted past {self.config.hold_above_s:g} s and "
-                             f"{self._held} requests are held", retry_after_s=self.retry_after_s(now))
+            raise Overloaded(f"{self.why()}, and {self._held} requests are held", retry_after_s=self.retry_after_s(now))
         ahead = self._held if due >= self._last_due else sum(1 for h in self._heap if h.queued and h.due <= due)
         wait = self.expected_wait_s(now, ahead)
         if now + wait > due:
-            raise Overloaded(f"every backend's first token is predicted past {self.config.hold_above_s:g} s and the "
-                             f"{ahead} requests held ahead of this one would take about {wait:.2g} s to start, past "
-                             "its start deadline", retry_after_s=self.retry_after_s(now))
+            raise Overloaded(f"{self.why()}, and the {ahead} requests held ahead of this one would take about "
+                             f"{wait:.2g} s to start, past its start deadline", retry_after_s=self.retry_after_s(now))
         held = Held(due, next(self._seq), profile, item)
         heapq.heappush(self._heap, held)
         self._held += 1
         self._last_due = max(self._last_due, due)
         return held
+
+    def why(self) -> str:
+        """Why requests are held, for the refusals' messages."""
+        itl = ", or its prefill would break a request's inter-token target there" if self.config.protect_itl else ""
+        return (f"no backend can start this request in time (its first token predicted past "
+                f"{self.config.hold_above_s:g} s{itl})")
 
     def head(self) -> Held[T] | None:
         """The held request of the earliest start deadline (then arrival)."""
@@ -202,8 +206,7 @@ class OverloadGate:
                     return True
                 remaining = held.due - self._clock()
                 if remaining <= 0:
-                    raise Overloaded(f"every backend's first token stayed predicted past "
-                                     f"{queue.config.hold_above_s:g} s until the request's start deadline",
+                    raise Overloaded(f"{queue.why()} until its start deadline",
                                      retry_after_s=queue.retry_after_s(self._clock()))
                 timeout = min(remaining, self._recheck_s) if queue.head() is held else remaining
                 wake = held.item
