@@ -2,7 +2,8 @@
 
     nice -n 19 python -m benchmarks.routing_family [--members m00 m01 ...] [--loads 0.6 0.9 1.0 1.2] \
         [--seeds 11 12 13 14 15 16] [--requests 600] [--warmup 200] [--targets cwlor marginal_delay ...] \
-        [--variant NAME=POLICY:JSON ...] [--jobs 2] [--out benchmarks/results/routing_family.json]
+        [--variant NAME=POLICY:JSON ...] [--gate NAME=TARGET:JSON ...] [--jobs 2] \
+        [--out benchmarks/results/routing_family.json]
 
 The family (loadtest/sim/family.py): 16 members, each a cluster of 6-10 engines of two or three
 tiers whose engines differ in scheduling (chunked prefill or prefill-first), step time, batch and
@@ -18,8 +19,12 @@ every target sees the same requests per member, load and seed. Goodput = share o
 requests with TTFT <= 2 s and mean inter-token time <= 100 ms.
 
 Targets: `cwlor` (the proxy: capacity-weighted least-outstanding, weights = each engine's saturated
-rate), `lor` (unweighted), and every language policy of the registry by name; `--variant
-name=policy:{"param": value}` adds a policy with parameters. Prints, per load, each member's proxy
+rate), `lor` (unweighted), `default` (the gateway as configured by default: its default policy
+behind its overload queue, gateway/pipeline/overload.py, when that is on by default), and every
+language policy of the registry by name (without the overload queue); `--variant
+name=policy:{"param": value}` adds a policy with parameters; `--gate name=target:{"setting": value}`
+adds a target (a policy or a variant) behind the gateway's overload queue with those settings
+(gateway.config.sections.OverloadConfig, enabled; `{}`: its defaults). Prints, per load, each member's proxy
 goodput and every other target's goodput minus the proxy's (points, mean over seeds), tuned and
 held-out members apart, with the median and the worst member of each group, then TTFT p99 per
 member; writes every run's figures (one run a line) to the results file.
@@ -46,17 +51,22 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.gateway_overhead import git_state  # noqa: E402
 from common.catalog import load_catalog  # noqa: E402
+from gateway.config.cluster import RoutingConfig  # noqa: E402
+from gateway.config.sections import OverloadConfig  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import Policy  # noqa: E402
 from loadtest.sim.family import Member, RunSettings, capacity_rps, family, run  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "routing_family.json"
 PROXY = "cwlor"
-DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", "heteroserve", "batch_aware", "shortest_queue", "power_of_two",
-                   "round_robin", "capacity_proportional")
+DEFAULT = "default"   # the gateway as configured by default: its default policy behind its default overload queue
+DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", DEFAULT, "heteroserve", "batch_aware", "shortest_queue",
+                   "power_of_two", "round_robin", "capacity_proportional")
 LOADS = (0.6, 0.9, 1.0, 1.2)
 SEEDS = (11, 12, 13, 14, 15, 16)   # the settings of the default policy were chosen on seeds 1-6 (tuned members)
 Cell = tuple[str, float, int, str]    # member, load, seed, target
+Variants = dict[str, tuple[str, dict[str, Any]]]   # name -> (policy, its parameters)
+Gates = dict[str, tuple[str, OverloadConfig | None]]   # name -> (target, the overload queue's settings)
 
 
 def make_policy(target: str, variants: dict[str, tuple[str, dict[str, Any]]], member: Member, seed: int) -> Policy:
@@ -72,24 +82,27 @@ def make_policy(target: str, variants: dict[str, tuple[str, dict[str, Any]]], me
 _STATE: dict[str, Any] = {}
 
 
-def _init(members: list[Member], settings: RunSettings, variants: dict[str, tuple[str, dict[str, Any]]]) -> None:
-    _STATE.update(members={m.name: m for m in members}, settings=settings, variants=variants, catalog=load_catalog())
+def _init(members: list[Member], settings: RunSettings, variants: Variants, gates: Gates) -> None:
+    _STATE.update(members={m.name: m for m in members}, settings=settings, variants=variants, gates=gates,
+                  catalog=load_catalog())
 
 
 def _run_cell(cell: Cell) -> tuple[Cell, dict[str, Any]]:
     name, load, seed, target = cell
     member = _STATE["members"][name]
-    policy = make_policy(target, _STATE["variants"], member, seed)
-    return cell, run(member, policy, load, seed, _STATE["settings"], _STATE["catalog"])
+    base, overload = _STATE["gates"].get(target, (target, None))
+    policy = make_policy(base, _STATE["variants"], member, seed)
+    return cell, run(member, policy, load, seed, _STATE["settings"], _STATE["catalog"], overload)
 
 
 def run_all(members: list[Member], loads: Iterable[float], seeds: Iterable[int], targets: list[str],
-            settings: RunSettings, variants: dict[str, tuple[str, dict[str, Any]]], jobs: int) -> dict[Cell, Any]:
+            settings: RunSettings, variants: Variants, jobs: int, gates: Gates | None = None) -> dict[Cell, Any]:
     cells = [(m.name, load, seed, t) for m in members for load in loads for seed in seeds for t in targets]
+    gates = gates or {}
     if jobs <= 1:
-        _init(members, settings, variants)
+        _init(members, settings, variants, gates)
         return dict(map(_run_cell, cells))
-    with get_context("fork").Pool(jobs, _init, (members, settings, variants)) as pool:
+    with get_context("fork").Pool(jobs, _init, (members, settings, variants, gates)) as pool:
         return dict(pool.imap_unordered(_run_cell, cells, chunksize=4))
 
 
@@ -126,11 +139,15 @@ def tables(results: dict[Cell, Any], members: list[Member], loads: Iterable[floa
                        + " | ".join(f"{statistics.median(delta(n, t) for n in names):+.1f}" for t in others) + " |")
             out.append(f"| **worst, {group}** | | | "
                        + " | ".join(f"{min(delta(n, t) for n in names):+.1f}" for t in others) + " |")
-        out += [f"\n{load}x: TTFT p99 (s, mean of seeds)\n", "| member | " + " | ".join(targets) + " |",
-                "|---|" + "---:|" * len(targets)]
+        def refused(m: str, t: str, load: float = load) -> float:
+            return _mean(results[(m, load, s, t)]["rejected"] for s in seeds)
+
+        out += [f"\n{load}x: TTFT p99 of the requests served (s) / scored requests refused (429) a run, "
+                "mean of seeds\n",
+                "| member | " + " | ".join(targets) + " |", "|---|" + "---:|" * len(targets)]
         for m in members:
             out.append(f"| {m.name}{' (held out)' if m.held_out else ''} | "
-                       + " | ".join(f"{p99(m.name, t):.2f}" for t in targets) + " |")
+                       + " | ".join(f"{p99(m.name, t):.2f} / {refused(m.name, t):.0f}" for t in targets) + " |")
     return "\n".join(out)
 
 
@@ -161,13 +178,25 @@ def save(path: Path, report: dict[str, Any]) -> None:
     print(f"wrote {path} ({report['wall_s']:.0f} s)")
 
 
-def parse_variants(specs: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+def parse_variants(specs: list[str]) -> Variants:
     variants = {}
     for spec in specs:
         name, _, rest = spec.partition("=")
         policy, _, params = rest.partition(":")
         variants[name] = (policy, json.loads(params) if params else {})
     return variants
+
+
+def default_gateway() -> tuple[str, OverloadConfig | None]:
+    """The `default` target: the default language policy, behind the overload queue if it is on by default."""
+    overload = OverloadConfig()
+    return RoutingConfig().policy, overload if overload.enabled else None
+
+
+def parse_gates(specs: list[str]) -> Gates:
+    """NAME=TARGET:JSON: TARGET behind the overload queue, enabled, with the JSON's settings."""
+    return {name: (target, OverloadConfig(**{**params, "enabled": True}))
+            for name, (target, params) in parse_variants(specs).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,17 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval-ms", type=float, default=200, help="engine figures reach the gateway this often")
     p.add_argument("--targets", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_TARGETS)} (variants too)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=POLICY:JSON")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=TARGET:JSON",
+                   help="TARGET behind the overload queue with these settings")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    variants = parse_variants(args.variant)
-    targets = [*(args.targets or DEFAULT_TARGETS), *(v for v in variants if v not in (args.targets or ()))]
+    variants, gates = parse_variants(args.variant), {DEFAULT: default_gateway(), **parse_gates(args.gate)}
+    targets = [*(args.targets or DEFAULT_TARGETS), *(v for v in [*variants, *gates] if v not in (args.targets or ()))]
     if PROXY not in targets:
         targets.insert(0, PROXY)
     members = [m for m in family() if args.members is None or m.name in args.members]
     settings = RunSettings(args.requests, args.warmup, args.interval_ms / 1000)
     started, cpu = time.monotonic(), _cpu_s()
-    results = run_all(members, args.loads, args.seeds, targets, settings, variants, args.jobs)
+    results = run_all(members, args.loads, args.seeds, targets, settings, variants, args.jobs, gates)
     text = tables(results, members, args.loads, args.seeds, targets)
     print("\n".join(f"{m.name}{' (held out)' if m.held_out else ''}: {m.describe()}" for m in members))
     print(text)
@@ -200,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started, "cpu_s": cpu_s, "git": git_state(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "settings": asdict(settings), "targets": targets, "variants": variants,
+        "gates": {name: (target, cfg and cfg.model_dump()) for name, (target, cfg) in gates.items() if name in targets},
         "members": [{"name": m.name, "held_out": m.held_out, "describe": m.describe()} for m in members],
         "table": text, "columns": CELL_COLUMNS, "cells": [cell_row(c, r) for c, r in sorted(results.items())],
     })

@@ -15,6 +15,7 @@ from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
 from gateway.pipeline.metrics import GatewayMetrics, PrefixCollector
+from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.tenants import TenantCollector, Tenants
 from gateway.requests.exact_prompt import ExactPrompts
 from gateway.routing.backend_entry import SERVING, BackendEntry
@@ -199,6 +200,9 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     pipeline = Pipeline(table, policy, vision_policy, clients, metrics, pipeline_settings(settings),
                         Breakers(settings.breaker), AdmissionQueue(settings.admission))
     metrics.admission_waiting.set_function(lambda: pipeline.admission.waiting)
+    if settings.overload.enabled:
+        pipeline.overload = gate = OverloadGate(settings.overload, pipeline.clock, table.heartbeat_interval_s)
+        metrics.overload_held.set_function(lambda: gate.held)
     pipeline.tenants = Tenants(settings.tenants)
     metrics.registry.register(TenantCollector(pipeline.tenants))
     prefix = routing.prefix_cache

@@ -16,7 +16,14 @@ from common.yaml_files import StrictModel
 from gateway.config.auth import AuthConfig
 from gateway.config.autoscaling import AutoscalingConfig, template_of
 from gateway.config.models import MODEL_NAME, ModelNames, ModelSpec, ServedModel
-from gateway.config.sections import AdmissionConfig, BreakerConfig, RedisConfig, TlsConfig, require_torch
+from gateway.config.sections import (
+    AdmissionConfig,
+    BreakerConfig,
+    OverloadConfig,
+    RedisConfig,
+    TlsConfig,
+    require_torch,
+)
 from gateway.config.tenants import TenantsConfig
 from gateway.requests.images import ImageLimits
 from gateway.routing.policies import build_policy
@@ -295,6 +302,7 @@ class GatewaySettings(StrictModel):
     stealing: StealingConfig = StealingConfig()
     breaker: BreakerConfig = BreakerConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    overload: OverloadConfig = OverloadConfig()   # hold requests at the gateway when every TTFT is past the SLO
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig = TlsConfig()
     keep_alive: KeepAliveConfig = KeepAliveConfig()

@@ -1,4 +1,4 @@
-"""The `gateway:` section's smaller schemas: admission, breakers, TLS files, Redis.
+"""The `gateway:` section's smaller schemas: admission, overload, breakers, TLS files, Redis.
 
 They live here, not beside the code that uses them, so the config room imports no feature module: a
 feature imports its settings from here, never the other way round.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
@@ -19,6 +19,33 @@ class AdmissionConfig(StrictModel):
     max_waiting: NonNegativeInt = 1024      # 0 = no queue: 429 as soon as everything is saturated
     saturated_queue_depth: PositiveInt = 256  # a backend with Q_i at least this is saturated
     max_wait_s: float = Field(default=30.0, gt=0)
+
+
+class OverloadConfig(StrictModel):
+    """The overload queue (gateway/pipeline/overload.py): when every backend's predicted time to first
+    token for a request is above `hold_above_s`, the gateway holds it (earliest deadline first) instead
+    of adding it to an engine's queue, and releases it when a backend's prediction falls to that.
+
+    A held request must leave by its start deadline, arrival + min(max_wait_s, ttft_slo_s -
+    hold_above_s) (sooner if its own deadline is): released then, its first token can still come
+    within `ttft_slo_s`. One that cannot (the requests ahead of it at the rate requests have been
+    completing would take it past its start deadline), or that finds `max_queued` held, gets 429 with
+    Retry-After at once; one still held at its start deadline gets it then."""
+
+    enabled: bool = True
+    ttft_slo_s: PositiveFloat = 2.0       # the time to first token a request is held against
+    hold_above_s: PositiveFloat = 1.0     # hold while every backend's predicted TTFT for it is above this
+    max_wait_s: PositiveFloat = 1.0       # held at most this long
+    max_queued: NonNegativeInt = 1024     # held at most this many at once (0: 429 instead of holding)
+    protect_itl: bool = True              # hold too while its prefill would break every backend's inter-token slack
+    rate_window: PositiveInt = Field(default=64, ge=2)   # completions the recent completion rate is taken over
+
+    @model_validator(mode="after")
+    def _hold_below_slo(self) -> OverloadConfig:
+        if self.hold_above_s >= self.ttft_slo_s:
+            raise ValueError(f"hold_above_s ({self.hold_above_s}) must be below ttft_slo_s ({self.ttft_slo_s}): a "
+                             "request released at that prediction has no time left to wait")
+        return self
 
 
 class BreakerConfig(StrictModel):

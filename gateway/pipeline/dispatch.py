@@ -57,6 +57,7 @@ from gateway.config.tenants import TenantsConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers
 from gateway.pipeline.metrics import GatewayMetrics
+from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.request_log import RequestRecord
 from gateway.pipeline.tenants import Tenants
 from gateway.pipeline.tracing import AttemptTrace, RequestTrace, Tracing
@@ -216,6 +217,8 @@ class Dispatch:
         self._answered = True
         p.breakers.on_success(self.backend_id)
         p.table.first_token(self.lease)
+        if p.overload is not None:   # the backlog ahead of a held request fell
+            p.overload.notify()
         if first.embedding_wait_s:
             p.metrics.handoff_wait_seconds.labels(self.backend_id).observe(first.embedding_wait_s)
         p.metrics.ttft_seconds.observe((self.backend_id,), self.ttft_s)
@@ -289,6 +292,8 @@ class Dispatch:
         p = self._pipeline
         p.table.release(self.lease, completed if self.streamed else 0)
         p.admission.notify()
+        if p.overload is not None:
+            p.overload.finished()
         if error is not None and p.backend_fault(error, self.backend_id, self.record, self.loop_deadline):
             p.breakers.on_failure(self.backend_id)
         elif not self._answered:
@@ -329,6 +334,7 @@ class Pipeline:
         self.metrics = metrics
         self.settings = settings
         self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
+        self.overload: OverloadGate | None = None   # the overload queue (set by the runtime when enabled)
         self.watch = FirstTokenWatch(table, table.heartbeat_interval_s, self.first_token_limit)
         self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
         self.clock = clock or table.clock
@@ -380,8 +386,13 @@ class Pipeline:
         """Every language candidate (of `model`'s pool) is at the admission queue-depth limit (none at
         all: not saturated)."""
         limit = self.admission.config.saturated_queue_depth
-        candidates = self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked(), model=model)
+        candidates = self.language_candidates(model)
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
+
+    def language_candidates(self, model: str | None = None) -> Candidates:
+        """The healthy language candidates (of `model`'s pool) now (what saturation and the overload queue
+        read)."""
+        return self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked(), model=model)
 
     def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
                        model: str | None = None) -> Decision | None:
@@ -451,6 +462,11 @@ class Pipeline:
         deadline = self.deadline(job, record)
         profile = self.profile(job, record)
         admitted = self._admitted(profile, job.context_tokens, job.model)
+        gate = self.overload
+        if gate is not None and (gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
+            # held: route when released
+            if await gate.wait(profile, functools.partial(self.language_candidates, job.model), deadline):
+                admitted = self._admitted(profile, job.context_tokens, job.model)
         if admitted is None:
             waiting = self.clock()
             try:

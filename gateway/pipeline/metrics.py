@@ -252,6 +252,10 @@ class GatewayMetrics:
         self.admission_waiting = Gauge(
             "heterogate_admission_queue_waiting", "Requests waiting in the admission queue", registry=r
         )
+        self.overload_held = Gauge(
+            "heterogate_overload_queue_held", "Requests held by the overload queue (every TTFT predicted late)",
+            registry=r,
+        )
         self.oom_vetoes: collections.Counter[str] = collections.Counter()   # backend id -> vetoes
         self.retries = Counter(
             "heterogate_dispatch_retries", "Re-dispatches before the first token", ["backend"], registry=r

@@ -7,7 +7,7 @@
         │   └── PayloadTooLarge      413  body over max_body_bytes
         ├── ModelNotFound            404  unknown model
         ├── Unauthorized             401
-        ├── Overloaded               429  admission queue full (Retry-After)
+        ├── Overloaded               429  admission or overload queue full, or no start in time (Retry-After)
         ├── RateLimited              429  a tenant over its limit (Retry-After; OpenAI's type requests/tokens)
         ├── LimiterUnavailable       503  a tenant's limits cannot be checked (Redis away, fail-closed)
         ├── NoBackendAvailable       503  no healthy backend for the pool (Retry-After)
@@ -71,6 +71,11 @@ class Overloaded(RequestError):
     type = "rate_limit_error"
     code = "overloaded"
     retry_after_s = 1.0
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class RateLimited(RequestError):

@@ -39,6 +39,8 @@ import numpy as np
 
 from common import perf_model
 from common.catalog import Catalog, load_catalog
+from gateway.config.sections import OverloadConfig
+from gateway.pipeline.overload import OverloadQueue
 from gateway.routing.policies.contracts import Policy
 from loadtest.sim import workloads
 from loadtest.sim.engines import Engine, EngineSpec, GatewayState, Recorder
@@ -441,15 +443,17 @@ def trace_for(member: Member, load: float, seed: int, settings: RunSettings) -> 
 
 
 def run(member: Member, policy: Policy, load: float, seed: int, settings: RunSettings,
-        catalog: Catalog | None = None) -> dict[str, Any]:
+        catalog: Catalog | None = None, overload: OverloadConfig | None = None) -> dict[str, Any]:
     """One policy on one member at `load`: goodput (TTFT <= 2 s and mean inter-token time <= 100 ms) over
-    the scored requests, TTFT p99, misses by kind, each tier's share of the requests."""
+    the scored requests, TTFT p99, misses by kind, each tier's share of the requests. `overload`: the
+    gateway's overload queue with these settings in front of the policy (requests it refuses count as
+    misses, `rejected`)."""
     catalog = catalog or load_catalog()
     trace, first = trace_for(member, load, seed, settings)
     rec = Recorder.for_lengths(trace.lengths)
     gateway = GatewayState(catalog.model(MODEL), settings.report_interval_s)
     engines = build(member, rec, gateway, seed, catalog)
-    simulate(trace, engines, policy, rec)
+    simulate(trace, engines, policy, rec, OverloadQueue(overload) if overload is not None else None)
     return score(trace, rec, first, [tier.gpu for _, tier in member.engines])
 
 
@@ -465,7 +469,7 @@ def score(trace: Trace, rec: Recorder, first: int, gpus: list[str]) -> dict[str,
     return {
         "goodput": float(np.mean(done & ~slow & ~jerky)),
         "ttft_p99_s": float(np.nanpercentile(ttft, 99)),
-        "ttft_misses": int(np.count_nonzero(slow)),
+        "ttft_misses": int(np.count_nonzero(slow & ~rec.rejected[first:])),
         "itl_misses": int(np.count_nonzero(~slow & jerky)),
         "rejected": int(rec.rejected[first:].sum()),
         "tier_shares": shares,

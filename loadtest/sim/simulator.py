@@ -6,6 +6,12 @@ choose, exactly as the live gateway does; the chosen engine is leased at once (t
 loop). Engines report their next event time; a heap merges them with the arrival stream. Signals are
 exact and fresh here (no heartbeat lag).
 The one policy that is not the gateway's, `oracle` (oracle.py), reads the engines instead of snapshots.
+
+With an overload queue (`gateway.pipeline.overload.OverloadQueue`, the live gateway's), an arrival
+whose predicted first token is late on every backend is held, or refused (marked rejected), as the
+live gateway decides; held requests are released, earliest start deadline first, after each engine
+event (a first token or a completion moves the predictions), refused at their start deadline, and
+routed when released.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import numpy as np
 
 from common import perf_model
 from common.catalog import Catalog, load_catalog
+from gateway.pipeline.overload import OverloadQueue
+from gateway.requests.errors import Overloaded
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
 from loadtest.sim import capacity, oracle
@@ -79,8 +87,10 @@ def make_policy(spec: RunSpec, engines: Sequence[Engine] = ()) -> Policy:
     return build_policy(spec.policy, params)
 
 
-def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder) -> int:
-    """Run `trace` to completion; returns the number of engine events processed."""
+def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
+             gate: OverloadQueue[int] | None = None) -> int:
+    """Run `trace` to completion; returns the number of engine events processed. `gate`: the gateway's
+    overload queue, on the virtual clock (requests it refuses are marked rejected)."""
     index = {e.id: k for k, e in enumerate(engines)}
     gateway = engines[0].gateway
     if any(e.gateway is not gateway for e in engines):
@@ -89,27 +99,63 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder)
     inputs, max_out, images = lengths.input_tokens.tolist(), lengths.max_output_tokens.tolist(), lengths.image_tokens
     heap: list[tuple[float, int]] = []
     events = 0
-    for i, now in enumerate(trace.arrival_s.tolist()):
-        while heap and heap[0][0] <= now:
-            events += _fire(heap, engines)
-        profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]))
+
+    def dispatch(i: int, profile: RequestProfile, now: float) -> None:
         decision = policy.choose(profile, gateway.refresh(now).candidates(LANGUAGE_ROLES, now), now)
         k = index[decision.backend.id]
         rec.backend[i] = k
         t = engines[k].submit(i, now)
         if t is not None:
             heapq.heappush(heap, (t, k))
-    while heap:
-        events += _fire(heap, engines)
+
+    def release(now: float) -> None:
+        """Refuse the held requests whose start deadline came; release heads while a backend can take them."""
+        assert gate is not None
+        for held in gate.expired(now):
+            rec.rejected[held.item] = True
+        while (head := gate.head()) is not None and gate.goes(
+                gateway.refresh(now).candidates(LANGUAGE_ROLES, now), head.profile):
+            gate.take(head)
+            dispatch(head.item, head.profile, now)
+
+    def fire() -> None:
+        now, k = heapq.heappop(heap)
+        done, nxt = engines[k].on_event(now)
+        if nxt is not None:
+            heapq.heappush(heap, (nxt, k))
+        if gate is not None:
+            for _ in done:
+                gate.finished(now)
+            if gate.held:
+                release(now)
+
+    for i, now in enumerate(trace.arrival_s.tolist()):
+        while heap and heap[0][0] <= now:
+            fire()
+            events += 1
+        profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]))
+        if gate is not None:
+            if gate.held:
+                release(now)
+            try:
+                held = gate.offer(i, profile, gate.goes(gateway.refresh(now).candidates(LANGUAGE_ROLES, now), profile),
+                                  now)
+            except Overloaded:
+                rec.rejected[i] = True
+                continue
+            if held is not None:
+                continue
+        dispatch(i, profile, now)
+    while heap or (gate is not None and gate.held):
+        if not heap:   # held with nothing running: nothing will free capacity, so each waits out its deadline
+            assert gate is not None
+            head = gate.head()
+            assert head is not None
+            release(head.due)
+            continue
+        fire()
+        events += 1
     return events
-
-
-def _fire(heap: list[tuple[float, int]], engines: list[Engine]) -> int:
-    now, k = heapq.heappop(heap)
-    _, nxt = engines[k].on_event(now)
-    if nxt is not None:
-        heapq.heappush(heap, (nxt, k))
-    return 1
 
 
 def run(spec: RunSpec, catalog: Catalog | None = None, rate: float | None = None) -> dict[str, Any]:

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from common.catalog import load_catalog
+from gateway.config.sections import OverloadConfig
+from gateway.pipeline.overload import OverloadQueue
 from gateway.routing.policies import build_policy
 from loadtest.sim import family as F
 from loadtest.sim.engines import GatewayState, Recorder
@@ -91,3 +93,27 @@ def test_a_run_scores_goodput_on_the_scored_requests_only() -> None:
     assert 0.0 <= out["goodput"] <= 1.0 and out["rejected"] == 0
     assert sum(out["tier_shares"].values()) == pytest.approx(1.0)
     assert F.run(member, build_policy("least_outstanding"), 0.5, 1, settings) == out   # seeded
+
+
+def test_the_overload_queue_in_the_simulator_serves_or_refuses_every_request_once() -> None:
+    """Past capacity the gateway's own overload queue holds and refuses requests in virtual time: each
+    request either completes with its tokens or is refused before it reaches any engine; well below
+    capacity none is refused and the run is the same as without the queue."""
+    member = F.family()[0]
+    settings = F.RunSettings(requests=300, warmup=50)
+    catalog = load_catalog()
+    config = OverloadConfig(enabled=True, protect_itl=True)
+    trace, _ = F.trace_for(member, 1.5, 1, settings)
+    rec = Recorder.for_lengths(trace.lengths)
+    gateway = GatewayState(catalog.model(F.MODEL), settings.report_interval_s)
+    simulate(trace, F.build(member, rec, gateway, 1, catalog), build_policy("marginal_delay"), rec,
+             OverloadQueue(config))
+    refused, done = rec.rejected, ~np.isnan(rec.finish)
+    assert refused.any() and done.any()
+    assert (refused ^ done).all()                      # each one, exactly once
+    assert (rec.backend[refused] == -1).all()          # refused ones never reached an engine
+    assert (rec.first_token[done] >= trace.arrival_s[done]).all()
+    assert all(e.in_flight == 0 for e in gateway.table.entries())   # nothing left leased
+    calm = F.run(member, build_policy("marginal_delay"), 0.3, 1, settings, catalog, config)
+    assert calm["rejected"] == 0
+    assert calm == F.run(member, build_policy("marginal_delay"), 0.3, 1, settings, catalog)

@@ -21,11 +21,12 @@ import structlog.testing
 
 from common.wire import engine_pb2
 from gateway.clients.engine_client import BackendClient, EngineClients
-from gateway.config.sections import AdmissionConfig, BreakerConfig
+from gateway.config.sections import AdmissionConfig, BreakerConfig, OverloadConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import Pipeline, PipelineSettings
 from gateway.pipeline.metrics import GatewayMetrics
+from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, InvalidRequest
 from gateway.requests.images import ImageInput
@@ -374,6 +375,37 @@ async def test_a_non_streamed_request_restarts_after_a_midstream_failure() -> No
     assert dispatch.backend_id == "b" and chunks[-1].finish_reason == "stop"
     assert rec.attempts == 2 and rec.failed == ["a"]
     assert r.in_flight("a") == r.in_flight("b") == (0, 0, 0)
+
+
+# --- the overload queue ---------------------------------------------------------------------------------
+
+
+async def test_a_request_held_by_the_overload_queue_is_sent_when_the_one_ahead_has_its_first_token() -> None:
+    """One backend; a request whose predicted first token there is past the bound while another's prompt
+    is still ahead of it waits at the gateway, not on the engine, and goes when that first token comes."""
+    r = rig({"a": "language"})
+    gate = r.pipeline.overload = OverloadGate(
+        OverloadConfig(ttft_slo_s=100.0, hold_above_s=1e-9, max_wait_s=50.0, protect_itl=False), r.clock, 10.0)
+    go = asyncio.Event()
+
+    async def held_back(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        await go.wait()
+        async for c in serves(call, fleet):
+            yield c
+
+    r.fleet.scripts["a"] = held_back
+    first = asyncio.create_task(r.pipeline.start(job("r1"), record(r, "r1")))
+    await until(lambda: len(r.fleet.calls) == 1)
+    second = asyncio.create_task(r.pipeline.start(job("r2"), record(r, "r2")))
+    await until(lambda: gate.held == 1)
+    await asyncio.sleep(0.01)
+    assert len(r.fleet.calls) == 1 and r.in_flight("a")[0] == 1   # held here: nothing more on the engine
+    go.set()
+    one = await asyncio.wait_for(first, 5)
+    two = await asyncio.wait_for(second, 5)
+    assert [c.job.request_id for c in r.fleet.calls] == ["r1", "r2"] and gate.held == 0
+    assert len(await drain(one)) == 3 and len(await drain(two)) == 3
+    assert r.in_flight("a") == (0, 0, 0)
 
 
 # --- what counts against a backend's breaker ----------------------------------------------------------

@@ -1,0 +1,230 @@
+"""The overload queue: the gateway holds requests itself while every backend's first token is predicted late.
+
+Past saturation an engine's own queue only grows: every request sent to it waits behind the others
+there, on the backend it was sent to when it arrived, in arrival order, until most of them miss
+their time to first token. Here a request whose predicted TTFT (`predicted_ttft_s`: the prompts
+ahead of it and its own at the backend's learned prefill speed, plus a decode step) is above
+`hold_above_s` on every backend is held by the gateway instead, and released, earliest start
+deadline first, when some backend's prediction for it falls to that again; it is then routed by the
+policy as any request is, on the table as it stands at its release (so it goes where capacity freed,
+not where it would have queued). The engines' queues stay short and the waiting happens here, where
+requests can be ordered by deadline, and refused early.
+
+Deadlines. A held request has a start deadline: arrival + min(max_wait_s, ttft_slo_s - hold_above_s),
+sooner if the request's own deadline is. Released by then at a prediction of at most hold_above_s,
+its first token is due within ttft_slo_s. A request that cannot start before it is refused at once
+with 429 and Retry-After (`Overloaded`): the held requests whose deadlines come first, at the rate
+requests have recently been completing, would take it past its start deadline, or `max_queued` are
+held. One still held at its start deadline is refused then.
+
+A request whose own prefill on an idle backend is predicted above hold_above_s everywhere (a very
+long prompt) is held against that idle prediction instead: it goes once some backend has nothing
+ahead of it. A request with images is never held: its first token waits on the vision pool's encode
+too, which the prediction does not model (the admission queue still applies to it).
+
+`OverloadQueue` is the pure part, on explicit times: the decisions (hold or go, refuse, release),
+the EDF heap and the completion rate. The live gateway wraps it in `OverloadGate` (asyncio waiters
+woken as first tokens come and requests end; gateway/pipeline/dispatch.py); the discrete-event
+simulator (loadtest/sim/simulator.py) drives the same `OverloadQueue` on its virtual clock, so the
+family benchmark measures this code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from gateway.config.sections import OverloadConfig
+from gateway.requests.errors import Overloaded
+from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
+from gateway.routing.policies.first_token import predicted_ttft_s
+
+T = TypeVar("T")
+
+
+def takes(candidates: Iterable[BackendSnapshot], profile: RequestProfile, hold_above_s: float,
+          protect_itl: bool) -> bool:
+    """Whether some candidate can take `profile` now: its predicted TTFT there (its cached prefix not
+    prefilled) is at most `hold_above_s`, or at most its TTFT with nothing ahead (a prompt too long for
+    the bound goes to an idle backend); and, with `protect_itl`, its prefill's calibrated stall there is
+    within every in-flight request's inter-token slack. O(N). With no candidate at all there is nothing
+    to wait for: True (the router answers that no backend is available)."""
+    cached = profile.cached_tokens
+    seen = False
+    for b in candidates:
+        seen = True
+        tokens = profile.input_tokens - cached.get(b.id, 0) if cached else profile.input_tokens
+        p = b.learned_prefill_s_per_token or b.prefill_s_per_token
+        ttft = predicted_ttft_s(b, tokens)
+        if ttft > hold_above_s and ttft > tokens * p + b.decode_step_s:
+            continue
+        if protect_itl and b.itl_slack_s and b.itl_slack_s[0] < b.stall_factor * tokens * p + b.stall_per_prompt_s:
+            continue
+        return True
+    return not seen
+
+
+@dataclass(order=True, slots=True)
+class Held(Generic[T]):
+    """One held request: its start deadline (the heap's order, then arrival) and what its holder needs."""
+
+    due: float
+    seq: int
+    profile: RequestProfile = field(compare=False)
+    item: T = field(compare=False)
+    queued: bool = field(compare=False, default=True)
+
+
+class OverloadQueue(Generic[T]):
+    """The overload queue's decisions on explicit times; `T` is what the caller keeps per held request."""
+
+    def __init__(self, config: OverloadConfig) -> None:
+        self.config = config
+        self.window_s = min(config.max_wait_s, config.ttft_slo_s - config.hold_above_s)
+        self._heap: list[Held[T]] = []
+        self._held = 0
+        self._seq = itertools.count()
+        self._ends: deque[float] = deque(maxlen=config.rate_window)   # recent completion times
+        self._last_due = -math.inf   # no held request's start deadline is later (while any is held)
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def goes(self, candidates: Iterable[BackendSnapshot], profile: RequestProfile) -> bool:
+        """Whether some candidate can take the request now (`takes`)."""
+        return takes(candidates, profile, self.config.hold_above_s, self.config.protect_itl)
+
+    def offer(self, item: T, profile: RequestProfile, goes: bool, now: float,
+              deadline: float = math.inf) -> Held[T] | None:
+        """A request arrives; `goes`: some backend can take it (`goes`). None: it goes now (nobody is
+        held, and it can; or it has images, whose first token waits on the vision pool, which the
+        prediction does not model); else it is held, in the returned place. Raises `Overloaded` when it
+        cannot start in time or the queue is full."""
+        if profile.image_tokens or (not self._held and goes):
+            return None
+        due = min(now + self.window_s, deadline)
+        if self._held >= self.config.max_queued:
+            raise Overloaded(f"{self.why()}, and {self._held} requests are held", retry_after_s=self.retry_after_s(now))
+        ahead = self._held if due >= self._last_due else sum(1 for h in self._heap if h.queued and h.due <= due)
+        wait = self.expected_wait_s(now, ahead)
+        if now + wait > due:
+            raise Overloaded(f"{self.why()}, and the {ahead} requests held ahead of this one would take about "
+                             f"{wait:.2g} s to start, past its start deadline", retry_after_s=self.retry_after_s(now))
+        held = Held(due, next(self._seq), profile, item)
+        heapq.heappush(self._heap, held)
+        self._held += 1
+        self._last_due = max(self._last_due, due)
+        return held
+
+    def why(self) -> str:
+        """Why requests are held, for the refusals' messages."""
+        itl = ", or its prefill would break a request's inter-token target there" if self.config.protect_itl else ""
+        return (f"no backend can start this request in time (its first token predicted past "
+                f"{self.config.hold_above_s:g} s{itl})")
+
+    def head(self) -> Held[T] | None:
+        """The held request of the earliest start deadline (then arrival)."""
+        heap = self._heap
+        while heap and not heap[0].queued:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def take(self, held: Held[T]) -> None:
+        """`held` leaves the queue: released, refused or gone (its client left)."""
+        if held.queued:
+            held.queued = False
+            self._held -= 1
+            if not self._held:
+                self._last_due = -math.inf
+
+    def expired(self, now: float) -> list[Held[T]]:
+        """Take out and return the held requests whose start deadline has come (they are the heads)."""
+        out = []
+        while (head := self.head()) is not None and head.due <= now:
+            self.take(head)
+            out.append(head)
+        return out
+
+    def finished(self, now: float) -> None:
+        """A request ended: capacity freed, and the completion rate counts it."""
+        self._ends.append(now)
+
+    def completion_rate(self, now: float) -> float | None:
+        """Requests completed per second over the last `rate_window` completions (up to now); None until two."""
+        ends = self._ends
+        if len(ends) < 2 or now <= ends[0]:
+            return None
+        return (len(ends) - 1) / (now - ends[0])
+
+    def expected_wait_s(self, now: float, ahead: int) -> float:
+        """How long `ahead` held requests and then one more take to start at the recent completion rate
+        (0 while no rate is known: the request is held, and refused at its start deadline if it must be)."""
+        rate = self.completion_rate(now)
+        return (ahead + 1) / rate if rate else 0.0
+
+    def retry_after_s(self, now: float) -> float:
+        """When a refused client may try again: the time the held requests take to start, at least 1 s."""
+        return max(1.0, self.expected_wait_s(now, self._held))
+
+
+class OverloadGate:
+    """The live gateway's overload queue: each held request's coroutine waits until it is the head and
+    a backend's prediction for it is within the bound (`OverloadQueue.goes`), or until its start
+    deadline (429). The pipeline calls `notify` when a first token comes or a request ends; the head
+    also looks again every `recheck_s` (the heartbeat interval: speeds and reports change too)."""
+
+    def __init__(self, config: OverloadConfig, clock: Callable[[], float], recheck_s: float) -> None:
+        self.queue: OverloadQueue[asyncio.Event] = OverloadQueue(config)
+        self._clock = clock
+        self._recheck_s = recheck_s
+
+    @property
+    def held(self) -> int:
+        return self.queue.held
+
+    async def wait(self, profile: RequestProfile, candidates: Callable[[], Iterable[BackendSnapshot]],
+                   deadline: float) -> bool:
+        """Return when the request may go to a backend (True if it was held); raise Overloaded if it
+        cannot. `candidates`: the language candidates as the table stands."""
+        queue = self.queue
+        now = self._clock()
+        held = queue.offer(asyncio.Event(), profile, queue.goes(candidates(), profile), now, deadline)
+        if held is None:
+            return False
+        try:
+            while True:
+                if queue.head() is held and queue.goes(candidates(), profile):
+                    queue.take(held)
+                    return True
+                remaining = held.due - self._clock()
+                if remaining <= 0:
+                    raise Overloaded(f"{queue.why()} until its start deadline",
+                                     retry_after_s=queue.retry_after_s(self._clock()))
+                timeout = min(remaining, self._recheck_s) if queue.head() is held else remaining
+                wake = held.item
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await wake.wait()
+        finally:
+            queue.take(held)   # no-op when released; a refused or cancelled request gives its place back
+            self.notify()
+
+    def notify(self) -> None:
+        """A backend's prediction may have fallen: wake the head."""
+        head = self.queue.head()
+        if head is not None:
+            head.item.set()
+
+    def finished(self) -> None:
+        """A request ended on a backend."""
+        self.queue.finished(self._clock())
+        self.notify()

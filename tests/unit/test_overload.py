@@ -1,0 +1,216 @@
+"""The overload queue (gateway/pipeline/overload.py): which backend can take a request, EDF order, the
+bounds, refusals at once and at the start deadline with Retry-After, release as capacity frees, and a
+held request whose client leaves giving its place back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+
+import pydantic
+import pytest
+
+from gateway.config.sections import OverloadConfig
+from gateway.pipeline.overload import OverloadGate, OverloadQueue, takes
+from gateway.requests.errors import Overloaded
+from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
+from tests.snapshots import snapshot
+
+P = 0.0001      # learned prefill s/token
+STEP = 0.02     # learned decode step
+
+
+def backend(name: str, backlog_tokens: int = 0, slacks: tuple[float, ...] = ()) -> BackendSnapshot:
+    """A backend whose predicted TTFT for a prompt of L tokens is (backlog + L) * P + STEP."""
+    return replace(snapshot(name, "H100"), learned_prefill_s_per_token=P, decode_step_s=STEP,
+                   prefill_backlog_tokens=backlog_tokens, itl_slack_s=slacks)
+
+
+def request(name: str = "r", tokens: int = 1000) -> RequestProfile:
+    return RequestProfile(name, tokens, 64)
+
+
+CONFIG = OverloadConfig(enabled=True, ttft_slo_s=2.0, hold_above_s=1.0, max_wait_s=1.0, max_queued=8, rate_window=4)
+
+
+def config(**changes: float) -> OverloadConfig:
+    return CONFIG.model_copy(update=changes)
+
+BUSY = [backend("a", 20_000), backend("b", 30_000)]   # 2.12 s and 3.12 s for 1,000 tokens: past 1 s on both
+ONE_FREE = [backend("a", 20_000), backend("b", 0)]
+
+
+def test_a_backend_takes_a_request_while_its_predicted_first_token_is_within_the_bound() -> None:
+    assert takes([backend("a")], request(), 1.0, protect_itl=False)
+    assert not takes(BUSY, request(), 1.0, protect_itl=False)
+    assert takes(ONE_FREE, request(), 1.0, protect_itl=False)
+    assert takes([], request(), 1.0, protect_itl=False)   # no backend at all: nothing to wait for (503 follows)
+    # A prompt whose own prefill is past the bound still goes where nothing is ahead of it, not elsewhere.
+    assert takes([backend("a")], request(tokens=50_000), 1.0, protect_itl=False)
+    assert not takes([backend("a", 1)], request(tokens=50_000), 1.0, protect_itl=False)
+    # Its cached prefix is not prefilled: 15,000 tokens behind 2,000, 10,000 of them cached on a, fit a's bound.
+    cached = replace(request(tokens=15_000), cached_tokens={"a": 10_000})
+    assert takes([backend("a", 2000)], cached, 1.0, protect_itl=False)
+    assert not takes([backend("a", 2000)], request(tokens=15_000), 1.0, protect_itl=False)
+
+
+def test_with_protect_itl_a_backend_whose_prefill_would_break_a_slack_does_not_take_it() -> None:
+    tight = backend("a", slacks=(0.05, 0.5))   # 1,000 tokens stall its requests 0.1 s: the first breaks
+    roomy = backend("b", slacks=(0.2,))
+    assert takes([tight], request(), 1.0, protect_itl=False)
+    assert not takes([tight], request(), 1.0, protect_itl=True)
+    assert takes([tight, roomy], request(), 1.0, protect_itl=True)
+    assert takes([tight], request(tokens=100), 1.0, protect_itl=True)   # a 10 ms stall breaks none
+
+
+def test_nobody_held_and_a_backend_free_goes_at_once_else_it_is_held_behind_those_waiting() -> None:
+    q: OverloadQueue[str] = OverloadQueue(CONFIG)
+    assert q.offer("r0", request(), True, now=0.0) is None
+    held = q.offer("r1", request(), False, now=0.0)
+    assert held is not None and q.held == 1
+    assert q.offer("r2", request(), True, now=0.0) is not None   # no overtaking of the one held
+    assert q.held == 2
+    with_images = RequestProfile("img", 1576, 64, image_tokens=576)   # the vision pool is not modelled: never held
+    assert q.offer("r3", with_images, False, now=0.0) is None and q.held == 2
+
+
+def test_held_requests_leave_earliest_start_deadline_first_then_in_arrival_order() -> None:
+    q: OverloadQueue[str] = OverloadQueue(CONFIG)
+    for name, deadline in (("late", 10.0), ("soon", 0.4), ("late-too", 10.0), ("sooner", 0.2)):
+        q.offer(name, request(name), False, now=0.0, deadline=deadline)
+    order = []
+    while (head := q.head()) is not None:
+        q.take(head)
+        order.append(head.item)
+    assert order == ["sooner", "soon", "late", "late-too"]
+    assert q.held == 0
+
+
+def test_the_start_deadline_is_the_wait_bound_or_the_requests_own_deadline() -> None:
+    config = OverloadConfig(enabled=True, ttft_slo_s=2.0, hold_above_s=1.5, max_wait_s=1.0)
+    q: OverloadQueue[str] = OverloadQueue(config)
+    a = q.offer("a", request(), False, now=10.0)
+    b = q.offer("b", request(), False, now=10.0, deadline=10.2)
+    assert a is not None and a.due == pytest.approx(10.5)   # 2.0 - 1.5 leaves 0.5 s to wait, below max_wait_s
+    assert b is not None and b.due == pytest.approx(10.2)
+    assert [h.item for h in q.expired(10.3)] == ["b"]
+    assert [h.item for h in q.expired(10.5)] == ["a"] and q.held == 0
+
+
+def test_beyond_max_queued_a_request_gets_429_with_retry_after_at_once() -> None:
+    q: OverloadQueue[str] = OverloadQueue(config(max_queued=2))
+    q.offer("a", request(), False, now=0.0)
+    q.offer("b", request(), False, now=0.0)
+    with pytest.raises(Overloaded) as refused:
+        q.offer("c", request(), False, now=0.0)
+    assert refused.value.status == 429 and refused.value.code == "overloaded"
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1.0
+    assert q.held == 2
+    nothing = OverloadQueue[str](config(max_queued=0))
+    assert nothing.offer("a", request(), True, now=0.0) is None   # max_queued 0 still lets through what can go
+    with pytest.raises(Overloaded):
+        nothing.offer("b", request(), False, now=0.0)
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once() -> None:
+    q: OverloadQueue[str] = OverloadQueue(CONFIG)   # start deadline: arrival + 1 s
+    for t in (0.0, 0.5, 1.0, 1.5):   # 4 completions, 3 gaps over the 2 s up to now: 1.5 a second
+        q.finished(t)
+    assert q.completion_rate(2.0) == pytest.approx(1.5)
+    q.offer("a", request(), False, now=2.0)   # 1 / 1.5 s ≈ 0.67 s: in time
+    with pytest.raises(Overloaded) as refused:   # 2 / 1.5 s ≈ 1.33 s > 1 s: refused now, not in a second
+        q.offer("b", request(), False, now=2.0)
+    assert "start deadline" in refused.value.message
+    assert refused.value.retry_after_s == pytest.approx(2 / 1.5)   # the held one and one more
+    assert q.held == 1
+    # A request with an earlier deadline counts only those that go before it, and is refused sooner.
+    with pytest.raises(Overloaded):
+        q.offer("c", request(), False, now=2.0, deadline=2.5)
+
+
+def test_a_held_request_that_leaves_gives_its_place_back() -> None:
+    q: OverloadQueue[str] = OverloadQueue(config(max_queued=1))
+    held = q.offer("a", request(), False, now=0.0)
+    assert held is not None
+    with pytest.raises(Overloaded):
+        q.offer("b", request(), False, now=0.0)
+    q.take(held)   # its client left
+    q.take(held)   # once only
+    assert q.held == 0 and q.head() is None
+    assert q.offer("b", request(), False, now=0.0) is not None
+
+
+def test_config_refuses_a_hold_bound_at_or_past_the_slo() -> None:
+    with pytest.raises(pydantic.ValidationError, match="hold_above_s"):
+        OverloadConfig(ttft_slo_s=1.0, hold_above_s=1.0)
+
+
+# -- the live gate: asyncio waiters --------------------------------------------------------------
+
+
+class Cluster:
+    """Candidates a test changes, and the gate that reads them, on the loop's clock."""
+
+    def __init__(self, config: OverloadConfig = CONFIG) -> None:
+        self.backends = list(BUSY)
+        loop = asyncio.get_running_loop()
+        self.gate = OverloadGate(config, loop.time, recheck_s=60.0)   # only notify wakes in these tests
+        self.started: list[str] = []
+
+    def candidates(self) -> list[BackendSnapshot]:
+        return self.backends
+
+    async def request(self, name: str, deadline: float = float("inf")) -> None:
+        await self.gate.wait(request(name), self.candidates, deadline)
+        self.started.append(name)
+        self.backends = list(BUSY)   # the one released takes the capacity that freed
+
+    def free_one(self) -> None:
+        self.backends = list(ONE_FREE)
+        self.gate.notify()
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    async with asyncio.timeout(2.0):
+        while not predicate():  # noqa: ASYNC110 - polling what the waiters record
+            await asyncio.sleep(0.001)
+
+
+async def test_held_requests_are_released_one_at_a_time_as_capacity_frees_earliest_deadline_first() -> None:
+    c = Cluster(config(max_wait_s=30.0, ttft_slo_s=40.0))
+    now = asyncio.get_running_loop().time()
+    tasks = [asyncio.create_task(c.request(n, now + d)) for n, d in (("late", 20), ("early", 5), ("mid", 10))]
+    await until(lambda: c.gate.held == 3)
+    assert c.started == []
+    for k in range(3):
+        c.free_one()
+        await until(lambda k=k: len(c.started) == k + 1)
+        assert c.gate.held == 2 - k
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    assert c.started == ["early", "mid", "late"]
+
+
+async def test_a_held_request_still_held_at_its_start_deadline_gets_429() -> None:
+    c = Cluster()
+    now = asyncio.get_running_loop().time()
+    with pytest.raises(Overloaded) as refused:
+        await asyncio.wait_for(c.request("r", deadline=now + 0.05), 2)
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1.0
+    assert c.gate.held == 0 and c.started == []
+
+
+async def test_a_cancelled_held_request_frees_its_slot_and_the_next_one_goes() -> None:
+    c = Cluster(config(max_wait_s=30.0, ttft_slo_s=40.0, max_queued=2))
+    first = asyncio.create_task(c.request("first"))
+    second = asyncio.create_task(c.request("second"))
+    await until(lambda: c.gate.held == 2)
+    with pytest.raises(Overloaded):   # full
+        await c.request("third")
+    first.cancel()   # the client left
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert c.gate.held == 1
+    c.free_one()
+    await asyncio.wait_for(second, 2)
+    assert c.started == ["second"] and c.gate.held == 0
