@@ -247,7 +247,7 @@ class CacheAware(Gateway):
         query = None
         if self.index is not None:
             session = r.conversation.id if self.mode == "session" else ""
-            query = self.index.lookup(r.hashes, session, r.tokens)
+            query = self.index.lookup(self.index.hashes(r.prompt, (), r.tokens), session, r.tokens)
             cached = dict(query.cached)
         elif self.mode == "oracle":
             for eid, b in self.engines.items():

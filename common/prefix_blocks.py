@@ -89,17 +89,20 @@ class BlockLru:
 
     def touch(self, blocks: Sequence[int], value: int = 0) -> tuple[list[int], list[int]]:
         """Make `blocks` the most recent, later blocks first so that a prefix's first blocks go last
-        (as vLLM frees a sequence's blocks tail first); set each one's value. Returns (the blocks that
+        (as vLLM frees a sequence's blocks tail first); set each one's value (a value of 0 leaves a held
+        block's value as it was: plain blocks are 0). Returns (the blocks that
         were not held before, the blocks evicted to stay within capacity), in that order of effect."""
-        order = self._order
+        order, move = self._order, self._order.move_to_end
         added: list[int] = []
         for block in reversed(blocks):
             if block in order:
-                order.move_to_end(block)
+                move(block)
+                if value:
+                    order[block] = value
             else:
+                order[block] = value
                 added.append(block)
-            order[block] = value
-        return added, self._evict(self.capacity)
+        return added, self._evict(self.capacity) if len(order) > self.capacity else []
 
     def discard(self, block: int) -> bool:
         return self._order.pop(block, None) is not None

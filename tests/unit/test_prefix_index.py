@@ -5,6 +5,7 @@ from __future__ import annotations
 import tracemalloc
 
 from common.prefix_blocks import BLOCK_TOKENS, BlockLru, EnginePrefixCache, block_hashes, cached_tokens
+from gateway.config.cluster import PrefixCacheConfig
 from gateway.routing.backend_entry import Reported
 from gateway.routing.prefix_index import MIN_REPORTED_TOKENS, PrefixIndex
 from gateway.routing.state_table import StateTable
@@ -65,7 +66,7 @@ def test_lru_touches_a_prefix_head_last_and_evicts_least_recent_first() -> None:
 
 
 def test_lookup_counts_the_longest_routed_prefix_per_backend() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 10_000)
     index.add_backend("b", 10_000)
     prompt = text("s", "y", "s", "t", "e", "m")
@@ -88,7 +89,7 @@ def test_lookup_counts_the_longest_routed_prefix_per_backend() -> None:
 
 
 def test_eviction_follows_each_backends_capacity_in_blocks() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("small", 4 * 16)
     old = index.hashes(text("a", "b", "c"), (), 100)
     index.record(index.lookup(old, "", 100), "small", 4 * 16)
@@ -105,7 +106,7 @@ def test_eviction_follows_each_backends_capacity_in_blocks() -> None:
 
 
 def test_memory_is_bounded_by_capacity_and_by_the_per_backend_cap() -> None:
-    index = PrefixIndex(max_blocks_per_backend=100)
+    index = PrefixIndex(BLOCK_TOKENS, max_blocks_per_backend=100)
     index.add_backend("a", 1_000_000)
     index.add_backend("b", 20 * 16)
     for k in range(50):
@@ -119,7 +120,7 @@ def test_memory_is_bounded_by_capacity_and_by_the_per_backend_cap() -> None:
 
 
 def test_bytes_per_held_block_are_as_documented() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 1 << 30)
     prompts = [index.hashes("".join(f"{k:06d}{j:058d}" for j in range(100)), (), 2000) for k in range(100)]
     tracemalloc.start()
@@ -135,7 +136,7 @@ def test_bytes_per_held_block_are_as_documented() -> None:
 
 
 def test_a_session_sticks_where_its_last_request_went() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 10_000)
     index.add_backend("b", 10_000)
     first = index.lookup(index.hashes(text("h", "i"), (), 40), "conv-1", 40)
@@ -147,7 +148,7 @@ def test_a_session_sticks_where_its_last_request_went() -> None:
 
 
 def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 100 * 16)   # room for 100 blocks: the ten prompts below
     prompts = [index.hashes("".join(f"{k:03d}-{j:060d}" for j in range(10)), (), 200) for k in range(10)]
     for blocks in prompts:   # prompts[0] the least recent
@@ -171,7 +172,7 @@ def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() ->
 
 
 def test_an_engine_that_reports_no_hit_gets_no_prediction() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("b", 100_000)
     blocks = index.hashes(text(*"abcdefghij"), (), 200)
     queries = 0
@@ -210,3 +211,18 @@ def test_a_lease_counts_only_the_uncached_prompt_as_prefill() -> None:
     table.release(lease)
     snap = table.candidates(("language",))[0]
     assert (snap.prefill_backlog_tokens, snap.kv_reserved_tokens) == (0, 0)
+
+
+def test_the_default_index_counts_hits_in_blocks_of_64_tokens() -> None:
+    """The gateway's index walks blocks of 64 tokens (256 bytes of text), four engine blocks each: a
+    quarter of the hashing, lookups and LRU touches, and a hit under-counted by at most 63 tokens."""
+    index = PrefixIndex()
+    assert index.block_tokens == 64 == PrefixCacheConfig().block_tokens
+    index.add_backend("a", 10_000)
+    prompt = "".join(f"{j:063d}-" for j in range(20))    # 1,280 bytes, 320 tokens
+    blocks = index.hashes(prompt, (), 320)
+    assert len(blocks) == 5 and blocks == block_hashes(prompt, block_tokens=64)
+    index.record(index.lookup(blocks, "", 320), "a", 10_000)
+    longer = prompt + "x" * 250    # 62 tokens more, not a whole block
+    query = index.lookup(index.hashes(longer, (), 382), "", 382)
+    assert query.cached == {"a": 320}
