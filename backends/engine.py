@@ -205,6 +205,7 @@ class Engine:
         if self.vision is not None:
             msg.vision_backlog = self.vision.backlog_tokens
             msg.images_encoded = self.vision.images_encoded
+            msg.embedding_cache_hits = self.vision.embedding_cache_hits
             msg.embedding_bytes_sent = self.vision.embedding_bytes_sent
         return msg
 

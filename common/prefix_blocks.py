@@ -23,6 +23,7 @@ own cache with its own hash).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -30,12 +31,36 @@ BLOCK_TOKENS = 16      # tokens a KV block holds (vLLM's default block size)
 BYTES_PER_TOKEN = 4    # the gateway's token estimate for text (gateway.requests.tokens)
 
 
-def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
-                 max_blocks: int | None = None) -> list[int]:
-    """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
-    else from `text`. At most `max_blocks` (None: all)."""
+def content_digest(data: bytes) -> int:
+    """An image's content hash: the first 8 bytes of its BLAKE2b, as an int. The same in every process
+    (gateway, engines, replicas), unlike `hash`, and collision-resistant: two images share a digest only
+    when their bytes are the same. About 1 ms a megabyte."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def image_blocks(images: Sequence[tuple[int, int]], *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """The chained hashes a prompt's images stand for, given as (content digest, image tokens) in
+    order: tokens // block_tokens blocks an image (at least one), each named by the image's digest and
+    its place in it. They head the prompt's chain (`block_hashes`' `seed` is the last of them): a
+    prompt's text blocks match only after the same images in the same order, as an engine caches
+    image tokens only where the same image was (an approximation: the gateway does not know where in
+    the text each image sits, so a text prefix shared before different images is not counted)."""
     out: list[int] = []
     previous = 0
+    for digest, tokens in images:
+        for k in range(max(1, tokens // block_tokens)):
+            previous = hash((previous, digest, k))
+            out.append(previous)
+    return out
+
+
+def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
+                 max_blocks: int | None = None, seed: int = 0) -> list[int]:
+    """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
+    else from `text`. At most `max_blocks` (None: all). `seed`: the hash the chain continues from (the
+    last of the prompt's `image_blocks`; 0: none)."""
+    out: list[int] = []
+    previous = seed
     if token_ids:
         count = len(token_ids) // block_tokens
         if max_blocks is not None:
@@ -54,6 +79,18 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
         previous = hash((previous, data[start:start + size]))
         out.append(previous)
     return out
+
+
+def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int]] = (),
+                  *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """A prompt's chained block hashes, its images' (`image_blocks`) first, then its text's or token
+    ids' (`block_hashes`), at most the blocks its `prompt_tokens` (text and image tokens) fill."""
+    limit = prompt_tokens // block_tokens
+    if not images:
+        return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit)
+    head = image_blocks(images, block_tokens=block_tokens)[:limit]
+    return head + block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit - len(head),
+                               seed=head[-1] if head else 0)
 
 
 def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:

@@ -129,18 +129,20 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., deliver_to: _Optional[str] = ..., image_index_offset: _Optional[int] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s", "embeddings")
+    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s", "embeddings", "images_cached")
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     DELIVER_S_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     image_tokens: int
     embedding_bytes: int
     encode_s: float
     deliver_s: float
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
-    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+    images_cached: int
+    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., images_cached: _Optional[int] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("request_id", "image_index", "tokens", "hidden", "dtype", "data")

@@ -244,6 +244,7 @@ class PrefixCacheConfig(StrictModel):
     enabled: bool = True
     block_tokens: PositiveInt = 64                 # tokens a block of the index stands for (4 engine blocks)
     max_blocks_per_backend: PositiveInt = 1 << 20  # the index's bound per backend, below its KV in blocks
+    images_per_encoder: PositiveInt = 256          # image digests remembered per vision encoder (its cache)
 
 
 class RoutingConfig(StrictModel):

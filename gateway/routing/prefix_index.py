@@ -54,7 +54,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.prefix_blocks import BlockLru, block_hashes, cached_tokens, session_key
+from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, session_key
 
 INDEX_BLOCK_TOKENS = 64       # tokens a block of the index stands for (gateway.routing.prefix_cache.block_tokens)
 DECAY = 0.98                  # weight of the window per engine reading that moved the counters
@@ -115,10 +115,12 @@ class PrefixIndex:
     def _blocks(self, capacity_tokens: int) -> int:
         return min(self.max_blocks, max(0, capacity_tokens) // self.block_tokens)
 
-    def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int) -> list[int]:
-        """The prompt's block hashes (token ids where given), at most the blocks its tokens fill."""
-        return block_hashes(prompt, token_ids, block_tokens=self.block_tokens,
-                            max_blocks=prompt_tokens // self.block_tokens)
+    def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int,
+               images: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """The prompt's block hashes (token ids where given), at most the blocks its tokens fill;
+        `images` (content digest, tokens) head the chain (`common.prefix_blocks.image_blocks`), so a
+        repeated image with the same text is a hit and another image is not."""
+        return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens)
 
     def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int) -> PrefixQuery:
         """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,

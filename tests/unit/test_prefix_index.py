@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import tracemalloc
 
-from common.prefix_blocks import BLOCK_TOKENS, BlockLru, EnginePrefixCache, block_hashes, cached_tokens
+from common.prefix_blocks import (
+    BLOCK_TOKENS,
+    BlockLru,
+    EnginePrefixCache,
+    block_hashes,
+    cached_tokens,
+    content_digest,
+    image_blocks,
+)
 from gateway.config.cluster import PrefixCacheConfig
+from gateway.requests.images import ImageInput
 from gateway.routing.backend_entry import Reported
 from gateway.routing.prefix_index import MIN_REPORTED_TOKENS, PrefixIndex
 from gateway.routing.state_table import StateTable
@@ -226,3 +235,40 @@ def test_the_default_index_counts_hits_in_blocks_of_64_tokens() -> None:
     longer = prompt + "x" * 250    # 62 tokens more, not a whole block
     query = index.lookup(index.hashes(longer, (), 382), "", 382)
     assert query.cached == {"a": 320}
+
+
+def test_images_head_the_chain_by_content_so_a_repeated_image_with_the_same_text_is_a_hit() -> None:
+    index = PrefixIndex()   # 64-token blocks
+    index.add_backend("a", 100_000)
+    index.add_backend("b", 100_000)
+    cat, dog = content_digest(b"cat picture bytes"), content_digest(b"dog picture bytes")
+    assert cat == content_digest(b"cat picture bytes") != dog
+    question = "".join(f"{j:063d}-" for j in range(16))    # 1,024 bytes: 256 tokens of text
+    prompt_tokens = 576 + 256
+    with_cat = index.hashes(question, (), prompt_tokens, [(cat, 576)])
+    assert len(with_cat) == 576 // 64 + 256 // 64
+    assert with_cat[:9] == image_blocks([(cat, 576)], block_tokens=64)
+    index.record(index.lookup(with_cat, "", prompt_tokens), "a", 100_000)
+    # the same image and text: all of it but the last token is predicted cached on "a"
+    assert index.lookup(index.hashes(question, (), prompt_tokens, [(cat, 576)]), "", prompt_tokens).cached == {
+        "a": prompt_tokens - 1}
+    # the same image, another question: the image's tokens only
+    other = index.hashes("x" * 1024, (), prompt_tokens, [(cat, 576)])
+    assert index.lookup(other, "", prompt_tokens).cached == {"a": 576}
+    # another image with the same text: nothing (the text follows a different image)
+    assert index.lookup(index.hashes(question, (), prompt_tokens, [(dog, 576)]), "", prompt_tokens).cached == {}
+    # and text alone does not match the text that followed an image
+    assert index.lookup(index.hashes(question, (), 256), "", 256).cached == {}
+
+
+def test_token_ids_with_image_placeholders_differ_by_the_images_content() -> None:
+    """Exact prompts carry the same placeholder ids for every image: the digests keep them apart."""
+    ids = [7] * 576 + list(range(100))
+    one = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"one"), 576)])
+    two = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"two"), 576)])
+    assert len(one) == len(ids) // 64 and not set(one) & set(two)
+
+
+def test_an_image_input_carries_its_content_digest() -> None:
+    a, b = ImageInput(b"png-a", 32, 32, "PNG", 576), ImageInput(b"png-b", 32, 32, "PNG", 576)
+    assert a.digest == content_digest(b"png-a") == ImageInput(b"png-a", 64, 64, "PNG", 10).digest != b.digest
