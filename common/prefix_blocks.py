@@ -15,10 +15,12 @@ Only full blocks are hashed (an engine caches full blocks only), and a hit never
 prompt: the last token is always computed (`cached_tokens`).
 
 Hashes are Python's `hash((previous, block))`: about 0.15 µs a block, and deterministic for token ids
-but seeded per process for text (bytes hashing is randomised), so hashes are compared only within one
-process: nothing here is sent across. Not collision-resistant against crafted input: a collision makes
-a router predict a hit that is not there (a routing error, never a wrong answer; a real engine keys its
-own cache with its own hash).
+but seeded per process for text (bytes hashing is randomised), so such hashes are compared only within
+one process. `stable=True` hashes a text block as the integer its bytes spell (`int.from_bytes`; int
+and tuple hashing are not randomised): the same hashes in every process of the same CPython, which is
+what replicas that share their index need (gateway.replicas.shared_state), at about twice the cost.
+Not collision-resistant against crafted input: a collision makes a router predict a hit that is not
+there (a routing error, never a wrong answer; a real engine keys its own cache with its own hash).
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def image_blocks(images: Sequence[tuple[int, int]], *, block_tokens: int = BLOCK
 
 
 def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
-                 max_blocks: int | None = None, seed: int = 0) -> list[int]:
+                 max_blocks: int | None = None, seed: int = 0, stable: bool = False) -> list[int]:
     """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
     else from `text`. At most `max_blocks` (None: all). `seed`: the hash the chain continues from (the
-    last of the prompt's `image_blocks`; 0: none)."""
+    last of the prompt's `image_blocks`; 0: none). `stable`: text hashes the same in every process."""
     out: list[int] = []
     previous = seed
     if token_ids:
@@ -75,6 +77,12 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
     count = len(data) // size
     if max_blocks is not None:
         count = min(count, max_blocks)
+    if stable:
+        from_bytes = int.from_bytes
+        for start in range(0, count * size, size):
+            previous = hash((previous, from_bytes(data[start:start + size], "little")))
+            out.append(previous)
+        return out
     for start in range(0, count * size, size):
         previous = hash((previous, data[start:start + size]))
         out.append(previous)
@@ -82,15 +90,15 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
 
 
 def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int]] = (),
-                  *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+                  *, block_tokens: int = BLOCK_TOKENS, stable: bool = False) -> list[int]:
     """A prompt's chained block hashes, its images' (`image_blocks`) first, then its text's or token
     ids' (`block_hashes`), at most the blocks its `prompt_tokens` (text and image tokens) fill."""
     limit = prompt_tokens // block_tokens
     if not images:
-        return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit)
+        return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable)
     head = image_blocks(images, block_tokens=block_tokens)[:limit]
     return head + block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit - len(head),
-                               seed=head[-1] if head else 0)
+                               seed=head[-1] if head else 0, stable=stable)
 
 
 def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:
@@ -99,8 +107,11 @@ def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:
     return max(0, min(hit_tokens, prompt_tokens - 1))
 
 
-def session_key(session: str) -> int:
-    """The key a named session takes among block hashes (its own namespace: a tuple of two strings)."""
+def session_key(session: str, *, stable: bool = False) -> int:
+    """The key a named session takes among block hashes (its own namespace); `stable`: the same in
+    every process (a content digest of its name)."""
+    if stable:
+        return hash((-1, content_digest(session.encode())))
     return hash(("session", session))
 
 

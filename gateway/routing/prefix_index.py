@@ -41,15 +41,20 @@ map, about 100 bytes a block held by one backend, both together (tests/unit/test
 bounds it at 250): with 64-token blocks, 8 backends of 50k tokens are 6,250 blocks, ~0.6 MB, and 64
 backends of 500k tokens 500k blocks, ~50 MB; the default cap, 2^20 blocks a backend, bounds any
 backend at ~100 MB.
-Limits: the index knows only what this gateway routed (with replicas, each its own); it counts a
-request's blocks as cached from the moment it is routed, before the engine has computed them; what an
-engine drops it sees only through keep_i, one figure per backend (the index drops that backend's
-oldest blocks, the engine may have dropped others); responses are not indexed (the next turn's copy of
-an answer is a miss until it has been routed once as a prompt).
+Replicas (`share`, with `--redis-url`): each replica publishes what it routed and applies what the
+others routed (gateway.replicas.shared_state, every refresh), so every replica predicts from what all
+of them sent to each backend, a refresh late; text is then hashed the same in every process.
+
+Limits: the index knows only what the gateways routed (a replica learns its peers' routing a refresh
+late); it counts a request's blocks as cached from the moment it is routed, before the engine has
+computed them; what an engine drops it sees only through keep_i, one figure per backend (the index
+drops that backend's oldest blocks, the engine may have dropped others); responses are not indexed
+(the next turn's copy of an answer is a miss until it has been routed once as a prompt).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,6 +67,7 @@ MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before keep_
 KEEP_GAIN = 0.05              # keep_i moves by (reported / predicted hit rate)^KEEP_GAIN a reading
 MIN_KEEP = 1 / 64             # keep_i of an engine that hits at all
 Source = Literal["estimate", "engine"]
+Routed = tuple[str, Sequence[int], int | None, int]   # (backend, blocks, session key, prompt tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,32 @@ class PrefixIndex:
         self._by_bit: list[_Backend] = []
         self._holders: dict[int, int] = {}   # block hash -> bit mask of the backends whose LRU holds it
         self._all = 0
+        self.stable = False                  # hashes the same in every process (`share`)
+        self._routed: deque[Routed] | None = None   # this process's records not yet shared
+
+    def share(self, max_pending: int) -> None:
+        """Replicas share what each backend holds (gateway.replicas.shared_state): from now on text is
+        hashed the same in every process, and each record is kept for the next publication (at most
+        `max_pending`, the oldest dropped first)."""
+        self.stable = True
+        self._routed = deque(maxlen=max_pending)
+
+    def take_routed(self) -> list[Routed]:
+        """The records since the last call (for the other replicas): (backend, blocks, session key or
+        None, prompt tokens)."""
+        routed = self._routed
+        if not routed:
+            return []
+        out = list(routed)
+        routed.clear()
+        return out
+
+    def peer_routed(self, backend_id: str, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
+        """Another replica routed a prompt of these blocks to `backend_id`: it holds them next, as if
+        routed here (this replica's predicted counters are not touched)."""
+        b = self._backends.get(backend_id)
+        if b is not None:
+            self._touch(b, blocks, session, prompt_tokens)
 
     def add_backend(self, backend_id: str, capacity_tokens: int) -> None:
         bit = len(self._by_bit)
@@ -120,7 +152,8 @@ class PrefixIndex:
         """The prompt's block hashes (token ids where given), at most the blocks its tokens fill;
         `images` (content digest, tokens) head the chain (`common.prefix_blocks.image_blocks`), so a
         repeated image with the same text is a hit and another image is not."""
-        return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens)
+        return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens,
+                             stable=self.stable)
 
     def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int) -> PrefixQuery:
         """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,
@@ -143,7 +176,7 @@ class PrefixIndex:
                 _credit(cached, alive, by_bit, matched * size, prompt_tokens)
         key = None
         if session:
-            key = session_key(session)
+            key = session_key(session, stable=self.stable)
             for b in _members(holders.get(key, 0), by_bit):
                 if (hit := cached_tokens(b.lru.get(key) or 0, prompt_tokens)) > cached.get(b.id, 0):
                     cached[b.id] = hit
@@ -158,15 +191,20 @@ class PrefixIndex:
         if capacity_tokens:
             b.kv_blocks = self._blocks(capacity_tokens)
             self._fit(b)
-        added, evicted = b.lru.touch(query.blocks)
-        self._hold(b, added)
-        self._forget(b, evicted)
-        if query.session is not None:
-            added, evicted = b.lru.touch((query.session,), query.prompt_tokens)
-            self._hold(b, added)
-            self._forget(b, evicted)
+        self._touch(b, query.blocks, query.session, query.prompt_tokens)
         b.predicted_queries += query.prompt_tokens
         b.predicted_hits += query.cached.get(backend_id, 0)
+        if self._routed is not None:
+            self._routed.append((backend_id, query.blocks, query.session, query.prompt_tokens))
+
+    def _touch(self, b: _Backend, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
+        added, evicted = b.lru.touch(blocks)
+        self._hold(b, added)
+        self._forget(b, evicted)
+        if session is not None:
+            added, evicted = b.lru.touch((session,), prompt_tokens)
+            self._hold(b, added)
+            self._forget(b, evicted)
 
     def _fit(self, b: _Backend) -> None:
         """The backend's LRU at keep_i · K_i blocks (its oldest blocks forgotten)."""
