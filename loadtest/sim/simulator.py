@@ -6,6 +6,12 @@ choose, exactly as the live gateway does; the chosen engine is leased at once (t
 loop). Engines report their next event time; a heap merges them with the arrival stream. Signals are
 exact and fresh here (no heartbeat lag).
 The one policy that is not the gateway's, `oracle` (oracle.py), reads the engines instead of snapshots.
+
+`RunSpec.prefix_cache`: "engines" gives the continuous-batching engines the simulated engines' prefix
+cache (engines.py) on the trace's blocks; "index" also routes as the gateway does with cache-aware
+routing on: its prefix index (`gateway.routing.prefix_index`) predicts each backend's cached prefix,
+the policy reads it as `RequestProfile.cached_tokens`, the lease counts the rest as prefill, and the
+engines' reported counters correct the index. The run then reports the engines' `prefix_hit_rate`.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ from common import perf_model
 from common.catalog import Catalog, load_catalog
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
+from gateway.routing.prefix_index import PrefixIndex
 from loadtest.sim import capacity, oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder, SerialEngine
 from loadtest.sim.metrics import summarize
 from loadtest.sim.workloads import Trace, make_trace, mean_lengths
 
 MODES = ("serial", "continuous")
+PREFIX_CACHE = ("off", "engines", "index")
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")   # the language pool, as gateway/pipeline/dispatch.py has it
 
 
@@ -43,6 +51,7 @@ class RunSpec:
     load: float = 1.0                      # × Σ_i μ_i (see capacity.py)
     n_requests: int = 2000
     seed: int = 0
+    prefix_cache: str = "off"              # "off", "engines" (they cache), "index" (and the gateway's index routes)
 
 
 def arrival_rate(spec: RunSpec, catalog: Catalog) -> float:
@@ -64,7 +73,8 @@ def build_engines(spec: RunSpec, catalog: Catalog, rec: Recorder) -> list[Engine
             prior = capacity.serial_service_s(model, gpu, prompt, output)
         else:
             prior = perf_model.service_seconds(model, gpu, round(prompt), round(output))
-        es = EngineSpec(f"{name.lower()}-{k}", model, gpu, capacity.kv_capacity(model, gpu), prior)
+        es = EngineSpec(f"{name.lower()}-{k}", model, gpu, capacity.kv_capacity(model, gpu), prior,
+                        prefix_caching=spec.prefix_cache != "off")
         engines.append(SerialEngine(es, rec, gateway) if spec.mode == "serial" else BatchEngine(es, rec, gateway))
     return engines
 
@@ -79,8 +89,10 @@ def make_policy(spec: RunSpec, engines: Sequence[Engine] = ()) -> Policy:
     return build_policy(spec.policy, params)
 
 
-def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder) -> int:
-    """Run `trace` to completion; returns the number of engine events processed."""
+def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
+             prefixes: PrefixIndex | None = None) -> int:
+    """Run `trace` to completion; returns the number of engine events processed. `prefixes`: the gateway's
+    prefix index, routing as the gateway does with cache-aware routing on."""
     index = {e.id: k for k, e in enumerate(engines)}
     gateway = engines[0].gateway
     if any(e.gateway is not gateway for e in engines):
@@ -92,11 +104,21 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder)
     for i, now in enumerate(trace.arrival_s.tolist()):
         while heap and heap[0][0] <= now:
             events += _fire(heap, engines)
-        profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]))
+        query = None
+        if prefixes is not None:
+            query = prefixes.lookup(lengths.blocks(i, prefixes.block_tokens), "", inputs[i])
+        profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]),
+                                 **({"cached_tokens": query.cached} if query is not None and query.cached else {}))
         decision = policy.choose(profile, gateway.refresh(now).candidates(LANGUAGE_ROLES, now), now)
         k = index[decision.backend.id]
         rec.backend[i] = k
-        t = engines[k].submit(i, now)
+        cached = 0
+        if prefixes is not None and query is not None:
+            engine = engines[k]
+            prefixes.observe(engine.id, *engine.prefix_counters())
+            prefixes.record(query, engine.id, engine.kv_capacity // engine.model.kv_bytes_per_token)
+            cached = query.cached.get(engine.id, 0)
+        t = engines[k].submit(i, now, cached)
         if t is not None:
             heapq.heappush(heap, (t, k))
     while heap:
@@ -123,10 +145,20 @@ def run(spec: RunSpec, catalog: Catalog | None = None, rate: float | None = None
     rec = Recorder.for_lengths(trace.lengths)
     engines = build_engines(spec, catalog, rec)
     policy = make_policy(spec, engines)
-    events = simulate(trace, engines, policy, rec)
+    if spec.prefix_cache not in PREFIX_CACHE or (spec.prefix_cache != "off" and spec.mode != "continuous"):
+        raise ValueError(f"prefix_cache {spec.prefix_cache!r}: one of off, engines, index (continuous mode only)")
+    prefixes = None
+    if spec.prefix_cache == "index":
+        prefixes = PrefixIndex()
+        for e in engines:
+            prefixes.add_backend(e.id, e.kv_capacity // e.model.kv_bytes_per_token)
+    events = simulate(trace, engines, policy, rec, prefixes)
     gpu_names = np.array([e.gpu.name for e in engines])
     out = summarize(trace, rec, gpu_names, [e.gpu.price_per_hour for e in engines])
     if isinstance(policy, oracle.Oracle):
         out["oracle_realized_over_predicted"] = policy.realized_over_predicted(trace.arrival_s, rec.finish)
+    if spec.prefix_cache != "off":
+        queries, hits = (sum(c) for c in zip(*(e.prefix_counters() for e in engines), strict=True))
+        out["prefix_hit_rate"] = hits / queries if queries else 0.0
     out.update(events=events, wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu, rate_rps=rate)
     return out
