@@ -13,6 +13,11 @@ index fed the engines' counters, as the pipeline wires them. Targets:
 
     rr          round robin
     cwlor       capacity-weighted least outstanding (weights: each engine's saturated rate on the workload)
+    sglang-ca   sglang-router / SMG `cache_aware`, emulated from their documented rules and SMG's defaults:
+                the prompts routed to each worker (the gateway's block index standing in for their radix
+                tree, bounded by each engine's KV, which their tree is not); loads = requests in flight.
+                Imbalanced (max - min > 64 and max > 1.5 x min): the least loaded; else the worker with
+                the longest match if it covers more than 30% of the prompt, else the least loaded
     hg-blind    the gateway's default policy without cache awareness (gateway.routing.prefix_cache off)
     hg-cache    the gateway's default: the prefix index from the prompts' text blocks
     hg-session  hg-cache, and the clients name their conversation (x-session-id)
@@ -105,8 +110,8 @@ from gateway.routing.state_table import StateTable  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
-TARGETS = ("rr", "cwlor", "hg-blind", "hg-cache", "hg-session", "hg-oracle", "hg-3shared", "hg-3alone")
-DEFAULT_TARGETS = TARGETS[:6]   # the replica targets need Redis: named on the command line
+TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-cache", "hg-session", "hg-oracle", "hg-3shared", "hg-3alone")
+DEFAULT_TARGETS = TARGETS[:7]   # the replica targets need Redis: named on the command line
 REPLICAS, REFRESH_S = 3, 0.05
 WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage")
 # Loads (times the cache-blind capacity) by default: shared prefixes carry more than the blind capacity, so
@@ -260,6 +265,35 @@ class RoundRobin(Router):
         return next(self._next), None
 
 
+class SglangCacheAware(Router):
+    """sglang-router / SMG `cache_aware`, emulated (see the module docstring for the rules)."""
+
+    CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5   # SMG's documented defaults
+
+    def __init__(self, engines: dict[str, Batcher]) -> None:
+        self.index = PrefixIndex()
+        for eid, b in engines.items():
+            self.index.add_backend(eid, b.tier.num_blocks * BLOCK_SIZE)
+        self.load = dict.fromkeys(engines, 0)
+
+    def route(self, r: Request) -> tuple[str, Any]:
+        load = self.load
+        least = min(load, key=load.__getitem__)
+        most = max(load.values())
+        query = self.index.lookup(self.index.hashes(r.prompt, (), r.tokens, r.conversation.images), "", r.tokens)
+        eid = least
+        if not (most - load[least] > self.BALANCE_ABS and most > self.BALANCE_REL * load[least]) and query.cached:
+            matched, hit = max(query.cached.items(), key=lambda kv: kv[1])
+            if hit / r.tokens > self.CACHE_THRESHOLD:
+                eid = matched
+        self.index.record(query, eid, 0)
+        load[eid] += 1
+        return eid, eid
+
+    def done(self, handle: Any, tokens: int) -> None:
+        self.load[handle] -= 1
+
+
 class CacheAware(Gateway):
     """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
     index (`mode` "index", "session") or the engines' exact caches (`mode` "oracle"), or neither ("blind")."""
@@ -370,6 +404,8 @@ def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: d
         return Replicas(clock, engines, redis_url if target == "hg-3shared" else "")
     if target == "rr":
         return RoundRobin(list(engines))
+    if target == "sglang-ca":
+        return SglangCacheAware(engines)
     if target == "cwlor":
         return Proxy(rates)
     mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle"}[target]
