@@ -15,10 +15,12 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
                                   leader (leadership.py, engine_identities.py), read on every refresh
     P prefix              STREAM  what each replica routed with cache-aware routing on: one entry per
                                   request (replica, backend, the prompt's block hashes, session key,
-                                  prompt tokens), at most `prefix_stream_max` entries (trimmed
+                                  prompt tokens), or which encoder got which images (their content
+                                  digests), at most `prefix_stream_max` entries (trimmed
                                   approximately); every replica applies the others' entries to its
-                                  prefix index, so all predict from what all routed to each backend
-                                  and a conversation's turns stay together whichever replica gets them
+                                  prefix index and its encoders' index, so all predict from what all
+                                  routed and a conversation's turns stay together whichever replica
+                                  gets them
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
 received since the last refresh, and reads the members, every peer's counts, every backend's
@@ -59,6 +61,7 @@ from redis.exceptions import RedisError
 
 from gateway.config.sections import RedisConfig
 from gateway.routing.backend_entry import NO_PEER_LOAD, PeerLoad, Reported
+from gateway.routing.encoder_index import EncoderIndex, Sent
 from gateway.routing.prefix_index import PrefixIndex, Routed
 from gateway.routing.state_table import StateTable
 
@@ -93,8 +96,18 @@ def encode_routed(replica_id: str, routed: Routed) -> dict[str, str]:
             "s": "" if session is None else str(session), "n": str(tokens)}
 
 
-def decode_routed(fields: dict[str, str]) -> tuple[str, Routed]:
-    """(the replica that routed it, the record)."""
+def encode_sent(replica_id: str, sent: Sent) -> dict[str, str]:
+    """A stream entry for the encoders' index: the images' digests as base64 of unsigned 64-bit ints."""
+    encoder, digests = sent
+    return {"r": replica_id, "b": encoder, "v": base64.b64encode(array("Q", digests).tobytes()).decode()}
+
+
+def decode_entry(fields: dict[str, str]) -> tuple[str, Routed | Sent]:
+    """(the replica that wrote it, a prefix record or, with a `v` field, an encoder record)."""
+    if "v" in fields:
+        digests = array("Q")
+        digests.frombytes(base64.b64decode(fields["v"]))
+        return fields["r"], (fields["b"], digests.tolist())
     blocks = array("q")
     blocks.frombytes(base64.b64decode(fields["h"]))
     session = fields.get("s", "")
@@ -114,12 +127,15 @@ class SharedState:
         on_remote_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
         on_identities: Callable[[dict[str, str]], None] = lambda digests: None,
         prefixes: PrefixIndex | None = None,
+        encoders: EncoderIndex | None = None,
     ) -> None:
-        """`prefixes`: this replica's prefix index, shared with the others' (None: cache-aware routing off)."""
+        """`prefixes`, `encoders`: this replica's prefix index and encoders' index, shared with the
+        others' (None: cache-aware routing off)."""
         self._table = table
-        self._prefixes = prefixes
-        if prefixes is not None:
-            prefixes.share(config.prefix_batch_max)
+        self._prefixes, self._encoders = prefixes, encoders
+        for index in (prefixes, encoders):
+            if index is not None:
+                index.share(config.prefix_batch_max)
         self._prefix_key = f"{config.key_prefix}prefix"
         self._prefix_last = "0"   # the last stream entry read
         self.prefix_entries_applied = 0
@@ -186,17 +202,20 @@ class SharedState:
             pipe.get(k)
             pipe.pttl(k)
         pipe.hgetall(self.identities_key)
-        index = self._prefixes
-        routed = index.take_routed() if index is not None else []
-        for record in routed:   # the prefix stream last: its replies come off the end below
-            pipe.xadd(self._prefix_key, encode_routed(self.replica_id, record),  # type: ignore[arg-type]
+        sharing = self._prefixes is not None or self._encoders is not None
+        entries = ([encode_routed(self.replica_id, r) for r in self._prefixes.take_routed()]
+                   if self._prefixes is not None else [])
+        if self._encoders is not None:
+            entries += [encode_sent(self.replica_id, sent) for sent in self._encoders.take_sent()]
+        for fields in entries:   # the prefix stream last: its replies come off the end below
+            pipe.xadd(self._prefix_key, fields,  # type: ignore[arg-type]
                       maxlen=self._config.prefix_stream_max, approximate=True)
-        if index is not None:
+        if sharing:
             pipe.xrange(self._prefix_key, min=f"({self._prefix_last}", count=self._config.prefix_batch_max)
         results: list[Any] = await pipe.execute()
-        if index is not None:
-            self._apply_routed(index, results.pop())
-            del results[len(results) - len(routed):]   # the appended entries' ids
+        if sharing:
+            self._apply_routed(results.pop())
+            del results[len(results) - len(entries):]   # the appended entries' ids
         tail = results[-(2 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
         members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):-1]
         self._on_identities(tail[-1])
@@ -205,18 +224,24 @@ class SharedState:
         self._peers = sorted(m for m in members if m != self.replica_id)
         self._resumed()
 
-    def _apply_routed(self, index: PrefixIndex, entries: list[tuple[str, dict[str, str]]]) -> None:
-        """The other replicas' records since the last read, into this replica's index (its own skipped)."""
+    def _apply_routed(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        """The other replicas' records since the last read, into this replica's indexes (its own skipped)."""
+        prefixes, encoders = self._prefixes, self._encoders
         for entry_id, fields in entries:
             self._prefix_last = entry_id
             try:
-                replica, (backend_id, blocks, session, tokens) = decode_routed(fields)
+                replica, record = decode_entry(fields)
             except (KeyError, ValueError, TypeError) as exc:
                 log.warning("shared_prefix_unreadable", entry=entry_id, error=str(exc))
                 continue
-            if replica != self.replica_id:
-                index.peer_routed(backend_id, blocks, session, tokens)
-                self.prefix_entries_applied += 1
+            if replica == self.replica_id:
+                continue
+            if len(record) == 2:
+                if encoders is not None:
+                    encoders.peer_sent(record[0], record[1])
+            elif prefixes is not None:
+                prefixes.peer_routed(*record)
+            self.prefix_entries_applied += 1
 
     def _apply_peers(self, peers: list[str], maps: list[dict[str, str]]) -> None:
         self._gone = [p for p, m in zip(peers, maps, strict=True) if not m]

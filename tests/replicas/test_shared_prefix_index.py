@@ -1,5 +1,6 @@
-"""Replicas share their prefix index through the real Redis: a conversation's next turn, routed by
-another replica, is predicted cached where the first replica sent its first turn."""
+"""Replicas share their prefix index and their encoders' index through the real Redis: a conversation's
+next turn, routed by another replica, is predicted cached where the first replica sent its first turn,
+and a repeated image where the first replica had it encoded."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from common.prefix_blocks import block_hashes, session_key
+from common.prefix_blocks import block_hashes, content_digest, session_key
 from gateway.config.sections import RedisConfig
 from gateway.replicas.shared_state import SharedState, connect
+from gateway.routing.encoder_index import EncoderIndex
 from gateway.routing.prefix_index import PrefixIndex
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, table
 
@@ -23,14 +25,15 @@ PROMPT = "".join(f"system prompt block {k:043d}\n" for k in range(40))   # 40 bl
 
 
 @asynccontextmanager
-async def replica(prefix: str, name: str, **config: object) -> AsyncIterator[tuple[SharedState, PrefixIndex]]:
+async def replica(prefix: str, name: str, encoders: EncoderIndex | None = None,
+                  **config: object) -> AsyncIterator[tuple[SharedState, PrefixIndex]]:
     index = PrefixIndex()
     for backend_id in GPUS:
         index.add_backend(backend_id, 100_000)
     cfg = RedisConfig(url=SYSTEM_REDIS, key_prefix=prefix, **config)  # type: ignore[arg-type]
     client = connect(cfg, SYSTEM_REDIS)
     try:
-        yield SharedState(table(GPUS), client, cfg, name, prefixes=index), index
+        yield SharedState(table(GPUS), client, cfg, name, prefixes=index, encoders=encoders), index
     finally:
         await client.aclose()
 
@@ -84,6 +87,19 @@ async def test_a_replica_that_joins_later_reads_what_was_routed_before_it() -> N
         async with replica(prefix, "late", prefix_batch_max=1) as (rl, late):
             await rl.refresh()   # one entry a refresh at most: the stream is read in order, none skipped
             assert predicted(late, PROMPT + "more") == {"h100-0": 640}
+
+
+async def test_which_encoder_got_an_image_is_shared_too() -> None:
+    cat, dog = (content_digest(b"cat picture"), 576), (content_digest(b"dog picture"), 576)
+    ea, eb = EncoderIndex(), EncoderIndex()
+    with redis_prefix("prefix-encoders") as prefix:
+        async with replica(prefix, "a", ea) as (ra, a), replica(prefix, "b", eb) as (rb, _):
+            ea.record([cat], "vision-1")
+            route(a, PROMPT, "h100-0")    # prefix and encoder records share the stream
+            await ra.refresh()
+            await rb.refresh()
+            assert eb.cached([cat, dog]) == {"vision-1": 576}
+            assert rb.prefix_entries_applied == 2 and eb.held("vision-1") == 1
 
 
 def test_shared_hashes_are_the_same_in_every_process() -> None:
