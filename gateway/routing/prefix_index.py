@@ -41,6 +41,10 @@ map, about 100 bytes a block held by one backend, both together (tests/unit/test
 bounds it at 250): with 64-token blocks, 8 backends of 50k tokens are 6,250 blocks, ~0.6 MB, and 64
 backends of 500k tokens 500k blocks, ~50 MB; the default cap, 2^20 blocks a backend, bounds any
 backend at ~100 MB.
+
+Images: a request's images head its chain, named by their content (`common.prefix_blocks.prompt_blocks`),
+so the same image with the same text is a hit and another image is not.
+
 Replicas (`share`, with `--redis-url`): each replica publishes what it routed and applies what the
 others routed (gateway.replicas.shared_state, every refresh), so every replica predicts from what all
 of them sent to each backend, a refresh late; text is then hashed the same in every process.
