@@ -121,6 +121,7 @@ def generate_input(
         prompt=request.prompt, token_ids=list(request.token_ids),
         image_spans=[(s.start, s.length) for s in request.image_spans], embeddings=embeddings, sampling=sampling,
         image_grids=[(g[0], g[1], g[2]) for g in (s.grid_thw for s in request.image_spans) if len(g) == 3],
+        images=[(k.digest, k.tokens) for k in request.image_keys],
     )
 
 
@@ -216,6 +217,7 @@ class Engine:
         if self.vision is not None:
             msg.vision_backlog = self.vision.backlog_tokens
             msg.images_encoded = self.vision.images_encoded
+            msg.embedding_cache_hits = self.vision.embedding_cache_hits
             msg.embedding_bytes_sent = self.vision.embedding_bytes_sent
         return msg
 

@@ -39,6 +39,7 @@ class EngineConfig:
     steal_episode_ms: float = 100.0
     vision_batch: int = 32
     vision_batch_timeout_ms: float = 50.0
+    embedding_cache_images: int = 256   # vision: embeddings kept by content hash (0: no cache)
     # torch executor
     model_path: str | None = None
     random_weights: bool = False
@@ -69,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--steal-episode-ms", type=float, default=100.0, help="bound on one stealing step")
     p.add_argument("--vision-batch", type=int, default=32, help="aligned encode batch: images")
     p.add_argument("--vision-batch-timeout-ms", type=float, default=50.0, help="aligned encode batch: wait")
+    p.add_argument("--embedding-cache-images", type=int, default=256,
+                   help="vision: image embeddings kept by content hash, least recently used out (0: none)")
     p.add_argument("--model-path", default=None, help="torch: local Hugging Face model directory")
     p.add_argument("--random-weights", action="store_true", help="torch: the catalog's HF config, random weights")
     p.add_argument("--device", default="cpu", help="torch: cpu, cuda or cuda:N")
@@ -87,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         port=a.port, executor=a.executor, time_scale=a.time_scale, max_batch=a.max_batch,
         memory_utilization=a.memory_utilization, heartbeat_ms=a.heartbeat_ms, steal=a.steal,
         steal_episode_ms=a.steal_episode_ms, vision_batch=a.vision_batch,
-        vision_batch_timeout_ms=a.vision_batch_timeout_ms, model_path=a.model_path,
+        vision_batch_timeout_ms=a.vision_batch_timeout_ms, embedding_cache_images=a.embedding_cache_images,
+        model_path=a.model_path,
         random_weights=a.random_weights, device=a.device, dtype=a.dtype, seed=a.seed,
         max_model_len=a.max_model_len, log_level=a.log_level, orphan_timeout_s=a.orphan_timeout_s,
     )

@@ -63,6 +63,6 @@ def build_executors(
         vision = VisionExecutor(
             encoder, deliver, time_scale=config.time_scale if config.executor == "simulated" else 1.0,
             max_images=config.vision_batch, batch_timeout_s=config.vision_batch_timeout_ms / 1000,
-            on_change=on_change,
+            on_change=on_change, cache_images=config.embedding_cache_images,
         )
     return language, vision

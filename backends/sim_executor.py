@@ -5,8 +5,9 @@ duration × time_scale and then hands every sequence its token. The GPU schedule
 step runs (vision work first on a shared GPU). Output lengths stand in for EOS: a
 request stops at a length drawn from its request id (stable across retries) unless max_tokens
 comes first. The engine caches prompt prefixes as vLLM does by default (`prefix_caching`; blocks
-named by `common.prefix_blocks` from the request's token ids, else its prompt text), and charges
-prefill for the uncached tokens only (backends/batcher.py).
+named by `common.prefix_blocks` from the request's images by content, then its token ids, else its
+prompt text, as the gateway's prefix index names them), and charges prefill for the uncached tokens
+only (backends/batcher.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from backends.batcher import ContinuousBatcher, Sequence
 from backends.executors import GenerateInput, LoadReport, Token
 from backends.token_streams import TokenStreams
 from common.catalog import GpuProfile, ModelProfile
-from common.prefix_blocks import EnginePrefixCache, block_hashes
+from common.prefix_blocks import EnginePrefixCache, prompt_blocks
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
@@ -59,8 +60,8 @@ class SimulatedExecutor:
         seq = Sequence(request.request_id, prompt_tokens, request.max_tokens, target, arrival_s=time.monotonic())
         cache = self.batcher.prefix_cache
         if cache is not None:
-            seq.blocks = block_hashes(request.prompt, request.token_ids, block_tokens=cache.block_tokens,
-                                      max_blocks=prompt_tokens // cache.block_tokens)
+            seq.blocks = prompt_blocks(request.prompt, request.token_ids, prompt_tokens, request.images,
+                                       block_tokens=cache.block_tokens)
         return self._streams.stream(seq)
 
     @property

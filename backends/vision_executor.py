@@ -6,18 +6,28 @@ which the simulator runs too). The encoder (simulated: the performance
 model's encode time and random values; torch: the real vision tower and projector) turns the batch into
 one embedding per image, which is delivered straight to the language engine the gateway chose before
 the Encode call returns, or, when the request names no engine, returned in the reply.
+
+Embedding cache: the last `cache_images` images' embeddings, keyed by their content hash
+(`common.prefix_blocks.content_digest`, the gateway's too) and evicted least recently used first.
+An image found there is not encoded again: a batch encodes only the images it does not hold (each
+distinct image once), and a batch of hits costs no encode at all. The engine counts them
+(`embedding_cache_hits`, in its heartbeats; `images_cached` in each reply), and the gateway, which
+remembers which encoder got which image, prices such a hit as no encode (`encode_cost`). Memory: the
+simulated encoder's embeddings hold no payload (made on delivery); a torch encoder's hold their
+tensors (a 576-token LLaVA-7B image is ~4.7 MB), so `cache_images` bounds that memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from backends.executors import EncodedImage, VisionEncoder
 from backends.scheduling import ready_in, take_batch
+from common.prefix_blocks import content_digest
 from common.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
@@ -50,7 +60,9 @@ class VisionExecutor:
         max_images: int = 32,
         batch_timeout_s: float = 0.05,
         on_change: Callable[[], None] = lambda: None,
+        cache_images: int = 256,
     ) -> None:
+        """`cache_images`: embeddings the cache keeps (0: none)."""
         self.encoder = encoder
         self._deliver = deliver
         self.time_scale = time_scale
@@ -62,6 +74,9 @@ class VisionExecutor:
         self.backlog_tokens = 0
         self.images_encoded = 0
         self.embedding_bytes_sent = 0
+        self.cache_images = max(0, cache_images)
+        self._cache: OrderedDict[int, EncodedImage] = OrderedDict()   # content digest -> embedding
+        self.embedding_cache_hits = 0
 
     async def encode(self, request: engine_pb2.EncodeRequest) -> engine_pb2.EncodeReply:
         job = EncodeJob(request, time.monotonic(), asyncio.get_running_loop().create_future())
@@ -89,30 +104,62 @@ class VisionExecutor:
         if not batch:
             return
         tokens = sum(j.tokens for j in batch)
+        images = [img for job in batch for img in job.request.images]
         start = time.monotonic()
         failure: Exception | None = None
         try:
-            encoded, _ = await self.encoder.encode_batch([img for job in batch for img in job.request.images])
+            encoded, hits = await self._encode_uncached(images)
         except Exception as exc:   # a bad image or a broken encoder fails this batch's requests, not the engine
-            encoded, failure = [], exc
+            encoded, hits, failure = [], [], exc
         encode_s = time.monotonic() - start
         self.backlog_tokens -= tokens
-        self.images_encoded += len(encoded)
+        self.images_encoded += len(encoded) - sum(hits)
+        self.embedding_cache_hits += sum(hits)
         self._on_change()
         offset = 0
         for job in batch:   # hand-offs overlap the next batch, as the DMA does on a real GPU
             n = len(job.request.images)
-            task = asyncio.create_task(self._finish(job, encoded[offset:offset + n], failure, encode_s))
+            cached = sum(hits[offset:offset + n])
+            task = asyncio.create_task(self._finish(job, encoded[offset:offset + n], failure, encode_s, cached))
             offset += n
             self._delivering.add(task)
             task.add_done_callback(self._delivering.discard)
 
+    async def _encode_uncached(self, images: list[engine_pb2.Image]) -> tuple[list[EncodedImage], list[bool]]:
+        """The batch's embeddings in order, and which the encoder did not make (found in the cache, or
+        the same image as an earlier one of the batch); the encoder runs on the distinct images the
+        cache does not hold (not at all when it holds every one)."""
+        if not self.cache_images:
+            return (await self.encoder.encode_batch(images))[0], [False] * len(images)
+        cache = self._cache
+        keys = [content_digest(img.data) for img in images]
+        held = {key: cache[key] for key in keys if key in cache}
+        missing: dict[int, engine_pb2.Image] = {}
+        hits = []   # per image: not run through the encoder (cached, or the same as an earlier one of the batch)
+        for key, img in zip(keys, images, strict=True):
+            hits.append(key in held or key in missing)
+            if not hits[-1]:
+                missing[key] = img
+        fresh: dict[int, EncodedImage] = {}
+        if missing:
+            made, _ = await self.encoder.encode_batch(list(missing.values()))
+            fresh = dict(zip(missing, made, strict=True))
+        out = []
+        for key in keys:
+            emb = fresh[key] if key in fresh else held[key]
+            cache[key] = emb
+            cache.move_to_end(key)
+            out.append(emb)
+        while len(cache) > self.cache_images:
+            cache.popitem(last=False)
+        return out, hits
+
     async def _finish(
-        self, job: EncodeJob, encoded: list[EncodedImage], failure: Exception | None, encode_s: float
+        self, job: EncodeJob, encoded: list[EncodedImage], failure: Exception | None, encode_s: float, cached: int,
     ) -> None:
         req = job.request
         t0 = time.monotonic()
-        reply = engine_pb2.EncodeReply(image_tokens=job.tokens, encode_s=encode_s)
+        reply = engine_pb2.EncodeReply(image_tokens=job.tokens, encode_s=encode_s, images_cached=cached)
         try:
             if failure is not None:
                 raise failure

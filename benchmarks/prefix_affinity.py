@@ -13,10 +13,19 @@ index fed the engines' counters, as the pipeline wires them. Targets:
 
     rr          round robin
     cwlor       capacity-weighted least outstanding (weights: each engine's saturated rate on the workload)
+    sglang-ca   sglang-router / SMG `cache_aware`, emulated from their documented rules and SMG's defaults:
+                the prompts routed to each worker (the gateway's block index standing in for their radix
+                tree, bounded by each engine's KV, which their tree is not); loads = requests in flight.
+                Imbalanced (max - min > 64 and max > 1.5 x min): the least loaded; else the worker with
+                the longest match if it covers more than 30% of the prompt, else the least loaded
     hg-blind    the gateway's default policy without cache awareness (gateway.routing.prefix_cache off)
     hg-cache    the gateway's default: the prefix index from the prompts' text blocks
     hg-session  hg-cache, and the clients name their conversation (x-session-id)
     hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
+    hg-3shared  three hg-cache replicas behind a round-robin balancer, sharing in-flight counts and their
+                prefix indexes through the real Redis (--redis-url; gateway.replicas.shared_state, refreshed
+                every 50 ms of virtual time, the spreading layer on, as `--redis-url` runs them)
+    hg-3alone   the same three replicas, each on its own view (no Redis)
 
 Workloads (each request's prompt is the chat rendered as the gateway renders it, `role: text` lines):
 
@@ -28,6 +37,11 @@ Workloads (each request's prompt is the chat rendered as the gateway renders it,
     nosharing   the mixed-tier benchmark's single requests (benchmarks/mixed_workload.py), every prompt distinct
     hotprefix   single requests, 80% of them one tenant's 2,400-token system prompt and a question of
                 their own, the rest distinct prompts of the mixed-tier mix
+    repeatimage single requests with one image (576 tokens, LLaVA-1.5's) drawn from 200 images of Zipf
+                popularity (s = 1.1: the top 10 are a third of the requests) and, 60% of the time, one of 8
+                common questions about it (else a question of its own, 16-400 tokens); the engines cache
+                image tokens as prefix blocks named by the image's content hash, as the gateway's index does
+                (the image first, then the text); only the language pool is replayed (no encoders)
 
 Load (--loads, by default per workload: DEFAULT_LOADS) is a multiple of the cache-blind capacity: each
 engine alone saturated in emulated time with the workload's requests and no cache (as
@@ -51,12 +65,14 @@ replay leaves out: network and gateway latency, CPU, scrape jitter (as benchmark
 from __future__ import annotations
 
 import argparse
+import asyncio
 import heapq
 import itertools
 import random
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,22 +97,30 @@ from benchmarks.routing_replay import (  # noqa: E402
     Router,
 )
 from common.catalog import load_catalog  # noqa: E402
-from common.prefix_blocks import EnginePrefixCache, block_hashes  # noqa: E402
+from common.prefix_blocks import EnginePrefixCache, content_digest, prompt_blocks  # noqa: E402
 from gateway.config.cluster import PrefixCacheConfig  # noqa: E402
+from gateway.config.sections import RedisConfig  # noqa: E402
+from gateway.replicas.shared_state import SharedState, connect  # noqa: E402
 from gateway.routing.backend_entry import Reported  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import RequestProfile  # noqa: E402
+from gateway.routing.policies.spreading import Spreading  # noqa: E402
 from gateway.routing.prefix_index import PrefixIndex  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
-TARGETS = ("rr", "cwlor", "hg-blind", "hg-cache", "hg-session", "hg-oracle")
-WORKLOADS = ("multiturn", "nosharing", "hotprefix")
+TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-cache", "hg-session", "hg-oracle", "hg-3shared", "hg-3alone")
+DEFAULT_TARGETS = TARGETS[:7]   # the replica targets need Redis: named on the command line
+REPLICAS, REFRESH_S = 3, 0.05
+WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage")
 # Loads (times the cache-blind capacity) by default: shared prefixes carry more than the blind capacity, so
 # the multiturn and hot-prefix runs go past it; the no-sharing run is the mixed-tier benchmark's 0.9x and 1.0x.
-DEFAULT_LOADS = {"multiturn": [1.0, 1.5, 2.0], "nosharing": [0.9, 1.0], "hotprefix": [2.0, 2.5, 3.0]}
+DEFAULT_LOADS = {"multiturn": [1.0, 1.5, 2.0], "nosharing": [0.9, 1.0], "hotprefix": [2.0, 2.5, 3.0],
+                 "repeatimage": [1.0, 1.5, 2.0]}
 HOT_SHARE, THINK_MEAN_S, DEFAULT_TENANTS = 0.8, 3.0, 32
+IMAGE_POOL, IMAGE_TOKENS, IMAGE_ZIPF, COMMON_QUESTIONS, COMMON_SHARE = 200, 576, 1.1, 8, 0.6
+_IMAGE_WEIGHTS = list(itertools.accumulate(1 / (k + 1) ** IMAGE_ZIPF for k in range(IMAGE_POOL)))
 _WORDS = "policy refund order account invoice shipping answer customer ticket window".split()
 
 
@@ -133,6 +157,11 @@ class Conversation:
     thinks: list[float]                           # seconds before each turn after the first
     replies: list[str] = field(default_factory=list)   # the answers so far, as the client keeps them
     sent: int = 0                                 # turns sent
+    images: tuple[tuple[int, int], ...] = ()      # (content digest, tokens) of its images, in every turn
+
+    def tokens(self) -> int:
+        """The next turn's prompt tokens: its messages' and its images'."""
+        return tokens_of(self.messages()) + sum(tokens for _, tokens in self.images)
 
     def messages(self) -> list[tuple[str, str]]:
         """The next turn's messages: the system prompt, the history, the new user message."""
@@ -168,6 +197,15 @@ def conversations(workload: str, n: int, rate: float, seed: int, tenant_prompts:
             turns = [(text(rng, user_tokens(rng), f"{tag}-q{k}"), output_tokens(rng)) for k in range(count)]
             out.append(Conversation(tag, t, rng.choice(tenant_prompts), turns,
                                     [rng.expovariate(1 / THINK_MEAN_S) for _ in turns]))
+        elif workload == "repeatimage":
+            picture = rng.choices(range(IMAGE_POOL), cum_weights=_IMAGE_WEIGHTS)[0]
+            if rng.random() < COMMON_SHARE:
+                q = rng.randrange(COMMON_QUESTIONS)
+                question = text(random.Random(q), 40, f"common-question-{q}")
+            else:
+                question = text(rng, user_tokens(rng), tag)
+            out.append(Conversation(tag, t, "", [(question, output_tokens(rng))], [0.0],
+                                    images=((content_digest(f"image-{picture}".encode()), IMAGE_TOKENS),)))
         elif workload == "hotprefix" and rng.random() < HOT_SHARE:
             question = text(rng, user_tokens(rng), tag)
             out.append(Conversation(tag, t, hot, [(question, output_tokens(rng))], [0.0]))
@@ -184,8 +222,7 @@ def request_sizes(workload: str, seed: int, tenant_prompts: list[str], n: int = 
     rng = random.Random(seed)
     for c in conversations(workload, n, 1.0, seed, tenant_prompts):
         for k, (_, output) in enumerate(c.turns):
-            messages = c.messages()
-            tokens = tokens_of(messages)
+            tokens = c.tokens()
             if tokens + output > MAX_MODEL_LEN:
                 break
             sizes.append((tokens, output))
@@ -228,6 +265,35 @@ class RoundRobin(Router):
         return next(self._next), None
 
 
+class SglangCacheAware(Router):
+    """sglang-router / SMG `cache_aware`, emulated (see the module docstring for the rules)."""
+
+    CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5   # SMG's documented defaults
+
+    def __init__(self, engines: dict[str, Batcher]) -> None:
+        self.index = PrefixIndex()
+        for eid, b in engines.items():
+            self.index.add_backend(eid, b.tier.num_blocks * BLOCK_SIZE)
+        self.load = dict.fromkeys(engines, 0)
+
+    def route(self, r: Request) -> tuple[str, Any]:
+        load = self.load
+        least = min(load, key=load.__getitem__)
+        most = max(load.values())
+        query = self.index.lookup(self.index.hashes(r.prompt, (), r.tokens, r.conversation.images), "", r.tokens)
+        eid = least
+        if not (most - load[least] > self.BALANCE_ABS and most > self.BALANCE_REL * load[least]) and query.cached:
+            matched, hit = max(query.cached.items(), key=lambda kv: kv[1])
+            if hit / r.tokens > self.CACHE_THRESHOLD:
+                eid = matched
+        self.index.record(query, eid, 0)
+        load[eid] += 1
+        return eid, eid
+
+    def done(self, handle: Any, tokens: int) -> None:
+        self.load[handle] -= 1
+
+
 class CacheAware(Gateway):
     """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
     index (`mode` "index", "session") or the engines' exact caches (`mode` "oracle"), or neither ("blind")."""
@@ -247,7 +313,8 @@ class CacheAware(Gateway):
         query = None
         if self.index is not None:
             session = r.conversation.id if self.mode == "session" else ""
-            query = self.index.lookup(r.hashes, session, r.tokens)
+            blocks = self.index.hashes(r.prompt, (), r.tokens, r.conversation.images)
+            query = self.index.lookup(blocks, session, r.tokens)
             cached = dict(query.cached)
         elif self.mode == "oracle":
             for eid, b in self.engines.items():
@@ -275,9 +342,70 @@ class CacheAware(Gateway):
             prefix_cache_queries=queries, prefix_cache_hits=hits))
 
 
-def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: dict[str, float]) -> Router:
+class Replicas(Router):
+    """`REPLICAS` gateways with the prefix index (CacheAware "index") behind a round-robin balancer. With a
+    `redis_url` they run as `--redis-url` runs them: the spreading layer on the policy, and a real
+    `SharedState` each (in-flight counts and the prefix index through Redis) refreshed every REFRESH_S of
+    virtual time, checked at each engine report; without, each routes on its own view."""
+
+    def __init__(self, clock: Clock, engines: dict[str, Batcher], redis_url: str) -> None:
+        self.members = [CacheAware("index", clock, engines) for _ in range(REPLICAS)]
+        self.clock, self.turn, self.next_refresh = clock, 0, 0.0
+        self.loop = asyncio.new_event_loop()
+        self.shared: list[SharedState] = []
+        self.config = RedisConfig(url=redis_url, key_prefix=f"hgbench:prefix:{uuid.uuid4().hex[:8]}:",
+                                  refresh_ms=round(REFRESH_S * 1000), replica_ttl_ms=600_000, timeout_ms=5000)
+        self.redis = connect(self.config, redis_url) if redis_url else None
+        for k, m in enumerate(self.members):
+            if self.redis is not None:
+                m.policy = Spreading(m.policy, self.config.spread, seed=f"replica-{k}")
+                self.shared.append(SharedState(m.table, self.redis, self.config, f"replica-{k}", prefixes=m.index))
+
+    def route(self, r: Request) -> tuple[str, Any]:
+        member = self.members[self.turn % REPLICAS]
+        self.turn += 1
+        eid, handle = member.route(r)
+        return eid, (member, handle)
+
+    def first_token(self, handle: Any) -> None:
+        handle[0].first_token(handle[1])
+
+    def done(self, handle: Any, tokens: int) -> None:
+        handle[0].done(handle[1], tokens)
+
+    def report(self, engine_id: str, b: Batcher) -> None:
+        for m in self.members:
+            m.report(engine_id, b)
+        if self.shared and self.clock.now >= self.next_refresh:
+            for shared in self.shared:
+                self.loop.run_until_complete(shared.refresh())
+            self.next_refresh = self.clock.now + REFRESH_S
+
+    def close(self) -> None:
+        """Withdraw, delete every key of this run, close the client and the loop."""
+        if self.redis is not None:
+            redis = self.redis
+
+            async def clean() -> None:
+                for shared in self.shared:
+                    await shared.withdraw()
+                keys = [k async for k in redis.scan_iter(match=self.config.key_prefix + "*")]
+                if keys:
+                    await redis.delete(*keys)
+                await redis.aclose()
+
+            self.loop.run_until_complete(clean())
+        self.loop.close()
+
+
+def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: dict[str, float],
+                redis_url: str = "") -> Router:
+    if target in ("hg-3shared", "hg-3alone"):
+        return Replicas(clock, engines, redis_url if target == "hg-3shared" else "")
     if target == "rr":
         return RoundRobin(list(engines))
+    if target == "sglang-ca":
+        return SglangCacheAware(engines)
     if target == "cwlor":
         return Proxy(rates)
     mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle"}[target]
@@ -346,9 +474,10 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
         if ev.kind == "arrive":
             c = ev.what
             messages = c.messages()
-            tokens, max_tokens = tokens_of(messages), c.turns[c.sent][1]
+            tokens, max_tokens = c.tokens(), c.turns[c.sent][1]
             prompt = render(messages)
-            r = Request(c, prompt, tokens, max_tokens, block_hashes(prompt, max_blocks=tokens // BLOCK_SIZE))
+            hashes = prompt_blocks(prompt, (), tokens, c.images, block_tokens=BLOCK_SIZE)
+            r = Request(c, prompt, tokens, max_tokens, hashes)
             eid, handle = router.route(r)
             out = Outcome(eid, tokens, max_tokens, clock.now)
             outcomes.append(out)
@@ -374,8 +503,7 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
                 c.sent += 1
                 more = c.sent < len(c.turns)
                 if more:
-                    nxt = c.messages()
-                    more = tokens_of(nxt) + c.turns[c.sent][1] <= MAX_MODEL_LEN
+                    more = c.tokens() + c.turns[c.sent][1] <= MAX_MODEL_LEN
                 if more:
                     push(clock.now + c.thinks[c.sent], "arrive", c)
                 else:
@@ -420,7 +548,7 @@ def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> d
 
 def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[float] | None, sessions: int,
         requests: int, warmup: int, n_tenants: int, interval_s: float, log: Callable[[str], None] = print,
-        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        redis_url: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     capacities: dict[str, Any] = {}
     for workload in workloads:
@@ -436,13 +564,17 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
                 for target in targets:
                     clock = Clock()
                     engines = {eid: Batcher(TIERS[tier], cache=EnginePrefixCache(BLOCK_SIZE)) for eid, tier in CLUSTER}
-                    router = make_router(target, clock, engines, rates)
-                    if warmup:
-                        serve(router, engines, conversations(workload, warmup, 0.6 * session_rate / load, 7 + seed,
-                                                             prompts), clock, interval_s, seed)
-                        clock.now += 5.0
-                    convs = conversations(workload, count, session_rate, 1000 * seed + 1, prompts)
-                    row = score(serve(router, engines, convs, clock, interval_s, 2 * seed), rates, router)
+                    router = make_router(target, clock, engines, rates, redis_url)
+                    try:
+                        if warmup:
+                            serve(router, engines, conversations(workload, warmup, 0.6 * session_rate / load,
+                                                                 7 + seed, prompts), clock, interval_s, seed)
+                            clock.now += 5.0
+                        convs = conversations(workload, count, session_rate, 1000 * seed + 1, prompts)
+                        row = score(serve(router, engines, convs, clock, interval_s, 2 * seed), rates, router)
+                    finally:
+                        if isinstance(router, Replicas):
+                            router.close()
                     row |= {"workload": workload, "load": load, "target": target, "seed": seed}
                     rows.append(row)
                     log(f"{workload} {load}x seed {seed} {target}: goodput {row['goodput']:.1%} ttft p90 "
@@ -546,7 +678,7 @@ def _turns(convs: list[Conversation], rng: random.Random, n: int) -> Iterator[Co
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(DEFAULT_TARGETS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--loads", type=float, nargs="+", default=None,
                    help=f"times the cache-blind capacity, for every workload (default: {DEFAULT_LOADS})")
@@ -555,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000, help="nosharing, hotprefix: requests per scored run")
     p.add_argument("--warmup", type=int, default=150, help="conversations of the unscored warm-up")
     p.add_argument("--interval-ms", type=float, default=200, help="engine report interval (heartbeats: 200)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="hg-3shared: the Redis the replicas share")
     p.add_argument("--latency", action="store_true", help="also the routing cost per request at N=64")
     p.add_argument("--latency-only", action="store_true", help="only that (results: prefix_affinity_latency.json)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -565,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out == RESULTS:
             args.out = LATENCY_RESULTS
     rows, capacities = run(args.workloads, args.targets, args.seeds, args.loads, args.sessions, args.requests,
-                           args.warmup, args.tenants, args.interval_ms / 1000)
+                           args.warmup, args.tenants, args.interval_ms / 1000, redis_url=args.redis_url)
     text_tables = tables(rows, args.workloads, args.targets)
     print(text_tables)
     report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

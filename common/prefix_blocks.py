@@ -15,14 +15,17 @@ Only full blocks are hashed (an engine caches full blocks only), and a hit never
 prompt: the last token is always computed (`cached_tokens`).
 
 Hashes are Python's `hash((previous, block))`: about 0.15 µs a block, and deterministic for token ids
-but seeded per process for text (bytes hashing is randomised), so hashes are compared only within one
-process: nothing here is sent across. Not collision-resistant against crafted input: a collision makes
-a router predict a hit that is not there (a routing error, never a wrong answer; a real engine keys its
-own cache with its own hash).
+but seeded per process for text (bytes hashing is randomised), so such hashes are compared only within
+one process. `stable=True` hashes a text block as the integer its bytes spell (`int.from_bytes`; int
+and tuple hashing are not randomised): the same hashes in every process of the same CPython, which is
+what replicas that share their index need (gateway.replicas.shared_state), at about twice the cost.
+Not collision-resistant against crafted input: a collision makes a router predict a hit that is not
+there (a routing error, never a wrong answer; a real engine keys its own cache with its own hash).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -30,12 +33,36 @@ BLOCK_TOKENS = 16      # tokens a KV block holds (vLLM's default block size)
 BYTES_PER_TOKEN = 4    # the gateway's token estimate for text (gateway.requests.tokens)
 
 
-def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
-                 max_blocks: int | None = None) -> list[int]:
-    """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
-    else from `text`. At most `max_blocks` (None: all)."""
+def content_digest(data: bytes) -> int:
+    """An image's content hash: the first 8 bytes of its BLAKE2b, as an int. The same in every process
+    (gateway, engines, replicas), unlike `hash`, and collision-resistant: two images share a digest only
+    when their bytes are the same. About 1 ms a megabyte."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def image_blocks(images: Sequence[tuple[int, int]], *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """The chained hashes a prompt's images stand for, given as (content digest, image tokens) in
+    order: tokens // block_tokens blocks an image (at least one), each named by the image's digest and
+    its place in it. They head the prompt's chain (`block_hashes`' `seed` is the last of them): a
+    prompt's text blocks match only after the same images in the same order, as an engine caches
+    image tokens only where the same image was (an approximation: the gateway does not know where in
+    the text each image sits, so a text prefix shared before different images is not counted)."""
     out: list[int] = []
     previous = 0
+    for digest, tokens in images:
+        for k in range(max(1, tokens // block_tokens)):
+            previous = hash((previous, digest, k))
+            out.append(previous)
+    return out
+
+
+def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
+                 max_blocks: int | None = None, seed: int = 0, stable: bool = False) -> list[int]:
+    """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
+    else from `text`. At most `max_blocks` (None: all). `seed`: the hash the chain continues from (the
+    last of the prompt's `image_blocks`; 0: none). `stable`: text hashes the same in every process."""
+    out: list[int] = []
+    previous = seed
     if token_ids:
         count = len(token_ids) // block_tokens
         if max_blocks is not None:
@@ -50,10 +77,28 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
     count = len(data) // size
     if max_blocks is not None:
         count = min(count, max_blocks)
+    if stable:
+        from_bytes = int.from_bytes
+        for start in range(0, count * size, size):
+            previous = hash((previous, from_bytes(data[start:start + size], "little")))
+            out.append(previous)
+        return out
     for start in range(0, count * size, size):
         previous = hash((previous, data[start:start + size]))
         out.append(previous)
     return out
+
+
+def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int]] = (),
+                  *, block_tokens: int = BLOCK_TOKENS, stable: bool = False) -> list[int]:
+    """A prompt's chained block hashes, its images' (`image_blocks`) first, then its text's or token
+    ids' (`block_hashes`), at most the blocks its `prompt_tokens` (text and image tokens) fill."""
+    limit = prompt_tokens // block_tokens
+    if not images:
+        return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable)
+    head = image_blocks(images, block_tokens=block_tokens)[:limit]
+    return head + block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit - len(head),
+                               seed=head[-1] if head else 0, stable=stable)
 
 
 def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:
@@ -62,8 +107,11 @@ def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:
     return max(0, min(hit_tokens, prompt_tokens - 1))
 
 
-def session_key(session: str) -> int:
-    """The key a named session takes among block hashes (its own namespace: a tuple of two strings)."""
+def session_key(session: str, *, stable: bool = False) -> int:
+    """The key a named session takes among block hashes (its own namespace); `stable`: the same in
+    every process (a content digest of its name)."""
+    if stable:
+        return hash((-1, content_digest(session.encode())))
     return hash(("session", session))
 
 
@@ -89,17 +137,20 @@ class BlockLru:
 
     def touch(self, blocks: Sequence[int], value: int = 0) -> tuple[list[int], list[int]]:
         """Make `blocks` the most recent, later blocks first so that a prefix's first blocks go last
-        (as vLLM frees a sequence's blocks tail first); set each one's value. Returns (the blocks that
+        (as vLLM frees a sequence's blocks tail first); set each one's value (a value of 0 leaves a held
+        block's value as it was: plain blocks are 0). Returns (the blocks that
         were not held before, the blocks evicted to stay within capacity), in that order of effect."""
-        order = self._order
+        order, move = self._order, self._order.move_to_end
         added: list[int] = []
         for block in reversed(blocks):
             if block in order:
-                order.move_to_end(block)
+                move(block)
+                if value:
+                    order[block] = value
             else:
+                order[block] = value
                 added.append(block)
-            order[block] = value
-        return added, self._evict(self.capacity)
+        return added, self._evict(self.capacity) if len(order) > self.capacity else []
 
     def discard(self, block: int) -> bool:
         return self._order.pop(block, None) is not None

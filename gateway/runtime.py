@@ -19,6 +19,7 @@ from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.tenants import TenantCollector, Tenants
 from gateway.requests.exact_prompt import ExactPrompts
 from gateway.routing.backend_entry import SERVING, BackendEntry
+from gateway.routing.encoder_index import EncoderIndex
 from gateway.routing.policies import build_policy
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
@@ -118,6 +119,7 @@ class Runtime:
                 "context_source": context_source,
                 "vision_backlog": snap.vision_backlog,
                 "images_encoded": e.reported.images_encoded,
+                "embedding_cache_hits": e.reported.embedding_cache_hits,
                 "embedding_bytes_sent": e.reported.embedding_bytes_sent,
                 "steal": e.steal,
                 "steal_episodes": e.reported.steal_episodes,
@@ -212,6 +214,7 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
             per_token = config.model_of(entry.id).profile.kv_bytes_per_token
             index.add_backend(entry.id, table.kv_capacity(entry)[1] // per_token)
         metrics.registry.register(PrefixCollector(index, table))
+        pipeline.encoders = EncoderIndex(prefix.images_per_encoder)
     metrics.watch_breakers(lambda backend_id: pipeline.breakers.state(backend_id) is not State.CLOSED)
     fetcher = httpx.AsyncClient(
         timeout=httpx.Timeout(settings.images.fetch_timeout_s), follow_redirects=False, trust_env=False

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "token_ids", "image_spans", "top_p", "seed", "stop", "tag", "traceparent")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "image_keys", "token_ids", "image_spans", "top_p", "seed", "stop", "tag", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     EMBEDDING_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SPANS_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +36,7 @@ class GenerateRequest(_message.Message):
     embedding_timeout_ms: int
     handoff_key: str
     whole: bool
+    image_keys: _containers.RepeatedCompositeFieldContainer[ImageKey]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     image_spans: _containers.RepeatedCompositeFieldContainer[ImageSpan]
     top_p: float
@@ -42,7 +44,7 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     tag: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., tag: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., image_keys: _Optional[_Iterable[_Union[ImageKey, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., tag: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("start", "cancel")
@@ -118,6 +120,14 @@ class Image(_message.Message):
     tokens: int
     def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class ImageKey(_message.Message):
+    __slots__ = ("digest", "tokens")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    digest: int
+    tokens: int
+    def __init__(self, digest: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "images", "deliver_to", "image_index_offset", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -133,18 +143,20 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., deliver_to: _Optional[str] = ..., image_index_offset: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s", "embeddings")
+    __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s", "embeddings", "images_cached")
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
     DELIVER_S_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     image_tokens: int
     embedding_bytes: int
     encode_s: float
     deliver_s: float
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
-    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+    images_cached: int
+    def __init__(self, image_tokens: _Optional[int] = ..., embedding_bytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., deliver_s: _Optional[float] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., images_cached: _Optional[int] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("request_id", "image_index", "tokens", "hidden", "dtype", "data")

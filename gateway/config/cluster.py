@@ -269,8 +269,9 @@ class PrefixCacheConfig(StrictModel):
     predicted to hold is priced as the prefill it saves there."""
 
     enabled: bool = True
-    block_tokens: PositiveInt = 16                 # tokens a block stands for (the engines' KV block size)
+    block_tokens: PositiveInt = 64                 # tokens a block of the index stands for (4 engine blocks)
     max_blocks_per_backend: PositiveInt = 1 << 20  # the index's bound per backend, below its KV in blocks
+    images_per_encoder: PositiveInt = 256          # image digests remembered per vision encoder (its cache)
 
 
 class RoutingConfig(StrictModel):

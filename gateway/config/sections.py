@@ -76,6 +76,10 @@ class RedisConfig(StrictModel):
     # Managed engines outlive a leader that dies (the next one adopts them); one that no replica has
     # heard for this long exits by itself.
     engine_orphan_s: PositiveFloat = 10.0
+    # Cache-aware routing across replicas (shared_state.py): what each replica routed, kept in one
+    # stream of at most this many records, and at most this many published and read per refresh.
+    prefix_stream_max: PositiveInt = 20_000
+    prefix_batch_max: PositiveInt = 2_000
 
 
 def require_torch() -> None:

@@ -43,6 +43,7 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         kv_source=KV_SOURCE_NAMES.get(msg.kv_capacity_source),
         prefix_cache_queries=msg.prefix_cache_queries,
         prefix_cache_hits=msg.prefix_cache_hits,
+        embedding_cache_hits=msg.embedding_cache_hits,
     )
 
 

@@ -64,6 +64,7 @@ from gateway.pipeline.tracing import AttemptTrace, RequestTrace, Tracing
 from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, NoBackendAvailable
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Lease
+from gateway.routing.encoder_index import EncoderIndex
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
 from gateway.routing.policies.first_token import predicted_ttft_s
@@ -335,6 +336,7 @@ class Pipeline:
         self.settings = settings
         self.prefixes: PrefixIndex | None = None   # cache-aware routing (set by the runtime when enabled)
         self.overload: OverloadGate | None = None   # the overload queue (set by the runtime when enabled)
+        self.encoders: EncoderIndex | None = None  # which encoder holds which image (the same)
         self.watch = FirstTokenWatch(table, table.heartbeat_interval_s, self.first_token_limit)
         self.tenants = Tenants(TenantsConfig())    # the keys' tenants: limits, shares, usage (set by the runtime)
         self.clock = clock or table.clock
@@ -357,15 +359,15 @@ class Pipeline:
 
     def profile(self, job: GenerationJob, record: RequestRecord) -> RequestProfile:
         """The job's profile for the language pool, with the prompt prefix each backend is predicted to
-        hold (`gateway.routing.prefix_index`); the index's view is kept in `record` for the dispatches.
-        Requests with images are not indexed (their images are not in the rendered prompt)."""
+        hold (`gateway.routing.prefix_index`, images by their content hash at the head of the prompt);
+        the index's view is kept in `record` for the dispatches."""
         profile = job.profile()
         index = self.prefixes
-        if index is None or job.images:
+        if index is None:
             return profile
         tokens = profile.input_tokens
-        blocks = record.prefix.blocks if record.prefix is not None else (
-            index.hashes(job.prompt, job.token_ids, tokens))
+        blocks = record.prefix.blocks if record.prefix is not None else index.hashes(
+            job.prompt, job.token_ids, tokens, [(i.digest, i.tokens) for i in job.images] if job.images else ())
         record.prefix = query = index.lookup(blocks, job.session, tokens)
         return replace(profile, cached_tokens=query.cached) if query.cached else profile
 
@@ -704,7 +706,9 @@ class Pipeline:
         if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images
             return language.id, await self._encode_on(language.id, own, request, job.image_tokens, record.deadline,
                                                       record.trace)
-        profile = job.profile()
+        profile, images = job.profile(), [(i.digest, i.tokens) for i in job.images]
+        if self.encoders is not None:
+            profile = replace(profile, cached_image_tokens=self.encoders.cached(images))
         last_error: BackendFailure | None = None
         while len(record.vision_backends) < self.settings.max_attempts:
             now = self.clock()
@@ -718,6 +722,8 @@ class Pipeline:
             if client is None:
                 break
             record.vision_backends.append(vision_id)
+            if self.encoders is not None:
+                self.encoders.record(images, vision_id)
             self.breakers.on_dispatch(vision_id)
             try:
                 reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline,

@@ -67,7 +67,8 @@ def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replicatio
     replica_id = new_replica_id()
     redis = connect(config, url)
     shared = SharedState(runtime.table, redis, config, replica_id, on_remote_heartbeat=runtime.clients.ensure,
-                         on_identities=identities.adopt)
+                         on_identities=identities.adopt, prefixes=runtime.pipeline.prefixes,
+                         encoders=runtime.pipeline.encoders)
     runtime.metrics.registry.register(SharedStateCollector(shared, runtime.table))
     # tenants' limits hold across the replicas
     runtime.pipeline.tenants.store = RedisLimitStore(redis, config.key_prefix, config.timeout_ms / 1000)

@@ -13,6 +13,14 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
                                   it pushes to (or that scrapes it); PX = miss limit × heartbeat interval
     P identities          HASH    managed backend -> digest of its engine's identity, written by the
                                   leader (leadership.py, engine_identities.py), read on every refresh
+    P prefix              STREAM  what each replica routed with cache-aware routing on: one entry per
+                                  request (replica, backend, the prompt's block hashes, session key,
+                                  prompt tokens), or which encoder got which images (their content
+                                  digests), at most `prefix_stream_max` entries (trimmed
+                                  approximately); every replica applies the others' entries to its
+                                  prefix index and its encoders' index, so all predict from what all
+                                  routed and a conversation's turns stay together whichever replica
+                                  gets them
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
 received since the last refresh, and reads the members, every peer's counts, every backend's
@@ -20,7 +28,10 @@ heartbeat with its remaining TTL (from which the heartbeat's age follows without
 across hosts) and the engines' identity digests. The request path never waits on Redis: policies
 read the state table, whose in-flight count for a backend is this replica's live count + the peers'
 counts as of the last refresh, so a decision between refreshes already counts this replica's own new
-dispatches.
+dispatches. The same round trip appends the requests this replica routed since the last refresh to
+the prefix stream and reads the entries after the last one it read (at most `prefix_batch_max` each
+way; a replica that starts reads the stream from its start, so it learns what is cached before it
+routes much).
 
 Redis unreachable or restarted: each replica fails open on its own view. Peers' counts drop to zero;
 backends last heard through Redis keep their last reported state and stay candidates for at most
@@ -32,8 +43,10 @@ sharing and logs that.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,6 +61,8 @@ from redis.exceptions import RedisError
 
 from gateway.config.sections import RedisConfig
 from gateway.routing.backend_entry import NO_PEER_LOAD, PeerLoad, Reported
+from gateway.routing.encoder_index import EncoderIndex, Sent
+from gateway.routing.prefix_index import PrefixIndex, Routed
 from gateway.routing.state_table import StateTable
 
 log = structlog.get_logger("shared_state")
@@ -74,6 +89,31 @@ def encode_heartbeat(address: str | None, reported: Reported) -> str:
     return orjson.dumps({"address": address or "", **dataclasses.asdict(reported)}).decode()
 
 
+def encode_routed(replica_id: str, routed: Routed) -> dict[str, str]:
+    """A prefix-stream entry: the block hashes as base64 of signed 64-bit ints."""
+    backend_id, blocks, session, tokens = routed
+    return {"r": replica_id, "b": backend_id, "h": base64.b64encode(array("q", blocks).tobytes()).decode(),
+            "s": "" if session is None else str(session), "n": str(tokens)}
+
+
+def encode_sent(replica_id: str, sent: Sent) -> dict[str, str]:
+    """A stream entry for the encoders' index: the images' digests as base64 of unsigned 64-bit ints."""
+    encoder, digests = sent
+    return {"r": replica_id, "b": encoder, "v": base64.b64encode(array("Q", digests).tobytes()).decode()}
+
+
+def decode_entry(fields: dict[str, str]) -> tuple[str, Routed | Sent]:
+    """(the replica that wrote it, a prefix record or, with a `v` field, an encoder record)."""
+    if "v" in fields:
+        digests = array("Q")
+        digests.frombytes(base64.b64decode(fields["v"]))
+        return fields["r"], (fields["b"], digests.tolist())
+    blocks = array("q")
+    blocks.frombytes(base64.b64decode(fields["h"]))
+    session = fields.get("s", "")
+    return fields["r"], (fields["b"], blocks.tolist(), int(session) if session else None, int(fields["n"]))
+
+
 def decode_heartbeat(raw: str) -> tuple[str, Reported]:
     data = orjson.loads(raw)
     return str(data["address"]), Reported(**{k: data[k] for k in _REPORTED_FIELDS if k in data})
@@ -86,8 +126,19 @@ class SharedState:
         self, table: StateTable, redis: Redis, config: RedisConfig, replica_id: str,
         on_remote_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
         on_identities: Callable[[dict[str, str]], None] = lambda digests: None,
+        prefixes: PrefixIndex | None = None,
+        encoders: EncoderIndex | None = None,
     ) -> None:
+        """`prefixes`, `encoders`: this replica's prefix index and encoders' index, shared with the
+        others' (None: cache-aware routing off)."""
         self._table = table
+        self._prefixes, self._encoders = prefixes, encoders
+        for index in (prefixes, encoders):
+            if index is not None:
+                index.share(config.prefix_batch_max)
+        self._prefix_key = f"{config.key_prefix}prefix"
+        self._prefix_last = "0"   # the last stream entry read
+        self.prefix_entries_applied = 0
         self._on_identities = on_identities
         self._redis = redis
         self._config = config
@@ -151,7 +202,20 @@ class SharedState:
             pipe.get(k)
             pipe.pttl(k)
         pipe.hgetall(self.identities_key)
+        sharing = self._prefixes is not None or self._encoders is not None
+        entries = ([encode_routed(self.replica_id, r) for r in self._prefixes.take_routed()]
+                   if self._prefixes is not None else [])
+        if self._encoders is not None:
+            entries += [encode_sent(self.replica_id, sent) for sent in self._encoders.take_sent()]
+        for fields in entries:   # the prefix stream last: its replies come off the end below
+            pipe.xadd(self._prefix_key, fields,  # type: ignore[arg-type]
+                      maxlen=self._config.prefix_stream_max, approximate=True)
+        if sharing:
+            pipe.xrange(self._prefix_key, min=f"({self._prefix_last}", count=self._config.prefix_batch_max)
         results: list[Any] = await pipe.execute()
+        if sharing:
+            self._apply_routed(results.pop())
+            del results[len(results) - len(entries):]   # the appended entries' ids
         tail = results[-(2 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
         members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):-1]
         self._on_identities(tail[-1])
@@ -159,6 +223,25 @@ class SharedState:
         self._apply_heartbeats(heartbeats)
         self._peers = sorted(m for m in members if m != self.replica_id)
         self._resumed()
+
+    def _apply_routed(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        """The other replicas' records since the last read, into this replica's indexes (its own skipped)."""
+        prefixes, encoders = self._prefixes, self._encoders
+        for entry_id, fields in entries:
+            self._prefix_last = entry_id
+            try:
+                replica, record = decode_entry(fields)
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("shared_prefix_unreadable", entry=entry_id, error=str(exc))
+                continue
+            if replica == self.replica_id:
+                continue
+            if len(record) == 2:
+                if encoders is not None:
+                    encoders.peer_sent(record[0], record[1])
+            elif prefixes is not None:
+                prefixes.peer_routed(*record)
+            self.prefix_entries_applied += 1
 
     def _apply_peers(self, peers: list[str], maps: list[dict[str, str]]) -> None:
         self._gone = [p for p, m in zip(peers, maps, strict=True) if not m]

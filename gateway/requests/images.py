@@ -4,6 +4,8 @@ Only the image header is parsed (Pillow opens lazily and reads the size without 
 `verify()` then checks the file structure, so an undecodable or truncated file is a 400 here rather
 than a failure inside an engine. Remote fetches refuse loopback, private, link-local and other
 non-global addresses unless the config allows them, follow no redirects, and stop at the byte limit.
+Each image carries its content hash, computed where its bytes are inspected (off the event loop for
+large ones).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import io
 import ipaddress
 import socket
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 from PIL import Image, UnidentifiedImageError
 
 from common.catalog import ModelProfile
+from common.prefix_blocks import content_digest
 from common.yaml_files import StrictModel
 from gateway.requests.errors import InvalidRequest
 
@@ -45,6 +48,12 @@ class ImageInput:
     height: int
     format: str
     tokens: int
+    # The content hash (common.prefix_blocks.content_digest): the same image is the same digest in
+    # every request, which is how the prefix index and the encoders' index recognise a repeated image.
+    digest: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", content_digest(self.data))
 
 
 def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile) -> ImageInput:

@@ -43,6 +43,7 @@ class Reported:
     kv_source: KvSource | None = None         # None: the sender does not say
     prefix_cache_queries: int = 0             # cumulative prompt tokens (vLLM's counter); 0: not reported
     prefix_cache_hits: int = 0                # of them, found in the engine's prefix cache
+    embedding_cache_hits: int = 0             # vision: images found in the engine's embedding cache
 
 
 class PeerLoad(NamedTuple):

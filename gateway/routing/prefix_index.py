@@ -1,12 +1,13 @@
 """The gateway's prefix index: what each backend's prefix cache holds, as far as routing can tell.
 
 For every request it routes, the gateway remembers the prompt's chained block hashes
-(`common.prefix_blocks`: token ids where the gateway has them, else 64-byte blocks of the rendered
-prompt, about 16 tokens each) on the backend it chose, in an LRU per backend bounded by that backend's
-KV capacity in blocks (keep_i · K_i / block_tokens, at most `max_blocks_per_backend`; keep_i below) and
-evicted least-recently-used first, as the engine evicts. A lookup gives, per backend, the prompt tokens whose
-KV it is predicted to hold: the longest run of the prompt's leading blocks routed there and not
-evicted since, never the whole prompt (the last token is always computed).
+(`common.prefix_blocks`: blocks of `block_tokens` token ids where the gateway has them, else of
+`block_tokens` · 4 bytes of the rendered prompt) on the backend it chose, in an LRU per backend
+bounded by that backend's KV capacity in blocks (keep_i · K_i / block_tokens, at most
+`max_blocks_per_backend`; keep_i below) and evicted least-recently-used first, as the engine evicts.
+A lookup gives, per backend, the prompt tokens whose KV it is predicted to hold: the longest run of
+the prompt's leading blocks routed there and not evicted since, never the whole prompt (the last
+token is always computed).
 
 Session affinity: a request that names a session (the OpenAI `user` field, or the `x-session-id`
 header) also touches a key for the session in its backend's LRU, holding its prompt's length; a later
@@ -26,33 +27,51 @@ so it forgets the oldest blocks first, as the engine did, until it predicts the 
 reports; an engine that reports no hit at all (it caches nothing) gets keep_i = 0: no prediction.
 `source` says which: "estimate" (keep_i = 1) until an engine reports, then "engine".
 
-Cost: a lookup walks the prompt's blocks once, keeping the backends that hold every block so far as
-a bit mask (one dict read and an AND a block, stopping when no backend is left), then O(backends
-with a hit): O(prompt blocks + N). Recording is O(prompt blocks) on one backend's LRU. Memory: at most
+Blocks of 64 tokens by default (`gateway.routing.prefix_cache.block_tokens`), four of an engine's
+16-token blocks: a hit is counted in whole blocks of the index, so up to 63 tokens of a cached prefix
+go uncounted (under 3% of a 2,500-token prompt), and the hashing, the walk and the LRU touches are a
+quarter of what 16-token blocks cost (routing cost in docs/ROUTING.md).
+
+Cost: the prompt is hashed once a request (its retries reuse the hashes); a lookup walks the
+prompt's blocks once, keeping the backends that hold every block so far as a bit mask (one dict
+read and an AND a block, stopping when no backend is left), then O(backends with a hit): O(prompt
+blocks + N). Recording is O(prompt blocks) on one backend's LRU. Memory: at most
 Σ_i min(K_i / block_tokens, max_blocks_per_backend) LRU entries and at most as many in the holders
 map, about 100 bytes a block held by one backend, both together (tests/unit/test_prefix_index.py
-bounds it at 250): 8 backends of 50k tokens are 25k blocks, ~2.5 MB; the default cap, 2^20 blocks a
-backend, bounds any backend at ~100 MB.
-Limits: the index knows only what this gateway routed (with replicas, each its own); it counts a
-request's blocks as cached from the moment it is routed, before the engine has computed them; what an
-engine drops it sees only through keep_i, one figure per backend (the index drops that backend's
-oldest blocks, the engine may have dropped others); responses are not indexed (the next turn's copy of
-an answer is a miss until it has been routed once as a prompt).
+bounds it at 250): with 64-token blocks, 8 backends of 50k tokens are 6,250 blocks, ~0.6 MB, and 64
+backends of 500k tokens 500k blocks, ~50 MB; the default cap, 2^20 blocks a backend, bounds any
+backend at ~100 MB.
+
+Images: a request's images head its chain, named by their content (`common.prefix_blocks.prompt_blocks`),
+so the same image with the same text is a hit and another image is not.
+
+Replicas (`share`, with `--redis-url`): each replica publishes what it routed and applies what the
+others routed (gateway.replicas.shared_state, every refresh), so every replica predicts from what all
+of them sent to each backend, a refresh late; text is then hashed the same in every process.
+
+Limits: the index knows only what the gateways routed (a replica learns its peers' routing a refresh
+late); it counts a request's blocks as cached from the moment it is routed, before the engine has
+computed them; what an engine drops it sees only through keep_i, one figure per backend (the index
+drops that backend's oldest blocks, the engine may have dropped others); responses are not indexed
+(the next turn's copy of an answer is a miss until it has been routed once as a prompt).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.prefix_blocks import BLOCK_TOKENS, BlockLru, block_hashes, cached_tokens, session_key
+from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, session_key
 
+INDEX_BLOCK_TOKENS = 64       # tokens a block of the index stands for (gateway.routing.prefix_cache.block_tokens)
 DECAY = 0.98                  # weight of the window per engine reading that moved the counters
 MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before keep_i moves
 KEEP_GAIN = 0.05              # keep_i moves by (reported / predicted hit rate)^KEEP_GAIN a reading
 MIN_KEEP = 1 / 64             # keep_i of an engine that hits at all
 Source = Literal["estimate", "engine"]
+Routed = tuple[str, Sequence[int], int | None, int]   # (backend, blocks, session key, prompt tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +106,39 @@ class _Backend:
 
 
 class PrefixIndex:
-    def __init__(self, block_tokens: int = BLOCK_TOKENS, max_blocks_per_backend: int = 1 << 20) -> None:
+    def __init__(self, block_tokens: int = INDEX_BLOCK_TOKENS, max_blocks_per_backend: int = 1 << 20) -> None:
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks_per_backend
         self._backends: dict[str, _Backend] = {}
         self._by_bit: list[_Backend] = []
         self._holders: dict[int, int] = {}   # block hash -> bit mask of the backends whose LRU holds it
         self._all = 0
+        self.stable = False                  # hashes the same in every process (`share`)
+        self._routed: deque[Routed] | None = None   # this process's records not yet shared
+
+    def share(self, max_pending: int) -> None:
+        """Replicas share what each backend holds (gateway.replicas.shared_state): from now on text is
+        hashed the same in every process, and each record is kept for the next publication (at most
+        `max_pending`, the oldest dropped first)."""
+        self.stable = True
+        self._routed = deque(maxlen=max_pending)
+
+    def take_routed(self) -> list[Routed]:
+        """The records since the last call (for the other replicas): (backend, blocks, session key or
+        None, prompt tokens)."""
+        routed = self._routed
+        if not routed:
+            return []
+        out = list(routed)
+        routed.clear()
+        return out
+
+    def peer_routed(self, backend_id: str, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
+        """Another replica routed a prompt of these blocks to `backend_id`: it holds them next, as if
+        routed here (this replica's predicted counters are not touched)."""
+        b = self._backends.get(backend_id)
+        if b is not None:
+            self._touch(b, blocks, session, prompt_tokens)
 
     def add_backend(self, backend_id: str, capacity_tokens: int) -> None:
         bit = len(self._by_bit)
@@ -106,38 +151,39 @@ class PrefixIndex:
     def _blocks(self, capacity_tokens: int) -> int:
         return min(self.max_blocks, max(0, capacity_tokens) // self.block_tokens)
 
-    def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int) -> list[int]:
-        """The prompt's block hashes (token ids where given), at most the blocks its tokens fill."""
-        return block_hashes(prompt, token_ids, block_tokens=self.block_tokens,
-                            max_blocks=prompt_tokens // self.block_tokens)
+    def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int,
+               images: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """The prompt's block hashes (token ids where given), at most the blocks its tokens fill;
+        `images` (content digest, tokens) head the chain (`common.prefix_blocks.image_blocks`), so a
+        repeated image with the same text is a hit and another image is not."""
+        return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens,
+                             stable=self.stable)
 
     def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int) -> PrefixQuery:
         """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,
         "" for none)."""
-        tokens: dict[str, int] = {}
+        cached: dict[str, int] = {}
         holders, by_bit, size = self._holders, self._by_bit, self.block_tokens
         alive = self._all
-        for matched, block in enumerate(blocks):
+        matched = 0
+        for block in blocks:
             held = holders.get(block, 0) & alive
             if held != alive:
-                if matched:
-                    for b in _members(alive & ~held, by_bit):
-                        tokens[b.id] = matched * size
+                if matched:   # the backends that held every block so far and not this one
+                    _credit(cached, alive & ~held, by_bit, matched * size, prompt_tokens)
                 alive = held
                 if not alive:
                     break
+            matched += 1
         else:
-            for b in _members(alive if blocks else 0, by_bit):
-                tokens[b.id] = len(blocks) * size
+            if matched:
+                _credit(cached, alive, by_bit, matched * size, prompt_tokens)
         key = None
         if session:
-            key = session_key(session)
+            key = session_key(session, stable=self.stable)
             for b in _members(holders.get(key, 0), by_bit):
-                tokens[b.id] = max(tokens.get(b.id, 0), b.lru.get(key) or 0)
-        cached: dict[str, int] = {}
-        for bid, n in tokens.items():
-            if hit := cached_tokens(n, prompt_tokens):
-                cached[bid] = hit
+                if (hit := cached_tokens(b.lru.get(key) or 0, prompt_tokens)) > cached.get(b.id, 0):
+                    cached[b.id] = hit
         return PrefixQuery(blocks, key, prompt_tokens, cached)
 
     def record(self, query: PrefixQuery, backend_id: str, capacity_tokens: int) -> None:
@@ -149,15 +195,20 @@ class PrefixIndex:
         if capacity_tokens:
             b.kv_blocks = self._blocks(capacity_tokens)
             self._fit(b)
-        added, evicted = b.lru.touch(query.blocks)
-        self._hold(b, added)
-        self._forget(b, evicted)
-        if query.session is not None:
-            added, evicted = b.lru.touch((query.session,), query.prompt_tokens)
-            self._hold(b, added)
-            self._forget(b, evicted)
+        self._touch(b, query.blocks, query.session, query.prompt_tokens)
         b.predicted_queries += query.prompt_tokens
         b.predicted_hits += query.cached.get(backend_id, 0)
+        if self._routed is not None:
+            self._routed.append((backend_id, query.blocks, query.session, query.prompt_tokens))
+
+    def _touch(self, b: _Backend, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
+        added, evicted = b.lru.touch(blocks)
+        self._hold(b, added)
+        self._forget(b, evicted)
+        if session is not None:
+            added, evicted = b.lru.touch((session,), prompt_tokens)
+            self._hold(b, added)
+            self._forget(b, evicted)
 
     def _fit(self, b: _Backend) -> None:
         """The backend's LRU at keep_i · K_i blocks (its oldest blocks forgotten)."""
@@ -229,6 +280,14 @@ class PrefixIndex:
     def held_blocks(self) -> int:
         """Distinct block hashes held by any backend (the holders map's size)."""
         return len(self._holders)
+
+
+def _credit(cached: dict[str, int], mask: int, by_bit: list[_Backend], tokens: int, prompt_tokens: int) -> None:
+    """The backends of `mask` hold the prompt's first `tokens` tokens."""
+    hit = cached_tokens(tokens, prompt_tokens)
+    if hit:
+        for b in _members(mask, by_bit):
+            cached[b.id] = hit
 
 
 def _members(mask: int, by_bit: list[_Backend]) -> Iterable[_Backend]:

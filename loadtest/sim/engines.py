@@ -8,6 +8,12 @@ reports it to the gateway's own state core (`gateway.routing.state_table.StateTa
 on the virtual clock), which keeps what the gateway learns from its requests (leases, prefill
 backlog, reserved KV, learned speed, inter-token slacks) and builds the router's `BackendSnapshot`s:
 the simulator routes on the live table's snapshots, not on a copy of them.
+
+With `EngineSpec.prefix_caching` a continuous-batching engine keeps the simulated engines' prefix
+cache (`common.prefix_blocks.EnginePrefixCache` in `backends.batcher`: running sequences' blocks
+pinned, the others cached in the free KV and evicted least recently used first, prefill charged for
+the uncached tokens only) on the trace's block hashes (`Lengths.blocks`), and reports vLLM's
+query / hit counters in its heartbeats, as the managed simulated engines do.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 from backends.batcher import ContinuousBatcher, Sequence, SequenceTooLarge
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
+from common.prefix_blocks import EnginePrefixCache
 from common.service_time import updated_mean_service
 from gateway.routing.backend_entry import Lease, Reported
 from gateway.routing.policies.contracts import BackendSnapshot, Role
@@ -63,6 +70,7 @@ class EngineSpec:
     max_prefill_tokens: int | None = None   # per-step prefill bound (a stealing vision GPU's episode bound)
     steal: bool = False
     external: bool = False          # an engine the gateway scrapes (kind: openai): it reports no T̄_service
+    prefix_caching: bool = False    # continuous batching: a prefix cache on the trace's blocks
 
 
 class GatewayState:
@@ -118,7 +126,8 @@ class Engine:
         self.changed = True
         self.reported_s = float("-inf")
 
-    def submit(self, i: int, now: float) -> float | None:
+    def submit(self, i: int, now: float, cached: int = 0) -> float | None:
+        """`cached`: prompt tokens the router predicts cached here (its lease counts the rest as prefill)."""
         raise NotImplementedError
 
     def on_event(self, now: float) -> tuple[list[int], float | None]:
@@ -137,14 +146,20 @@ class Engine:
     def vision_backlog(self) -> int:
         return 0
 
+    def prefix_counters(self) -> tuple[int, int]:
+        """The prefix cache's (queries, hits) in tokens, cumulative; (0, 0): no cache."""
+        return 0, 0
+
     def report(self, now: float) -> None:
         """A heartbeat with the engine's figures now."""
         self._seq += 1
         waiting, running = self.load()
+        queries, hits = self.prefix_counters()
         self.gateway.at(now).apply_heartbeat(self.id, self._seq, self.id, Reported(
             seq=self._seq, waiting=waiting, running=running, kv_free_bytes=self.kv_free_bytes(),
             kv_total_bytes=self.kv_capacity, vision_backlog=self.vision_backlog(),
-            mean_service_s=0.0 if self.entry.external else self.measured_service_s, kv_source="engine"))
+            mean_service_s=0.0 if self.entry.external else self.measured_service_s, kv_source="engine",
+            prefix_cache_queries=queries, prefix_cache_hits=hits))
         self.changed = False
         self.reported_s = now
 
@@ -154,11 +169,11 @@ class Engine:
             self.report(self.gateway.now)
         return self.gateway.table.snapshot(self.entry)
 
-    def _lease(self, i: int, now: float) -> None:
+    def _lease(self, i: int, now: float, cached: int = 0) -> None:
         """The router counts request i here from its dispatch: the state table's lease, as the gateway takes it."""
         lengths = self.rec.lengths
         prompt = int(lengths.input_tokens[i])
-        self._leases[i] = self.gateway.at(now).acquire(self.id, prompt, int(lengths.max_output_tokens[i]))
+        self._leases[i] = self.gateway.at(now).acquire(self.id, prompt, int(lengths.max_output_tokens[i]), cached)
 
     def _first_token(self, i: int, now: float) -> None:
         self.rec.first_token[i] = now
@@ -199,8 +214,8 @@ class SerialEngine(Engine):
         tokens = int(lengths.input_tokens[self.current] + lengths.max_output_tokens[self.current])
         return self.kv_capacity - perf_model.kv_bytes(self.model, tokens)
 
-    def submit(self, i: int, now: float) -> float | None:
-        self._lease(i, now)
+    def submit(self, i: int, now: float, cached: int = 0) -> float | None:
+        self._lease(i, now, cached)
         self.queue.append(i)
         self.backlog_end_s = self.finish_s(max(self.backlog_end_s, now), i)
         self.changed = True
@@ -232,7 +247,9 @@ class BatchEngine(Engine):
     def __init__(self, spec: EngineSpec, rec: Recorder, gateway: GatewayState | None = None) -> None:
         super().__init__(spec, rec, gateway)
         self.batcher = ContinuousBatcher(
-            self.model, self.gpu, self.kv_capacity, max_batch=spec.max_batch, max_prefill_tokens=spec.max_prefill_tokens
+            self.model, self.gpu, self.kv_capacity, max_batch=spec.max_batch,
+            max_prefill_tokens=spec.max_prefill_tokens,
+            prefix_cache=EnginePrefixCache() if spec.prefix_caching else None,
         )
         self.stepping = False
         self._step_start = 0.0
@@ -246,10 +263,14 @@ class BatchEngine(Engine):
     def kv_free_bytes(self) -> int:
         return self.batcher.kv_free_bytes
 
-    def submit(self, i: int, now: float) -> float | None:
+    def prefix_counters(self) -> tuple[int, int]:
+        cache = self.batcher.prefix_cache
+        return (cache.queries, cache.hits) if cache is not None else (0, 0)
+
+    def submit(self, i: int, now: float, cached: int = 0) -> float | None:
         if not self._enqueue(i, now):
             return None
-        self._lease(i, now)
+        self._lease(i, now, cached)
         return None if self.stepping else self._start_step(now)
 
     def on_event(self, now: float) -> tuple[list[int], float | None]:
@@ -262,6 +283,8 @@ class BatchEngine(Engine):
         seq = Sequence(
             str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.output_tokens[i]), now
         )
+        if (cache := self.batcher.prefix_cache) is not None:
+            seq.blocks = lengths.blocks(i, cache.block_tokens)
         try:
             self.batcher.submit(seq)
         except SequenceTooLarge:

@@ -337,14 +337,14 @@ class FamilyEngine(Engine):
     def kv_free_bytes(self) -> int:
         return self.batcher.free_blocks * BLOCK_TOKENS * self.model.kv_bytes_per_token
 
-    def submit(self, i: int, now: float) -> float | None:
+    def submit(self, i: int, now: float, cached: int = 0) -> float | None:
         lengths = self.rec.lengths
         seq = FamilySeq(i, int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]),
                         int(lengths.output_tokens[i]))
         if not self.batcher.fits(seq):
             self.rec.rejected[i] = True
             return None
-        self._lease(i, now)
+        self._lease(i, now, cached)
         self.batcher.waiting.append(seq)
         self.changed = True
         return None if self.stepping else self._start(now)

@@ -12,6 +12,12 @@ whose predicted first token is late on every backend is held, or refused (marked
 live gateway decides; held requests are released, earliest start deadline first, after each engine
 event (a first token or a completion moves the predictions), refused at their start deadline, and
 routed when released.
+
+`RunSpec.prefix_cache`: "engines" gives the continuous-batching engines the simulated engines' prefix
+cache (engines.py) on the trace's blocks; "index" also routes as the gateway does with cache-aware
+routing on: its prefix index (`gateway.routing.prefix_index`) predicts each backend's cached prefix,
+the policy reads it as `RequestProfile.cached_tokens`, the lease counts the rest as prefill, and the
+engines' reported counters correct the index. The run then reports the engines' `prefix_hit_rate`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,12 +36,14 @@ from gateway.pipeline.overload import OverloadQueue
 from gateway.requests.errors import Overloaded
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
+from gateway.routing.prefix_index import PrefixIndex, PrefixQuery
 from loadtest.sim import capacity, oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder, SerialEngine
 from loadtest.sim.metrics import summarize
 from loadtest.sim.workloads import Trace, make_trace, mean_lengths
 
 MODES = ("serial", "continuous")
+PREFIX_CACHE = ("off", "engines", "index")
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")   # the language pool, as gateway/pipeline/dispatch.py has it
 
 
@@ -51,6 +59,7 @@ class RunSpec:
     load: float = 1.0                      # × Σ_i μ_i (see capacity.py)
     n_requests: int = 2000
     seed: int = 0
+    prefix_cache: str = "off"              # "off", "engines" (they cache), "index" (and the gateway's index routes)
 
 
 def arrival_rate(spec: RunSpec, catalog: Catalog) -> float:
@@ -72,7 +81,8 @@ def build_engines(spec: RunSpec, catalog: Catalog, rec: Recorder) -> list[Engine
             prior = capacity.serial_service_s(model, gpu, prompt, output)
         else:
             prior = perf_model.service_seconds(model, gpu, round(prompt), round(output))
-        es = EngineSpec(f"{name.lower()}-{k}", model, gpu, capacity.kv_capacity(model, gpu), prior)
+        es = EngineSpec(f"{name.lower()}-{k}", model, gpu, capacity.kv_capacity(model, gpu), prior,
+                        prefix_caching=spec.prefix_cache != "off")
         engines.append(SerialEngine(es, rec, gateway) if spec.mode == "serial" else BatchEngine(es, rec, gateway))
     return engines
 
@@ -88,9 +98,10 @@ def make_policy(spec: RunSpec, engines: Sequence[Engine] = ()) -> Policy:
 
 
 def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
-             gate: OverloadQueue[int] | None = None) -> int:
+             gate: OverloadQueue[int] | None = None, prefixes: PrefixIndex | None = None) -> int:
     """Run `trace` to completion; returns the number of engine events processed. `gate`: the gateway's
-    overload queue, on the virtual clock (requests it refuses are marked rejected)."""
+    overload queue, on the virtual clock (requests it refuses are marked rejected); `prefixes`: the
+    gateway's prefix index, routing as the gateway does with cache-aware routing on."""
     index = {e.id: k for k, e in enumerate(engines)}
     gateway = engines[0].gateway
     if any(e.gateway is not gateway for e in engines):
@@ -99,12 +110,19 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
     inputs, max_out, images = lengths.input_tokens.tolist(), lengths.max_output_tokens.tolist(), lengths.image_tokens
     heap: list[tuple[float, int]] = []
     events = 0
+    queries: dict[int, PrefixQuery] = {}   # the prefix index's view of a request's prompt, from arrival to dispatch
 
     def dispatch(i: int, profile: RequestProfile, now: float) -> None:
         decision = policy.choose(profile, gateway.refresh(now).candidates(LANGUAGE_ROLES, now), now)
         k = index[decision.backend.id]
         rec.backend[i] = k
-        t = engines[k].submit(i, now)
+        cached = 0
+        if prefixes is not None and (query := queries.pop(i, None)) is not None:
+            engine = engines[k]
+            prefixes.observe(engine.id, *engine.prefix_counters())
+            prefixes.record(query, engine.id, engine.kv_capacity // engine.model.kv_bytes_per_token)
+            cached = query.cached.get(engine.id, 0)
+        t = engines[k].submit(i, now, cached)
         if t is not None:
             heapq.heappush(heap, (t, k))
 
@@ -113,6 +131,7 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
         assert gate is not None
         for held in gate.expired(now):
             rec.rejected[held.item] = True
+            queries.pop(held.item, None)
         while (head := gate.head()) is not None and gate.goes(
                 gateway.refresh(now).candidates(LANGUAGE_ROLES, now), head.profile):
             gate.take(head)
@@ -134,6 +153,10 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
             fire()
             events += 1
         profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]))
+        if prefixes is not None:
+            query = queries[i] = prefixes.lookup(lengths.blocks(i, prefixes.block_tokens), "", inputs[i])
+            if query.cached:
+                profile = replace(profile, cached_tokens=query.cached)
         if gate is not None:
             if gate.held:
                 release(now)
@@ -142,6 +165,7 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
                                   now)
             except Overloaded:
                 rec.rejected[i] = True
+                queries.pop(i, None)
                 continue
             if held is not None:
                 continue
@@ -169,10 +193,20 @@ def run(spec: RunSpec, catalog: Catalog | None = None, rate: float | None = None
     rec = Recorder.for_lengths(trace.lengths)
     engines = build_engines(spec, catalog, rec)
     policy = make_policy(spec, engines)
-    events = simulate(trace, engines, policy, rec)
+    if spec.prefix_cache not in PREFIX_CACHE or (spec.prefix_cache != "off" and spec.mode != "continuous"):
+        raise ValueError(f"prefix_cache {spec.prefix_cache!r}: one of off, engines, index (continuous mode only)")
+    prefixes = None
+    if spec.prefix_cache == "index":
+        prefixes = PrefixIndex()
+        for e in engines:
+            prefixes.add_backend(e.id, e.kv_capacity // e.model.kv_bytes_per_token)
+    events = simulate(trace, engines, policy, rec, prefixes=prefixes)
     gpu_names = np.array([e.gpu.name for e in engines])
     out = summarize(trace, rec, gpu_names, [e.gpu.price_per_hour for e in engines])
     if isinstance(policy, oracle.Oracle):
         out["oracle_realized_over_predicted"] = policy.realized_over_predicted(trace.arrival_s, rec.finish)
+    if spec.prefix_cache != "off":
+        queries, hits = (sum(c) for c in zip(*(e.prefix_counters() for e in engines), strict=True))
+        out["prefix_hit_rate"] = hits / queries if queries else 0.0
     out.update(events=events, wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu, rate_rps=rate)
     return out

@@ -9,7 +9,10 @@ ones follow the modality paper §6.1 (COCO images, "describe this image", output
 heavy-tailed image count per request for the mixed variant. `chat_mixed` is the streaming chat mix of
 the live mixed-tier benchmark (benchmarks/mixed_workload.py): two thirds short prompts (log-normal,
 median 200 tokens, 16-1,000), a third long ones (uniform 1,500-3,400), outputs log-normal with median
-24 tokens (4-200), each request generating exactly its max_tokens.
+24 tokens (4-200), each request generating exactly its max_tokens. `shared_prefix` is `chat_mixed`
+where 80% of the requests start with one of 32 tenants' system prompts (1,000-2,500 tokens) and ask a
+question of their own (log-normal, median 80 tokens): the prompts an engine's prefix cache and the
+gateway's prefix index see as shared leading blocks (`Lengths.blocks`).
 """
 
 from __future__ import annotations
@@ -37,10 +40,31 @@ class Lengths:
     images: np.ndarray
     output_tokens: np.ndarray
     max_output_tokens: np.ndarray
+    # Shared prefixes (None: every prompt its own): the tenant whose system prompt leads request i's
+    # prompt (-1: none) and that prompt's tokens.
+    prefix_group: np.ndarray | None = None
+    prefix_tokens: np.ndarray | None = None
     input_tokens: np.ndarray = field(init=False)    # text + image tokens: what prefill and KV see
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_tokens", self.text_tokens + self.image_tokens)
+
+    def blocks(self, i: int, block_tokens: int) -> list[int]:
+        """Request i's prompt as chained block hashes (common.prefix_blocks' chaining, block_tokens a
+        block): its tenant's system prompt's blocks, the same in every request of that tenant, then
+        blocks of its own."""
+        total = int(self.input_tokens[i]) // block_tokens
+        shared = 0
+        group = -1
+        if self.prefix_group is not None and self.prefix_tokens is not None and self.prefix_group[i] >= 0:
+            group = int(self.prefix_group[i])
+            shared = min(total, int(self.prefix_tokens[i]) // block_tokens)
+        out: list[int] = []
+        previous = 0
+        for k in range(total):
+            previous = hash((previous, group, k) if k < shared else (previous, -1, i, k))
+            out.append(previous)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +128,22 @@ def chat_mixed(rng: Generator, n: int) -> Lengths:
     return Lengths(prompts, zeros, zeros, out, out.copy())
 
 
+SHARED_TENANTS, SHARED_SHARE = 32, 0.8
+
+
+def shared_prefix(rng: Generator, n: int) -> Lengths:
+    """`chat_mixed` with tenants' system prompts leading 80% of the prompts (see the module docstring)."""
+    own = chat_mixed(rng, n)
+    system = np.random.default_rng([REFERENCE_SEED, 2]).integers(1000, 2501, SHARED_TENANTS)
+    tenant = rng.integers(0, SHARED_TENANTS, n)
+    shared = rng.random(n) < SHARED_SHARE
+    question = np.clip(rng.lognormal(4.38, 0.8, n), 16, 400).astype(np.int64)
+    group = np.where(shared, tenant, -1)
+    prefix = np.where(shared, system[tenant], 0)
+    text = np.where(shared, prefix + question, own.text_tokens)
+    return Lengths(text, own.image_tokens, own.images, own.output_tokens, own.max_output_tokens, group, prefix)
+
+
 WORKLOADS: dict[str, Callable[[Generator, int], Lengths]] = {
     "uniform": lambda rng, n: _text(_uniform(rng, 128, 4096, n), rng),
     "short_heavy": lambda rng, n: _text(_mixture(rng, n, 0.8, (128, 511), (512, 4096)), rng),
@@ -113,6 +153,7 @@ WORKLOADS: dict[str, Callable[[Generator, int], Lengths]] = {
     "coco": lambda rng, n: multimodal(rng, n, image_fraction=1.0, heavy_tail=False),
     "mm_mixed": lambda rng, n: multimodal(rng, n, image_fraction=0.5, heavy_tail=True),
     "chat_mixed": chat_mixed,
+    "shared_prefix": shared_prefix,
 }
 
 

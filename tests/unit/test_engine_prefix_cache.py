@@ -12,7 +12,7 @@ from backends.executors import GenerateInput
 from backends.sim_executor import SimulatedExecutor
 from common import perf_model
 from common.metric_tables import parse
-from common.prefix_blocks import EnginePrefixCache, block_hashes
+from common.prefix_blocks import EnginePrefixCache, block_hashes, content_digest
 from tests.snapshots import catalog
 
 MODEL, GPU = catalog().model("llava-1.5-7b"), catalog().gpu("A100-80GB")
@@ -110,6 +110,39 @@ def test_the_executor_reports_vllm_counters_in_its_load() -> None:
 
     queries, hits = asyncio.run(main())
     assert (queries, hits) == (2 * (len(SYSTEM) + 8) // 4, 30 * 16)
+
+
+def test_the_executor_caches_image_tokens_by_the_images_content() -> None:
+    """The same text after another image is no hit; after the same image, all of it but the last token is."""
+    cat, dog = (content_digest(b"cat"), 576), (content_digest(b"dog"), 576)
+    question = "what is in this picture? " * 8   # 200 bytes: 50 tokens
+
+    async def main() -> list[int]:
+        executor = SimulatedExecutor(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU), time_scale=0.0)
+        hits = []
+
+        async def ask(name: str, image: tuple[int, int]) -> None:
+            request = GenerateInput(name, 576 + 50, 2, prompt=question, images=[image])
+            before = executor.load().prefix_cache_hits
+            async for _ in executor.generate(request):
+                pass
+            hits.append(executor.load().prefix_cache_hits - before)
+
+        async def steps() -> None:
+            while True:
+                if executor.has_work:
+                    await executor.run_step()
+                await asyncio.sleep(0)
+
+        stepper = asyncio.create_task(steps())
+        try:
+            for name, image in (("a", cat), ("b", dog), ("c", cat)):
+                await ask(name, image)
+        finally:
+            stepper.cancel()
+        return hits
+
+    assert asyncio.run(main()) == [0, 0, 576 + 48]   # whole 16-token blocks: 36 of the image, 3 of the text
 
 
 def test_scraped_vllm_prefix_counters_are_read() -> None:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import tracemalloc
 
-from common.prefix_blocks import BLOCK_TOKENS, BlockLru, EnginePrefixCache, block_hashes, cached_tokens
+from common.prefix_blocks import (
+    BLOCK_TOKENS,
+    BlockLru,
+    EnginePrefixCache,
+    block_hashes,
+    cached_tokens,
+    content_digest,
+    image_blocks,
+)
+from gateway.config.cluster import PrefixCacheConfig
+from gateway.requests.images import ImageInput
 from gateway.routing.backend_entry import Reported
 from gateway.routing.prefix_index import MIN_REPORTED_TOKENS, PrefixIndex
 from gateway.routing.state_table import StateTable
@@ -65,7 +75,7 @@ def test_lru_touches_a_prefix_head_last_and_evicts_least_recent_first() -> None:
 
 
 def test_lookup_counts_the_longest_routed_prefix_per_backend() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 10_000)
     index.add_backend("b", 10_000)
     prompt = text("s", "y", "s", "t", "e", "m")
@@ -88,7 +98,7 @@ def test_lookup_counts_the_longest_routed_prefix_per_backend() -> None:
 
 
 def test_eviction_follows_each_backends_capacity_in_blocks() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("small", 4 * 16)
     old = index.hashes(text("a", "b", "c"), (), 100)
     index.record(index.lookup(old, "", 100), "small", 4 * 16)
@@ -105,7 +115,7 @@ def test_eviction_follows_each_backends_capacity_in_blocks() -> None:
 
 
 def test_memory_is_bounded_by_capacity_and_by_the_per_backend_cap() -> None:
-    index = PrefixIndex(max_blocks_per_backend=100)
+    index = PrefixIndex(BLOCK_TOKENS, max_blocks_per_backend=100)
     index.add_backend("a", 1_000_000)
     index.add_backend("b", 20 * 16)
     for k in range(50):
@@ -119,7 +129,7 @@ def test_memory_is_bounded_by_capacity_and_by_the_per_backend_cap() -> None:
 
 
 def test_bytes_per_held_block_are_as_documented() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 1 << 30)
     prompts = [index.hashes("".join(f"{k:06d}{j:058d}" for j in range(100)), (), 2000) for k in range(100)]
     tracemalloc.start()
@@ -135,7 +145,7 @@ def test_bytes_per_held_block_are_as_documented() -> None:
 
 
 def test_a_session_sticks_where_its_last_request_went() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 10_000)
     index.add_backend("b", 10_000)
     first = index.lookup(index.hashes(text("h", "i"), (), 40), "conv-1", 40)
@@ -147,7 +157,7 @@ def test_a_session_sticks_where_its_last_request_went() -> None:
 
 
 def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 100 * 16)   # room for 100 blocks: the ten prompts below
     prompts = [index.hashes("".join(f"{k:03d}-{j:060d}" for j in range(10)), (), 200) for k in range(10)]
     for blocks in prompts:   # prompts[0] the least recent
@@ -171,7 +181,7 @@ def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() ->
 
 
 def test_an_engine_that_reports_no_hit_gets_no_prediction() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("b", 100_000)
     blocks = index.hashes(text(*"abcdefghij"), (), 200)
     queries = 0
@@ -210,3 +220,55 @@ def test_a_lease_counts_only_the_uncached_prompt_as_prefill() -> None:
     table.release(lease)
     snap = table.candidates(("language",))[0]
     assert (snap.prefill_backlog_tokens, snap.kv_reserved_tokens) == (0, 0)
+
+
+def test_the_default_index_counts_hits_in_blocks_of_64_tokens() -> None:
+    """The gateway's index walks blocks of 64 tokens (256 bytes of text), four engine blocks each: a
+    quarter of the hashing, lookups and LRU touches, and a hit under-counted by at most 63 tokens."""
+    index = PrefixIndex()
+    assert index.block_tokens == 64 == PrefixCacheConfig().block_tokens
+    index.add_backend("a", 10_000)
+    prompt = "".join(f"{j:063d}-" for j in range(20))    # 1,280 bytes, 320 tokens
+    blocks = index.hashes(prompt, (), 320)
+    assert len(blocks) == 5 and blocks == block_hashes(prompt, block_tokens=64)
+    index.record(index.lookup(blocks, "", 320), "a", 10_000)
+    longer = prompt + "x" * 250    # 62 tokens more, not a whole block
+    query = index.lookup(index.hashes(longer, (), 382), "", 382)
+    assert query.cached == {"a": 320}
+
+
+def test_images_head_the_chain_by_content_so_a_repeated_image_with_the_same_text_is_a_hit() -> None:
+    index = PrefixIndex()   # 64-token blocks
+    index.add_backend("a", 100_000)
+    index.add_backend("b", 100_000)
+    cat, dog = content_digest(b"cat picture bytes"), content_digest(b"dog picture bytes")
+    assert cat == content_digest(b"cat picture bytes") != dog
+    question = "".join(f"{j:063d}-" for j in range(16))    # 1,024 bytes: 256 tokens of text
+    prompt_tokens = 576 + 256
+    with_cat = index.hashes(question, (), prompt_tokens, [(cat, 576)])
+    assert len(with_cat) == 576 // 64 + 256 // 64
+    assert with_cat[:9] == image_blocks([(cat, 576)], block_tokens=64)
+    index.record(index.lookup(with_cat, "", prompt_tokens), "a", 100_000)
+    # the same image and text: all of it but the last token is predicted cached on "a"
+    assert index.lookup(index.hashes(question, (), prompt_tokens, [(cat, 576)]), "", prompt_tokens).cached == {
+        "a": prompt_tokens - 1}
+    # the same image, another question: the image's tokens only
+    other = index.hashes("x" * 1024, (), prompt_tokens, [(cat, 576)])
+    assert index.lookup(other, "", prompt_tokens).cached == {"a": 576}
+    # another image with the same text: nothing (the text follows a different image)
+    assert index.lookup(index.hashes(question, (), prompt_tokens, [(dog, 576)]), "", prompt_tokens).cached == {}
+    # and text alone does not match the text that followed an image
+    assert index.lookup(index.hashes(question, (), 256), "", 256).cached == {}
+
+
+def test_token_ids_with_image_placeholders_differ_by_the_images_content() -> None:
+    """Exact prompts carry the same placeholder ids for every image: the digests keep them apart."""
+    ids = [7] * 576 + list(range(100))
+    one = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"one"), 576)])
+    two = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"two"), 576)])
+    assert len(one) == len(ids) // 64 and not set(one) & set(two)
+
+
+def test_an_image_input_carries_its_content_digest() -> None:
+    a, b = ImageInput(b"png-a", 32, 32, "PNG", 576), ImageInput(b"png-b", 32, 32, "PNG", 576)
+    assert a.digest == content_digest(b"png-a") == ImageInput(b"png-a", 64, 64, "PNG", 10).digest != b.digest

@@ -125,6 +125,7 @@ class Candidates(tuple[BackendSnapshot, ...]):
     _columns: FloatArray | None
     _smallest_context: float | None
     _ids: tuple[str, ...] | None
+    _rows: dict[str, int] | None
 
     def __new__(cls, snapshots: Iterable[BackendSnapshot], columns: FloatArray | None = None,
                 smallest_context: float | None = None, ids: tuple[str, ...] | None = None) -> Candidates:
@@ -137,6 +138,7 @@ class Candidates(tuple[BackendSnapshot, ...]):
         self._columns = columns
         self._smallest_context = smallest_context
         self._ids = ids
+        self._rows = None
         return self
 
     @property
@@ -145,6 +147,14 @@ class Candidates(tuple[BackendSnapshot, ...]):
         if self._ids is None:
             self._ids = tuple([b.id for b in self])
         return self._ids
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Each candidate's row by backend id (a per-backend figure of the request, such as its cached
+        tokens, lands in its row without a walk over every candidate). Read-only by convention."""
+        if self._rows is None:
+            self._rows = {bid: k for k, bid in enumerate(self.ids)}
+        return self._rows
 
     @property
     def columns(self) -> FloatArray:
@@ -188,7 +198,10 @@ class Candidates(tuple[BackendSnapshot, ...]):
             snapshots[k] = b
             if columns is not None:
                 columns[:, k] = column_values(b)
-        return Candidates(snapshots, columns, smallest, ids)
+        out = Candidates(snapshots, columns, smallest, ids)
+        if ids is not None:
+            out._rows = self._rows
+        return out
 
     def take(self, rows: npt.NDArray[np.intp]) -> Candidates:
         """The candidates at `rows` (ascending), in order."""

@@ -83,6 +83,9 @@ class RequestProfile:
     # Per backend id, the prompt tokens its prefix cache is predicted to hold (gateway.routing.prefix_index):
     # those it would not prefill. Absent: none. Always below input_tokens.
     cached_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHED_TOKENS)
+    # Per vision backend id, the image tokens of r whose embeddings it is predicted to hold
+    # (gateway.routing.encoder_index): those it would not encode. Absent: none.
+    cached_image_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHED_TOKENS)
 
 
 class CostTerms(NamedTuple):

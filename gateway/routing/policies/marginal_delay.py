@@ -125,9 +125,12 @@ class MarginalDelay:
         length, new_tokens = request.input_tokens, request.max_output_tokens
         reserve = length + new_tokens
         fresh: float | npt.NDArray[np.float64] = length   # L_i: the tokens each candidate would prefill
-        if request.cached_tokens:
-            cached = request.cached_tokens
-            fresh = length - np.fromiter((cached.get(i, 0) for i in chosen.ids), np.float64, len(chosen))
+        if request.cached_tokens:   # a few backends hold a prefix: their rows only
+            rows = chosen.rows
+            fresh = np.full(len(chosen), float(length))
+            for bid, hit in request.cached_tokens.items():
+                if (k := rows.get(bid)) is not None:
+                    fresh[k] = length - hit
         p, step, capacity, in_flight = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY], c[IN_FLIGHT]
         if self.calibrate:
             stall = c[STALL_FACTOR] * (fresh * p) + c[STALL_PER_PROMPT]

@@ -1,0 +1,88 @@
+"""Which vision encoder got which image: the vision pool's half of cache-aware routing.
+
+A vision engine keeps the embeddings of the images it encoded last, keyed by their content hash
+(`backends.vision_executor`), and does not encode them again. The gateway remembers, per encoder,
+the content digests (`ImageInput.digest`) of the images it sent there, in an LRU of at most
+`images_per_encoder` (`gateway.routing.prefix_cache.images_per_encoder`, the engines' default
+`--embedding-cache-images`), and predicts a hit where an image's digest is still in an encoder's
+LRU. `encode_cost` prices a predicted hit as no encode on that encoder, so a repeated image goes back
+to the encoder that holds it unless its queue costs more than encoding the image elsewhere.
+
+Cost: O(images of the request + encoders holding them) a lookup, O(images) a record. Memory: at most
+`images_per_encoder` digests an encoder (about 100 bytes each, the LRU and the holders map).
+Replicas (`share`, with `--redis-url`): each replica publishes which encoder it sent which images
+to and applies the others' (gateway.replicas.shared_state, the prefix stream, every refresh).
+
+Limits: a prediction, not the engine's own list: an engine configured with a smaller cache, or
+restarted, misses where the index predicts a hit (the engine reports its hits, `embedding_cache_hits`
+in /admin/backends, but the index does not learn from them yet); replicas learn each other's images a
+refresh late; an encoder removed from the fleet keeps its entries until its LRU would evict them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from common.prefix_blocks import BlockLru
+
+ImageRef = tuple[int, int]   # (content digest, image tokens)
+Sent = tuple[str, list[int]]  # (encoder, content digests)
+
+
+class EncoderIndex:
+    def __init__(self, images_per_encoder: int = 256) -> None:
+        self.images_per_encoder = images_per_encoder
+        self._lru: dict[str, BlockLru] = {}
+        self._holders: dict[int, set[str]] = {}   # digest -> encoders whose LRU holds it
+        self._sent: deque[Sent] | None = None      # this process's records not yet shared (`share`)
+
+    def share(self, max_pending: int) -> None:
+        """Replicas share which encoder got which image: from now on each record is kept for the next
+        publication (at most `max_pending`, the oldest dropped first)."""
+        self._sent = deque(maxlen=max_pending)
+
+    def take_sent(self) -> list[Sent]:
+        """The records since the last call (for the other replicas)."""
+        sent = self._sent
+        if not sent:
+            return []
+        out = list(sent)
+        sent.clear()
+        return out
+
+    def cached(self, images: Sequence[ImageRef]) -> dict[str, int]:
+        """Per encoder, the image tokens of these images it is predicted to hold (only encoders with a hit)."""
+        out: dict[str, int] = {}
+        holders = self._holders
+        for digest, tokens in images:
+            for encoder in holders.get(digest, ()):
+                out[encoder] = out.get(encoder, 0) + tokens
+        return out
+
+    def record(self, images: Sequence[ImageRef], encoder: str) -> None:
+        """These images were sent to `encoder` to encode: it holds them next."""
+        digests = [digest for digest, _ in images]
+        self.peer_sent(encoder, digests)
+        if self._sent is not None:
+            self._sent.append((encoder, digests))
+
+    def peer_sent(self, encoder: str, digests: Sequence[int]) -> None:
+        """`encoder` got these images (from this replica, or another one)."""
+        lru = self._lru.get(encoder)
+        if lru is None:
+            lru = self._lru[encoder] = BlockLru(self.images_per_encoder)
+        added, evicted = lru.touch(digests)
+        holders = self._holders
+        for digest in added:
+            holders.setdefault(digest, set()).add(encoder)
+        for digest in evicted:
+            held = holders[digest]
+            held.discard(encoder)
+            if not held:
+                del holders[digest]
+
+    def held(self, encoder: str) -> int:
+        """Images the index counts as cached on `encoder`."""
+        lru = self._lru.get(encoder)
+        return len(lru) if lru is not None else 0
