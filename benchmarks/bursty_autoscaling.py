@@ -1,6 +1,6 @@
 """Autoscaled pools against static ones on a bursty multimodal trace, in the discrete-event simulator.
 
-    python -m benchmarks bursty-autoscaling [--seeds 0 1 2] [--duration 1800] [--out FILE]
+    python -m benchmarks bursty-autoscaling [--seeds 0 1 2] [--duration 1800] [--out FILE]   (~1-2 min a seed)
 
 The trace is loadtest/planner/bursty.py's ModServe-like one (heavy-tailed arrivals, image bursts, a
 text-only share that moves over time; seeded). Three fleets of an E+PD split (a vision pool encoding
@@ -156,7 +156,7 @@ def _yes(ok: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     defaults = BurstyShape()
     p = argparse.ArgumentParser(prog="bursty_autoscaling", description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds of arrivals")
     p.add_argument("--text-rps", type=float, default=defaults.text_rps, help="mean text-only requests/s")
     p.add_argument("--image-rps", type=float, default=defaults.image_rps, help="image requests/s between bursts")
@@ -168,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds per window when sizing the static pools")
     p.add_argument("--startup", type=float, default=30.0, help="seconds from an added engine's launch to ready")
     p.add_argument("--interval", type=float, default=1.0, help="the scaler's interval_s")
-    p.add_argument("--up-delay", type=float, default=10.0, help="the scaler's up_delay_s")
-    p.add_argument("--down-delay", type=float, default=120.0, help="the scaler's down_delay_s")
+    p.add_argument("--up-delay", type=float, default=2.0, help="the scaler's up_delay_s (gateway default 10)")
+    p.add_argument("--down-delay", type=float, default=60.0, help="the scaler's down_delay_s (gateway default 120)")
     p.add_argument("--min-vision", type=int, default=1)
     p.add_argument("--min-language", type=int, default=1)
     p.add_argument("--image-tokens-per-engine", type=int, default=4096, help="the vision pool's high mark")
     p.add_argument("--prefill-tokens-per-engine", type=int, default=16384, help="the language pool's high mark")
-    p.add_argument("--queue-per-engine", type=float, default=16.0, help="the language pool's high mark")
-    p.add_argument("--low-mark", type=float, default=0.3)
+    p.add_argument("--queue-per-engine", type=float, default=128.0,
+                   help="the language pool's high mark (gateway default 16: this trace's 64-512-token answers "
+                        "keep an engine holding more than 16 at a fraction of its capacity)")
+    p.add_argument("--low-mark", type=float, default=0.5, help="both pools' low_mark (gateway default 0.3)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     try:

@@ -85,8 +85,8 @@ def test_static_pools_never_change_and_pay_for_every_engine_the_whole_run() -> N
 def test_the_benchmark_command_runs_end_to_end_on_a_tiny_trace(tmp_path: Path) -> None:
     out = tmp_path / "bursty.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "bursty-autoscaling", "--duration", "240", "--text-rps", "3",
-         "--image-rps", "1", "--startup", "5", "--down-delay", "30", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "bursty-autoscaling", "--seeds", "0", "--duration", "240",
+         "--text-rps", "3", "--image-rps", "1", "--startup", "5", "--down-delay", "30", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for fleet in ("static-peak", "static-mean", "autoscaled"):
