@@ -51,12 +51,13 @@ def fleets(args: argparse.Namespace, sizing: Sizing) -> list[Fleet]:
     peak, mean = sizing.peak(), sizing.mean()
     lows: dict[Pool, int] = {"vision": args.min_vision, "language": args.min_language}
     highs = {p: max(peak[p], lows[p]) for p in POOLS}
+    spare = {p: highs[p] - lows[p] for p in POOLS}    # the inventory: GPUs beyond the fixed engines
     first = {p: min(max(math.ceil(float(sizing.need[p][0]) - 1e-9), lows[p]), highs[p]) for p in POOLS}
     pools = {
-        "vision": {"min": lows["vision"], "max": highs["vision"], "gpus": [args.vision_gpu] * highs["vision"],
+        "vision": {"min": lows["vision"], "max": highs["vision"], "gpus": [args.vision_gpu] * spare["vision"],
                    "image_tokens_per_engine": args.image_tokens_per_engine, "low_mark": args.low_mark},
         "language": {"min": lows["language"], "max": highs["language"],
-                     "gpus": [args.language_gpu] * highs["language"],
+                     "gpus": [args.language_gpu] * spare["language"],
                      "prefill_tokens_per_engine": args.prefill_tokens_per_engine,
                      "queue_per_engine": args.queue_per_engine, "ttft_slo_s": args.ttft_slo,
                      "low_mark": args.low_mark},

@@ -35,7 +35,7 @@ from gateway.config.autoscaling import AutoscalingConfig, Pool
 from gateway.control.autoscaler import Scaler, pool_demand
 from loadtest.planner.evaluate import Outcome, Policies, outcome
 from loadtest.planner.space import Slo, trace_rate
-from loadtest.sim.engines import GatewayState, Recorder
+from loadtest.sim.engines import EngineSpec, GatewayState, Recorder
 from loadtest.sim.modality import VlmRunSpec, VlmSimulation, build_member
 from loadtest.sim.vlm import EncodeJob, VlmEngine
 from loadtest.sim.workloads import Trace
@@ -91,10 +91,12 @@ class FleetResult:
 class PoolEngine(VlmEngine):
     """A simulated engine that takes the gateway's full lease and counts work routed to it while it drains."""
 
-    draining = False
-    routed_while_draining = 0
-    started_s = 0.0
-    stopped_s: float | None = None
+    def __init__(self, spec: EngineSpec, rec: Recorder, index: int, gateway: GatewayState | None = None) -> None:
+        super().__init__(spec, rec, index, gateway)
+        self.draining = False
+        self.routed_while_draining = 0
+        self.started_s = 0.0
+        self.stopped_s: float | None = None
 
     def acquire(self, i: int, now: float) -> None:
         self.routed_while_draining += self.draining

@@ -46,8 +46,8 @@ def burst_trace() -> Trace:
 def scaling() -> AutoscalingConfig:
     return AutoscalingConfig.model_validate({
         "mode": "manage", "interval_s": 1, "up_delay_s": 2, "down_delay_s": 20,
-        "pools": {"vision": {"min": 1, "max": 6, "gpus": ["L4"] * 6},
-                  "language": {"min": 1, "max": 3, "gpus": ["A100-80GB"] * 3}}})
+        "pools": {"vision": {"min": 1, "max": 6, "gpus": ["L4"] * 5},
+                  "language": {"min": 1, "max": 3, "gpus": ["A100-80GB"] * 2}}})
 
 
 def run(fleet: Fleet, trace: Trace) -> FleetResult:
