@@ -1,6 +1,6 @@
 """Pools that grow and shrink with their demand (`gateway.autoscaling`, gateway/config/autoscaling.py).
 
-Two parts:
+Three parts:
 
 - `Scaler`, pure: from one `PoolDemand` per pool and the clock it is given, the engine count each pool
   should have. A pool's pressure is its largest signal over that signal's high mark (vision: image
