@@ -25,7 +25,6 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
@@ -41,7 +40,6 @@ from loadtest.sim.vlm import EncodeJob, VlmEngine
 from loadtest.sim.workloads import Trace
 
 POOLS: tuple[Pool, ...] = ("vision", "language")
-ROLE: dict[Pool, Literal["vision", "language"]] = {"vision": "vision", "language": "language"}
 DEFAULT_POLICIES = Policies()
 _TICK, _READY = 2, 3      # event kinds beside the simulation's own (0: an engine's activity, 1: an embedding)
 
@@ -144,7 +142,7 @@ class FleetSimulation(VlmSimulation):
     def _launch(self, pool: Pool, now: float, ready: bool) -> PoolEngine:
         index = len(self.engines)
         backend_id = f"{pool}-{index}"
-        engine = build_member(backend_id, index, self.fleet.gpus[pool], ROLE[pool], False, self.model, self.catalog,
+        engine = build_member(backend_id, index, self.fleet.gpus[pool], pool, False, self.model, self.catalog,
                               self.rec, lambda gpu: prior_service_s(self.model, gpu), self.gateway, PoolEngine)
         assert isinstance(engine, PoolEngine)
         engine.started_s = now
