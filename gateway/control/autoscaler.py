@@ -1,6 +1,6 @@
 """Pools that grow and shrink with their demand (`gateway.autoscaling`, gateway/config/autoscaling.py).
 
-Two parts:
+Three parts:
 
 - `Scaler`, pure: from one `PoolDemand` per pool and the clock it is given, the engine count each pool
   should have. A pool's pressure is its largest signal over that signal's high mark (vision: image
@@ -12,6 +12,10 @@ Two parts:
   both delays again, so a blip shorter than the delay changes nothing. The count stays between the
   pool's `min` and `max`, never above what the inventory's GPUs allow nor below the engines the
   scaler may not remove.
+- `pool_demand`, pure too: a pool's `PoolDemand` as a state table shows it, with what only the caller
+  knows (requests waiting at admission, its own steps under way, the GPUs it may add and engines it may
+  remove). The loop below and the bursty benchmark's simulator (loadtest/planner/autoscaled.py) both
+  read demand through it and decide through `Scaler`.
 - `Autoscaler`, the loop the daemon runs every `interval_s`: it reads the demand from the state table
   and the admission queue, asks the scaler, and in `manage` mode applies the step through
   gateway/control/fleet.py: a copy of the pool's template backend on the next free GPU of the
@@ -48,6 +52,7 @@ from gateway.config.autoscaling import (
 from gateway.control.fleet import Fleet
 from gateway.requests.errors import RequestError
 from gateway.routing.policies.first_token import predicted_ttft_s
+from gateway.routing.state_table import StateTable
 from gateway.runtime import Runtime
 
 log = structlog.get_logger("autoscaler")
@@ -88,6 +93,25 @@ def pressure(scaling: PoolScaling, demand: PoolDemand) -> float:
     if demand.predicted_ttft_s is not None:
         signals.append(demand.predicted_ttft_s / scaling.ttft_slo_s)
     return max(signals)
+
+
+def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting: int = 0, settling: int = 0,
+                addable: int | None = None, removable: int | None = None) -> PoolDemand:
+    """The pool's demand as `table` shows it now: its members not draining (starting ones included), the
+    healthy ones, and their backlogs; for the language pool also the requests they hold plus `waiting`
+    (at admission) and the best healthy engine's predicted time to first token."""
+    roles = POOL_ROLES[pool]
+    members = [e for e in table.entries() if e.role in roles and not table.is_draining(e.id)]
+    serving = [e for e in members if table.is_healthy(e)]
+    snaps = [table.snapshot(e) for e in members]
+    if pool == "vision":
+        return PoolDemand(len(members), len(serving), settling, sum(s.vision_backlog for s in snaps),
+                          addable=addable, removable=removable)
+    assert isinstance(scaling, LanguageScaling)
+    ttfts = [predicted_ttft_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
+    return PoolDemand(len(members), len(serving), settling, sum(s.prefill_backlog_tokens for s in snaps),
+                      sum(s.queue_depth for s in snaps) + waiting, min(ttfts, default=None),
+                      addable=addable, removable=removable)
 
 
 @dataclass
@@ -190,25 +214,13 @@ class Autoscaler:
         return self.decisions
 
     def demand(self, pool: Pool) -> PoolDemand:
-        table, roles = self._runtime.table, POOL_ROLES[pool]
-        scaling = self.scaler.pools[pool]
-        members = [e for e in table.entries() if e.role in roles and not table.is_draining(e.id)]
-        serving = [e for e in members if table.is_healthy(e)]
-        snaps = [table.snapshot(e) for e in members]
         added = self._added[pool]
         settling = sum(i in added for i in self._arriving) + sum(p == pool for p in self._leaving.values())
         managing = self._fleet is not None
-        if pool == "vision":
-            return PoolDemand(len(members), len(serving), settling, sum(s.vision_backlog for s in snaps),
-                              addable=self._free_gpus(pool) if managing else None,
-                              removable=len(added) if managing else None)
-        assert isinstance(scaling, LanguageScaling)
-        ttfts = [predicted_ttft_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
-        return PoolDemand(
-            len(members), len(serving), settling, sum(s.prefill_backlog_tokens for s in snaps),
-            sum(s.queue_depth for s in snaps) + self._runtime.pipeline.admission.waiting,
-            min(ttfts, default=None), addable=self._free_gpus(pool) if managing else None,
-            removable=len(added) if managing else None)
+        return pool_demand(self._runtime.table, pool, self.scaler.pools[pool],
+                           waiting=self._runtime.pipeline.admission.waiting, settling=settling,
+                           addable=self._free_gpus(pool) if managing else None,
+                           removable=len(added) if managing else None)
 
     # -- applying a step (manage) ------------------------------------------------------------
 

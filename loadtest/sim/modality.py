@@ -74,21 +74,27 @@ def build_members(
 ) -> list[VlmEngine]:
     """The engines of any deployment (one GatewayState), each T̄_service starting at `prior_s(gpu)`:
     what `build` does for a named one, and what a planner needs for the deployments it searches."""
-    engines = []
     gateway = GatewayState(model)
-    for k, (name, role, steal) in enumerate(members):
-        gpu = catalog.gpu(name)
-        decoder = role != "vision" or steal
-        kv = capacity.kv_capacity(model, gpu, encoder_loaded=role != "language") if decoder else 0
-        prior = prior_s(gpu)
-        max_batch, max_prefill = ENGINE_DEFAULTS.max_batch, None
-        if role == "vision":   # a stealing GPU: half batch, per-step prefill within the episode bound
-            max_batch, max_prefill = stealing_limits(max_batch, STEAL_EPISODE_S,
-                                                     perf_model.prefill_seconds_per_token(model, gpu))
-        es = EngineSpec(f"{name.lower()}-{k}", model, gpu, kv, prior, role=role, steal=steal,
-                        max_batch=max_batch, max_prefill_tokens=max_prefill)
-        engines.append(VlmEngine(es, rec, k, gateway))
-    return engines
+    return [build_member(f"{name.lower()}-{k}", k, name, role, steal, model, catalog, rec, prior_s, gateway)
+            for k, (name, role, steal) in enumerate(members)]
+
+
+def build_member(
+    backend_id: str, index: int, gpu_name: str, role: Role, steal: bool, model: ModelProfile, catalog: Catalog,
+    rec: Recorder, prior_s: Callable[[GpuProfile], float], gateway: GatewayState,
+    engine: type[VlmEngine] = VlmEngine,
+) -> VlmEngine:
+    """One engine of a deployment, registered in `gateway` (a pool that grows adds them one at a time)."""
+    gpu = catalog.gpu(gpu_name)
+    decoder = role != "vision" or steal
+    kv = capacity.kv_capacity(model, gpu, encoder_loaded=role != "language") if decoder else 0
+    max_batch, max_prefill = ENGINE_DEFAULTS.max_batch, None
+    if role == "vision":   # a stealing GPU: half batch, per-step prefill within the episode bound
+        max_batch, max_prefill = stealing_limits(max_batch, STEAL_EPISODE_S,
+                                                 perf_model.prefill_seconds_per_token(model, gpu))
+    es = EngineSpec(backend_id, model, gpu, kv, prior_s(gpu), role=role, steal=steal,
+                    max_batch=max_batch, max_prefill_tokens=max_prefill)
+    return engine(es, rec, index, gateway)
 
 
 class VlmSimulation:

@@ -58,6 +58,12 @@ class VlmEngine(BatchEngine):
     def vision_backlog(self) -> int:
         return self.backlog_tokens
 
+    def holds_work(self) -> bool:
+        """Whether anything is still to be done here: an activity running, images to encode, language
+        work queued or running, or a request leased to it whose embeddings are still to come (a draining
+        engine may stop only once this is False)."""
+        return self.busy or bool(self.encode_queue or self._encoding or self._leases) or not self.batcher.idle
+
     def acquire(self, i: int, now: float) -> None:
         """The gateway's lease on request i from its dispatch, before its embeddings come. Taken without
         the request's tokens (no prefill backlog, no KV reservation, no slack): the modality tables of

@@ -12,8 +12,11 @@ from pydantic import ValidationError
 from common.errors import ConfigError
 from gateway.config.autoscaling import AutoscalingConfig, Pool
 from gateway.config.cluster import load_cluster
-from gateway.control.autoscaler import PoolDemand, Scaler, pressure
+from gateway.control.autoscaler import PoolDemand, Scaler, pool_demand, pressure
+from gateway.routing.policies.first_token import predicted_ttft_s
+from gateway.routing.state_table import Reported, StateTable
 from testkit.harness import write_config
+from tests.snapshots import catalog
 
 
 class FakeClock:
@@ -108,6 +111,33 @@ def test_language_pressure_is_its_largest_signal() -> None:
     scaler = Scaler(cfg, clock)
     slow: dict[Pool, PoolDemand] = {"language": PoolDemand(1, 1, predicted_ttft_s=2.5)}
     assert [scaler.decide(slow)["language"].desired for clock.now in range(12)][-1] == 2
+
+
+def test_pool_demand_reads_the_table_as_the_live_loop_and_the_simulator_do() -> None:
+    """Members not draining (starting ones included), healthy ones among them, the pool's backlogs; the
+    language pool's requests held plus those waiting at admission, and the best healthy engine's predicted
+    first token; what only the caller knows passes through."""
+    cfg = config(language={"min": 1, "max": 4, "ttft_prompt_tokens": 100}, vision={"min": 1, "max": 3})
+    pools = cfg.scaled()
+    table = StateTable(catalog().model("llava-1.5-7b"), 1.0, 3, clock=lambda: 10.0)
+    for backend_id, role, gpu in [("v0", "vision", "L4"), ("v1", "vision", "L4"), ("l0", "language", "H100"),
+                                  ("l1", "both", "A100-80GB"), ("l2", "language", "H100"),
+                                  ("l3", "language", "H100")]:
+        table.register(backend_id, role, catalog().gpu(gpu), address=None, managed=True)
+    for seq, (backend_id, waiting, running, backlog) in enumerate(
+            [("v0", 0, 0, 3000), ("v1", 0, 0, 500), ("l0", 2, 5, 0), ("l1", 1, 1, 0), ("l2", 9, 9, 0)], 1):
+        table.apply_heartbeat(backend_id, seq, "", Reported(seq=seq, waiting=waiting, running=running,
+                                                          vision_backlog=backlog))
+    table.set_lifecycle("l3", "starting")    # launched, not ready: a member, not serving
+    table.drain("l2")                        # draining: not a member any more
+    table.acquire("l0", 400, 100)            # a prompt sent, first token not seen: prefill backlog
+    vision = pool_demand(table, "vision", pools["vision"], settling=1, addable=2, removable=1)
+    assert vision == PoolDemand(2, 2, 1, 3500, addable=2, removable=1)
+    language = pool_demand(table, "language", pools["language"], waiting=4)
+    assert (language.engines, language.serving, language.backlog_tokens, language.queued) == (3, 2, 400, 7 + 2 + 4)
+    l0, l1 = (table.snapshot(table.get(i)) for i in ("l0", "l1"))  # type: ignore[arg-type]
+    assert language.predicted_ttft_s == pytest.approx(min(predicted_ttft_s(l0, 100), predicted_ttft_s(l1, 100)))
+    assert language.addable is None and language.removable is None
 
 
 def test_config_is_checked() -> None:
