@@ -14,7 +14,8 @@ with its own prefix index):
 - the workers are imbalanced when max − min > `balance_abs_threshold` (64) and max >
   `balance_rel_threshold` (1.5) × min: the least loaded worker (the first on a tie);
 - otherwise the worker with the longest match between this prompt and the prompts routed to it, if
-  that match covers more than `cache_threshold` (0.3) of the prompt; else the least loaded.
+  that match covers more than `cache_threshold` (0.3) of the prompt; else the least loaded (what the
+  policy's code does; its older header comment says the worker with the smallest tree).
 
 Here the match is the gateway's prefix index's prediction (`RequestProfile.cached_tokens`) where the
 run has one; without shared prefixes (the engine family's chat mix) the rule is least-outstanding,
@@ -22,7 +23,8 @@ unweighted. Left out: the radix tree over characters (blocks of tokens stand for
 eviction (`max_tree_size`, `eviction_interval_secs`), the session-id map, per-model trees, retries.
 
 **vllm-router `power_of_two`** (`VllmPowerOfTwo`), as the live benchmark ran it (`--policy
-power_of_two`, `worker_load_check_interval` 1 s):
+power_of_two`, `worker_load_check_interval` 1 s; vllm-router's own default, `cache_aware`, is the
+rule above):
 
 - every `poll_s` (1 s) the router polls each worker's load: vLLM's `/load`, the requests its API
   server is serving, which behind one router are the router's requests in flight there;
