@@ -13,11 +13,12 @@ index fed the engines' counters, as the pipeline wires them. Targets:
 
     rr          round robin
     cwlor       capacity-weighted least outstanding (weights: each engine's saturated rate on the workload)
-    sglang-ca   sglang-router / SMG `cache_aware`, emulated from their documented rules and SMG's defaults:
-                the prompts routed to each worker (the gateway's block index standing in for their radix
-                tree, bounded by each engine's KV, which their tree is not); loads = requests in flight.
-                Imbalanced (max - min > 64 and max > 1.5 x min): the least loaded; else the worker with
-                the longest match if it covers more than 30% of the prompt, else the least loaded
+    sglang-ca   sglang-router / SMG `cache_aware`, emulated from their documented rules and SMG's defaults
+                (loadtest/sim/peers.py): the prompts routed to each worker (the gateway's block index
+                standing in for their radix tree, bounded by each engine's KV, which their tree is not);
+                loads = requests in flight. Imbalanced (max - min > 64 and max > 1.5 x min): the least
+                loaded; else the worker with the longest match if it covers more than 30% of the
+                prompt, else the least loaded
     hg-blind    the gateway's default policy without cache awareness (gateway.routing.prefix_cache off)
     hg-cache    the gateway's default: the prefix index from the prompts' text blocks
     hg-session  hg-cache, and the clients name their conversation (x-session-id)
@@ -107,6 +108,7 @@ from gateway.routing.policies.contracts import RequestProfile  # noqa: E402
 from gateway.routing.policies.spreading import Spreading  # noqa: E402
 from gateway.routing.prefix_index import PrefixIndex  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
+from loadtest.sim.peers import cache_aware_pick  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
@@ -266,26 +268,24 @@ class RoundRobin(Router):
 
 
 class SglangCacheAware(Router):
-    """sglang-router / SMG `cache_aware`, emulated (see the module docstring for the rules)."""
-
-    CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5   # SMG's documented defaults
+    """sglang-router / SMG `cache_aware`, emulated: its rules (`loadtest.sim.peers.cache_aware_pick`, which
+    the engine family's emulation uses too) on this router's own block index of what it routed."""
 
     def __init__(self, engines: dict[str, Batcher]) -> None:
         self.index = PrefixIndex()
         for eid, b in engines.items():
             self.index.add_backend(eid, b.tier.num_blocks * BLOCK_SIZE)
         self.load = dict.fromkeys(engines, 0)
+        self.ids = list(engines)
 
     def route(self, r: Request) -> tuple[str, Any]:
         load = self.load
-        least = min(load, key=load.__getitem__)
-        most = max(load.values())
         query = self.index.lookup(self.index.hashes(r.prompt, (), r.tokens, r.conversation.images), "", r.tokens)
-        eid = least
-        if not (most - load[least] > self.BALANCE_ABS and most > self.BALANCE_REL * load[least]) and query.cached:
+        match = None
+        if query.cached:
             matched, hit = max(query.cached.items(), key=lambda kv: kv[1])
-            if hit / r.tokens > self.CACHE_THRESHOLD:
-                eid = matched
+            match = (self.ids.index(matched), hit)
+        eid = self.ids[cache_aware_pick(list(load.values()), match, r.tokens)]
         self.index.record(query, eid, 0)
         load[eid] += 1
         return eid, eid

@@ -19,7 +19,9 @@ every target sees the same requests per member, load and seed. Goodput = share o
 requests with TTFT <= 2 s and mean inter-token time <= 100 ms.
 
 Targets: `cwlor` (the proxy: capacity-weighted least-outstanding, weights = each engine's saturated
-rate), `lor` (unweighted), `default` (the gateway as configured by default: its default policy
+rate), `lor` (unweighted), the peers `sglang-ca` (sglang-router's `cache_aware`) and `vllm-p2`
+(vllm-router's `power_of_two` on loads polled every 1 s), emulated from their documented rules
+(loadtest/sim/peers.py), `default` (the gateway as configured by default: its default policy
 behind its overload queue, gateway/pipeline/overload.py, when that is on by default), and every
 language policy of the registry by name (without the overload queue); `--variant
 name=policy:{"param": value}` adds a policy with parameters; `--gate name=target:{"setting": value}`
@@ -27,7 +29,9 @@ adds a target (a policy or a variant) behind the gateway's overload queue with t
 (gateway.config.sections.OverloadConfig, enabled; `{}`: its defaults). Prints, per load, each member's proxy
 goodput and every other target's goodput minus the proxy's (points, mean over seeds), tuned and
 held-out members apart, with the median and the worst member of each group, then TTFT p99 per
-member; writes every run's figures (one run a line) to the results file.
+member; with `default` and a peer among the targets, per load the goodput of `default`, the proxy and
+the peers and `default` minus the best of those (points); writes every run's figures (one run a line)
+to the results file.
 """
 
 from __future__ import annotations
@@ -56,11 +60,14 @@ from gateway.config.sections import OverloadConfig  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import Policy  # noqa: E402
 from loadtest.sim.family import Member, RunSettings, capacity_rps, family, run  # noqa: E402
+from loadtest.sim.peers import SglangCacheAware, VllmPowerOfTwo  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "routing_family.json"
 PROXY = "cwlor"
 DEFAULT = "default"   # the gateway as configured by default: its default policy behind its default overload queue
-DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", DEFAULT, "heteroserve", "batch_aware", "shortest_queue",
+SGLANG, VLLM = "sglang-ca", "vllm-p2"   # the peers, emulated (loadtest/sim/peers.py)
+PEERS = (SGLANG, VLLM)
+DEFAULT_TARGETS = (PROXY, "lor", "marginal_delay", DEFAULT, *PEERS, "heteroserve", "batch_aware", "shortest_queue",
                    "power_of_two", "round_robin", "capacity_proportional")
 LOADS = (0.6, 0.9, 1.0, 1.2)
 SEEDS = (11, 12, 13, 14, 15, 16)   # the settings of the default policy were chosen on seeds 1-6 (tuned members)
@@ -73,6 +80,10 @@ def make_policy(target: str, variants: dict[str, tuple[str, dict[str, Any]]], me
     if target in (PROXY, "lor"):
         weights = capacity_rps(member) if target == PROXY else {}
         return build_policy("least_outstanding", {"weights": weights})
+    if target == SGLANG:
+        return SglangCacheAware()
+    if target == VLLM:
+        return VllmPowerOfTwo(seed)
     name, params = variants.get(target, (target, {}))
     if name == "power_of_two":
         params = {"seed": seed, **params}
@@ -151,6 +162,41 @@ def tables(results: dict[Cell, Any], members: list[Member], loads: Iterable[floa
     return "\n".join(out)
 
 
+def peer_table(results: dict[Cell, Any], members: list[Member], loads: Iterable[float], seeds: list[int],
+               targets: list[str]) -> str:
+    """Per load, `default`'s goodput against the best of the proxy and the peers in the run: each member's
+    goodput (mean of the seeds), and `default` minus the best of the others (points), with the median and
+    the worst member of each group (tuned, held out)."""
+    others = [PROXY, *(t for t in PEERS if t in targets)]
+    if DEFAULT not in targets or len(others) == 1:
+        return ""
+    shown = [DEFAULT, *others]
+    out = []
+    for load in loads:
+        def goodput(m: str, t: str, load: float = load) -> float:
+            return _mean(results[(m, load, s, t)]["goodput"] for s in seeds)
+
+        def margin(m: str) -> float:
+            return 100 * (goodput(m, DEFAULT) - max(goodput(m, t) for t in others))
+
+        out += [f"\n### {load}x: {DEFAULT} against the best of {', '.join(others)} (goodput, mean of "
+                f"{len(seeds)} seeds)\n", "| member | " + " | ".join(shown) + " | Δ default − best |",
+                "|---|" + "---:|" * (len(shown) + 1)]
+        for group, held in (("tuned", False), ("held out", True)):
+            names = [m.name for m in members if m.held_out == held]
+            if not names:
+                continue
+            for n in names:
+                out.append(f"| {n}{' (held out)' if held else ''} | "
+                           + " | ".join(f"{goodput(n, t):.1%}" for t in shown) + f" | {margin(n):+.1f} |")
+            out.append(f"| **median, {group}** | "
+                       + " | ".join(f"{statistics.median(goodput(n, t) for n in names):.1%}" for t in shown)
+                       + f" | {statistics.median(margin(n) for n in names):+.1f} |")
+            out.append(f"| **worst, {group}** | " + " | ".join("" for _ in shown)
+                       + f" | {min(margin(n) for n in names):+.1f} |")
+    return "\n".join(out)
+
+
 def _cpu_s() -> float:
     """CPU seconds of this process and of its finished workers."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -223,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     started, cpu = time.monotonic(), _cpu_s()
     results = run_all(members, args.loads, args.seeds, targets, settings, variants, args.jobs, gates)
     text = tables(results, members, args.loads, args.seeds, targets)
+    text += "\n" + peer_table(results, members, args.loads, args.seeds, targets)
     print("\n".join(f"{m.name}{' (held out)' if m.held_out else ''}: {m.describe()}" for m in members))
     print(text)
     cpu_s = _cpu_s() - cpu
