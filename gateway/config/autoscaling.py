@@ -64,6 +64,9 @@ class AutoscalingConfig(StrictModel):
     interval_s: PositiveFloat = 1.0     # demand is read and the decision made this often
     up_delay_s: float = Field(default=10.0, ge=0)      # demand above the high mark this long: a step up
     down_delay_s: float = Field(default=120.0, ge=0)   # below the low mark this long: one engine fewer
+    # a step up is sized for the need this far ahead, at the rate it grew during the up delay (about an
+    # engine's start-up: what arrives while the new engines load waits for them); 0: the need as measured
+    lookahead_s: float = Field(default=30.0, ge=0)
     pools: ScaledPools = ScaledPools()
 
     def scaled(self) -> dict[Pool, PoolScaling]:

@@ -8,7 +8,9 @@ Three parts:
   engines times the best engine's predicted time to first token over the SLO); its pressure is the need
   per serving engine. Need at or above the capacity (the serving engines plus those the scaler added
   that are still starting) for `up_delay_s` gives, in one step, the engines that bring the pressure under
-  1, at most `max_step`: a burst is met at once, not one engine per start-up. Engines on their way count
+  1, at most `max_step`: a burst is met at once, not one engine per start-up. The step is sized for the
+  need `lookahead_s` later (about an engine's start-up) at the rate it grew during the delay, since
+  what arrives while the new engines load waits for them. Engines on their way count
   as capacity, so while they start no other step is taken unless the need grows beyond them. Pressure at
   `low_mark` or less for `down_delay_s`, with no step settling (an added engine not yet healthy, a
   removed one still draining), gives one engine fewer, if the engines left would stay under the high
@@ -129,6 +131,7 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
 class _PoolState:
     desired: int | None = None
     high_since: float | None = None
+    high_need: float = 0.0      # the need when the high spell began: its growth over the spell
     low_since: float | None = None
 
 
@@ -139,6 +142,7 @@ class Scaler:
         self._pools = config.scaled()
         self._up_delay_s = config.up_delay_s
         self._down_delay_s = config.down_delay_s
+        self._lookahead_s = config.lookahead_s
         self._clock = clock
         self._state = {pool: _PoolState() for pool in self._pools}
 
@@ -164,7 +168,8 @@ class Scaler:
         capacity = d.serving + d.arriving      # engines on their way count: no second step for the same demand
         if wanted > 0 and wanted >= capacity:
             st.low_since = None
-            st.high_since = now if st.high_since is None else st.high_since
+            if st.high_since is None:
+                st.high_since, st.high_need = now, wanted
         elif d.arriving or d.leaving:
             st.high_since = st.low_since = None   # the down delay starts again once the step settled
         elif p <= scaling.low_mark:
@@ -174,13 +179,16 @@ class Scaler:
             st.high_since = st.low_since = None
         reason = ""
         if st.high_since is not None and now - st.high_since >= self._up_delay_s and desired < ceiling:
-            # the fewest engines under the high mark: need / n < 1
-            step = min(math.floor(wanted) + 1 - capacity, scaling.max_step)
+            # the fewest engines under the high mark for the need `lookahead_s` on, at its growth over the spell
+            spell = now - st.high_since
+            growth = max(wanted - st.high_need, 0.0) / spell if spell > 0 else 0.0
+            ahead = wanted + growth * self._lookahead_s
+            step = min(math.floor(ahead) + 1 - capacity, scaling.max_step)
             target = min(d.engines + step, ceiling)
             if target > desired:
                 desired = target
-                reason = (f"need {wanted:.2f} engines (pressure {p:.2f}) at or above the {capacity} serving or "
-                          f"starting for {now - st.high_since:.1f}s")
+                reason = (f"need {wanted:.2f} engines (pressure {p:.2f}), {ahead:.2f} in {self._lookahead_s:g}s, "
+                          f"at or above the {capacity} serving or starting for {spell:.1f}s")
         elif (st.low_since is not None and now - st.low_since >= self._down_delay_s and desired > floor
               and (p * d.serving / (d.serving - 1) < 1.0 if d.serving > 1 else p == 0.0)):
             desired -= 1

@@ -1,6 +1,7 @@
 """The scaler's decisions with a fake clock: a pool grows under sustained demand and not on a blip, by as
-many engines as the demand needs in one step (within max_step, max and the inventory), counts the engines
-starting as capacity, and shrinks one engine at a time after the down delay."""
+many engines as the demand needs in one step (sized for where its growth takes it within lookahead_s;
+within max_step, max and the inventory), counts the engines starting as capacity, and shrinks one engine
+at a time after the down delay."""
 
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def test_grows_under_sustained_demand_after_the_delay_not_on_a_blip() -> None:
     desired = run(scaler, clock, 25, vision(1, 8000))
     assert desired[:10] == [1] * 10 and desired[10:] == [2] * 15   # the 11th tick: 10 s after the first high one
     # as long as the pressure on the engines it has stays at 1 or more, it keeps growing, a step per delay
-    grown = Scaler(config(), clock)
-    assert [follow(grown, clock, 11, 5000) for _ in range(4)] == [2, 3, 4, 4]   # max 4
+    grown, engines, sizes = Scaler(config(), clock), 1, []
+    for _ in range(4):
+        engines = follow(grown, clock, 11, 5000, engines)
+        sizes.append(engines)
+    assert sizes == [2, 3, 4, 4]   # max 4
 
 
 def burst(engines: int, serving: int, tokens: int, **kw: Any) -> dict[Pool, PoolDemand]:
@@ -90,6 +94,18 @@ def test_a_burst_gets_several_engines_in_one_step_within_max_step_max_and_the_in
     assert Scaler(config(), clock).decide(surge)["vision"].desired == 1            # the default up delay
     inventory = Scaler(config(vision=wide), clock)
     assert run(inventory, clock, 11, burst(1, 1, 5 * 4096 + 100, addable=2, removable=0))[-1] == 3
+
+
+def test_a_step_is_sized_for_the_need_lookahead_s_on_at_its_growth_over_the_up_delay() -> None:
+    clock = FakeClock()
+    wide = config(vision={"min": 1, "max": 10, "max_step": 8})
+    rising = [burst(1, 1, 4096 + 410 * k) for k in range(11)]   # 0.1 engine more a second: 2.0 after 10 s
+    scaler, measured = Scaler(wide, clock), Scaler(wide.model_copy(update={"lookahead_s": 0.0}), clock)
+    for demand in rising:
+        clock.now += 1
+        ahead, now = scaler.decide(demand)["vision"], measured.decide(demand)["vision"]
+    assert now.desired == 3                  # what 2.0 engines' worth needs
+    assert ahead.desired == 6 and "5.00 in 30s" in ahead.reason   # 2.0 + 0.1/s x 30 s
 
 
 def test_engines_starting_count_as_capacity_no_second_step_unless_demand_outgrows_them() -> None:
