@@ -13,6 +13,8 @@ images, a language pool prefilling and decoding; one GPU type each) serve it
                   (gateway/control/autoscaler.py: pool_demand and Scaler) every --interval seconds, with
                   its up and down delays; a new engine is ready --startup seconds after its launch; a
                   removed one drains before it stops. It starts at the size the first window needs.
+                  The scaler's settings default to the gateway's (gateway/config/autoscaling.py), but
+                  the language pool's queue mark (QUEUE_PER_ENGINE).
 
 Reported per fleet: SLO attainment (a request meets the SLO when its time to first token and its mean
 inter-token time are both within their targets, as `gateway plan` counts it), GPU-seconds (each engine

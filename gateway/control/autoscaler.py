@@ -9,22 +9,22 @@ Three parts:
   per serving engine. Need at or above the capacity (the serving engines plus those the scaler added
   that are still starting) for `up_delay_s` gives, in one step, the engines that bring the pressure under
   1, at most `max_step`: a burst is met at once, not one engine per start-up. The step is sized for the
-  need `lookahead_s` later (about an engine's start-up) at the rate it grew during the delay, since
-  what arrives while the new engines load waits for them. Engines on their way count
-  as capacity, so while they start no other step is taken unless the need grows beyond them. Pressure at
-  `low_mark` or less for `down_delay_s`, with no step settling (an added engine not yet healthy, a
-  removed one still draining), gives one engine fewer, if the engines left would stay under the high
-  mark. Each step starts both delays again, so a blip shorter than the delay changes nothing. The count
-  stays between the pool's `min` and `max`, never above what the inventory's GPUs allow nor below the
-  engines the scaler may not remove.
+  need `lookahead_s` later (about an engine's start-up) at the rate it grew during the delay, since what
+  arrives while the new engines load waits for them. Engines on their way count as capacity, so while
+  they start no other step is taken unless the need grows beyond them. Pressure at `low_mark` or less
+  for `down_delay_s`, with no step settling (an added engine not yet healthy, a removed one still
+  draining), gives one engine fewer, if the engines left would stay under the high mark. Each step
+  starts both delays again, so a blip shorter than the delay changes nothing. The count stays between
+  the pool's `min` and `max`, never above what the inventory's GPUs allow nor below the engines the
+  scaler may not remove.
 - `pool_demand`, pure too: a pool's `PoolDemand` as a state table shows it, with what only the caller
   knows (requests waiting at admission, its own steps under way, the GPUs it may add and engines it may
   remove). The loop below and the bursty benchmark's simulator (loadtest/planner/autoscaled.py) both
   read demand through it and decide through `Scaler`.
 - `Autoscaler`, the loop the daemon runs every `interval_s`: it reads the demand from the state table
   and the admission queue, asks the scaler, and in `manage` mode applies the step through
-  gateway/control/fleet.py: a copy of the pool's template backend on the next free GPU of the
-  inventory, or the removal (drain first: no new requests, those in flight finish; then the engine
+  gateway/control/fleet.py: a copy of the pool's template backend on each of the next free GPUs of the
+  inventory the step asks for, or the removal (drain first: no new requests, those in flight finish; then the engine
   stops) of the engine it added last. It removes only engines it added. In both modes /metrics carries
   `heterogate_pool_desired_replicas{pool}`, `heterogate_pool_replicas{pool}` and
   `heterogate_pool_pressure{pool}`, for an autoscaler outside the gateway (deploy/k8s/keda-scaledobject.yaml).
