@@ -34,6 +34,7 @@ class PoolScaling(StrictModel):
     # the managed backend whose entry new engines copy (default: the pool's first managed `kind: engine`)
     template: str | None = None
     low_mark: float = Field(default=0.3, ge=0, lt=1)
+    max_step: PositiveInt = 4   # engines one step up may add (a step down removes one)
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolScaling:
@@ -61,8 +62,11 @@ class ScaledPools(StrictModel):
 class AutoscalingConfig(StrictModel):
     mode: Literal["off", "manage", "export"] = "off"
     interval_s: PositiveFloat = 1.0     # demand is read and the decision made this often
-    up_delay_s: float = Field(default=10.0, ge=0)      # demand above the high mark this long: one engine more
+    up_delay_s: float = Field(default=10.0, ge=0)      # demand above the high mark this long: a step up
     down_delay_s: float = Field(default=120.0, ge=0)   # below the low mark this long: one engine fewer
+    # a step up is sized for the need this far ahead, at the rate it grew during the up delay (about an
+    # engine's start-up: what arrives while the new engines load waits for them); 0: the need as measured
+    lookahead_s: float = Field(default=30.0, ge=0)
     pools: ScaledPools = ScaledPools()
 
     def scaled(self) -> dict[Pool, PoolScaling]:

@@ -3,14 +3,19 @@
 Three parts:
 
 - `Scaler`, pure: from one `PoolDemand` per pool and the clock it is given, the engine count each pool
-  should have. A pool's pressure is its largest signal over that signal's high mark (vision: image
-  tokens waiting per serving engine; language: prefill backlog tokens and requests held or queued per
-  serving engine, and the best engine's predicted time to first token against the SLO). Pressure at 1
-  or more for `up_delay_s` gives one engine more; at `low_mark` or less for `down_delay_s` one fewer,
-  if the engines left would stay under the high mark. One step at a time: while a step settles (an
-  added engine not yet healthy, a removed one still draining) no other is taken, and each step starts
-  both delays again, so a blip shorter than the delay changes nothing. The count stays between the
-  pool's `min` and `max`, never above what the inventory's GPUs allow nor below the engines the
+  should have. A pool's need is its largest signal over that signal's high mark, in engines (vision:
+  image tokens waiting; language: prefill backlog tokens, requests held or queued, and the serving
+  engines times the best engine's predicted time to first token over the SLO); its pressure is the need
+  per serving engine. Need at or above the capacity (the serving engines plus those the scaler added
+  that are still starting) for `up_delay_s` gives, in one step, the engines that bring the pressure under
+  1, at most `max_step`: a burst is met at once, not one engine per start-up. The step is sized for the
+  need `lookahead_s` later (about an engine's start-up) at the rate it grew during the delay, since what
+  arrives while the new engines load waits for them. Engines on their way count as capacity, so while
+  they start no other step is taken unless the need grows beyond them. Pressure at `low_mark` or less
+  for `down_delay_s`, with no step settling (an added engine not yet healthy, a removed one still
+  draining), gives one engine fewer, if the engines left would stay under the high mark. Each step
+  starts both delays again, so a blip shorter than the delay changes nothing. The count stays between
+  the pool's `min` and `max`, never above what the inventory's GPUs allow nor below the engines the
   scaler may not remove.
 - `pool_demand`, pure too: a pool's `PoolDemand` as a state table shows it, with what only the caller
   knows (requests waiting at admission, its own steps under way, the GPUs it may add and engines it may
@@ -18,8 +23,8 @@ Three parts:
   read demand through it and decide through `Scaler`.
 - `Autoscaler`, the loop the daemon runs every `interval_s`: it reads the demand from the state table
   and the admission queue, asks the scaler, and in `manage` mode applies the step through
-  gateway/control/fleet.py: a copy of the pool's template backend on the next free GPU of the
-  inventory, or the removal (drain first: no new requests, those in flight finish; then the engine
+  gateway/control/fleet.py: a copy of the pool's template backend on each of the next free GPUs of the
+  inventory the step asks for, or the removal (drain first: no new requests, those in flight finish; then the engine
   stops) of the engine it added last. It removes only engines it added. In both modes /metrics carries
   `heterogate_pool_desired_replicas{pool}`, `heterogate_pool_replicas{pool}` and
   `heterogate_pool_pressure{pool}`, for an autoscaler outside the gateway (deploy/k8s/keda-scaledobject.yaml).
@@ -64,7 +69,8 @@ class PoolDemand:
 
     engines: int                 # in the pool, not draining (starting ones included)
     serving: int                 # of them, healthy
-    settling: int = 0            # the scaler's own steps under way: added, not yet healthy; removed, still draining
+    arriving: int = 0            # the scaler's own steps under way: engines added, not yet healthy
+    leaving: int = 0             # ... and engines removed, still draining
     backlog_tokens: int = 0      # vision: image tokens waiting to be encoded; language: prefill backlog tokens
     queued: int = 0              # language: requests the engines hold (Q_i) plus those waiting at admission
     predicted_ttft_s: float | None = None   # language: the best serving engine's, None without one
@@ -81,22 +87,29 @@ class Decision:
     reason: str        # why desired moved this time ("" when it did not)
 
 
-def pressure(scaling: PoolScaling, demand: PoolDemand) -> float:
-    """The pool's largest signal over its high mark (inf: demand and no serving engine)."""
-    if demand.serving == 0:
-        return math.inf if demand.backlog_tokens or demand.queued else 0.0
+def need(scaling: PoolScaling, demand: PoolDemand) -> float:
+    """The engines the pool's demand asks for: its largest signal over that signal's high mark (the
+    predicted first token as it would be on the serving engines, times their number)."""
     if isinstance(scaling, VisionScaling):
-        return demand.backlog_tokens / demand.serving / scaling.image_tokens_per_engine
+        return demand.backlog_tokens / scaling.image_tokens_per_engine
     assert isinstance(scaling, LanguageScaling)
-    signals = [demand.backlog_tokens / demand.serving / scaling.prefill_tokens_per_engine,
-               demand.queued / demand.serving / scaling.queue_per_engine]
+    signals = [demand.backlog_tokens / scaling.prefill_tokens_per_engine, demand.queued / scaling.queue_per_engine]
     if demand.predicted_ttft_s is not None:
-        signals.append(demand.predicted_ttft_s / scaling.ttft_slo_s)
+        signals.append(demand.serving * demand.predicted_ttft_s / scaling.ttft_slo_s)
     return max(signals)
 
 
-def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting: int = 0, settling: int = 0,
-                addable: int | None = None, removable: int | None = None) -> PoolDemand:
+def pressure(scaling: PoolScaling, demand: PoolDemand) -> float:
+    """The pool's need per serving engine: its largest signal over its high mark (inf: demand and no
+    serving engine)."""
+    wanted = need(scaling, demand)
+    if demand.serving == 0:
+        return math.inf if wanted else 0.0
+    return wanted / demand.serving
+
+
+def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting: int = 0, arriving: int = 0,
+                leaving: int = 0, addable: int | None = None, removable: int | None = None) -> PoolDemand:
     """The pool's demand as `table` shows it now: its members not draining (starting ones included), the
     healthy ones, and their backlogs; for the language pool also the requests they hold plus `waiting`
     (at admission) and the best healthy engine's predicted time to first token."""
@@ -105,11 +118,11 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
     serving = [e for e in members if table.is_healthy(e)]
     snaps = [table.snapshot(e) for e in members]
     if pool == "vision":
-        return PoolDemand(len(members), len(serving), settling, sum(s.vision_backlog for s in snaps),
+        return PoolDemand(len(members), len(serving), arriving, leaving, sum(s.vision_backlog for s in snaps),
                           addable=addable, removable=removable)
     assert isinstance(scaling, LanguageScaling)
     ttfts = [predicted_ttft_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
-    return PoolDemand(len(members), len(serving), settling, sum(s.prefill_backlog_tokens for s in snaps),
+    return PoolDemand(len(members), len(serving), arriving, leaving, sum(s.prefill_backlog_tokens for s in snaps),
                       sum(s.queue_depth for s in snaps) + waiting, min(ttfts, default=None),
                       addable=addable, removable=removable)
 
@@ -118,6 +131,7 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
 class _PoolState:
     desired: int | None = None
     high_since: float | None = None
+    high_need: float = 0.0      # the need when the high spell began: its growth over the spell
     low_since: float | None = None
 
 
@@ -128,6 +142,7 @@ class Scaler:
         self._pools = config.scaled()
         self._up_delay_s = config.up_delay_s
         self._down_delay_s = config.down_delay_s
+        self._lookahead_s = config.lookahead_s
         self._clock = clock
         self._state = {pool: _PoolState() for pool in self._pools}
 
@@ -149,12 +164,14 @@ class Scaler:
         floor = min(scaling.min if d.removable is None else max(scaling.min, d.engines - d.removable), reachable)
         ceiling = max(min(scaling.max, reachable), floor)
         desired = min(max(d.engines if st.desired is None else st.desired, floor), ceiling)
-        p = pressure(scaling, d)
-        if d.settling:
-            st.high_since = st.low_since = None   # the delays start again once the step settled
-        elif p >= 1.0:
+        wanted, p = need(scaling, d), pressure(scaling, d)
+        capacity = d.serving + d.arriving      # engines on their way count: no second step for the same demand
+        if wanted > 0 and wanted >= capacity:
             st.low_since = None
-            st.high_since = now if st.high_since is None else st.high_since
+            if st.high_since is None:
+                st.high_since, st.high_need = now, wanted
+        elif d.arriving or d.leaving:
+            st.high_since = st.low_since = None   # the down delay starts again once the step settled
         elif p <= scaling.low_mark:
             st.high_since = None
             st.low_since = now if st.low_since is None else st.low_since
@@ -162,8 +179,16 @@ class Scaler:
             st.high_since = st.low_since = None
         reason = ""
         if st.high_since is not None and now - st.high_since >= self._up_delay_s and desired < ceiling:
-            desired += 1
-            reason = f"pressure {p:.2f} at or above 1 for {now - st.high_since:.1f}s"
+            # the fewest engines under the high mark for the need `lookahead_s` on, at its growth over the spell
+            spell = now - st.high_since
+            growth = max(wanted - st.high_need, 0.0) / spell if spell > 0 else 0.0
+            ahead = wanted + growth * self._lookahead_s
+            step = min(math.floor(ahead) + 1 - capacity, scaling.max_step)
+            target = min(d.engines + step, ceiling)
+            if target > desired:
+                desired = target
+                reason = (f"need {wanted:.2f} engines (pressure {p:.2f}), {ahead:.2f} in {self._lookahead_s:g}s, "
+                          f"at or above the {capacity} serving or starting for {spell:.1f}s")
         elif (st.low_since is not None and now - st.low_since >= self._down_delay_s and desired > floor
               and (p * d.serving / (d.serving - 1) < 1.0 if d.serving > 1 else p == 0.0)):
             desired -= 1
@@ -215,10 +240,11 @@ class Autoscaler:
 
     def demand(self, pool: Pool) -> PoolDemand:
         added = self._added[pool]
-        settling = sum(i in added for i in self._arriving) + sum(p == pool for p in self._leaving.values())
         managing = self._fleet is not None
         return pool_demand(self._runtime.table, pool, self.scaler.pools[pool],
-                           waiting=self._runtime.pipeline.admission.waiting, settling=settling,
+                           waiting=self._runtime.pipeline.admission.waiting,
+                           arriving=sum(i in added for i in self._arriving),
+                           leaving=sum(p == pool for p in self._leaving.values()),
                            addable=self._free_gpus(pool) if managing else None,
                            removable=len(added) if managing else None)
 
@@ -249,16 +275,19 @@ class Autoscaler:
         return free
 
     def _apply(self, fleet: Fleet, decision: Decision) -> None:
-        pool = decision.pool
+        """The step, one engine at a time; a refusal settles the pool at the engines reached."""
+        pool, engines = decision.pool, decision.current
         try:
-            if decision.desired > decision.current:
-                self._add(fleet, pool)
-            else:
-                self._remove(fleet, pool)
+            while engines != decision.desired:
+                if decision.desired > engines:
+                    self._add(fleet, pool)
+                    engines += 1
+                else:
+                    self._remove(fleet, pool)
+                    engines -= 1
         except RequestError as exc:
-            log.error("autoscale_refused", pool=pool, engines=decision.current, desired=decision.desired,
-                      error=exc.message)
-            self.scaler.settle(pool, decision.current)
+            log.error("autoscale_refused", pool=pool, engines=engines, desired=decision.desired, error=exc.message)
+            self.scaler.settle(pool, engines)
 
     def _add(self, fleet: Fleet, pool: Pool) -> None:
         gpu = self._free(pool)[0]

@@ -6,9 +6,9 @@ its own `StateTable`, the shared continuous batcher timed by the roofline model)
 
 - **pools that change during the run.** Every `interval_s` of virtual time the fleet reads each pool's
   demand with `gateway.control.autoscaler.pool_demand` and decides with `gateway.control.autoscaler.Scaler`,
-  the very code the live gateway's loop runs, and applies the step as the live loop does: a new engine of
-  the pool's GPU is registered `starting` and becomes ready (a candidate) `startup_s` later, the time a
-  real engine takes to load its weights; a removal drains the engine the scaler added last (no new
+  the very code the live gateway's loop runs, and applies the step as the live loop does: each new engine
+  of the step, of the pool's GPU, is registered `starting` and becomes ready (a candidate) `startup_s`
+  later, the time a real engine takes to load its weights; a removal drains the engine the scaler added last (no new
   requests; what it holds finishes: queued and running language work, images to encode, requests whose
   embeddings are on their way) and stops it at the first tick it holds nothing. The pool's first `min`
   engines are its fixed ones; engines above `min` at the start count as added (the scaler may remove them).
@@ -76,7 +76,7 @@ class FleetResult:
     output_tokens: int
     lost: int                    # requests never completed
     routed_while_draining: int   # requests sent to an engine after its drain began (must be 0)
-    steps: dict[str, int]        # scaler steps: "vision+", "vision-", "language+", "language-"
+    steps: dict[str, int]        # scaler steps (a step up may add several engines): "vision+", "vision-", ...
     peak_engines: dict[Pool, int]
     end_s: float                 # the last completion: where the bill stops
     timeline: list[tuple[float, int, int]] = field(repr=False)   # (t, vision engines, language engines), per tick
@@ -197,23 +197,23 @@ class FleetSimulation(VlmSimulation):
         self._stop_drained(now)
         table = self.gateway.refresh(now)
         pools = self.scaler.pools
-        demand = {pool: pool_demand(table, pool, pools[pool], settling=self._settling(pool),
+        demand = {pool: pool_demand(table, pool, pools[pool],
+                                    arriving=sum(self.pool_of[i] == pool for i in self.arriving),
+                                    leaving=sum(self.pool_of[i] == pool for i in self.leaving),
                                     addable=len(pools[pool].gpus) - len(self.added[pool]),
                                     removable=len(self.added[pool])) for pool in POOLS}
         for pool, decision in self.scaler.decide(demand).items():
-            if decision.desired > decision.current:
-                self.added[pool].append(self._launch(pool, now, ready=False))
+            change = decision.desired - decision.current
+            if change > 0:
+                self.added[pool].extend(self._launch(pool, now, ready=False) for _ in range(change))
                 self.steps[f"{pool}+"] += 1
-            elif decision.desired < decision.current:
-                self._drain(pool)
+            elif change < 0:
+                for _ in range(-change):
+                    self._drain(pool)
                 self.steps[f"{pool}-"] += 1
         self.timeline.append((now, demand["vision"].engines, demand["language"].engines))
         if self._work_left(now):
             heapq.heappush(self.heap, (now + self.fleet.scaling.interval_s, next(self.tie), _TICK, -1, 0))
-
-    def _settling(self, pool: Pool) -> int:
-        return (sum(self.pool_of[i] == pool for i in self.arriving)
-                + sum(self.pool_of[i] == pool for i in self.leaving))
 
     def _work_left(self, now: float) -> bool:
         pending = np.isnan(self.rec.finish) & ~self.rec.rejected

@@ -1,10 +1,12 @@
 """Autoscaling on a real gateway with managed simulated engines (gateway.autoscaling, manage mode): a
-sustained burst of image requests grows the vision pool by a copy of its template on the inventory's
-GPU, /metrics carries the desired and current counts, and once the burst is over the added engine is
-drained and removed with every request answered."""
+sustained burst of image requests grows the vision pool in one step by copies of its template on both of
+the inventory's GPUs, /metrics carries the desired and current counts, and once the burst is over the
+added engines are drained and removed, one at a time, with every request answered."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import threading
 from pathlib import Path
@@ -35,7 +37,8 @@ def cluster(tmp: Path) -> Path:
             # a loaded machine may hold a heartbeat back: this test is about the pool's size, not failover
             "heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20, "drain_timeout_s": 60,
             "autoscaling": {"mode": "manage", "interval_s": 0.2, "up_delay_s": 1.0, "down_delay_s": 2.0,
-                            "pools": {"vision": {"min": 1, "max": 2, "gpus": ["L4"], "image_tokens_per_engine": 1},
+                            "pools": {"vision": {"min": 1, "max": 3, "gpus": ["L4", "L4"],
+                                                 "image_tokens_per_engine": 1},
                                       "language": {"min": 1, "max": 1}}},
         },
         "backends": [
@@ -79,23 +82,36 @@ def keda_queries() -> list[str]:
     return [t["metadata"]["query"] for doc in docs for t in doc["spec"]["triggers"]]
 
 
+def log_events(gw: Gateway) -> list[dict[str, Any]]:
+    events = []
+    for line in gw.log_path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            events.append(json.loads(line))
+    return [e for e in events if isinstance(e, dict)]
+
+
 def vision_ids(gw: Gateway) -> list[str]:
     return [b["id"] for b in gw.backends() if b["role"] == "vision"]
 
 
 def test_a_burst_grows_the_vision_pool_and_the_scale_down_drains_losing_nothing(tmp_path: Path) -> None:
-    with run_gateway(cluster(tmp_path)) as gw:
+    with run_gateway(cluster(tmp_path), "--log-level", "info") as gw:   # info: the scaler's decisions logged
         assert metric_total(gw, "heterogate_pool_desired_replicas", pool="vision") == 1
         for query in keda_queries():   # deploy/k8s/keda-scaledobject.yaml reads what /metrics carries
             name, pool = re.fullmatch(r'max\((\w+)\{pool="(\w+)"\}\)', query).groups()  # type: ignore[union-attr]
             assert metric_total(gw, name, pool=pool) == 1
         burst = Load(gw, clients=8, images=True)
         gw.wait_until(lambda: "vision-auto-0" in vision_ids(gw), timeout=60)
-        added = gw.backend("vision-auto-0")
-        assert added["gpu"] == "L4" and added["managed"] is True
-        gw.wait_until(lambda: gw.backend("vision-auto-0")["healthy"], timeout=60)
-        assert metric_total(gw, "heterogate_pool_desired_replicas", pool="vision") == 2
-        gw.wait_until(lambda: metric_total(gw, "heterogate_pool_replicas", pool="vision") == 2, timeout=10)
+        # the backlog is many engines' worth over this mark: both GPUs of the inventory in one step
+        assert {"vision-auto-0", "vision-auto-1"} <= set(vision_ids(gw))
+        steps = [e for e in log_events(gw) if e.get("event") == "autoscale_decision" and e.get("pool") == "vision"]
+        assert (steps[0]["engines"], steps[0]["desired"]) == (1, 3)
+        for backend_id in ("vision-auto-0", "vision-auto-1"):
+            added = gw.backend(backend_id)
+            assert added["gpu"] == "L4" and added["managed"] is True
+            gw.wait_until(lambda i=backend_id: gw.backend(i)["healthy"], timeout=60)
+        assert metric_total(gw, "heterogate_pool_desired_replicas", pool="vision") == 3
+        gw.wait_until(lambda: metric_total(gw, "heterogate_pool_replicas", pool="vision") == 3, timeout=10)
         served = len(burst.statuses)
         gw.wait_until(lambda: len(burst.statuses) >= served + 8, timeout=120)   # both encoders at work
         statuses = burst.stop()

@@ -1,5 +1,7 @@
-"""The scaler's decisions with a fake clock: a pool grows under sustained demand and not on a blip,
-shrinks after the down delay, one step at a time, within min, max and the inventory."""
+"""The scaler's decisions with a fake clock: a pool grows under sustained demand and not on a blip, by as
+many engines as the demand needs in one step (sized for where its growth takes it within lookahead_s;
+within max_step, max and the inventory), counts the engines starting as capacity, and shrinks one engine
+at a time after the down delay."""
 
 from __future__ import annotations
 
@@ -45,29 +47,86 @@ def run(scaler: Scaler, clock: FakeClock, seconds: float, demand: Any, step: flo
     return out
 
 
-def test_grows_under_sustained_demand_one_step_per_delay_not_on_a_blip() -> None:
+def follow(scaler: Scaler, clock: FakeClock, seconds: float, tokens_per_engine: int, engines: int = 1,
+           **kw: Any) -> int:
+    """Ticks every second for `seconds`, the pool's engines following the desired count (all serving)."""
+    for _ in range(int(seconds)):
+        clock.now += 1
+        engines = scaler.decide(vision(engines, tokens_per_engine, **kw))["vision"].desired
+    return engines
+
+
+def test_grows_under_sustained_demand_after_the_delay_not_on_a_blip() -> None:
     clock = FakeClock()
     scaler = Scaler(config(), clock)
     assert scaler.decide(vision(1, 0))["vision"].desired == 1
     # a blip of 9 s above the mark (4096 image tokens per engine by default) changes nothing
     assert run(scaler, clock, 9, vision(1, 8000)) == [1] * 9
     assert run(scaler, clock, 5, vision(1, 100)) == [1] * 5
-    # sustained: one more after 10 s, then the delay starts again
+    # sustained: after 10 s the engines that bring 8000 tokens under the mark (2); the same demand on
+    # them asks for nothing more
     desired = run(scaler, clock, 25, vision(1, 8000))
-    assert desired[:10] == [1] * 10 and desired[10] == 2   # the 11th tick: 10 s after the first high one
-    assert desired[11:21] == [2] * 10 and desired[21] == 3
+    assert desired[:10] == [1] * 10 and desired[10:] == [2] * 15   # the 11th tick: 10 s after the first high one
+    # as long as the pressure on the engines it has stays at 1 or more, it keeps growing, a step per delay
+    grown, engines, sizes = Scaler(config(), clock), 1, []
+    for _ in range(4):
+        engines = follow(grown, clock, 11, 5000, engines)
+        sizes.append(engines)
+    assert sizes == [2, 3, 4, 4]   # max 4
 
 
-def test_no_step_while_one_settles_and_never_above_max_or_the_inventory() -> None:
+def burst(engines: int, serving: int, tokens: int, **kw: Any) -> dict[Pool, PoolDemand]:
+    return {"vision": PoolDemand(engines, serving, backlog_tokens=tokens, **kw)}
+
+
+def test_a_burst_gets_several_engines_in_one_step_within_max_step_max_and_the_inventory() -> None:
+    clock = FakeClock()
+    wide = {"min": 1, "max": 10, "max_step": 8}
+    scaler = Scaler(config(vision=wide), clock)
+    surge = burst(1, 1, 5 * 4096 + 100)    # five engines' worth waiting: six bring it under the mark
+    assert run(scaler, clock, 10, surge) == [1] * 10
+    clock.now += 1
+    decision = scaler.decide(surge)["vision"]
+    assert decision.desired == 6 and "need 5.02" in decision.reason
+    for bound, desired in [({"max_step": 2}, 3), ({"max": 4}, 4)]:
+        bounded = Scaler(config(vision={**wide, **bound}), clock)
+        assert run(bounded, clock, 11, surge)[-1] == desired
+    assert Scaler(config(), clock).decide(surge)["vision"].desired == 1            # the default up delay
+    inventory = Scaler(config(vision=wide), clock)
+    assert run(inventory, clock, 11, burst(1, 1, 5 * 4096 + 100, addable=2, removable=0))[-1] == 3
+
+
+def test_a_step_is_sized_for_the_need_lookahead_s_on_at_its_growth_over_the_up_delay() -> None:
+    clock = FakeClock()
+    wide = config(vision={"min": 1, "max": 10, "max_step": 8})
+    rising = [burst(1, 1, 4096 + 410 * k) for k in range(11)]   # 0.1 engine more a second: 2.0 after 10 s
+    scaler, measured = Scaler(wide, clock), Scaler(wide.model_copy(update={"lookahead_s": 0.0}), clock)
+    for demand in rising:
+        clock.now += 1
+        ahead, now = scaler.decide(demand)["vision"], measured.decide(demand)["vision"]
+    assert now.desired == 3                  # what 2.0 engines' worth needs
+    assert ahead.desired == 6 and "5.00 in 30s" in ahead.reason   # 2.0 + 0.1/s x 30 s
+
+
+def test_engines_starting_count_as_capacity_no_second_step_unless_demand_outgrows_them() -> None:
+    clock = FakeClock()
+    scaler = Scaler(config(vision={"min": 1, "max": 10, "max_step": 8}), clock)
+    assert run(scaler, clock, 11, burst(1, 1, 5 * 4096 + 100))[-1] == 6
+    # five engines starting, one serving: the same demand, and more of it below six, adds nothing
+    assert run(scaler, clock, 60, burst(6, 1, 5 * 4096 + 100, arriving=5)) == [6] * 60
+    assert run(scaler, clock, 30, burst(6, 1, 5 * 4096 + 3000, arriving=5)) == [6] * 30
+    # the burst grows beyond them: after the up delay, the difference
+    growing = run(scaler, clock, 11, burst(6, 1, 7 * 4096 + 500, arriving=5))
+    assert growing[:10] == [6] * 10 and growing[10] == 8
+    # a removal draining does not hold a step up back either
+    other = Scaler(config(), clock)
+    assert run(other, clock, 11, burst(1, 1, 8000, leaving=1))[-1] == 2
+
+
+def test_never_above_max_or_the_inventory() -> None:
     clock = FakeClock()
     scaler = Scaler(config(), clock)
-    # an engine added and not yet healthy: the delay waits for it
-    assert run(scaler, clock, 30, vision(1, 8000, settling=1)) == [1] * 30
-    engines = 1
-    for _ in range(200):   # the engines follow the desired count
-        clock.now += 1
-        engines = scaler.decide(vision(engines, 8000))["vision"].desired
-    assert engines == 4   # max
+    assert follow(scaler, clock, 200, 8000) == 4   # max
     inventory = Scaler(config(), clock)
     assert max(run(inventory, clock, 100, vision(2, 8000, addable=1, removable=1))) == 3
 
@@ -78,6 +137,9 @@ def test_shrinks_after_the_down_delay_to_min_and_only_what_it_may_remove() -> No
     scaler.decide(vision(3, 0))
     desired = run(scaler, clock, 130, vision(3, 0))
     assert desired[58] == 3 and desired[59] == 2 and desired[119] == 2 and desired[120] == 1 == desired[-1]   # min
+    # one engine at a time, and none while a step settles (an added engine starting, a removed one draining)
+    for settling in (burst(3, 2, 0, arriving=1), burst(3, 3, 0, leaving=1)):
+        assert run(Scaler(config(), clock), clock, 200, settling) == [3] * 200
     # load that the engines left could not carry under the high mark keeps them
     held = Scaler(config(), clock)
     held.decide(vision(2, 1200))   # pressure 0.29, 0.59 on one engine fewer: may go
@@ -131,8 +193,8 @@ def test_pool_demand_reads_the_table_as_the_live_loop_and_the_simulator_do() -> 
     table.set_lifecycle("l3", "starting")    # launched, not ready: a member, not serving
     table.drain("l2")                        # draining: not a member any more
     table.acquire("l0", 400, 100)            # a prompt sent, first token not seen: prefill backlog
-    vision = pool_demand(table, "vision", pools["vision"], settling=1, addable=2, removable=1)
-    assert vision == PoolDemand(2, 2, 1, 3500, addable=2, removable=1)
+    vision = pool_demand(table, "vision", pools["vision"], arriving=1, leaving=2, addable=2, removable=1)
+    assert vision == PoolDemand(2, 2, arriving=1, leaving=2, backlog_tokens=3500, addable=2, removable=1)
     language = pool_demand(table, "language", pools["language"], waiting=4)
     assert (language.engines, language.serving, language.backlog_tokens, language.queued) == (3, 2, 400, 7 + 2 + 4)
     l0, l1 = (table.snapshot(table.get(i)) for i in ("l0", "l1"))  # type: ignore[arg-type]
