@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import signal
 import statistics
@@ -277,6 +278,8 @@ def score(outcomes: list[Outcome], time_scale: float) -> dict[str, Any]:
     errors = [o.error for o in outcomes if o.error]
     return {
         "goodput": good / len(outcomes), "errors": len(errors), "error_examples": errors[:3],
+        # by kind: the HTTP status (or the exception's name), so deliberate refusals (429) show apart
+        "errors_by_kind": dict(collections.Counter(e.split(":")[0] for e in errors)),
         "ttft_p50_s": loadgen.percentile(ttft, 50), "ttft_p99_s": loadgen.percentile(ttft, 99),
         "itl_p50_ms": loadgen.percentile(itl, 50) * 1000, "itl_p99_ms": loadgen.percentile(itl, 99) * 1000,
         "tier_shares": shares,
