@@ -76,10 +76,12 @@ class RedisConfig(StrictModel):
     # Managed engines outlive a leader that dies (the next one adopts them); one that no replica has
     # heard for this long exits by itself.
     engine_orphan_s: PositiveFloat = 10.0
-    # Cache-aware routing across replicas (shared_state.py): what each replica routed, kept in one
-    # stream of at most this many records, and at most this many published and read per refresh.
-    prefix_stream_max: PositiveInt = 20_000
+    # Cache-aware routing across replicas (shared_state.py): what each replica routed, one stream entry
+    # per replica and refresh holding at most `prefix_batch_max` records (the oldest dropped first); the
+    # stream keeps at most `prefix_stream_max` entries, and a refresh reads at most `prefix_read_max`.
+    prefix_stream_max: PositiveInt = 256
     prefix_batch_max: PositiveInt = 2_000
+    prefix_read_max: PositiveInt = 64
 
 
 def require_torch() -> None:

@@ -14,12 +14,12 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
     P identities          HASH    managed backend -> digest of its engine's identity, written by the
                                   leader (leadership.py, engine_identities.py), read on every refresh
     P prefix              STREAM  what each replica routed with cache-aware routing on: one entry per
-                                  request (replica, backend, the prompt's block hashes, session key,
-                                  prompt tokens), or which encoder got which images (their content
-                                  digests), at most `prefix_stream_max` entries (trimmed
-                                  approximately); every replica applies the others' entries to its
-                                  prefix index and its encoders' index, so all predict from what all
-                                  routed and a conversation's turns stay together whichever replica
+                                  replica and refresh, holding its routed requests (backend, the
+                                  prompt's block hashes, session key, prompt tokens) and which encoder
+                                  got which images (their content digests), at most
+                                  `prefix_stream_max` entries (trimmed approximately); every
+                                  replica applies the others' entries to its prefix index and its
+                                  encoders' index, so all predict from what all routed and a conversation's turns stay together whichever replica
                                   gets them
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
@@ -29,9 +29,9 @@ across hosts) and the engines' identity digests. The request path never waits on
 read the state table, whose in-flight count for a backend is this replica's live count + the peers'
 counts as of the last refresh, so a decision between refreshes already counts this replica's own new
 dispatches. The same round trip appends the requests this replica routed since the last refresh to
-the prefix stream and reads the entries after the last one it read (at most `prefix_batch_max` each
-way; a replica that starts reads the stream from its start, so it learns what is cached before it
-routes much).
+the prefix stream, as one entry, and reads the entries after the last one it read (at most
+`prefix_batch_max` records published, `prefix_read_max` entries read; a replica that starts reads the
+stream from its start, so it learns what is cached before it routes much).
 
 Redis unreachable or restarted: each replica fails open on its own view. Peers' counts drop to zero;
 backends last heard through Redis keep their last reported state and stay candidates for at most
@@ -43,10 +43,8 @@ sharing and logs that.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
-from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,29 +87,20 @@ def encode_heartbeat(address: str | None, reported: Reported) -> str:
     return orjson.dumps({"address": address or "", **dataclasses.asdict(reported)}).decode()
 
 
-def encode_routed(replica_id: str, routed: Routed) -> dict[str, str]:
-    """A prefix-stream entry: the block hashes as base64 of signed 64-bit ints."""
-    backend_id, blocks, session, tokens = routed
-    return {"r": replica_id, "b": backend_id, "h": base64.b64encode(array("q", blocks).tobytes()).decode(),
-            "s": "" if session is None else str(session), "n": str(tokens)}
+def encode_batch(replica_id: str, routed: list[Routed], sent: list[Sent]) -> dict[str, bytes | str]:
+    """One prefix-stream entry for everything a replica routed since its last refresh: one XADD a refresh,
+    not one a request, and one read and decode of it by each other replica. `p`: [backend, block hashes (signed 64-bit), session or null, prompt tokens] per routed
+    request; `e`: [encoder, image digests (unsigned 64-bit)] per encode."""
+    return {"r": replica_id, "p": orjson.dumps([[b, list(h), s, n] for b, h, s, n in routed]),
+            "e": orjson.dumps([[e, list(d)] for e, d in sent])}
 
 
-def encode_sent(replica_id: str, sent: Sent) -> dict[str, str]:
-    """A stream entry for the encoders' index: the images' digests as base64 of unsigned 64-bit ints."""
-    encoder, digests = sent
-    return {"r": replica_id, "b": encoder, "v": base64.b64encode(array("Q", digests).tobytes()).decode()}
-
-
-def decode_entry(fields: dict[str, str]) -> tuple[str, Routed | Sent]:
-    """(the replica that wrote it, a prefix record or, with a `v` field, an encoder record)."""
-    if "v" in fields:
-        digests = array("Q")
-        digests.frombytes(base64.b64decode(fields["v"]))
-        return fields["r"], (fields["b"], digests.tolist())
-    blocks = array("q")
-    blocks.frombytes(base64.b64decode(fields["h"]))
-    session = fields.get("s", "")
-    return fields["r"], (fields["b"], blocks.tolist(), int(session) if session else None, int(fields["n"]))
+def decode_batch(fields: dict[str, str]) -> tuple[str, list[Routed], list[Sent]]:
+    """(the replica that wrote it, its prefix records, its encoder records)."""
+    routed: list[Routed] = [(str(b), [int(x) for x in h], None if s is None else int(s), int(n))
+                            for b, h, s, n in orjson.loads(fields["p"])]
+    sent: list[Sent] = [(str(e), [int(x) for x in d]) for e, d in orjson.loads(fields["e"])]
+    return fields["r"], routed, sent
 
 
 def decode_heartbeat(raw: str) -> tuple[str, Reported]:
@@ -203,15 +192,14 @@ class SharedState:
             pipe.pttl(k)
         pipe.hgetall(self.identities_key)
         sharing = self._prefixes is not None or self._encoders is not None
-        entries = ([encode_routed(self.replica_id, r) for r in self._prefixes.take_routed()]
-                   if self._prefixes is not None else [])
-        if self._encoders is not None:
-            entries += [encode_sent(self.replica_id, sent) for sent in self._encoders.take_sent()]
+        routed = self._prefixes.take_routed() if self._prefixes is not None else []
+        sent = self._encoders.take_sent() if self._encoders is not None else []
+        entries = [encode_batch(self.replica_id, routed, sent)] if routed or sent else []
         for fields in entries:   # the prefix stream last: its replies come off the end below
             pipe.xadd(self._prefix_key, fields,  # type: ignore[arg-type]
                       maxlen=self._config.prefix_stream_max, approximate=True)
         if sharing:
-            pipe.xrange(self._prefix_key, min=f"({self._prefix_last}", count=self._config.prefix_batch_max)
+            pipe.xrange(self._prefix_key, min=f"({self._prefix_last}", count=self._config.prefix_read_max)
         results: list[Any] = await pipe.execute()
         if sharing:
             self._apply_routed(results.pop())
@@ -230,18 +218,19 @@ class SharedState:
         for entry_id, fields in entries:
             self._prefix_last = entry_id
             try:
-                replica, record = decode_entry(fields)
-            except (KeyError, ValueError, TypeError) as exc:
+                replica, routed, sent = decode_batch(fields)
+            except (KeyError, ValueError, TypeError, orjson.JSONDecodeError) as exc:
                 log.warning("shared_prefix_unreadable", entry=entry_id, error=str(exc))
                 continue
             if replica == self.replica_id:
                 continue
-            if len(record) == 2:
-                if encoders is not None:
-                    encoders.peer_sent(record[0], record[1])
-            elif prefixes is not None:
-                prefixes.peer_routed(*record)
-            self.prefix_entries_applied += 1
+            if prefixes is not None:
+                for record in routed:
+                    prefixes.peer_routed(*record)
+            if encoders is not None:
+                for encoder, digests in sent:
+                    encoders.peer_sent(encoder, digests)
+            self.prefix_entries_applied += len(routed) + len(sent)
 
     def _apply_peers(self, peers: list[str], maps: list[dict[str, str]]) -> None:
         self._gone = [p for p, m in zip(peers, maps, strict=True) if not m]
