@@ -19,8 +19,8 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
                                   got which images (their content digests), at most
                                   `prefix_stream_max` entries (trimmed approximately); every
                                   replica applies the others' entries to its prefix index and its
-                                  encoders' index, so all predict from what all routed and a conversation's turns stay together whichever replica
-                                  gets them
+                                  encoders' index, so all predict from what all routed and a
+                                  conversation's turns stay together whichever replica gets them
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
 received since the last refresh, and reads the members, every peer's counts, every backend's
@@ -89,8 +89,9 @@ def encode_heartbeat(address: str | None, reported: Reported) -> str:
 
 def encode_batch(replica_id: str, routed: list[Routed], sent: list[Sent]) -> dict[str, bytes | str]:
     """One prefix-stream entry for everything a replica routed since its last refresh: one XADD a refresh,
-    not one a request, and one read and decode of it by each other replica. `p`: [backend, block hashes (signed 64-bit), session or null, prompt tokens] per routed
-    request; `e`: [encoder, image digests (unsigned 64-bit)] per encode."""
+    not one a request, and one read and decode of it by each other replica. `p`: [backend, block hashes
+    (signed 64-bit), session or null, prompt tokens] per routed request; `e`: [encoder, image digests
+    (unsigned 64-bit)] per encode."""
     return {"r": replica_id, "p": orjson.dumps([[b, list(h), s, n] for b, h, s, n in routed]),
             "e": orjson.dumps([[e, list(d)] for e, d in sent])}
 
