@@ -68,12 +68,16 @@ def trace(n: int, rate_rps: float, seed: int, model: str = MODEL) -> list[Reques
 def saturated_rate(tier: TierSpeed, n: int = 600, seed: int = 7) -> float:
     """Requests/s one engine of `tier` completes with an unbounded queue of this workload."""
     rng = random.Random(seed)
+    return queue_rate(tier, [lengths(rng) for _ in range(n)])
+
+
+def queue_rate(tier: TierSpeed, sizes: list[tuple[int, int]]) -> float:
+    """Requests/s one engine of `tier` completes with all of `sizes` (prompt, output) queued at once, over
+    its first 90% (the tail runs below a full batch), no prefix cache."""
     b = Batcher(tier)
-    for _ in range(n):
-        prompt, output = lengths(rng)
+    for prompt, output in sizes:
         b.waiting.append(Seq(prompt, output, 0.0))
-    now, done = 0.0, 0
-    target = int(0.9 * n)
+    now, done, target = 0.0, 0, int(0.9 * len(sizes))
     while done < target:
         plan = b.plan()
         if plan is None:

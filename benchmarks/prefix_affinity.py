@@ -83,9 +83,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq, TierSpeed  # noqa: E402
+from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
-from benchmarks.mixed_workload import lengths, prompt_text  # noqa: E402
+from benchmarks.mixed_workload import lengths, prompt_text, queue_rate  # noqa: E402
 from benchmarks.routing_replay import (  # noqa: E402
     CLUSTER,
     ITL_SLO_S,
@@ -231,21 +231,6 @@ def request_sizes(workload: str, seed: int, tenant_prompts: list[str], n: int = 
             c.replies.append(text(rng, output, "a"))
             c.sent = k + 1
     return sizes
-
-
-def saturated_rate(tier: TierSpeed, sizes: list[tuple[int, int]]) -> float:
-    """Requests/s one engine completes with an unbounded queue of these requests, no prefix cache."""
-    b = Batcher(tier)
-    for prompt, output in sizes:
-        b.waiting.append(Seq(prompt, output, 0.0))
-    now, done, target = 0.0, 0, int(0.9 * len(sizes))
-    while done < target:
-        plan = b.plan()
-        if plan is None:
-            break
-        now += plan.duration_s
-        done += len(b.apply(plan))
-    return done / now
 
 
 # -- routers -------------------------------------------------------------------------------------
@@ -555,7 +540,7 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
         for seed in seeds:
             prompts = tenants(seed, n_tenants)
             sizes = request_sizes(workload, 99 + seed, prompts)
-            rates = {eid: saturated_rate(TIERS[tier], sizes) for eid, tier in CLUSTER}
+            rates = {eid: queue_rate(TIERS[tier], sizes) for eid, tier in CLUSTER}
             turns = len(sizes) / 300
             capacities[f"{workload}/{seed}"] = {"requests_per_s": sum(rates.values()), "turns": turns}
             count = sessions if workload == "multiturn" else requests

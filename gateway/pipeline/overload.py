@@ -44,7 +44,7 @@ from typing import Generic, TypeVar
 from gateway.config.sections import OverloadConfig
 from gateway.requests.errors import Overloaded
 from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
-from gateway.routing.policies.first_token import predicted_ttft_s
+from gateway.routing.policies.first_token import predicted_ttft_s, prefill_stall_s
 
 T = TypeVar("T")
 
@@ -63,9 +63,9 @@ def takes(candidates: Iterable[BackendSnapshot], profile: RequestProfile, hold_a
         tokens = profile.input_tokens - cached.get(b.id, 0) if cached else profile.input_tokens
         p = b.learned_prefill_s_per_token or b.prefill_s_per_token
         ttft = predicted_ttft_s(b, tokens)
-        if ttft > hold_above_s and ttft > tokens * p + b.decode_step_s:
+        if ttft > hold_above_s and ttft > tokens * p + b.decode_step_s:   # not even its TTFT with nothing ahead
             continue
-        if protect_itl and b.itl_slack_s and b.itl_slack_s[0] < b.stall_factor * tokens * p + b.stall_per_prompt_s:
+        if protect_itl and b.itl_slack_s and b.itl_slack_s[0] < prefill_stall_s(b, tokens):
             continue
         return True
     return not seen

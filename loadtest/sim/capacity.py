@@ -21,7 +21,7 @@ import numpy as np
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
 from loadtest.sim import workloads
-from loadtest.sim.engines import BatchEngine, EngineSpec, Recorder
+from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, Recorder
 
 KV_SHARE_OVERSIZE = 0.5     # KV bytes = 0.5 · HBM when the weights cannot fit on the GPU
 
@@ -54,6 +54,12 @@ def _measured_batch_rate(model: ModelProfile, gpu: GpuProfile, workload: str, n:
     lengths = workloads.lengths(workload, n, workloads.REFERENCE_SEED)
     rec = Recorder.for_lengths(lengths)
     engine = BatchEngine(EngineSpec("calibration", model, gpu, kv_capacity(model, gpu), 1.0), rec)
+    return queued_rate(engine, rec, n)
+
+
+def queued_rate(engine: Engine, rec: Recorder, n: int) -> float:
+    """Requests/s `engine` completes with requests 0..n-1 of `rec`'s trace all queued at time 0, counted
+    while its queue is not empty (until its last admission)."""
     nxt: float | None = None
     for i in range(n):
         nxt = engine.submit(i, 0.0) or nxt

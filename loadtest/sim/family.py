@@ -43,6 +43,7 @@ from gateway.config.sections import OverloadConfig
 from gateway.pipeline.overload import OverloadQueue
 from gateway.routing.policies.contracts import Policy
 from loadtest.sim import workloads
+from loadtest.sim.capacity import queued_rate
 from loadtest.sim.engines import Engine, EngineSpec, GatewayState, Recorder
 from loadtest.sim.simulator import simulate
 from loadtest.sim.workloads import Trace
@@ -398,14 +399,7 @@ def saturated_rate(tier: TierModel, engine: EngineModel, workload: str = "chat_m
     model = catalog.model(MODEL)
     gpu = catalog.gpu(tier.gpu)
     spec = EngineSpec("capacity", model, gpu, kv_capacity_bytes(tier, catalog), 1.0, external=True)
-    engine = FamilyEngine(spec, rec, GatewayState(model), tier, engine, np.random.default_rng(7))
-    nxt: float | None = None
-    for i in range(n):
-        nxt = engine.submit(i, 0.0) or nxt
-    while nxt is not None:
-        _, nxt = engine.on_event(nxt)
-    saturated_until = float(np.nanmax(rec.admitted))
-    return float(np.count_nonzero(rec.finish <= saturated_until)) / saturated_until
+    return queued_rate(FamilyEngine(spec, rec, GatewayState(model), tier, engine, np.random.default_rng(7)), rec, n)
 
 
 def capacity_rps(member: Member, workload: str = "chat_mixed") -> dict[str, float]:

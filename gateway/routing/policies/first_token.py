@@ -34,6 +34,14 @@ def predicted_ttft_s(b: BackendSnapshot, prompt_tokens: int) -> float:
     return (b.prefill_backlog_tokens + prompt_tokens) * per_token + b.decode_step_s
 
 
+def prefill_stall_s(b: BackendSnapshot, prefill_tokens: int) -> float:
+    """The stall a prefill of `prefill_tokens` there imposes on the requests decoding there, calibrated
+    (κ · L · p̂ + c: the backend's learned stall factor and per-prompt stall). `marginal_delay` prices it;
+    the overload queue holds a request whose stall would break an in-flight request's inter-token slack."""
+    p = b.learned_prefill_s_per_token or b.prefill_s_per_token
+    return b.stall_factor * (prefill_tokens * p) + b.stall_per_prompt_s
+
+
 def first_token_features(b: BackendSnapshot, prefill_tokens: int, reserve_tokens: int) -> tuple[float, ...]:
     """x for a request that would prefill `prefill_tokens` there and reserve `reserve_tokens` of KV."""
     p = b.learned_prefill_s_per_token or b.prefill_s_per_token

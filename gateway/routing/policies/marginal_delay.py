@@ -91,6 +91,7 @@ from gateway.routing.policies.candidates import (
     near_lowest,
 )
 from gateway.routing.policies.contracts import BackendSnapshot, CostColumns, CostTerms, Decision, RequestProfile
+from gateway.routing.policies.first_token import prefill_stall_s
 
 
 class MarginalDelayParams(StrictModel):
@@ -168,7 +169,7 @@ class MarginalDelay:
         stalled = b.in_flight   # those decoding now and those whose prefill runs before this one's
         fresh = length - request.cached_tokens.get(b.id, 0)   # L_i: what i would prefill
         if self.calibrate:
-            stall = b.stall_factor * (fresh * p) + b.stall_per_prompt_s
+            stall = prefill_stall_s(b, fresh)
         else:
             stall = 1.0 * (fresh * p) + 0.0
         slacks = b.itl_slack_s   # ascending: those below the stall are the first bisect_left
