@@ -58,6 +58,7 @@ from common.logs import configure_logging  # noqa: E402
 from common.wire import control_pb2_grpc, engine_pb2, engine_pb2_grpc  # noqa: E402
 from gateway.cli import run  # noqa: E402
 from gateway.control.heartbeat_service import ControlService  # noqa: E402
+from gateway.routing.signals import LocalSignals  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "embedding_handoff.json"
@@ -239,7 +240,7 @@ async def measure_model(catalog: Catalog, name: str, cases: list[Sizes], request
     table.register("language", "language", catalog.gpu(LANGUAGE_GPU), address=None, managed=False)
     table.register("vision", "vision", catalog.gpu(VISION_GPU), address=None, managed=False)
     server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(table), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(LocalSignals(table)), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     control = f"127.0.0.1:{port}"

@@ -82,7 +82,7 @@ def bind_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 
 async def start_control(
     runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None,
-    on_heartbeat: Callable[[str, str], None] | None = None, reuse_port: bool = False, front_door: bool = True,
+    reuse_port: bool = False, front_door: bool = True,
 ) -> tuple[grpc.aio.Server, int]:
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
     # No SO_REUSEPORT (but for --workers): with it, a second gateway would bind the same port and take
@@ -91,7 +91,7 @@ async def start_control(
     max_bytes = runtime.limits.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
                                       ("grpc.so_reuseport", int(reuse_port)), *keepalive().server_options()])
-    service = ControlService(runtime.table, on_heartbeat=on_heartbeat or runtime.clients.ensure, auth=auth)
+    service = ControlService(runtime.signals, auth=auth)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
     if front_door:
         await add_front_door(server, runtime)
@@ -128,8 +128,7 @@ async def start_engines_port(
     (the engines then heartbeat to their leader only, and stop with it as a single gateway's do)."""
     try:
         port = await replication.engines_port(host)
-        server, _ = await start_control(runtime, host, port, auth, tls, replication.on_heartbeat, reuse_port=True,
-                                        front_door=False)
+        server, _ = await start_control(runtime, host, port, auth, tls, reuse_port=True, front_door=False)
     except (RedisError, OSError, TimeoutError, PortUnavailable) as exc:
         log.warning("engines_port_unavailable", error=str(exc) or repr(exc),
                     detail="managed engines heartbeat to their leader only and stop when it dies")
@@ -194,8 +193,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
             control, grpc_port = await start_control(
-                runtime, options.grpc_host, options.grpc_port, auth, grpc_tls,
-                replication.on_heartbeat if replication else None, options.reuse_port)
+                runtime, options.grpc_host, options.grpc_port, auth, grpc_tls, options.reuse_port)
         except BaseException:
             http_socket.close()
             raise
@@ -255,7 +253,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     monitor = asyncio.create_task(upstreams.run(stop))
     drained = asyncio.Event()   # engines, the leader lease and shared counts outlive the drain
     supervising = asyncio.create_task(supervision.run(drained))
-    sharing = asyncio.create_task(replication.shared.run(drained)) if replication else None
+    sharing = asyncio.create_task(runtime.signals.run(drained))
     autoscaling = asyncio.create_task(autoscaler.run(stop)) if autoscaler else None
     try:
         await stop.wait()
@@ -272,8 +270,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         await runtime.clients.close()
         drained.set()
         await supervising
-        if sharing is not None:
-            await sharing
+        await sharing
         await probes.aclose()
         await control.stop(grace=1.0)
         if engines_door is not None:

@@ -22,6 +22,7 @@ from gateway.routing.backend_entry import SERVING, BackendEntry
 from gateway.routing.encoder_index import EncoderIndex
 from gateway.routing.policies import build_policy
 from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.signals import LocalSignals, SignalStore
 from gateway.routing.state_table import StateTable
 
 
@@ -36,6 +37,11 @@ class Runtime:
     keys: KeyRing
     exact_prompts: ExactPrompts | None = None   # the model's tokenizer, when torch engines run the model
     upstreams: dict[str, Upstream] = field(default_factory=dict)   # kind: openai backends, read by the clients' factory
+    # where the backends' reports go: this process's table (the Redis store once it joins replicas)
+    signals: SignalStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.signals = LocalSignals(self.table, self.clients.ensure)
 
     async def close(self) -> None:
         await self.clients.close()

@@ -313,6 +313,7 @@ class StandaloneEngines:
 
         from common.wire import control_pb2_grpc
         from gateway.control.heartbeat_service import ControlService
+        from gateway.routing.signals import LocalSignals
         from gateway.routing.state_table import StateTable
 
         started = threading.Event()
@@ -320,7 +321,7 @@ class StandaloneEngines:
         async def serve() -> None:
             self.table = StateTable(self.catalog.model(self.model), self.heartbeat_ms / 1000, miss_limit=5)
             self._server = grpc.aio.server()
-            control_pb2_grpc.add_ControlServicer_to_server(ControlService(self.table), self._server)
+            control_pb2_grpc.add_ControlServicer_to_server(ControlService(LocalSignals(self.table)), self._server)
             self.control_port = self._server.add_insecure_port("127.0.0.1:0")
             await self._server.start()
             started.set()

@@ -32,6 +32,7 @@ from gateway.routing.backend_entry import Reported
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile
 from gateway.routing.policies.spreading import Spreading
+from gateway.routing.signals import LocalSignals, SignalStore
 from gateway.routing.state_table import StateTable
 
 Mode = Literal["single", "shared", "shared_no_spread", "isolated"]
@@ -97,6 +98,7 @@ async def route_trace(
             client = connect(config, redis_url)
             clients.append(client)
             shared.append(SharedState(t, client, config, f"replica-{r}"))
+    stores: list[SignalStore] = [*shared] if sharing else [LocalSignals(t) for t in tables]
     running = dict.fromkeys(ids, 0)
     seq = [0]
     counts: Counter[str] = Counter()
@@ -132,9 +134,7 @@ async def route_trace(
                                         kv_total_bytes=1 << 40)
                     targets = [j % replicas] if sharing else range(replicas)
                     for r in targets:
-                        tables[r].apply_heartbeat(backend_id, seq[0], backend_id, reported)
-                        if sharing:
-                            shared[r].note_heartbeat(backend_id, backend_id)
+                        stores[r].heartbeat(backend_id, seq[0], backend_id, reported)
             elif kind == "refresh":
                 for s in shared:
                     await s.refresh()

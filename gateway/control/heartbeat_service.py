@@ -6,7 +6,7 @@ stream ends with UNAUTHENTICATED or PERMISSION_DENIED and the reason, and change
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -16,7 +16,7 @@ from common.metric_tables import KvSource
 from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.control_auth import ControlAuth
 from gateway.routing.backend_entry import Reported
-from gateway.routing.state_table import StateTable
+from gateway.routing.signals import SignalStore
 
 log = structlog.get_logger("heartbeat")
 
@@ -48,14 +48,10 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(
-        self,
-        table: StateTable,
-        on_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
-        auth: ControlAuth | None = None,
-    ) -> None:
-        self._table = table
-        self._on_heartbeat = on_heartbeat
+    def __init__(self, signals: SignalStore, auth: ControlAuth | None = None) -> None:
+        """`signals`: where the reports go (this process's table, or that and the other replicas')."""
+        self._signals = signals
+        self._table = signals.table
         self._auth = auth or ControlAuth()
 
     async def Connect(
@@ -86,7 +82,5 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 if msg.backend_id != backend_id:
                     log.info("backend_connected", backend=msg.backend_id, address=msg.address)
                 backend_id, address = msg.backend_id, msg.address
-            entry = self._table.apply_heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
-            if entry is not None:
-                self._on_heartbeat(backend_id, msg.address)
+            self._signals.heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
             yield control_pb2.GatewayMessage(ack_seq=msg.seq, heartbeat_interval_ms=interval_ms)

@@ -1,11 +1,12 @@
 """Joins one gateway process to the other replicas of its deployment through Redis.
 
-Wires the pieces of scale-out into a runtime built for one process: the shared state (published and
-refreshed in the background, see shared_state.py), the spreading layer over both pools' policies
-(policies/spreading.py), the leader lease that picks the one replica running the managed engines
-(leadership.py), the engines' identities that every replica checks (engine_identities.py) and the
-tenants' rate limits (tenant_limits.py). A process without a Redis URL uses none of them, supervises
-the engines itself and keeps the tenants' limits in memory.
+Wires the pieces of scale-out into a runtime built for one process: the shared state (the runtime's
+signal store becomes the Redis one, published and refreshed in the background, see shared_state.py),
+the spreading layer over both pools' policies (policies/spreading.py), the leader lease that picks
+the one replica running the managed engines (leadership.py), the engines' identities that every
+replica checks (engine_identities.py) and the tenants' rate limits (tenant_limits.py). A process
+without a Redis URL uses none of them, supervises the engines itself and keeps the tenants' limits
+in memory.
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ class Replication:
     lease: LeaderLease
     runtime: Runtime
 
-    def on_heartbeat(self, backend_id: str, address: str) -> None:
-        """A heartbeat received by this replica's Control service (or its own scraper)."""
-        self.runtime.clients.ensure(backend_id, address)
-        self.shared.note_heartbeat(backend_id, address)
-
     async def engines_port(self, host: str) -> int:
         """The port on this host where every replica takes the managed engines' heartbeats (each binds
         it with SO_REUSEPORT, gateway/daemon.py): the first replica to ask picks a free one and keeps it
@@ -66,9 +62,10 @@ def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replicatio
     config = runtime.config.settings.redis
     replica_id = new_replica_id()
     redis = connect(config, url)
-    shared = SharedState(runtime.table, redis, config, replica_id, on_remote_heartbeat=runtime.clients.ensure,
+    shared = SharedState(runtime.table, redis, config, replica_id, on_heartbeat=runtime.clients.ensure,
                          on_identities=identities.adopt, prefixes=runtime.pipeline.prefixes,
                          encoders=runtime.pipeline.encoders)
+    runtime.signals = shared   # the backends' reports go through Redis to the other replicas too
     runtime.metrics.registry.register(SharedStateCollector(shared, runtime.table))
     # tenants' limits hold across the replicas
     runtime.pipeline.tenants.store = RedisLimitStore(redis, config.key_prefix, config.timeout_ms / 1000)

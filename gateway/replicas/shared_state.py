@@ -1,4 +1,5 @@
-"""Cluster state shared by gateway replicas through Redis, refreshed off the request path.
+"""Cluster state shared by gateway replicas through Redis, refreshed off the request path: the
+Redis signal store of gateway/routing/signals.py (`SharedState`).
 
 Keys under the prefix P (`gateway.redis.key_prefix`):
 
@@ -10,7 +11,8 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
                                   rewritten on every refresh, so a replica killed with SIGKILL drops
                                   out of every view within replica_ttl_ms + one refresh
     P hb:<backend>        STRING  the backend's last heartbeat (JSON) as received by whichever replica
-                                  it pushes to (or that scrapes it); PX = miss limit × heartbeat interval
+                                  it pushes to (a scraped backend's readings are each replica's own,
+                                  not shared); PX = miss limit × heartbeat interval
     P identities          HASH    managed backend -> digest of its engine's identity, written by the
                                   leader (leadership.py, engine_identities.py), read on every refresh
     P prefix              STREAM  what each replica routed with cache-aware routing on: one entry per
@@ -58,7 +60,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config.sections import RedisConfig
-from gateway.routing.backend_entry import NO_PEER_LOAD, PeerLoad, Reported
+from gateway.routing.backend_entry import NO_PEER_LOAD, BackendEntry, PeerLoad, Reported
 from gateway.routing.encoder_index import EncoderIndex, Sent
 from gateway.routing.prefix_index import PrefixIndex, Routed
 from gateway.routing.state_table import StateTable
@@ -110,18 +112,19 @@ def decode_heartbeat(raw: str) -> tuple[str, Reported]:
 
 
 class SharedState:
-    """This replica's side of the shared state: publishes, refreshes, fails open."""
+    """This replica's side of the shared state: takes reports, publishes, refreshes, fails open."""
 
     def __init__(
         self, table: StateTable, redis: Redis, config: RedisConfig, replica_id: str,
-        on_remote_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
+        on_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
         on_identities: Callable[[dict[str, str]], None] = lambda digests: None,
         prefixes: PrefixIndex | None = None,
         encoders: EncoderIndex | None = None,
     ) -> None:
-        """`prefixes`, `encoders`: this replica's prefix index and encoders' index, shared with the
+        """`on_heartbeat(backend_id, address)`: after each report taken, here or through Redis;
+        `prefixes`, `encoders`: this replica's prefix index and encoders' index, shared with the
         others' (None: cache-aware routing off)."""
-        self._table = table
+        self.table = self._table = table
         self._prefixes, self._encoders = prefixes, encoders
         for index in (prefixes, encoders):
             if index is not None:
@@ -133,7 +136,7 @@ class SharedState:
         self._redis = redis
         self._config = config
         self.replica_id = replica_id
-        self._on_remote_heartbeat = on_remote_heartbeat
+        self._on_heartbeat = on_heartbeat
         prefix = config.key_prefix
         self.members_key = f"{prefix}replicas"
         self.identities_key = f"{prefix}identities"
@@ -157,11 +160,15 @@ class SharedState:
     def key(self, replica_id: str) -> str:
         return self._counts_prefix + replica_id
 
-    def note_heartbeat(self, backend_id: str, address: str) -> None:
-        """A heartbeat arrived on this replica's Control service: publish it on the next refresh."""
-        self._dirty.add(backend_id)
-        self._remote.discard(backend_id)
-        self._held.discard(backend_id)
+    def heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
+        """A heartbeat on this replica's Control service: into the table, and published on the next refresh."""
+        entry = self._table.apply_heartbeat(backend_id, seq, address, reported)
+        if entry is not None:
+            self._on_heartbeat(backend_id, address)
+            self._dirty.add(backend_id)
+            self._remote.discard(backend_id)
+            self._held.discard(backend_id)
+        return entry
 
     async def refresh(self) -> None:
         """One round trip: publish own counts and new heartbeats; read peers' counts and heartbeats."""
@@ -260,7 +267,7 @@ class SharedState:
             if entry is not None:
                 self._remote.add(backend_id)
                 self._held.discard(backend_id)
-                self._on_remote_heartbeat(backend_id, address)
+                self._on_heartbeat(backend_id, address)
 
     def _resumed(self) -> None:
         if not self.up:

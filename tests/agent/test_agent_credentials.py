@@ -16,6 +16,7 @@ import pytest
 from common.wire import control_pb2_grpc
 from gateway.control.control_auth import ControlAuth
 from gateway.control.heartbeat_service import ControlService
+from gateway.routing.signals import LocalSignals
 from gateway.routing.state_table import StateTable
 from testkit.harness import ROOT
 from tests.agent.test_agent_heartbeats import GPU, MODEL, MetricsEndpoint, endpoint, vllm_text, wait_for
@@ -33,7 +34,7 @@ async def tls_gateway(tmp_path: Path) -> AsyncIterator[tuple[StateTable, str, Pa
     table = StateTable(MODEL, heartbeat_interval_s=0.1)
     table.register("ext-0", "language", GPU, address=None, managed=False)
     server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(table, auth=ControlAuth(TOKEN)), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(LocalSignals(table), auth=ControlAuth(TOKEN)), server)
     credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
     port = server.add_secure_port("127.0.0.1:0", credentials)
     await server.start()

@@ -26,6 +26,7 @@ from common.metric_tables import SATURATED_QUEUE
 from common.wire import control_pb2_grpc
 from gateway.control.heartbeat_service import ControlService
 from gateway.routing.backend_entry import BackendEntry
+from gateway.routing.signals import LocalSignals
 from gateway.routing.state_table import StateTable
 from testkit.harness import ROOT
 
@@ -92,7 +93,7 @@ async def gateway() -> AsyncIterator[tuple[StateTable, str]]:
     table = StateTable(MODEL, heartbeat_interval_s=INTERVAL_S)
     table.register("ext-0", "language", GPU, address=None, managed=False)
     server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(table), server)  # type: ignore[no-untyped-call]
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(LocalSignals(table)), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     yield table, f"127.0.0.1:{port}"

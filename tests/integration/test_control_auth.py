@@ -17,6 +17,7 @@ from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.control_auth import ControlAuth
 from gateway.control.engine_identities import EngineIdentities
 from gateway.control.heartbeat_service import ControlService
+from gateway.routing.signals import LocalSignals
 from gateway.routing.state_table import StateTable
 
 TOKEN = "cluster-token-for-tests"
@@ -30,7 +31,7 @@ async def control_server(auth: ControlAuth) -> tuple[grpc.aio.Server, StateTable
     table.register(MANAGED, "language", catalog.gpu("H100"), address=None, managed=True)
     table.register(EXTERNAL, "language", catalog.gpu("A100-80GB"), address=EXTERNAL_ADDRESS, managed=False)
     server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(table, auth=auth), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(LocalSignals(table), auth=auth), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, table, port

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import redis
@@ -75,10 +75,11 @@ def table(gpus: dict[str, str], interval_s: float = 0.2, clock: object = None) -
 
 @asynccontextmanager
 async def replica(t: StateTable, prefix: str, name: str, url: str = SYSTEM_REDIS,
+                  on_heartbeat: Callable[[str, str], None] = lambda backend_id, address: None,
                   **config: object) -> AsyncIterator[SharedState]:
     cfg = RedisConfig(url=url, key_prefix=prefix, **config)  # type: ignore[arg-type]
     client = connect(cfg, url)
     try:
-        yield SharedState(t, client, cfg, name)
+        yield SharedState(t, client, cfg, name, on_heartbeat=on_heartbeat)
     finally:
         await client.aclose()

@@ -12,6 +12,7 @@ from common.catalog import load_catalog
 from common.heartbeat_sender import HeartbeatSender
 from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.heartbeat_service import ControlService
+from gateway.routing.signals import LocalSignals
 from gateway.routing.state_table import StateTable
 from testkit.harness import free_port
 
@@ -24,7 +25,7 @@ async def control(port: int) -> tuple[grpc.aio.Server, StateTable]:
     table = StateTable(CATALOG.model("llava-1.5-7b"), 0.05)
     table.register("b0", "language", CATALOG.gpu("H100"), address=None, managed=False)
     server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(table), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlService(LocalSignals(table)), server)
     assert server.add_insecure_port(f"127.0.0.1:{port}") == port
     await server.start()
     return server, table

@@ -21,9 +21,8 @@ async def test_heartbeat_received_by_one_replica_reaches_the_other() -> None:
     with redis_prefix("hb") as prefix:
         a, b = table(GPUS), table(GPUS)
         async with replica(a, prefix, "a") as ra, replica(b, prefix, "b") as rb:
-            a.apply_heartbeat("h100-0", 7, "127.0.0.1:7001", Reported(seq=7, waiting=3, running=2,
-                                                                       kv_free_bytes=10, kv_total_bytes=20))
-            ra.note_heartbeat("h100-0", "127.0.0.1:7001")
+            assert ra.heartbeat("h100-0", 7, "127.0.0.1:7001", Reported(seq=7, waiting=3, running=2,
+                                                                         kv_free_bytes=10, kv_total_bytes=20))
             await ra.refresh()
             await rb.refresh()
             entry = b.get("h100-0")
@@ -97,9 +96,8 @@ async def test_a_replica_that_stops_refreshing_drops_out_after_its_ttl() -> None
 async def test_redis_away_fails_open_and_keeps_backends_heard_through_it() -> None:
     with redis_prefix("down") as prefix:
         a, b = table(GPUS), table(GPUS)
-        a.apply_heartbeat("h100-0", 1, "x:1", Reported(seq=1))
         async with replica(a, prefix, "a") as ra, replica(b, prefix, "b") as rb:
-            ra.note_heartbeat("h100-0", "x:1")
+            ra.heartbeat("h100-0", 1, "x:1", Reported(seq=1))
             a.acquire("h100-0")
             for _ in range(3):
                 await ra.refresh()
