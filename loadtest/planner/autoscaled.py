@@ -36,7 +36,7 @@ from loadtest.planner.evaluate import Outcome, Policies, outcome
 from loadtest.planner.space import Slo, trace_rate
 from loadtest.sim.engines import EngineSpec, GatewayState, Recorder
 from loadtest.sim.modality import VlmRunSpec, VlmSimulation, build_member
-from loadtest.sim.vlm import EncodeJob, VlmEngine
+from loadtest.sim.vlm import EncodeJob, GatewayLeaseEngine
 from loadtest.sim.workloads import Trace
 
 POOLS: tuple[Pool, ...] = ("vision", "language")
@@ -86,7 +86,7 @@ class FleetResult:
         return self.dollars / self.output_tokens * 1e6 if self.output_tokens else float("inf")
 
 
-class PoolEngine(VlmEngine):
+class PoolEngine(GatewayLeaseEngine):
     """A simulated engine that takes the gateway's full lease and counts work routed to it while it drains."""
 
     def __init__(self, spec: EngineSpec, rec: Recorder, index: int, gateway: GatewayState | None = None) -> None:
@@ -98,9 +98,7 @@ class PoolEngine(VlmEngine):
 
     def acquire(self, i: int, now: float) -> None:
         self.routed_while_draining += self.draining
-        lengths = self.rec.lengths
-        self._leases[i] = self.gateway.at(now).acquire(self.id, int(lengths.input_tokens[i]),
-                                                       int(lengths.max_output_tokens[i]))
+        super().acquire(i, now)
 
     def encode(self, job: EncodeJob, now: float) -> float | None:
         self.routed_while_draining += self.draining

@@ -107,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r = p.add_argument_group("search and output")
     r.add_argument("--policy", default=Policies.language, help="language routing policy (default the gateway's)")
     r.add_argument("--vision-policy", default=Policies.vision, help="vision routing policy")
+    r.add_argument("--no-overload", action="store_true",
+                   help="plan for a gateway whose overload queue is off (gateway.overload.enabled: false)")
     r.add_argument("--compare", choices=GROUPINGS, default="none",
                    help="also find the best plan of each stage split, of one-type and mixed fleets, or both")
     r.add_argument("--max-simulations", type=count, default=200)
@@ -155,7 +157,8 @@ def build_problem(args: argparse.Namespace) -> Problem:
     splits: tuple[Split, ...] = tuple(s for s in SPLITS if s in args.splits)
     limits = Limits(args.budget, args.inventory, args.max_gpus, args.max_types, args.max_vision)
     return Problem(catalog, model, build_trace(args, model), Slo(args.ttft_slo, args.itl_slo), limits, gpus,
-                   args.attainment, splits, not args.no_steal, Policies(args.policy, args.vision_policy),
+                   args.attainment, splits, not args.no_steal,
+                   Policies(args.policy, args.vision_policy, not args.no_overload),
                    args.compare)
 
 
@@ -173,7 +176,10 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str
         backends.append(entry)
     routing = {"policy": problem.policies.language, "vision_policy": problem.policies.vision,
                "itl_target_ms": round(problem.slo.itl_s * 1000, 3)}
-    return {"model": problem.model.name, "gateway": {"routing": routing}, "backends": backends}
+    queue = problem.slo.overload()
+    overload = ({"ttft_slo_s": queue.ttft_slo_s, "hold_above_s": queue.hold_above_s, "max_wait_s": queue.max_wait_s}
+                if problem.policies.overload else {"enabled": False})
+    return {"model": problem.model.name, "gateway": {"routing": routing, "overload": overload}, "backends": backends}
 
 
 def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: float, command: str) -> None:

@@ -1,12 +1,15 @@
 """One plan on one trace, in the discrete-event simulator running the gateway's live routing code.
 
-The engines are the simulator's vision-language GPUs (`loadtest.sim.modality.build_members`): the
-shared continuous batcher timed by the roofline model, the engines' vision-first loop and aligned
-encode batches, reporting to one gateway `StateTable` whose snapshots the gateway's own policies
-(language pool and vision pool, as the written backends.yaml names them) route on; stealers join the
-language candidates as `gateway.routing.policies.stealing` admits them. T̄_service starts where a live
-engine's does (`common.service_time.prior_service_s`), and the table's inter-token target is the SLO's,
-as the written `gateway.routing.itl_target_ms` makes it live.
+The engines are the simulator's vision-language GPUs (`loadtest.sim.modality.build_members`): the shared
+continuous batcher timed by the roofline model, the engines' vision-first loop and aligned encode
+batches, reporting to one gateway `StateTable` whose snapshots the gateway's own policies (language pool
+and vision pool, as the written backends.yaml names them) route on; stealers join the language
+candidates as `gateway.routing.policies.stealing` admits them. T̄_service starts where a live engine's
+does (`common.service_time.prior_service_s`), each dispatch takes the live gateway's whole lease
+(prompt, reservation, slack: `loadtest.sim.vlm.GatewayLeaseEngine`), and the table's inter-token target
+is the SLO's, as the written `gateway.routing.itl_target_ms` makes it live. The gateway's overload queue
+stands in front of the language pool as the written `gateway.overload` sets it (`Slo.overload`; `--no-
+overload` plans without it): a request it refuses is never served.
 
 A request meets the SLO when its time to first token and its mean inter-token time
 ((last token − first token) / (tokens − 1)) are both within their targets.
@@ -35,6 +38,7 @@ from loadtest.planner.space import Plan, Slo, trace_rate
 from loadtest.sim.engines import Recorder
 from loadtest.sim.metrics import summarize
 from loadtest.sim.modality import VlmRunSpec, VlmSimulation, build_members
+from loadtest.sim.vlm import GatewayLeaseEngine
 from loadtest.sim.workloads import Trace
 
 LATE_SHARE = 1 / 3
@@ -44,6 +48,7 @@ LATE_SHARE = 1 / 3
 class Policies:
     language: str = "marginal_delay"     # the gateway's defaults (gateway.routing)
     vision: str = "encode_cost"
+    overload: bool = True                # the overload queue (gateway.overload), on by default, at the SLO's TTFT
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,10 @@ def simulate(plan: Plan, trace: Trace, model: ModelProfile, catalog: Catalog, sl
     """Run the trace through the plan (module docstring)."""
     started, cpu = time.perf_counter(), time.process_time()
     rec = Recorder.for_lengths(trace.lengths)
-    engines = build_members(plan.members(), model, catalog, rec, lambda gpu: prior_service_s(model, gpu))
+    engines = build_members(plan.members(), model, catalog, rec, lambda gpu: prior_service_s(model, gpu),
+                            GatewayLeaseEngine)
     engines[0].gateway.table.itl_target_s = slo.itl_s
     spec = VlmRunSpec(plan.label(), trace_rate(trace), trace.n, model=model.name, policy=policies.language,
                       vision_policy=policies.vision)
-    VlmSimulation(spec, trace, engines, rec).run()
+    VlmSimulation(spec, trace, engines, rec, slo.overload() if policies.overload else None).run()
     return outcome(trace, rec, slo, plan.cost_per_hour(catalog), started, cpu)

@@ -41,6 +41,7 @@ import numpy as np
 from backends.scheduling import stealing_limits
 from common import perf_model
 from common.catalog import Catalog, GpuProfile, ModelProfile
+from gateway.config.sections import OverloadConfig
 from gateway.routing.policies.stealing import DEFAULT_MAX_BATCH as STEAL_MAX_BATCH
 from loadtest.sim import capacity
 from loadtest.sim.vlm import ENGINE_DEFAULTS, STEAL_EPISODE_S
@@ -59,6 +60,11 @@ class Slo:
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.itl_s > 0):
             raise ValueError(f"SLOs must be positive (TTFT {self.ttft_s} s, inter-token {self.itl_s} s)")
+
+    def overload(self) -> OverloadConfig:
+        """The gateway's overload queue held against this TTFT: from half of it, for at most half of it
+        (the gateway's defaults for its default 2 s; the written backends.yaml sets the same)."""
+        return OverloadConfig(ttft_slo_s=self.ttft_s, hold_above_s=self.ttft_s / 2, max_wait_s=self.ttft_s / 2)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ import numpy as np
 from common import perf_model
 from common.catalog import Catalog, load_catalog
 from gateway.config.sections import OverloadConfig
-from gateway.pipeline.overload import OverloadQueue
 from gateway.routing.policies.contracts import Policy
 from loadtest.sim import workloads
 from loadtest.sim.capacity import queued_rate
@@ -447,7 +446,7 @@ def run(member: Member, policy: Policy, load: float, seed: int, settings: RunSet
     rec = Recorder.for_lengths(trace.lengths)
     gateway = GatewayState(catalog.model(MODEL), settings.report_interval_s)
     engines = build(member, rec, gateway, seed, catalog)
-    simulate(trace, engines, policy, rec, OverloadQueue(overload) if overload is not None else None)
+    simulate(trace, engines, policy, rec, overload)
     return score(trace, rec, first, [tier.gpu for _, tier in member.engines])
 
 

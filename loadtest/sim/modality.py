@@ -21,11 +21,14 @@ import numpy as np
 from backends.scheduling import stealing_limits
 from common import perf_model
 from common.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
+from gateway.config.sections import OverloadConfig
 from gateway.routing.policies import build_policy
+from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
 from gateway.routing.policies.stealing import DEFAULT_THRESHOLD, stealers
 from loadtest.sim import capacity
 from loadtest.sim.engines import EngineSpec, GatewayState, Recorder
+from loadtest.sim.gate import SimGate
 from loadtest.sim.metrics import summarize
 from loadtest.sim.simulator import LANGUAGE_ROLES
 from loadtest.sim.vlm import ENGINE_DEFAULTS, STEAL_EPISODE_S, Delivery, EncodeJob, VlmEngine
@@ -70,12 +73,12 @@ def build(spec: VlmRunSpec, catalog: Catalog, rec: Recorder) -> list[VlmEngine]:
 
 def build_members(
     members: Sequence[Member], model: ModelProfile, catalog: Catalog, rec: Recorder,
-    prior_s: Callable[[GpuProfile], float],
+    prior_s: Callable[[GpuProfile], float], engine: type[VlmEngine] = VlmEngine,
 ) -> list[VlmEngine]:
     """The engines of any deployment (one GatewayState), each T̄_service starting at `prior_s(gpu)`:
     what `build` does for a named one, and what a planner needs for the deployments it searches."""
     gateway = GatewayState(model)
-    return [build_member(f"{name.lower()}-{k}", k, name, role, steal, model, catalog, rec, prior_s, gateway)
+    return [build_member(f"{name.lower()}-{k}", k, name, role, steal, model, catalog, rec, prior_s, gateway, engine)
             for k, (name, role, steal) in enumerate(members)]
 
 
@@ -100,7 +103,10 @@ def build_member(
 class VlmSimulation:
     """One run's event loop: arrivals, engine activities (versioned) and embedding deliveries."""
 
-    def __init__(self, spec: VlmRunSpec, trace: Trace, engines: list[VlmEngine], rec: Recorder) -> None:
+    def __init__(self, spec: VlmRunSpec, trace: Trace, engines: list[VlmEngine], rec: Recorder,
+                 overload: OverloadConfig | None = None) -> None:
+        """`overload`: the gateway's overload queue with these settings in front of the language pool
+        (loadtest/sim/gate.py; as the live gateway, it holds text requests only)."""
         self.spec, self.trace, self.engines, self.rec = spec, trace, engines, rec
         self.language: Policy = build_policy(spec.policy)
         self.vision: Policy = build_policy(spec.vision_policy)
@@ -108,13 +114,25 @@ class VlmSimulation:
         self.heap: list[tuple[float, int, int, int, int]] = []   # (time, tie, kind, engine, payload)
         self.tie = itertools.count()
         self.bytes_moved = 0
+        self.gate = None if overload is None else SimGate(
+            overload, rec, lambda now: self._pools(now)[0], self._route)
 
     def run(self) -> None:
+        lengths = self.trace.lengths
+        gate = self.gate
         for i, now in enumerate(self.trace.arrival_s.tolist()):
             while self.heap and self.heap[0][0] <= now:
                 self._fire()
-            self._dispatch(i, now)
-        while self.heap:
+            profile = RequestProfile(
+                str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.image_tokens[i])
+            )
+            if gate is None or gate.arrive(i, profile, now):
+                self._route(i, profile, now)
+        while self.heap or (gate is not None and gate.held):
+            if not self.heap:   # held with nothing running: each waits out its start deadline
+                assert gate is not None
+                gate.release(gate.next_due())
+                continue
             self._fire()
 
     def _schedule(self, k: int, t: float | None) -> None:
@@ -129,10 +147,12 @@ class VlmSimulation:
             return
         if payload != engine.version:                   # superseded wake-up
             return
-        deliveries, nxt = engine.on_event_deliveries(now)
+        deliveries, done, nxt = engine.on_event_deliveries(now)
         self._schedule(k, nxt)
         for d in deliveries:
             self._deliver(d, now)
+        if self.gate is not None:
+            self.gate.engine_event(now, len(done))
 
     def _deliver(self, d: Delivery, now: float) -> None:
         if d.target == d.source:
@@ -142,15 +162,16 @@ class VlmSimulation:
         self.bytes_moved += size
         heapq.heappush(self.heap, (now + size / PCIE_BYTES_S, next(self.tie), 1, d.target, d.request))
 
-    def _dispatch(self, i: int, now: float) -> None:
-        lengths = self.trace.lengths
-        profile = RequestProfile(
-            str(i), int(lengths.input_tokens[i]), int(lengths.max_output_tokens[i]), int(lengths.image_tokens[i])
-        )
+    def _pools(self, now: float) -> tuple[Candidates, Candidates]:
+        """(the language pool with the vision backends that would steal its work now, the vision pool)."""
         table = self.engines[0].gateway.refresh(now)
         vision = table.candidates(VISION_ROLES, now)
-        candidates = table.candidates(LANGUAGE_ROLES, now)
-        candidates = candidates.extended(stealers(vision, table.language_backlog(), self.spec.steal_threshold))
+        language = table.candidates(LANGUAGE_ROLES, now)
+        return language.extended(stealers(vision, table.language_backlog(), self.spec.steal_threshold)), vision
+
+    def _route(self, i: int, profile: RequestProfile, now: float) -> None:
+        lengths = self.trace.lengths
+        candidates, vision = self._pools(now)
         k = self.index[self.language.choose(profile, candidates, now).backend.id]
         target = self.engines[k]
         target.acquire(i, now)

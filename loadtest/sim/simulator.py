@@ -32,13 +32,13 @@ import numpy as np
 
 from common import perf_model
 from common.catalog import Catalog, load_catalog
-from gateway.pipeline.overload import OverloadQueue
-from gateway.requests.errors import Overloaded
+from gateway.config.sections import OverloadConfig
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Policy, RequestProfile, Role
 from gateway.routing.prefix_index import PrefixIndex, PrefixQuery
 from loadtest.sim import capacity, oracle
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder, SerialEngine
+from loadtest.sim.gate import SimGate
 from loadtest.sim.metrics import summarize
 from loadtest.sim.workloads import Trace, make_trace, mean_lengths
 
@@ -98,10 +98,11 @@ def make_policy(spec: RunSpec, engines: Sequence[Engine] = ()) -> Policy:
 
 
 def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
-             gate: OverloadQueue[int] | None = None, prefixes: PrefixIndex | None = None) -> int:
-    """Run `trace` to completion; returns the number of engine events processed. `gate`: the gateway's
-    overload queue, on the virtual clock (requests it refuses are marked rejected); `prefixes`: the
-    gateway's prefix index, routing as the gateway does with cache-aware routing on."""
+             overload: OverloadConfig | None = None, prefixes: PrefixIndex | None = None) -> int:
+    """Run `trace` to completion; returns the number of engine events processed. `overload`: the
+    gateway's overload queue with these settings, on the virtual clock (requests it refuses are marked
+    rejected; loadtest/sim/gate.py); `prefixes`: the gateway's prefix index, routing as the gateway does
+    with cache-aware routing on."""
     index = {e.id: k for k, e in enumerate(engines)}
     gateway = engines[0].gateway
     if any(e.gateway is not gateway for e in engines):
@@ -126,16 +127,9 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
         if t is not None:
             heapq.heappush(heap, (t, k))
 
-    def release(now: float) -> None:
-        """Refuse the held requests whose start deadline came; release heads while a backend can take them."""
-        assert gate is not None
-        for held in gate.expired(now):
-            rec.rejected[held.item] = True
-            queries.pop(held.item, None)
-        while (head := gate.head()) is not None and gate.goes(
-                gateway.refresh(now).candidates(LANGUAGE_ROLES, now), head.profile):
-            gate.take(head)
-            dispatch(head.item, head.profile, now)
+    gate = None if overload is None else SimGate(
+        overload, rec, lambda now: gateway.refresh(now).candidates(LANGUAGE_ROLES, now), dispatch,
+        on_refused=lambda i: queries.pop(i, None))
 
     def fire() -> None:
         now, k = heapq.heappop(heap)
@@ -143,10 +137,7 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
         if nxt is not None:
             heapq.heappush(heap, (nxt, k))
         if gate is not None:
-            for _ in done:
-                gate.finished(now)
-            if gate.held:
-                release(now)
+            gate.engine_event(now, len(done))
 
     for i, now in enumerate(trace.arrival_s.tolist()):
         while heap and heap[0][0] <= now:
@@ -157,25 +148,12 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
             query = queries[i] = prefixes.lookup(lengths.blocks(i, prefixes.block_tokens), "", inputs[i])
             if query.cached:
                 profile = replace(profile, cached_tokens=query.cached)
-        if gate is not None:
-            if gate.held:
-                release(now)
-            try:
-                held = gate.offer(i, profile, gate.goes(gateway.refresh(now).candidates(LANGUAGE_ROLES, now), profile),
-                                  now)
-            except Overloaded:
-                rec.rejected[i] = True
-                queries.pop(i, None)
-                continue
-            if held is not None:
-                continue
-        dispatch(i, profile, now)
+        if gate is None or gate.arrive(i, profile, now):
+            dispatch(i, profile, now)
     while heap or (gate is not None and gate.held):
         if not heap:   # held with nothing running: nothing will free capacity, so each waits out its deadline
             assert gate is not None
-            head = gate.head()
-            assert head is not None
-            release(head.due)
+            gate.release(gate.next_due())
             continue
         fire()
         events += 1

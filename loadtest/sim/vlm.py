@@ -84,18 +84,20 @@ class VlmEngine(BatchEngine):
         self.changed = True
         return self._poke(now)
 
-    def on_event_deliveries(self, now: float) -> tuple[list[Delivery], float | None]:
-        """Finish the current activity (or a wake-up) and pick the next; returns embeddings produced."""
+    def on_event_deliveries(self, now: float) -> tuple[list[Delivery], list[int], float | None]:
+        """Finish the current activity (or a wake-up) and pick the next; returns the embeddings produced,
+        the requests finished and the next event's time."""
         out: list[Delivery] = []
+        done: list[int] = []
         if self._encoding:
             out = [Delivery(j.request, j.target, self.index) for j in self._encoding]
             self.backlog_tokens -= sum(j.tokens for j in self._encoding)
             self._encoding = []
         elif self.stepping:
-            self._end_step(now)
+            done = self._end_step(now)
         self.busy = False
         self.changed = True
-        return out, self._next(now)
+        return out, done, self._next(now)
 
     def _poke(self, now: float) -> float | None:
         return None if self.busy else self._next(now)
@@ -121,3 +123,15 @@ class VlmEngine(BatchEngine):
         self.encode_busy_s += duration
         self.busy = True
         return now + duration
+
+
+
+class GatewayLeaseEngine(VlmEngine):
+    """A vision-language engine whose lease is the live gateway's whole one: the prompt's tokens (image
+    tokens included) join the prefill backlog, prompt + max_tokens are reserved, the inter-token slack
+    is taken. The planner's predictions need it: the live gateway's policy and overload queue read them."""
+
+    def acquire(self, i: int, now: float) -> None:
+        lengths = self.rec.lengths
+        self._leases[i] = self.gateway.at(now).acquire(self.id, int(lengths.input_tokens[i]),
+                                                       int(lengths.max_output_tokens[i]))

@@ -9,7 +9,6 @@ import pytest
 
 from common.catalog import load_catalog
 from gateway.config.sections import OverloadConfig
-from gateway.pipeline.overload import OverloadQueue
 from gateway.routing.policies import build_policy
 from loadtest.sim import family as F
 from loadtest.sim.engines import GatewayState, Recorder
@@ -106,8 +105,7 @@ def test_the_overload_queue_in_the_simulator_serves_or_refuses_every_request_onc
     trace, _ = F.trace_for(member, 1.5, 1, settings)
     rec = Recorder.for_lengths(trace.lengths)
     gateway = GatewayState(catalog.model(F.MODEL), settings.report_interval_s)
-    simulate(trace, F.build(member, rec, gateway, 1, catalog), build_policy("marginal_delay"), rec,
-             OverloadQueue(config))
+    simulate(trace, F.build(member, rec, gateway, 1, catalog), build_policy("marginal_delay"), rec, config)
     refused, done = rec.rejected, ~np.isnan(rec.finish)
     assert refused.any() and done.any()
     assert (refused ^ done).all()                      # each one, exactly once
