@@ -392,22 +392,26 @@ class Pipeline:
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
 
     def language_candidates(self, model: str | None = None) -> Candidates:
-        """The healthy language candidates (of `model`'s pool) now (what saturation and the overload queue
-        read)."""
+        """The healthy language candidates (of `model`'s pool) now (what saturation reads)."""
         return self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked(), model=model)
 
-    def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
-                       model: str | None = None) -> Decision | None:
-        """Route among healthy language candidates of `model`'s pool (None: every backend) whose context
-        holds `context_tokens` (prompt + max_tokens)."""
-        now = self.clock()
+    def routable(self, now: float, exclude: list[str], model: str | None = None) -> Candidates:
+        """What a language decision chooses among: the healthy language candidates of `model`'s pool
+        (None: every backend) and the vision backends that would steal language work now; the overload
+        queue predicts on the same set."""
         exclude = exclude + self.breakers.blocked()
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude, model)
         if self.settings.stealing and self.table.has_role(VISION_ROLES):   # a text-only cluster: nobody to steal
             vision = self.table.candidates(VISION_ROLES, now, exclude, model)
             candidates = candidates.extended(stealers(vision, self.table.language_backlog(model),
                                                       self.settings.steal_threshold, self.settings.steal_max_batch))
-        candidates = candidates.fitting(context_tokens)
+        return candidates
+
+    def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
+                       model: str | None = None) -> Decision | None:
+        """Route among the routable candidates whose context holds `context_tokens` (prompt + max_tokens)."""
+        now = self.clock()
+        candidates = self.routable(now, exclude, model).fitting(context_tokens)
         return self._decide(self.policy, profile, candidates, now) if candidates else None
 
     def _admitted(self, profile: RequestProfile, context_tokens: int, model: str | None) -> Decision | None:
@@ -467,7 +471,7 @@ class Pipeline:
         gate = self.overload
         if gate is not None and (gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
             # held: route when released
-            if await gate.wait(profile, functools.partial(self.language_candidates, job.model), deadline):
+            if await gate.wait(profile, lambda: self.routable(self.clock(), [], job.model), deadline):
                 admitted = self._admitted(profile, job.context_tokens, job.model)
         if admitted is None:
             waiting = self.clock()
