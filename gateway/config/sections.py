@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
@@ -28,9 +28,11 @@ class OverloadConfig(StrictModel):
 
     A held request must leave by its start deadline, arrival + min(max_wait_s, ttft_slo_s -
     hold_above_s) (sooner if its own deadline is): released then, its first token can still come
-    within `ttft_slo_s`. One that cannot (the requests ahead of it at the rate requests have been
-    completing would take it past its start deadline), or that finds `max_queued` held, gets 429 with
-    Retry-After at once; one still held at its start deadline gets it then."""
+    within `ttft_slo_s`. One still held at its start deadline gets 429 with Retry-After; one that finds
+    `max_queued` held gets it at once, and so, with `refuse_at_once`, does one that the requests ahead
+    of it, at the rate requests have been completing, would take past its start deadline (off: that
+    estimate refused requests that would have started in time). A request goes, at once or when
+    released, to one of the backends that take it (`gateway.pipeline.overload.taking`)."""
 
     enabled: bool = True
     ttft_slo_s: PositiveFloat = 2.0       # the time to first token a request is held against
@@ -38,6 +40,8 @@ class OverloadConfig(StrictModel):
     max_wait_s: PositiveFloat = 1.0       # held at most this long
     max_queued: NonNegativeInt = 1024     # held at most this many at once (0: 429 instead of holding)
     protect_itl: bool = True              # hold too while its prefill would break every backend's inter-token slack
+    itl_reserve_steps: NonNegativeFloat = 4.0   # with protect_itl: slack each in-flight request keeps, in decode steps
+    refuse_at_once: bool = False          # 429 on arrival when those held ahead, at the completion rate, start too late
     rate_window: PositiveInt = Field(default=64, ge=2)   # completions the recent completion rate is taken over
 
     @model_validator(mode="after")

@@ -343,9 +343,15 @@ class Pipeline:
         self.rng = rng or random.Random()
         self.tracing = Tracing.from_env()   # None: tracing is off (the OTEL_* variables, common.tracing)
 
-    def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float) -> Decision:
+    def _decide(self, policy: Policy, profile: RequestProfile, candidates: Candidates, now: float,
+                gate: OverloadGate | None = None) -> Decision:
+        """The policy's decision, recorded; with the overload queue (`gate`), to a backend that takes the
+        request (`OverloadQueue.route`)."""
         t0 = time.perf_counter()
-        decision = policy.choose(profile, candidates, now)
+        if gate is None:
+            decision = policy.choose(profile, candidates, now)
+        else:
+            decision = gate.queue.route(lambda within: policy.choose(profile, within, now), candidates, profile)
         m = self.metrics
         m.decision_seconds.observe((policy.name,), time.perf_counter() - t0)
         m.decisions.inc((policy.name, decision.backend.id))
@@ -409,10 +415,11 @@ class Pipeline:
 
     def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
                        model: str | None = None) -> Decision | None:
-        """Route among the routable candidates whose context holds `context_tokens` (prompt + max_tokens)."""
+        """Route among the routable candidates whose context holds `context_tokens` (prompt + max_tokens);
+        with the overload queue on, to one that takes the request (`OverloadQueue.route`)."""
         now = self.clock()
         candidates = self.routable(now, exclude, model).fitting(context_tokens)
-        return self._decide(self.policy, profile, candidates, now) if candidates else None
+        return self._decide(self.policy, profile, candidates, now, self.overload) if candidates else None
 
     def _admitted(self, profile: RequestProfile, context_tokens: int, model: str | None) -> Decision | None:
         """The first attempt's decision when the request may go at once: it finds nobody waiting in the

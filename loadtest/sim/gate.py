@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from gateway.config.sections import OverloadConfig
 from gateway.pipeline.overload import OverloadQueue
 from gateway.requests.errors import Overloaded
-from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
+from gateway.routing.policies.candidates import Candidates
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
 from loadtest.sim.engines import Recorder
 
 
@@ -55,6 +56,11 @@ class SimGate:
             self.queue.finished(now)
         if self.queue.held:
             self.release(now)
+
+    def route(self, choose: Callable[[Candidates], Decision], candidates: Candidates,
+              profile: RequestProfile) -> Decision:
+        """The decision for a request let go: to a backend that takes it (`OverloadQueue.route`)."""
+        return self.queue.route(choose, candidates, profile)
 
     def next_due(self) -> float:
         """The head's start deadline (only while some request is held)."""

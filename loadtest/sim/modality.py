@@ -172,7 +172,11 @@ class VlmSimulation:
     def _route(self, i: int, profile: RequestProfile, now: float) -> None:
         lengths = self.trace.lengths
         candidates, vision = self._pools(now)
-        k = self.index[self.language.choose(profile, candidates, now).backend.id]
+        if self.gate is None:
+            decision = self.language.choose(profile, candidates, now)
+        else:   # to a backend that takes it, as the live gateway routes (OverloadQueue.route)
+            decision = self.gate.route(lambda within: self.language.choose(profile, within, now), candidates, profile)
+        k = self.index[decision.backend.id]
         target = self.engines[k]
         target.acquire(i, now)
         self.rec.backend[i] = k

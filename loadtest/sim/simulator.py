@@ -11,7 +11,8 @@ With an overload queue (`gateway.pipeline.overload.OverloadQueue`, the live gate
 whose predicted first token is late on every backend is held, or refused (marked rejected), as the
 live gateway decides; held requests are released, earliest start deadline first, after each engine
 event (a first token or a completion moves the predictions), refused at their start deadline, and
-routed when released.
+routed when released; a request it lets go, at once or released, is sent to a backend that takes it
+(`OverloadQueue.route`), as the live gateway sends it.
 
 `RunSpec.prefix_cache`: "engines" gives the continuous-batching engines the simulated engines' prefix
 cache (engines.py) on the trace's blocks; "index" also routes as the gateway does with cache-aware
@@ -114,7 +115,11 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
     queries: dict[int, PrefixQuery] = {}   # the prefix index's view of a request's prompt, from arrival to dispatch
 
     def dispatch(i: int, profile: RequestProfile, now: float) -> None:
-        decision = policy.choose(profile, gateway.refresh(now).candidates(LANGUAGE_ROLES, now), now)
+        candidates = gateway.refresh(now).candidates(LANGUAGE_ROLES, now)
+        if gate is None:
+            decision = policy.choose(profile, candidates, now)
+        else:   # to a backend that takes it, as the live gateway routes (OverloadQueue.route)
+            decision = gate.route(lambda within: policy.choose(profile, within, now), candidates, profile)
         k = index[decision.backend.id]
         rec.backend[i] = k
         cached = 0

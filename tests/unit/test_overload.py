@@ -1,6 +1,6 @@
-"""The overload queue (gateway/pipeline/overload.py): which backend can take a request, EDF order, the
-bounds, refusals at once and at the start deadline with Retry-After, release as capacity frees, and a
-held request whose client leaves giving its place back."""
+"""The overload queue (gateway/pipeline/overload.py): which backends can take a request (and are the
+ones it is routed among), EDF order, the bounds, refusals at once and at the start deadline with
+Retry-After, release as capacity frees, and a held request whose client leaves giving its place back."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pydantic
 import pytest
 
 from gateway.config.sections import OverloadConfig
-from gateway.pipeline.overload import OverloadGate, OverloadQueue, takes
+from gateway.pipeline.overload import OverloadGate, OverloadQueue, takers, takes
 from gateway.requests.errors import Overloaded
-from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
+from gateway.routing.policies.candidates import Candidates
+from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
 from tests.snapshots import snapshot
 
 P = 0.0001      # learned prefill s/token
@@ -62,6 +63,47 @@ def test_with_protect_itl_a_backend_whose_prefill_would_break_a_slack_does_not_t
     assert not takes([tight], request(), 1.0, protect_itl=True)
     assert takes([tight, roomy], request(), 1.0, protect_itl=True)
     assert takes([tight], request(tokens=100), 1.0, protect_itl=True)   # a 10 ms stall breaks none
+
+
+def test_with_a_reserve_a_prefill_must_leave_each_slack_that_many_decode_steps() -> None:
+    near = backend("a", slacks=(0.15,))   # 1,000 tokens stall 0.1 s: 0.05 s left, 2.5 steps of 20 ms
+    assert takes([near], request(), 1.0, protect_itl=True)
+    assert takes([near], request(), 1.0, protect_itl=True, reserve_steps=2)
+    assert not takes([near], request(), 1.0, protect_itl=True, reserve_steps=3)
+    assert takes([near], request(), 1.0, protect_itl=False, reserve_steps=3)   # the reserve is protect_itl's
+
+
+def test_a_request_is_routed_among_the_backends_that_take_it() -> None:
+    free, busy, tight = backend("free"), backend("busy", 20_000), backend("tight", slacks=(0.05,))
+    every = Candidates([busy, free, tight])
+    assert takers(every, request(), 1.0, protect_itl=True).ids == ("free",)
+    assert takers(every, request(), 1.0, protect_itl=False).ids == ("free", "tight")
+    some = takers(every, request(), 1.0, protect_itl=False)
+    assert (some.columns == every.columns[:, [1, 2]]).all()   # the rows taken, not rebuilt
+    assert takers(every, request(tokens=100), 5.0, protect_itl=True) is every   # all take it: the same object
+    none = Candidates(BUSY)
+    assert takers(none, request(), 1.0, protect_itl=True) is none   # none takes it (it was let go anyway): all
+    q: OverloadQueue[str] = OverloadQueue(CONFIG)
+    assert q.takers(every, request()).ids == ("free",)
+
+
+def test_route_keeps_the_policys_choice_when_it_takes_the_request_else_chooses_among_those_that_do() -> None:
+    free, busy, other = backend("free"), backend("busy", 20_000), backend("other")
+    q: OverloadQueue[str] = OverloadQueue(CONFIG)
+    asked: list[tuple[str, ...]] = []
+
+    def first(within: Candidates) -> Decision:   # a policy that takes the first candidate
+        asked.append(within.ids)
+        return Decision(within[0], "first", ())
+
+    assert q.route(first, Candidates([busy, free, other]), request()).backend.id == "free"
+    assert asked == [("busy", "free", "other"), ("free", "other")]   # busy's first token is late: chosen again
+    asked.clear()
+    assert q.route(first, Candidates([free, busy]), request()).backend.id == "free" and len(asked) == 1
+    asked.clear()
+    assert q.route(first, Candidates(BUSY), request()).backend.id == "a" and len(asked) == 1   # none takes it
+    with_images = RequestProfile("img", 1576, 64, image_tokens=576)   # not held, not restricted
+    assert q.route(first, Candidates([busy, free]), with_images).backend.id == "busy"
 
 
 def test_nobody_held_and_a_backend_free_goes_at_once_else_it_is_held_behind_those_waiting() -> None:
@@ -113,8 +155,18 @@ def test_beyond_max_queued_a_request_gets_429_with_retry_after_at_once() -> None
         nothing.offer("b", request(), False, now=0.0)
 
 
-def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once() -> None:
+def test_a_request_predicted_not_to_start_in_time_is_held_by_default_and_refused_at_its_start_deadline() -> None:
     q: OverloadQueue[str] = OverloadQueue(CONFIG)   # start deadline: arrival + 1 s
+    for t in (0.0, 0.5, 1.0, 1.5):   # 1.5 completions a second
+        q.finished(t)
+    q.offer("a", request(), False, now=2.0)
+    held = q.offer("b", request(), False, now=2.0)   # 2 / 1.5 s past its start deadline, predicted: held still
+    assert held is not None and held.due == pytest.approx(3.0) and q.held == 2
+    assert [h.item for h in q.expired(3.0)] == ["a", "b"]
+
+
+def test_with_refuse_at_once_a_request_that_cannot_start_before_its_deadline_is_refused_at_once() -> None:
+    q: OverloadQueue[str] = OverloadQueue(config(refuse_at_once=True))   # start deadline: arrival + 1 s
     for t in (0.0, 0.5, 1.0, 1.5):   # 4 completions, 3 gaps over the 2 s up to now: 1.5 a second
         q.finished(t)
     assert q.completion_rate(2.0) == pytest.approx(1.5)
