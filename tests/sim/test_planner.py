@@ -11,16 +11,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from common.catalog import CONFIG_DIR, load_catalog
+from common.service_time import prior_service_s
 from gateway.config.cluster import load_cluster
 from loadtest.planner.cli import write_backends
-from loadtest.planner.evaluate import simulate
+from loadtest.planner.evaluate import outcome, simulate
 from loadtest.planner.search import Candidate, Evaluated, Problem, better, search
-from loadtest.planner.space import Limits, Plan, Slo, enumerate_space
+from loadtest.planner.space import Limits, Plan, Slo, enumerate_space, trace_rate
 from loadtest.planner.workload import Description, described_trace, log_trace
+from loadtest.sim.engines import Recorder
+from loadtest.sim.modality import VlmRunSpec, VlmSimulation, build_members
+from loadtest.sim.vlm import GatewayLeaseEngine
 from testkit.harness import ROOT, data_url, image_bytes, image_part, run_gateway, text_part, write_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,3 +177,25 @@ def test_the_gateways_own_request_log_is_a_trace(tmp_path: Path) -> None:
     assert int(trace.lengths.input_tokens[-1]) == last_usage["prompt_tokens"]
     assert int(trace.lengths.output_tokens[-1]) == last_usage["completion_tokens"]
     assert list(trace.arrival_s) == sorted(trace.arrival_s)
+
+
+def test_an_overloaded_plan_is_simulated_behind_the_overload_queue_as_the_gateway_runs_it() -> None:
+    """With the queue (the gateway's default) an overloaded plan refuses some text requests before any
+    engine sees them and serves the rest; every request is served or refused once, image requests are
+    never refused; without it nothing is refused and more requests miss their first-token target."""
+    trace = described_trace(Description(20.0, image_share=0.5, output_tokens=96.0), MODEL, 300, seed=0)
+    plan = Plan((("RTX-4090", "both", 2),), False)
+    outcomes = {}
+    for queue in (True, False):
+        rec = Recorder.for_lengths(trace.lengths)
+        engines = build_members(plan.members(), MODEL, CATALOG, rec, lambda gpu: prior_service_s(MODEL, gpu),
+                                GatewayLeaseEngine)
+        spec = VlmRunSpec("overloaded", trace_rate(trace), trace.n, model=MODEL.name)
+        VlmSimulation(spec, trace, engines, rec, SLO.overload() if queue else None).run()
+        refused, done = rec.rejected, ~np.isnan(rec.finish)
+        assert (refused ^ done).all()
+        assert (rec.backend[refused] == -1).all()
+        assert not (refused & (trace.lengths.image_tokens > 0)).any()
+        outcomes[queue] = outcome(trace, rec, SLO, 1.0, 0.0, 0.0)
+        assert refused.any() == queue
+    assert outcomes[True].attainment > outcomes[False].attainment
