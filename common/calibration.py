@@ -21,17 +21,17 @@ scales a prompt's predicted stall and c is a fixed stall per prompt (a prefill-f
 step). A `RidgeFit` is exponentially weighted least squares (forgetting λ = 0.99 a sample: about the
 last 100 count) pulled towards its prior as if by `prior_weight` (2) samples along each feature's
 typical size, so a feature that has not varied keeps its prior coefficient (the pull is stronger
-where features are correlated: a few percent of bias towards the prior on a noise-free engine); each observation is
-clipped to [prediction / C, prediction · C] (C = 4) before it counts, so a stall does not throw the
-fit; coefficients are clipped to their bounds; refitted (a Cholesky solve of 3 or 4 unknowns) at each
-of the first `refit_every` samples and then every `refit_every`-th (8 for the decode model, 64 for the
-first-token model, which is shown and not routed on). The sums take an observation at the next refit
-(`_fold`), not as it comes: per sum the same steps in the same order as when each was taken at once,
-so the same figures to the last digit, at half the CPU (the three sums rebuilt as lists for each
-first-token sample, one a request, cost the request path ~6 µs in benchmarks/gateway_micro.py).
-Each fit also keeps EWMAs of what
-it observed, what it had predicted for those observations and what the uncalibrated model (its
-prior) would have: how far the model is off for that backend, and how much calibration closes.
+where features are correlated: a few percent of bias towards the prior on a noise-free engine); each
+observation is clipped to [prediction / C, prediction · C] (C = 4) before it counts, so a stall does
+not throw the fit; coefficients are clipped to their bounds; refitted (a Cholesky solve of 3 or 4
+unknowns) at each of the first `refit_every` samples and then every `refit_every`-th (8 for the
+decode model, 64 for the first-token model, which is shown and not routed on). The sums take an
+observation at the next refit (`_fold`), not as it comes: per sum the same steps in the same order as
+when each was taken at once, so the same figures to the last digit, at half the CPU (the three sums
+rebuilt as lists for each first-token sample, one a request, cost the request path ~6 µs in
+benchmarks/gateway_micro.py). Each fit also keeps EWMAs of what it observed, what it had predicted
+for those observations and what the uncalibrated model (its prior) would have: how far the model is
+off for that backend, and how much calibration closes.
 
 What routes on them (`marginal_delay`): the decode model's κ and c price a prompt's stall on the
 requests decoding there, and s0 sets their inter-token budgets (`common.itl_slack`). The first-token
