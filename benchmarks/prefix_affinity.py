@@ -57,7 +57,7 @@ index, the hit rate it predicted against the one the engines reported.
 
 --latency: the gateway's per-request cost of cache-aware routing at N=64 backends (hashing the prompt,
 index lookup, the policy's decision, recording; CPU time of the thread), from the multiturn workload's
-prompts.
+prompts, with the garbage collector as the gateway runs it (its thresholds, the set-up frozen).
 
 Writes benchmarks/results/prefix_affinity.json and prints the tables docs/ROUTING.md quotes. What the
 replay leaves out: network and gateway latency, CPU, scrape jitter (as benchmarks/routing_replay.py).
@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import heapq
 import itertools
 import random
@@ -101,6 +102,7 @@ from common.catalog import load_catalog  # noqa: E402
 from common.prefix_blocks import EnginePrefixCache, content_digest, prompt_blocks  # noqa: E402
 from gateway.config.cluster import PrefixCacheConfig  # noqa: E402
 from gateway.config.sections import RedisConfig  # noqa: E402
+from gateway.daemon import GC_THRESHOLDS  # noqa: E402
 from gateway.replicas.shared_state import SharedState, connect  # noqa: E402
 from gateway.routing.backend_entry import Reported  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
@@ -621,26 +623,34 @@ def latency(n_backends: int = 64, requests: int = 3000, seed: int = 1) -> dict[s
     convs = conversations("multiturn", requests, 1.0, seed, tenants(seed, DEFAULT_TENANTS))
     leases = []
     blocks: list[int] = []
-    for c in _turns(convs, rng, requests):
-        messages = c.messages()
-        tokens = tokens_of(messages)
-        prompt = render(messages)
-        t0 = time.thread_time()
-        hashes = index.hashes(prompt, (), tokens)
-        t1 = time.thread_time()
-        blocks.append(len(hashes))
-        query = index.lookup(hashes, "", tokens)
-        t2 = time.thread_time()
-        profile = RequestProfile(c.id, tokens, 64, cached_tokens=query.cached)
-        backend = policy.choose(profile, table.candidates(LANGUAGE, clock.now), clock.now).backend
-        t3 = time.thread_time()
-        index.record(query, backend.id, 48_000)
-        t4 = time.thread_time()
-        leases.append(table.acquire(backend.id, tokens, 64, query.cached.get(backend.id, 0)))
-        if len(leases) > 4 * n_backends:   # a steady number in flight
-            table.release(leases.pop(0))
-        for key, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
-            timings[key].append(dt * 1e6)
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()   # as the gateway does after start-up (gateway/daemon.py), with its collection thresholds
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        for c in _turns(convs, rng, requests):
+            messages = c.messages()
+            tokens = tokens_of(messages)
+            prompt = render(messages)
+            t0 = time.thread_time()
+            hashes = index.hashes(prompt, (), tokens)
+            t1 = time.thread_time()
+            blocks.append(len(hashes))
+            query = index.lookup(hashes, "", tokens)
+            t2 = time.thread_time()
+            profile = RequestProfile(c.id, tokens, 64, cached_tokens=query.cached)
+            backend = policy.choose(profile, table.candidates(LANGUAGE, clock.now), clock.now).backend
+            t3 = time.thread_time()
+            index.record(query, backend.id, 48_000)
+            t4 = time.thread_time()
+            leases.append(table.acquire(backend.id, tokens, 64, query.cached.get(backend.id, 0)))
+            if len(leases) > 4 * n_backends:   # a steady number in flight
+                table.release(leases.pop(0))
+            for key, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+                timings[key].append(dt * 1e6)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
     return {"backends": n_backends, "requests": len(timings["total"]),
             "blocks_per_prompt_mean": statistics.mean(blocks),
             **{f"{k}_us": {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99)} for k, v in timings.items()}}

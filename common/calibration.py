@@ -21,13 +21,17 @@ scales a prompt's predicted stall and c is a fixed stall per prompt (a prefill-f
 step). A `RidgeFit` is exponentially weighted least squares (forgetting λ = 0.99 a sample: about the
 last 100 count) pulled towards its prior as if by `prior_weight` (2) samples along each feature's
 typical size, so a feature that has not varied keeps its prior coefficient (the pull is stronger
-where features are correlated: a few percent of bias towards the prior on a noise-free engine); each observation is
-clipped to [prediction / C, prediction · C] (C = 4) before it counts, so a stall does not throw the
-fit; coefficients are clipped to their bounds; refitted (a Cholesky solve of 3 or 4 unknowns) at each
-of the first `refit_every` samples and then every `refit_every`-th (8 for the decode model, 64 for the
-first-token model, which is shown and not routed on). Each fit also keeps EWMAs of what
-it observed, what it had predicted for those observations and what the uncalibrated model (its
-prior) would have: how far the model is off for that backend, and how much calibration closes.
+where features are correlated: a few percent of bias towards the prior on a noise-free engine); each
+observation is clipped to [prediction / C, prediction · C] (C = 4) before it counts, so a stall does
+not throw the fit; coefficients are clipped to their bounds; refitted (a Cholesky solve of 3 or 4
+unknowns) at each of the first `refit_every` samples and then every `refit_every`-th (8 for the
+decode model, 64 for the first-token model, which is shown and not routed on). The sums take an
+observation at the next refit (`_fold`), not as it comes: per sum the same steps in the same order as
+when each was taken at once, so the same figures to the last digit, at half the CPU (the three sums
+rebuilt as lists for each first-token sample, one a request, cost the request path ~6 µs in
+benchmarks/gateway_micro.py). Each fit also keeps EWMAs of what it observed, what it had predicted
+for those observations and what the uncalibrated model (its prior) would have: how far the model is
+off for that backend, and how much calibration closes.
 
 What routes on them (`marginal_delay`): the decode model's κ and c price a prompt's stall on the
 requests decoding there, and s0 sets their inter-token budgets (`common.itl_slack`). The first-token
@@ -61,8 +65,8 @@ class FitParams:
 class RidgeFit:
     """y ≈ θ·x, exponentially weighted ridge least squares towards a prior (see the module docstring)."""
 
-    __slots__ = ("_a", "_b", "_n", "_p", "_pairs", "_s", "bounds", "coefficients", "observed_mean", "predicted_mean",
-                 "prior", "prior_mean", "samples")
+    __slots__ = ("_a", "_b", "_n", "_p", "_pairs", "_pending", "_s", "bounds", "coefficients", "observed_mean",
+                 "predicted_mean", "prior", "prior_mean", "samples")
 
     def __init__(self, prior: Sequence[float], bounds: Sequence[tuple[float, float]],
                  params: FitParams | None = None) -> None:
@@ -80,6 +84,7 @@ class RidgeFit:
         self._b = [0.0] * k                       # Σ λ^age x y
         self._s = [0.0] * k                       # Σ λ^age x_j²: each feature's typical size
         self._n = 0.0                             # Σ λ^age
+        self._pending: list[tuple[Sequence[float], float]] = []   # (x, clipped y) not yet in the sums
 
     def predict(self, x: Sequence[float]) -> float:
         return float(sum(map(mul, self.coefficients, x)))
@@ -94,16 +99,37 @@ class RidgeFit:
         self.prior_mean += w * (float(sum(map(mul, self.prior, x))) - self.prior_mean)
         if predicted > 0.0:
             y = min(predicted * p.clip, max(predicted / p.clip, y))
-        lam = p.memory
-        self._a = [lam * v + x[i] * x[j] for v, (i, j) in zip(self._a, self._pairs, strict=True)]
-        self._b = [lam * v + xi * y for v, xi in zip(self._b, x, strict=True)]
-        self._s = [lam * v + xi * xi for v, xi in zip(self._s, x, strict=True)]
-        self._n = lam * self._n + 1.0
+        self._pending.append((x, y))   # x is kept until the next refit: a tuple, never changed
         self.samples += 1
         if self.samples <= p.refit_every or self.samples % p.refit_every == 0:
             self._refit()
 
+    def _fold(self) -> None:
+        """The pending observations into the sums, oldest first: each sum decays by λ and takes its term,
+        observation by observation, as when each was taken at once (in loops over a few numbers, not a
+        new list per sum and observation)."""
+        pending, lam = self._pending, self._p.memory
+        a, b, s = self._a, self._b, self._s
+        for e, (i, j) in enumerate(self._pairs):
+            v = a[e]
+            for x, _ in pending:
+                v = lam * v + x[i] * x[j]
+            a[e] = v
+        for i in range(len(b)):
+            vb, vs = b[i], s[i]
+            for x, y in pending:
+                xi = x[i]
+                vb = lam * vb + xi * y
+                vs = lam * vs + xi * xi
+            b[i], s[i] = vb, vs
+        n = self._n
+        for _ in pending:
+            n = lam * n + 1.0
+        self._n = n
+        pending.clear()
+
     def _refit(self) -> None:
+        self._fold()
         k, a, prior, scale = len(self.prior), self._a, self.prior, self._p.prior_weight / self._n
         ridge = [scale * v + 1e-12 for v in self._s]
         upper = [[0.0] * k for _ in range(k)]

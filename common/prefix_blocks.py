@@ -94,6 +94,8 @@ def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, image
     """A prompt's chained block hashes, its images' (`image_blocks`) first, then its text's or token
     ids' (`block_hashes`), at most the blocks its `prompt_tokens` (text and image tokens) fill."""
     limit = prompt_tokens // block_tokens
+    if limit < 1:   # it fills no block: nothing to hash
+        return []
     if not images:
         return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable)
     head = image_blocks(images, block_tokens=block_tokens)[:limit]

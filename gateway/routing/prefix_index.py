@@ -74,10 +74,11 @@ Source = Literal["estimate", "engine"]
 Routed = tuple[str, Sequence[int], int | None, int]   # (backend, blocks, session key, prompt tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixQuery:
     """One request's view of the index: its blocks, its session key and the predicted cached tokens
-    per backend (only backends with a hit)."""
+    per backend (only backends with a hit). Treated as immutable, but not declared frozen: one is built
+    per request, and a frozen dataclass's __init__ sets each field through object.__setattr__."""
 
     blocks: Sequence[int]
     session: int | None
@@ -192,8 +193,8 @@ class PrefixIndex:
         b = self._backends.get(backend_id)
         if b is None:
             return
-        if capacity_tokens:
-            b.kv_blocks = self._blocks(capacity_tokens)
+        if capacity_tokens and (blocks := self._blocks(capacity_tokens)) != b.kv_blocks:   # else it fits already
+            b.kv_blocks = blocks
             self._fit(b)
         self._touch(b, query.blocks, query.session, query.prompt_tokens)
         b.predicted_queries += query.prompt_tokens
@@ -202,9 +203,10 @@ class PrefixIndex:
             self._routed.append((backend_id, query.blocks, query.session, query.prompt_tokens))
 
     def _touch(self, b: _Backend, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
-        added, evicted = b.lru.touch(blocks)
-        self._hold(b, added)
-        self._forget(b, evicted)
+        if blocks:   # a prompt shorter than a block has none
+            added, evicted = b.lru.touch(blocks)
+            self._hold(b, added)
+            self._forget(b, evicted)
         if session is not None:
             added, evicted = b.lru.touch((session,), prompt_tokens)
             self._hold(b, added)

@@ -87,14 +87,15 @@ def near_lowest(totals: Sequence[float] | FloatArray, rng: Draw, tolerance: floa
         best = float(totals[i])
         if not abs(best) < _INF:
             return i
-        ties = np.flatnonzero(totals <= best + tolerance * abs(best)).tolist()
-    else:
-        i = first_lowest(totals)
-        best = totals[i]
-        if not abs(best) < _INF:
-            return i
-        limit = best + tolerance * abs(best)
-        ties = [k for k, t in enumerate(totals) if t <= limit]
+        near = totals <= best + tolerance * abs(best)
+        count = int(np.count_nonzero(near))   # mostly the lowest alone: no draw, no list of rows
+        return i if count < 2 else int(near.nonzero()[0][rng.randrange(count)])
+    i = first_lowest(totals)
+    best = totals[i]
+    if not abs(best) < _INF:
+        return i
+    limit = best + tolerance * abs(best)
+    ties = [k for k, t in enumerate(totals) if t <= limit]
     return i if len(ties) < 2 else ties[rng.randrange(len(ties))]
 
 

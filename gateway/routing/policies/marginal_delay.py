@@ -143,11 +143,12 @@ class MarginalDelay:
             prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
         queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
         over = c[KV_USED] + reserve - capacity
-        waits = (capacity > 0) & (over > 0)
+        known = capacity > 0   # K_i reported (0: unknown, no KV terms)
+        waits = known & (over > 0)
         if np.count_nonzero(waits):   # .any() costs three times as much on small arrays
             queue = np.where(waits, queue + over / capacity * c[SERVICE], queue)
         total = prefill + queue
-        vetoed = (capacity > 0) & (reserve > capacity)
+        vetoed = known & (reserve > capacity)
         oom = None
         if np.count_nonzero(vetoed):
             oom = np.where(vetoed, self.veto, 0.0)
