@@ -19,10 +19,15 @@ load x capacity / (turns per conversation). Round k replays prefix_affinity.py's
 tenants and conversations; that seed's capacity), so the replay's numbers for the same seed are the
 virtual-time reference: with --oracle, hg-cache and hg-oracle (the default policy told each engine's
 exact cache content) replayed on the same conversations, without warm-up, beside the live run.
+The results file is written after every round (`"complete": false`) and at the end.
 
 Before each run the engines' prefix caches are emptied (vLLM's `POST /reset_prefix_cache`), so every
-target starts from cold caches; what the routers remember of earlier runs (the gateway's index,
-the peers' trees) stays, as each has it. The gateways first serve one unscored warm-up (--warmup
+target starts from cold caches, and the tenants' system prompts start with a tag naming the run (same
+length), so that nothing the routers remember of earlier runs (the gateway's index, the peers' trees:
+the same conversations at the other load) matches: without it, a router told of blocks that the reset
+dropped mispredicts, and the gateway, which corrects its index by the engines' reported hits, then
+trusts it less (docs/ROUTING.md, "Live, against the real routers"). The gateways first serve one
+unscored warm-up (--warmup
 conversations of other clients at 0.6x: they learn the backends' speeds from traffic); the other
 targets learn nothing that a run keeps. Scored per run: goodput (TTFT <= 2 s and mean inter-token
 time <= 100 ms, over every turn sent), TTFT p50 / p90 / p99, the hit rate (the engines' summed
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import signal
 import statistics
@@ -86,6 +92,14 @@ def blind_capacity(seed: int, prompts: list[str]) -> tuple[dict[str, float], flo
     sizes = request_sizes("multiturn", 99 + seed, prompts, SIZING_CONVERSATIONS)
     rates = {tier: queue_rate(TIERS[tier], sizes) for tier in {t for _, t in CLUSTER}}
     return rates, len(sizes) / SIZING_CONVERSATIONS
+
+
+def salted(prompts: list[str], run: int) -> list[str]:
+    """The tenants' system prompts led by a tag naming the run, as long as before (cut at the end): every
+    prompt's block chain starts there, so no router's memory of an earlier run (the same conversations at
+    another load, or another round's) matches this one's, and the engines, emptied, match nothing either."""
+    tag = f"run{run:05d}-"
+    return [tag + p[:-len(tag)] for p in prompts]
 
 
 def body(c: Conversation) -> bytes:
@@ -256,8 +270,36 @@ def main(args: argparse.Namespace) -> int:
     sizing = {s: blind_capacity(s, prompts[s]) for s in seeds}
     capacity = {s: sum(sizing[s][0][tier] for _, tier in CLUSTER) * args.time_scale for s in seeds}
     runs: list[dict[str, Any]] = []
+    # the reference first (a minute of CPU), so that every partial results file has it
+    reference = replay_reference(seeds, args.loads, args.sessions) if args.oracle else []
+    oracle = oracle_rates(reference)
+    loads = [f"{x}x" for x in args.loads]
+
+    def write(runs: list[dict[str, Any]], names: list[str], complete: bool) -> None:
+        """The results file: after each round (complete False), then once more at the end."""
+        summary = summarise(runs)
+        summary = {name: summary[name] for name in names if name in summary}
+        text = table(summary, loads, oracle)
+        met = targets_met(summary, loads, oracle)
+        if complete:
+            print(text)
+            for row in met:
+                print(row["load"], {k: v for k, v in row.items() if k != "load"})
+        save_report(args.out or RESULTS, {
+            "wall_s": time.monotonic() - started, "complete": complete, "workload": "multiturn",
+            "rounds": len({r["round"] for r in runs}), "conversations_per_run": args.sessions, "loads": args.loads,
+            "time_scale": args.time_scale, "capacity_rps": capacity,
+            "turns_per_conversation": {s: sizing[s][1] for s in seeds}, "engine_rates": rates,
+            "slo": {"ttft_s": 2.0 / args.time_scale, "itl_s": 0.1 / args.time_scale},
+            "warmup_conversations": args.warmup, "cpus": os.cpu_count(),
+            "load_average": {"start": load_start, "end": os.getloadavg()},
+            "git": git_state(), "table": text, "targets_met": met, "summary": summary,
+            "replay_reference": reference, "runs": runs,
+        })
+
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         engines = start_engines(stack, Path(tmp), args.time_scale, prefix_caching=True, tier_rates=sizing[1][0])
+        rates = engines.rates
         targets = start_proxies(stack, Path(tmp), engines, set(wanted))
         targets += start_peers(stack, Path(tmp), engines, set(wanted))
         for name, on in (("hg-blind", False), ("hg-cache", True)):
@@ -268,9 +310,11 @@ def main(args: argparse.Namespace) -> int:
               f"turns a conversation {', '.join(f'{sizing[s][1]:.2f}' for s in seeds)}; "
               f"targets: {', '.join(t.name for t in targets)}", flush=True)
 
+        salts = itertools.count(1)
+
         def make(seed: int, load: float, n: int, conv_seed: int) -> Callable[[], list[Conversation]]:
             rate = load * capacity[seed] / sizing[seed][1]
-            return lambda: conversations("multiturn", n, rate, conv_seed, prompts[seed])
+            return lambda: conversations("multiturn", n, rate, conv_seed, salted(prompts[seed], next(salts)))
 
         with paused(targets):
             for t in targets:
@@ -290,26 +334,7 @@ def main(args: argparse.Namespace) -> int:
                               f"{row['ttft_p99_s']:.2f} s hit {row['hit_rate']:.1%} prefilled/req "
                               f"{row['prefilled_per_request']:.0f} errors {row['errors']} ({row['wall_s']:.0f} s)",
                               flush=True)
+                write(runs, [t.name for t in targets], False)
         names = [t.name for t in targets]
-    reference = replay_reference(seeds, args.loads, args.sessions) if args.oracle and args.time_scale == 1 else []
-    summary = summarise(runs)
-    summary = {name: summary[name] for name in names if name in summary}
-    loads = [f"{x}x" for x in args.loads]
-    oracle = oracle_rates(reference)
-    text = table(summary, loads, oracle)
-    met = targets_met(summary, loads, oracle)
-    print(text)
-    for row in met:
-        print(row["load"], {k: v for k, v in row.items() if k != "load"})
-    save_report(args.out or RESULTS, {
-        "wall_s": time.monotonic() - started, "workload": "multiturn", "rounds": args.rounds,
-        "conversations_per_run": args.sessions, "loads": args.loads, "time_scale": args.time_scale,
-        "capacity_rps": capacity, "turns_per_conversation": {s: sizing[s][1] for s in seeds},
-        "engine_rates": engines.rates,
-        "slo": {"ttft_s": 2.0 / args.time_scale, "itl_s": 0.1 / args.time_scale},
-        "warmup_conversations": args.warmup, "cpus": os.cpu_count(),
-        "load_average": {"start": load_start, "end": os.getloadavg()},
-        "git": git_state(), "table": text, "targets_met": met, "summary": summary, "replay_reference": reference,
-        "runs": runs,
-    })
+    write(runs, names, True)
     return 0
