@@ -17,14 +17,16 @@ continuous batcher in emulated time:
   blocks still in the cache (held by running sequences, or cached in free KV blocks, evicted least
   recently used first) are not prefilled again (`common.prefix_blocks.EnginePrefixCache`; blocks of the
   prompt rendered as the gateway renders a chat, `role: text` lines); /metrics then carries
-  `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (tokens).
+  `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (tokens), and `POST
+  /reset_prefix_cache` (vLLM's) drops the cached blocks that no running sequence holds.
 
 Tier speeds are of the order of a 7B model in vLLM on each GPU (measured MFU, not datasheet peaks:
 the gateway's performance-model priors are 3-4x off on purpose) and KV sizes of that order too.
 `--time-scale k` runs k emulated seconds per real second (thresholds scale by 1/k).
 
 Endpoints: `POST /v1/chat/completions` (streamed SSE, one event per token, usage when asked; or one
-JSON body), `GET /v1/models` (with `max_model_len`), `GET /metrics` (vLLM names:
+JSON body), `POST /tokenize` (vLLM's: one id per 4 bytes of the rendered prompt; vllm-router's
+cache_aware asks for it), `GET /v1/models` (with `max_model_len`), `GET /metrics` (vLLM names:
 num_requests_running/waiting, kv_cache_usage_perc and gpu_cache_usage_perc, cache_config_info,
 e2e_request_latency_seconds, generation_tokens_total), `GET /health`. Each SSE event names the engine
 in `system_fingerprint`, so the client can count tier shares through any router.
@@ -321,18 +323,42 @@ class _Conn(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        url, body = self.url, b"".join(self.body)
+        url, body = self.url.split(b"?", 1)[0], b"".join(self.body)
         self.body = []
-        if url.startswith(b"/v1/chat/completions"):
+        if url == b"/v1/chat/completions":
             self._complete(body)
+        elif url == b"/tokenize":
+            self.transport.write(self._tokenize(body))
+        elif url.startswith(b"/v1/chat/completions/"):   # e.g. vLLM's /render, which this engine has not
+            self.transport.write(_json(b"404 Not Found", {"error": {"message": "not found", "code": 404}}))
         elif url.startswith(b"/v1/models"):
             self.transport.write(_json(b"200 OK", {"object": "list", "data": [
                 {"id": MODEL, "object": "model", "owned_by": "emulated", "max_model_len": MAX_MODEL_LEN}]}))
+        elif url.startswith(b"/reset_prefix_cache"):   # vLLM's: drop every cached block no sequence holds
+            cache = self.engine.batcher.cache
+            if cache is not None:
+                cache.fit(0)
+                cache.fit(self.engine.batcher.free_blocks)
+            self.transport.write(_json(b"200 OK", {}))
         elif url.startswith(b"/metrics"):
             text = self.engine.metrics()
             self.transport.write(_head(b"200 OK", b"text/plain; version=0.0.4", len(text)) + text)
         else:
             self.transport.write(_json(b"200 OK", {}))
+
+    @staticmethod
+    def _tokenize(body: bytes) -> bytes:
+        """vLLM's `POST /tokenize` (messages or prompt): one id per 4 bytes of the prompt as rendered, so that
+        prompts with a common prefix have common leading ids (what a router's token tree needs)."""
+        try:
+            req = orjson.loads(body)
+            text = rendered(req["messages"]) if "messages" in req else str(req["prompt"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return _error("malformed request")
+        data = text.encode()
+        tokens = [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
+        return _json(b"200 OK", {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens,
+                                 "token_strs": None})
 
     def _complete(self, body: bytes) -> None:
         try:

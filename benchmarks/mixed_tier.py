@@ -29,6 +29,10 @@ every round together with lor and the two PyPI routers, the other targets in the
 unless --all-rounds. A second table pairs the default policy with cwlor round by round. Writes
 benchmarks/results/mixed_tier.json (--quick: mixed_tier_quick.json) and prints the tables
 docs/ROUTING.md quotes.
+
+--workload multiturn: shared-prefix conversations on the same engines with prefix caches, against
+rr, cwlor, vllm-router and sglang-router with `--policy cache_aware` and the gateway with and without
+cache-aware routing (benchmarks/mixed_tier_multiturn.py; benchmarks/results/mixed_tier_multiturn.json).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class Outcome:
     tokens: int = 0
     engine: str = ""
     error: str = ""
+    text: str = ""                       # the reply's content, where asked for (keep_text)
 
 
 @dataclass
@@ -103,14 +108,18 @@ class Engines:
 
 # -- processes --------------------------------------------------------------------------------
 
-def start_engines(stack: ExitStack, tmp: Path, time_scale: float) -> Engines:
+def start_engines(stack: ExitStack, tmp: Path, time_scale: float, prefix_caching: bool = False,
+                  tier_rates: dict[str, float] | None = None) -> Engines:
+    """The emulated engines; `tier_rates`: each tier's saturated requests/s in emulated time (default: on
+    the mixed workload, benchmarks/mixed_workload.saturated_rate)."""
     ports = {eid: free_port() for eid, _ in CLUSTER}
     args = [a for eid, tier in CLUSTER for a in ("--engine", f"{eid}:{tier}:{ports[eid]}")]
     proc = stack.enter_context(process(
-        [sys.executable, str(ROOT / "benchmarks" / "emulated_engine.py"), "--time-scale", str(time_scale), *args],
-        tmp / "engines.log"))
+        [sys.executable, str(ROOT / "benchmarks" / "emulated_engine.py"), "--time-scale", str(time_scale),
+         *(["--prefix-caching"] if prefix_caching else []), *args], tmp / "engines.log"))
     engines = Engines()
-    rates = {tier: saturated_rate(TIERS[tier]) * time_scale for tier in {t for _, t in CLUSTER}}
+    tiers = {t for _, t in CLUSTER}
+    rates = {tier: (tier_rates[tier] if tier_rates else saturated_rate(TIERS[tier])) * time_scale for tier in tiers}
     for eid, tier in CLUSTER:
         engines.urls[eid] = f"http://127.0.0.1:{ports[eid]}"
         engines.rates[eid] = rates[tier]
@@ -132,13 +141,19 @@ def start_proxies(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str
 
 
 def start_peers(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str]) -> list[Target]:
-    if not wanted & {"vllm-router", "sglang-router"}:
+    """vllm-router (power_of_two) and sglang-router (its default, cache_aware) as `vllm-router` and
+    `sglang-router`; both with `--policy cache_aware` as `vllm-router-ca` and `sglang-router-ca`."""
+    if not wanted & {"vllm-router", "sglang-router", "vllm-router-ca", "sglang-router-ca"}:
         return []
     bin_dir = ensure_peers()
+    vllm, sglang = [str(bin_dir / "vllm-router"), "--log-level", "warning"], [
+        str(bin_dir / "python"), "-m", "sglang_router.launch_router", "--log-level", "warn"]
     out = []
     for name, cmd in (
-        ("vllm-router", [str(bin_dir / "vllm-router"), "--policy", "power_of_two", "--log-level", "warning"]),
-        ("sglang-router", [str(bin_dir / "python"), "-m", "sglang_router.launch_router", "--log-level", "warn"]),
+        ("vllm-router", [*vllm, "--policy", "power_of_two"]),
+        ("sglang-router", sglang),
+        ("vllm-router-ca", [*vllm, "--policy", "cache_aware"]),
+        ("sglang-router-ca", [*sglang, "--policy", "cache_aware"]),
     ):
         if name not in wanted:
             continue
@@ -151,23 +166,27 @@ def start_peers(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str])
     return out
 
 
-def gateway_config(engines: Engines, scrape: bool) -> dict[str, Any]:
+def gateway_config(engines: Engines, scrape: bool, prefix_cache: bool = True) -> dict[str, Any]:
     tiers = dict(CLUSTER)
-    return {"model": MODEL, "backends": [
+    return {"model": MODEL, **({} if prefix_cache else {"gateway": {"routing": {"prefix_cache": {"enabled": False}}}}),
+            "backends": [
         {"id": eid, "kind": "openai", "role": "language", "gpu": tiers[eid], "address": url,
          **({"scrape": {"engine": "vllm"}} if scrape else {"agent": True})}
         for eid, url in engines.urls.items()]}
 
 
 def start_gateways(stack: ExitStack, tmp: Path, engines: Engines, policies: list[str]) -> list[Target]:
-    out = []
-    for policy in policies:
-        where = tmp / f"hg-{policy}"
-        where.mkdir()
-        config = write_config(where, gateway_config(engines, scrape=True))
-        gw = stack.enter_context(run_gateway(config, "--policy", policy))
-        out.append(Target(f"hg-{policy}", gw.url, [gw.process.pid]))
-    return out
+    return [start_gateway(stack, tmp, engines, f"hg-{policy}", policy) for policy in policies]
+
+
+def start_gateway(stack: ExitStack, tmp: Path, engines: Engines, name: str, policy: str,
+                  prefix_cache: bool = True) -> Target:
+    """One gateway scraping the engines; `prefix_cache` False: cache-aware routing off in its config."""
+    where = tmp / name
+    where.mkdir()
+    config = write_config(where, gateway_config(engines, scrape=True, prefix_cache=prefix_cache))
+    gw = stack.enter_context(run_gateway(config, "--policy", policy))
+    return Target(name, gw.url, [gw.process.pid])
 
 
 def start_agent_gateway(stack: ExitStack, tmp: Path, engines: Engines, policy: str) -> Target:
@@ -204,11 +223,13 @@ def paused(targets: list[Target]) -> Iterator[None]:
 
 # -- load -------------------------------------------------------------------------------------
 
-async def one(session: aiohttp.ClientSession, url: str, r: Request) -> Outcome:
+async def one(session: aiohttp.ClientSession, url: str, r: Request, keep_text: bool = False) -> Outcome:
+    """One streamed request; `keep_text`: also the reply's content, as the client reads it (Outcome.text)."""
     loop = asyncio.get_running_loop()
     out = Outcome()
     t0 = loop.time()
     first = last = 0.0
+    parts: list[str] = []
     try:
         async with session.post(url, data=r.body, headers={"content-type": "application/json"}) as resp:
             if resp.status != 200:
@@ -226,10 +247,13 @@ async def one(session: aiohttp.ClientSession, url: str, r: Request) -> Outcome:
                 if not out.tokens:
                     first = now
                     out.engine = str(orjson.loads(line[5:]).get("system_fingerprint", ""))
+                if keep_text:
+                    parts.append(orjson.loads(line[5:])["choices"][0]["delta"].get("content") or "")
                 out.tokens += 1
                 last = now
     except (aiohttp.ClientError, TimeoutError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    out.text = "".join(parts)
     if out.tokens:
         out.ttft_s = first - t0
         out.itl_s = (last - first) / (out.tokens - 1) if out.tokens > 1 else 0.0
@@ -280,7 +304,8 @@ def score(outcomes: list[Outcome], time_scale: float) -> dict[str, Any]:
         "goodput": good / len(outcomes), "errors": len(errors), "error_examples": errors[:3],
         # by kind: the HTTP status (or the exception's name), so deliberate refusals (429) show apart
         "errors_by_kind": dict(collections.Counter(e.split(":")[0] for e in errors)),
-        "ttft_p50_s": loadgen.percentile(ttft, 50), "ttft_p99_s": loadgen.percentile(ttft, 99),
+        "ttft_p50_s": loadgen.percentile(ttft, 50), "ttft_p90_s": loadgen.percentile(ttft, 90),
+        "ttft_p99_s": loadgen.percentile(ttft, 99),
         "itl_p50_ms": loadgen.percentile(itl, 50) * 1000, "itl_p99_ms": loadgen.percentile(itl, 99) * 1000,
         "tier_shares": shares,
     }
@@ -378,14 +403,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 round, 160 requests a run, fewer targets")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=500, help="requests per run")
-    p.add_argument("--warmup", type=int, default=200, help="requests of each target's unscored first run")
-    p.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.9, 1.0], help="fractions of capacity")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="requests of each target's unscored first run (default 200; multiturn: conversations of "
+                        "each gateway's, default 40)")
+    p.add_argument("--workload", choices=("mixed", "multiturn"), default="mixed",
+                   help="mixed: the distinct-prompt mix above; multiturn: shared-prefix conversations on engines "
+                        "with prefix caches (benchmarks/mixed_tier_multiturn.py)")
+    p.add_argument("--loads", type=float, nargs="+", default=None,
+                   help="fractions of capacity (default: 0.6 0.9 1.0; multiturn: 0.9 1.5 of the cache-blind one)")
+    p.add_argument("--sessions", type=int, default=150, help="multiturn: conversations per run")
+    p.add_argument("--no-oracle", dest="oracle", action="store_false",
+                   help="multiturn: skip the virtual-time reference (prefix_affinity.py's hg-cache and hg-oracle)")
+    p.add_argument("--out", type=Path, help="results file (default: benchmarks/results/mixed_tier[_multiturn].json)")
     p.add_argument("--time-scale", type=float, default=1.0, help="emulated seconds per real second")
     p.add_argument("--all-rounds", action="store_true", help="baseline gateway policies in every round too")
     p.add_argument("--no-peers", action="store_true", help="leave vllm-router and sglang-router out")
     p.add_argument("--only", nargs="+", help="run only these targets (names as in the table)")
     p.add_argument("--policies", nargs="+", help="gateway policies to run (default: every language policy)")
     args = p.parse_args(argv)
+    if args.workload == "multiturn":
+        from benchmarks import mixed_tier_multiturn  # it builds on this module's set-up
+
+        args.loads = args.loads or [0.9, 1.5]
+        args.warmup = 40 if args.warmup is None else args.warmup
+        return mixed_tier_multiturn.main(args)
+    args.loads = args.loads or [0.6, 0.9, 1.0]
+    args.warmup = 200 if args.warmup is None else args.warmup
     rounds, n = (1, 160) if args.quick else (args.rounds, args.requests)
     policies = [DEFAULT_POLICY, *sorted(set(REGISTRY) - VISION_POLICIES - {DEFAULT_POLICY})]
     if args.quick:
@@ -439,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(summary, loads, shares)
     versus = paired(summary, loads)
     print(text, versus, sep="\n\n")
-    save_report(QUICK_RESULTS if args.quick else RESULTS, {
+    save_report(args.out or (QUICK_RESULTS if args.quick else RESULTS), {
         "wall_s": time.monotonic() - started, "quick": args.quick, "rounds": rounds, "requests_per_run": n,
         "loads": args.loads, "time_scale": args.time_scale, "capacity_rps": capacity, "engine_rates": engines.rates,
         "slo": {"ttft_s": TTFT_SLO_S / args.time_scale, "itl_s": ITL_SLO_S / args.time_scale},
