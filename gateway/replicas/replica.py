@@ -66,7 +66,7 @@ def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replicatio
                          on_identities=identities.adopt, prefixes=runtime.pipeline.prefixes,
                          encoders=runtime.pipeline.encoders)
     runtime.signals = shared   # the backends' reports go through Redis to the other replicas too
-    runtime.metrics.registry.register(SharedStateCollector(shared, runtime.table))
+    runtime.metrics.registry.register(SharedStateCollector(shared))
     # tenants' limits hold across the replicas
     runtime.pipeline.tenants.store = RedisLimitStore(redis, config.key_prefix, config.timeout_ms / 1000)
     pipeline = runtime.pipeline

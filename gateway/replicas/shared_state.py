@@ -124,7 +124,7 @@ class SharedState:
         """`on_heartbeat(backend_id, address)`: after each report taken, here or through Redis;
         `prefixes`, `encoders`: this replica's prefix index and encoders' index, shared with the
         others' (None: cache-aware routing off)."""
-        self.table = self._table = table
+        self.table = table
         self._prefixes, self._encoders = prefixes, encoders
         for index in (prefixes, encoders):
             if index is not None:
@@ -162,7 +162,7 @@ class SharedState:
 
     def heartbeat(self, backend_id: str, seq: int, address: str, reported: Reported) -> BackendEntry | None:
         """A heartbeat on this replica's Control service: into the table, and published on the next refresh."""
-        entry = self._table.apply_heartbeat(backend_id, seq, address, reported)
+        entry = self.table.apply_heartbeat(backend_id, seq, address, reported)
         if entry is not None:
             self._on_heartbeat(backend_id, address)
             self._dirty.add(backend_id)
@@ -172,7 +172,7 @@ class SharedState:
 
     async def refresh(self) -> None:
         """One round trip: publish own counts and new heartbeats; read peers' counts and heartbeats."""
-        table = self._table
+        table = self.table
         own_key = self.key(self.replica_id)
         counts: dict[str, int] = {}
         for e in table.entries():
@@ -249,10 +249,10 @@ class SharedState:
                     summed[field] += int(value)
         self.peer_count = len(peers) - len(self._gone)
         for backend_id in self._backend_ids:
-            self._table.set_peer_load(backend_id, PeerLoad(*(summed[p + backend_id] for p in FIELD_PREFIXES)))
+            self.table.set_peer_load(backend_id, PeerLoad(*(summed[p + backend_id] for p in FIELD_PREFIXES)))
 
     def _apply_heartbeats(self, values: list[Any]) -> None:
-        now = self._table.clock()
+        now = self.table.clock()
         for i, backend_id in enumerate(self._backend_ids):
             raw, ttl_ms = values[2 * i], values[2 * i + 1]
             if raw is None:
@@ -263,7 +263,7 @@ class SharedState:
                 log.warning("shared_heartbeat_unreadable", backend=backend_id, error=str(exc))
                 continue
             age_s = max(0, self._hb_ttl_ms - ttl_ms) / 1000 if ttl_ms > 0 else 0.0
-            entry = self._table.apply_heartbeat(backend_id, reported.seq, address, reported, at=now - age_s)
+            entry = self.table.apply_heartbeat(backend_id, reported.seq, address, reported, at=now - age_s)
             if entry is not None:
                 self._remote.add(backend_id)
                 self._held.discard(backend_id)
@@ -272,25 +272,25 @@ class SharedState:
     def _resumed(self) -> None:
         if not self.up:
             log.info("shared_state_up", replica=self.replica_id, peers=self.peer_count,
-                     after_s=None if self._down_since is None else round(self._table.clock() - self._down_since, 3))
+                     after_s=None if self._down_since is None else round(self.table.clock() - self._down_since, 3))
         if self._down_since is not None:   # the writers of the heartbeats may still be backing off
-            self._hold_until = self._table.clock() + RETRY_MAX_S + 2 * self._hb_ttl_ms / 1000
+            self._hold_until = self.table.clock() + RETRY_MAX_S + 2 * self._hb_ttl_ms / 1000
         self.up = True
         self._down_since = None
 
     def failed(self, exc: BaseException) -> None:
         """Fail open: own view only; backends last heard through Redis stay candidates for a while."""
-        now = self._table.clock()
+        now = self.table.clock()
         self.errors += 1
         if self._down_since is None:
             self._down_since = now
-            self._held = {b for b in self._remote if (e := self._table.get(b)) and self._table.is_healthy(e, now)}
+            self._held = {b for b in self._remote if (e := self.table.get(b)) and self.table.is_healthy(e, now)}
             log.warning("shared_state_down", replica=self.replica_id, error=repr(exc), failing_open=True,
                         held_backends=sorted(self._held))
         self.up = False
         self.peer_count = 0
         for backend_id in self._backend_ids:
-            self._table.set_peer_load(backend_id, NO_PEER_LOAD)
+            self.table.set_peer_load(backend_id, NO_PEER_LOAD)
         self.hold()
 
     def hold(self) -> None:
@@ -298,11 +298,11 @@ class SharedState:
         arrive through it again, backends last heard through Redis stay candidates."""
         if not self._held:
             return
-        now = self._table.clock()
+        now = self.table.clock()
         down = self._down_since
         if now <= (down + self._config.fail_open_hold_s if down is not None else self._hold_until):
             for backend_id in self._held:
-                self._table.assume_alive(backend_id)
+                self.table.assume_alive(backend_id)
         else:
             self._held.clear()
 
@@ -312,7 +312,7 @@ class SharedState:
         interval_s = self._config.refresh_ms / 1000
         bound_s = 2 * self._config.timeout_ms / 1000
         retry_s, next_try = RETRY_MIN_S, 0.0
-        clock = self._table.clock
+        clock = self.table.clock
         while not stop.is_set():
             if clock() >= next_try:
                 try:
@@ -340,9 +340,8 @@ class SharedState:
 class SharedStateCollector(Collector):
     """/metrics: whether sharing works, how many peers this replica sees, their load per backend."""
 
-    def __init__(self, shared: SharedState, table: StateTable) -> None:
+    def __init__(self, shared: SharedState) -> None:
         self._shared = shared
-        self._table = table
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("heterogate_shared_state_up",
@@ -355,6 +354,6 @@ class SharedStateCollector(Collector):
         errors.add_metric([], self._shared.errors)
         load = GaugeMetricFamily("heterogate_backend_peer_in_flight",
                                  "Requests in flight on the backend from other replicas", labels=["backend"])
-        for e in self._table.entries():
+        for e in self._shared.table.entries():
             load.add_metric([e.id], e.peer_in_flight)
         yield from (up, peers, errors, load)

@@ -4,6 +4,8 @@ when the KV fills, vLLM's counters in the load report and in the scraped metrics
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -84,6 +86,22 @@ def run_alongside(batcher: ContinuousBatcher, s: Sequence) -> None:
         batcher.step()
 
 
+@asynccontextmanager
+async def stepping(executor: SimulatedExecutor) -> AsyncIterator[None]:
+    """The executor's step loop, running in the background for as long as the block lasts."""
+    async def steps() -> None:
+        while True:
+            if executor.has_work:
+                await executor.run_step()
+            await asyncio.sleep(0)
+
+    stepper = asyncio.create_task(steps())
+    try:
+        yield
+    finally:
+        stepper.cancel()
+
+
 def test_the_executor_reports_vllm_counters_in_its_load() -> None:
     async def main() -> tuple[int, int]:
         executor = SimulatedExecutor(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU), time_scale=0.0)
@@ -93,18 +111,9 @@ def test_the_executor_reports_vllm_counters_in_its_load() -> None:
             async for _ in executor.generate(request):
                 pass
 
-        async def steps() -> None:
-            while True:
-                if executor.has_work:
-                    await executor.run_step()
-                await asyncio.sleep(0)
-
-        stepper = asyncio.create_task(steps())
-        try:
+        async with stepping(executor):
             await ask("a", SYSTEM + "question")
             await ask("b", SYSTEM + "answered")
-        finally:
-            stepper.cancel()
         load = executor.load()
         return load.prefix_cache_queries, load.prefix_cache_hits
 
@@ -128,18 +137,9 @@ def test_the_executor_caches_image_tokens_by_the_images_content() -> None:
                 pass
             hits.append(executor.load().prefix_cache_hits - before)
 
-        async def steps() -> None:
-            while True:
-                if executor.has_work:
-                    await executor.run_step()
-                await asyncio.sleep(0)
-
-        stepper = asyncio.create_task(steps())
-        try:
+        async with stepping(executor):
             for name, image in (("a", cat), ("b", dog), ("c", cat)):
                 await ask(name, image)
-        finally:
-            stepper.cancel()
         return hits
 
     assert asyncio.run(main()) == [0, 0, 576 + 48]   # whole 16-token blocks: 36 of the image, 3 of the text
