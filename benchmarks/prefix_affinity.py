@@ -21,6 +21,7 @@ index fed the engines' counters, as the pipeline wires them. Targets:
                 prompt, else the least loaded
     hg-blind    the gateway's default policy without cache awareness (gateway.routing.prefix_cache off)
     hg-cache    the gateway's default: the prefix index from the prompts' text blocks
+    hg-noevict  hg-cache without the price of filling a full cache (marginal_delay w_evict 0: T_evict off)
     hg-session  hg-cache, and the clients name their conversation (x-session-id)
     hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
     hg-3shared  three hg-cache replicas behind a round-robin balancer, sharing in-flight counts and their
@@ -75,7 +76,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,9 @@ from loadtest.sim.peers import cache_aware_pick  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
-TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-cache", "hg-session", "hg-oracle", "hg-3shared", "hg-3alone")
-DEFAULT_TARGETS = TARGETS[:7]   # the replica targets need Redis: named on the command line
+TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-noevict", "hg-cache", "hg-session", "hg-oracle", "hg-3shared",
+           "hg-3alone")
+DEFAULT_TARGETS = TARGETS[:8]   # the replica targets need Redis: named on the command line
 REPLICAS, REFRESH_S = 3, 0.05
 WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage")
 # Loads (times the cache-blind capacity) by default: shared prefixes carry more than the blind capacity, so
@@ -285,8 +287,9 @@ class CacheAware(Gateway):
     """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
     index (`mode` "index", "session") or the engines' exact caches (`mode` "oracle"), or neither ("blind")."""
 
-    def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher]) -> None:
-        super().__init__("marginal_delay", {}, clock)
+    def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher],
+                 params: dict[str, Any] | None = None) -> None:
+        super().__init__("marginal_delay", params or {}, clock)
         self.mode, self.engines = mode, engines
         config = PrefixCacheConfig()
         self.index = PrefixIndex(config.block_tokens, config.max_blocks_per_backend) if mode in (
@@ -297,18 +300,19 @@ class CacheAware(Gateway):
 
     def route(self, r: Request) -> tuple[str, Any]:
         cached: dict[str, int] = {}
+        reuse: Mapping[str, float] = {}
         query = None
         if self.index is not None:
             session = r.conversation.id if self.mode == "session" else ""
             blocks = self.index.hashes(r.prompt, (), r.tokens, r.conversation.images)
             query = self.index.lookup(blocks, session, r.tokens)
-            cached = dict(query.cached)
+            cached, reuse = dict(query.cached), query.reuse
         elif self.mode == "oracle":
             for eid, b in self.engines.items():
                 assert b.cache is not None
                 if hit := b.cache.match(r.hashes, r.tokens):
                     cached[eid] = hit
-        profile = RequestProfile(r.conversation.id, r.tokens, r.max_tokens, cached_tokens=cached)
+        profile = RequestProfile(r.conversation.id, r.tokens, r.max_tokens, cached_tokens=cached, evicted_reuse=reuse)
         now = self.clock.now
         candidates = self.table.candidates(LANGUAGE, now).fitting(r.tokens + r.max_tokens)
         backend = self.policy.choose(profile, candidates, now).backend
@@ -395,6 +399,8 @@ def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: d
         return SglangCacheAware(engines)
     if target == "cwlor":
         return Proxy(rates)
+    if target == "hg-noevict":
+        return CacheAware("index", clock, engines, {"w_evict": 0.0})
     mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle"}[target]
     return CacheAware(mode, clock, engines)
 
@@ -638,7 +644,7 @@ def latency(n_backends: int = 64, requests: int = 3000, seed: int = 1) -> dict[s
             blocks.append(len(hashes))
             query = index.lookup(hashes, "", tokens)
             t2 = time.thread_time()
-            profile = RequestProfile(c.id, tokens, 64, cached_tokens=query.cached)
+            profile = RequestProfile(c.id, tokens, 64, cached_tokens=query.cached, evicted_reuse=query.reuse)
             backend = policy.choose(profile, table.candidates(LANGUAGE, clock.now), clock.now).backend
             t3 = time.thread_time()
             index.record(query, backend.id, 48_000)

@@ -375,7 +375,9 @@ class Pipeline:
         blocks = record.prefix.blocks if record.prefix is not None else index.hashes(
             job.prompt, job.token_ids, tokens, [(i.digest, i.tokens) for i in job.images] if job.images else ())
         record.prefix = query = index.lookup(blocks, job.session, tokens)
-        return replace(profile, cached_tokens=query.cached) if query.cached else profile
+        if not query.cached and not query.reuse:
+            return profile
+        return replace(profile, cached_tokens=query.cached, evicted_reuse=query.reuse)
 
     def _routed(self, record: RequestRecord, backend: BackendSnapshot) -> int:
         """The request goes to `backend`: the index remembers its prompt there. Returns the prompt tokens

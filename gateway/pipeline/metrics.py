@@ -157,6 +157,9 @@ class PrefixCollector(Collector):
             "keep": GaugeMetricFamily(
                 "heterogate_prefix_index_keep", "Share of the backend's KV the index counts as cached, learned "
                 "from the engine's hit counters (1 until it reports)", labels=labels),
+            "evicted_reuse": GaugeMetricFamily(
+                "heterogate_prefix_evicted_reuse", "Share of the prefix blocks the backend evicted lately that later "
+                "prompts asked for again (rho_i; priced while its cache is full)", labels=labels),
             "predicted_query_tokens": CounterMetricFamily(
                 "heterogate_prefix_predicted_query_tokens", "Prompt tokens routed to the backend", labels=labels),
             "predicted_hit_tokens": CounterMetricFamily(

@@ -40,7 +40,19 @@ blocks + N). Recording is O(prompt blocks) on one backend's LRU. Memory: at most
 map, about 100 bytes a block held by one backend, both together (tests/unit/test_prefix_index.py
 bounds it at 250): with 64-token blocks, 8 backends of 50k tokens are 6,250 blocks, ~0.6 MB, and 64
 backends of 500k tokens 500k blocks, ~50 MB; the default cap, 2^20 blocks a backend, bounds any
-backend at ~100 MB.
+backend at ~100 MB. Once a backend evicts, its ghost list (below) holds up to as many hashes again,
+about 100 bytes each: at most about twice those figures.
+
+Eviction reuse (ρ_i). Placing a prompt on a backend whose cache is full evicts as many of its least
+recent blocks as the prompt adds; what that costs depends on whether those blocks are asked for
+again. The index keeps, per backend, the hashes of its last evicted blocks (as many as it holds:
+ARC's "ghost" list) and counts how many of them a later prompt brings back (routed anywhere: a
+prompt that would have hit there): ρ_i = wanted / evicted over a window of the last ~2 · K_i blocks
+evicted (both counts halve past it). A backend whose cache is full and whose ρ_i is above 0 is listed
+in every query's `reuse` (a live view), and `marginal_delay` charges a placement there the
+recomputation it causes elsewhere in the backend's future, w_evict · ρ_i · L_i · p_i seconds
+(docs/ROUTING.md): a fast tier that is evicting live conversations stops taking new ones that could
+go where the cache turns over slowly.
 
 Images: a request's images head its chain, named by their content (`common.prefix_blocks.prompt_blocks`),
 so the same image with the same text is a hit and another image is not.
@@ -61,6 +73,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, session_key
@@ -70,6 +83,8 @@ DECAY = 0.98                  # weight of the window per engine reading that mov
 MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before keep_i moves
 KEEP_GAIN = 0.05              # keep_i moves by (reported / predicted hit rate)^KEEP_GAIN a reading
 MIN_KEEP = 1 / 64             # keep_i of an engine that hits at all
+REUSE_WINDOW = 2              # ρ_i counts over the last ~REUSE_WINDOW · K_i blocks evicted from backend i
+MIN_EVICTED_SHARE = 0.25      # no ρ_i before a quarter of K_i has been evicted
 Source = Literal["estimate", "engine"]
 Routed = tuple[str, Sequence[int], int | None, int]   # (backend, blocks, session key, prompt tokens)
 
@@ -84,6 +99,7 @@ class PrefixQuery:
     session: int | None
     prompt_tokens: int
     cached: Mapping[str, int]
+    reuse: Mapping[str, float]    # ρ_i of the backends whose cache is full (a live view: read it at once)
 
 
 @dataclass(slots=True)
@@ -100,6 +116,9 @@ class _Backend:
     last: tuple[int, int] | None = None  # the engine's counters as last read
     mark: tuple[int, int] = (0, 0)      # predicted totals at the last reading
     window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])   # decayed pq, ph, rq, rh
+    ghosts: deque[int] = field(default_factory=deque)   # its last evicted blocks, oldest first
+    evicted: float = 0.0                # blocks evicted, over the window
+    wanted: float = 0.0                 # of them, brought back by a later prompt
 
     @property
     def source(self) -> Source:
@@ -113,6 +132,9 @@ class PrefixIndex:
         self._backends: dict[str, _Backend] = {}
         self._by_bit: list[_Backend] = []
         self._holders: dict[int, int] = {}   # block hash -> bit mask of the backends whose LRU holds it
+        self._ghosts: dict[int, int] = {}    # block hash -> bit mask of the backends that evicted it lately
+        self._reuse: dict[str, float] = {}   # ρ_i of the backends whose cache is full, where above 0
+        self._reuse_view = MappingProxyType(self._reuse)
         self._all = 0
         self.stable = False                  # hashes the same in every process (`share`)
         self._routed: deque[Routed] | None = None   # this process's records not yet shared
@@ -185,7 +207,7 @@ class PrefixIndex:
             for b in _members(holders.get(key, 0), by_bit):
                 if (hit := cached_tokens(b.lru.get(key) or 0, prompt_tokens)) > cached.get(b.id, 0):
                     cached[b.id] = hit
-        return PrefixQuery(blocks, key, prompt_tokens, cached)
+        return PrefixQuery(blocks, key, prompt_tokens, cached, self._reuse_view)
 
     def record(self, query: PrefixQuery, backend_id: str, capacity_tokens: int) -> None:
         """`query`'s request was routed to `backend_id`, whose KV holds `capacity_tokens` (0: unknown,
@@ -217,20 +239,56 @@ class PrefixIndex:
         capacity = int(b.kv_blocks * b.keep)
         if capacity != b.lru.capacity:
             self._forget(b, b.lru.resize(capacity))
+            self._rate(b)
 
     def _hold(self, b: _Backend, blocks: Iterable[int]) -> None:
-        holders, bit = self._holders, 1 << b.bit
+        """`blocks` are new in b's LRU; those another backend (or b) evicted lately count as wanted there."""
+        holders, ghosts, bit = self._holders, self._ghosts, 1 << b.bit
         for block in blocks:
             holders[block] = holders.get(block, 0) | bit
+            if ghosts and (evicted_by := ghosts.pop(block, 0)):
+                for c in _members(evicted_by, self._by_bit):
+                    c.wanted += 1
+                    self._rate(c)
 
-    def _forget(self, b: _Backend, blocks: Iterable[int]) -> None:
-        holders, keep = self._holders, ~(1 << b.bit)
+    def _forget(self, b: _Backend, blocks: list[int]) -> None:
+        """`blocks` left b's LRU: out of the holders map, into b's ghost list (as long as its LRU)."""
+        holders, ghosts, bit = self._holders, self._ghosts, 1 << b.bit
+        keep = ~bit
         for block in blocks:
             mask = holders.get(block, 0) & keep
             if mask:
                 holders[block] = mask
             else:
                 holders.pop(block, None)
+            ghosts[block] = ghosts.get(block, 0) | bit
+        if not blocks:
+            return
+        listed = b.ghosts
+        listed.extend(blocks)
+        while len(listed) > b.lru.capacity:
+            old = listed.popleft()
+            if mask := ghosts.get(old, 0) & keep:
+                ghosts[old] = mask
+            else:
+                ghosts.pop(old, None)
+        b.evicted += len(blocks)
+        if b.evicted > REUSE_WINDOW * b.kv_blocks:
+            b.evicted, b.wanted = b.evicted / 2, b.wanted / 2
+        self._rate(b)
+
+    def _rate(self, b: _Backend) -> None:
+        """ρ_i listed while b's cache is full (a new prompt there evicts as much as it adds)."""
+        if b.lru.capacity and len(b.lru) >= b.lru.capacity and b.evicted >= MIN_EVICTED_SHARE * b.kv_blocks:
+            if rho := min(1.0, b.wanted / b.evicted):
+                self._reuse[b.id] = rho
+                return
+        self._reuse.pop(b.id, None)
+
+    def evicted_reuse(self, backend_id: str) -> float:
+        """ρ_i: of the blocks backend i evicted lately, the share later prompts asked for again."""
+        b = self._backends[backend_id]
+        return min(1.0, b.wanted / b.evicted) if b.evicted else 0.0
 
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
         """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: it reports none)."""
@@ -268,6 +326,7 @@ class PrefixIndex:
             "blocks": len(b.lru),
             "capacity_blocks": b.lru.capacity,
             "keep": b.keep,
+            "evicted_reuse": self.evicted_reuse(backend_id),
             "predicted_query_tokens": b.predicted_queries,
             "predicted_hit_tokens": b.predicted_hits,
             "predicted_hit_rate": b.predicted_hits / b.predicted_queries if b.predicted_queries else None,

@@ -151,8 +151,8 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
         profile = RequestProfile(str(i), inputs[i], max_out[i], int(images[i]))
         if prefixes is not None:
             query = queries[i] = prefixes.lookup(lengths.blocks(i, prefixes.block_tokens), "", inputs[i])
-            if query.cached:
-                profile = replace(profile, cached_tokens=query.cached)
+            if query.cached or query.reuse:
+                profile = replace(profile, cached_tokens=query.cached, evicted_reuse=query.reuse)
         if gate is None or gate.arrive(i, profile, now):
             dispatch(i, profile, now)
     while heap or (gate is not None and gate.held):

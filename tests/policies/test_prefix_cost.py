@@ -54,6 +54,22 @@ def test_affinity_gives_way_when_the_queue_costs_more_than_the_recomputation_sav
         assert p.choose(request, [busy, b], 0.0).backend.id == chosen, backlog
 
 
+def test_a_full_cache_whose_evictions_come_back_costs_the_recomputation_it_causes() -> None:
+    """T_evict = w_evict · ρ_i · L_i · p_i: the new blocks a prompt adds to a full cache push out as many,
+    and a share ρ_i of those are asked for again; a hit there adds no new block and costs nothing."""
+    p = MarginalDelay(MarginalDelayParams(w_evict=4.0))
+    a, b = dataclasses.replace(H100, id="a"), dataclasses.replace(H100, id="b")
+    request = RequestProfile("r", 2000, 16, evicted_reuse={"a": 0.5})
+    costs = {c.backend_id: c for c in p.choose(request, [a, b], 0.0).costs}
+    assert costs["a"].prefill - costs["b"].prefill == pytest.approx(4.0 * 0.5 * 2000 * 0.06e-3)
+    assert p.choose(request, [a, b], 0.0).backend.id == "b"
+    # the conversation's history is on `a`: only its 100 new tokens evict, far cheaper than 1,900 elsewhere
+    returning = RequestProfile("r", 2000, 16, cached_tokens={"a": 1900}, evicted_reuse={"a": 0.5})
+    assert p.choose(returning, [a, b], 0.0).backend.id == "a"
+    unpriced = MarginalDelay(MarginalDelayParams(w_evict=0.0))
+    assert unpriced.cost(request, a) == unpriced.cost(RequestProfile("r", 2000, 16), a)
+
+
 @pytest.mark.parametrize(("seed", "n"), [(seed, n) for seed in range(4) for n in (3, 40)])
 def test_columns_and_the_one_candidate_form_agree_with_cached_tokens(seed: int, n: int) -> None:
     rng = random.Random(seed)
@@ -64,7 +80,8 @@ def test_columns_and_the_one_candidate_form_agree_with_cached_tokens(seed: int, 
     ) for b in random_cluster(rng, n)]
     for length in (16, 1_500, 3_000):
         cached = {b.id: rng.randint(0, length - 1) for b in snapshots if rng.random() < 0.5}
-        request = RequestProfile("r", length, 64, cached_tokens=cached)
+        reuse = {b.id: rng.random() for b in snapshots if rng.random() < 0.3}
+        request = RequestProfile("r", length, 64, cached_tokens=cached, evicted_reuse=reuse)
         policy = MarginalDelay(rng=random.Random(7))   # the draw among near ties: the same as below
         decision = policy.choose(request, snapshots, now=0.0)
         expected = [policy.cost(request, b) for b in snapshots]

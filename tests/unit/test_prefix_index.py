@@ -272,3 +272,34 @@ def test_token_ids_with_image_placeholders_differ_by_the_images_content() -> Non
 def test_an_image_input_carries_its_content_digest() -> None:
     a, b = ImageInput(b"png-a", 32, 32, "PNG", 576), ImageInput(b"png-b", 32, 32, "PNG", 576)
     assert a.digest == content_digest(b"png-a") == ImageInput(b"png-a", 64, 64, "PNG", 10).digest != b.digest
+
+
+def test_evicted_blocks_asked_for_again_make_a_full_backend_costly_to_fill() -> None:
+    """ρ_i: of the blocks a backend evicted, the share a later prompt brought back (routed anywhere); a
+    backend is listed in the queries' `reuse` only while its cache is full."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("a", 4 * 16)
+    index.add_backend("b", 100 * 16)
+    first, second = index.hashes(text("a", "b", "c"), (), 100), index.hashes(text("d", "e", "f"), (), 100)
+    index.record(index.lookup(first, "", 100), "a", 4 * 16)
+    assert index.lookup(second, "", 100).reuse == {}   # not full: a prompt there evicts nothing
+    index.record(index.lookup(second, "", 100), "a", 4 * 16)   # evicts the first prompt's last two blocks
+    assert index.evicted_reuse("a") == 0.0
+    assert index.lookup(first, "", 100).reuse == {}    # full, but nothing evicted was asked for again
+    index.record(index.lookup(first, "", 100), "b", 100 * 16)   # both come back, on another backend
+    assert index.evicted_reuse("a") == 1.0
+    assert index.lookup(second, "", 100).reuse == {"a": 1.0}
+    assert index.describe("a")["evicted_reuse"] == 1.0
+    assert index.evicted_reuse("b") == 0.0   # b has evicted nothing
+
+
+def test_distinct_prompts_evict_blocks_nobody_asks_for_again() -> None:
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("a", 8 * 16)
+    for k in range(40):
+        blocks = index.hashes("".join(f"{k:04d}-{j:059d}" for j in range(3)), (), 60)
+        query = index.lookup(blocks, "", 60)
+        assert query.reuse == {}
+        index.record(query, "a", 8 * 16)
+    assert index.describe("a")["blocks"] == 8
+    assert index.evicted_reuse("a") == 0.0

@@ -22,7 +22,7 @@ slack, +inf where it has fewer.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -156,6 +156,16 @@ class Candidates(tuple[BackendSnapshot, ...]):
         if self._rows is None:
             self._rows = {bid: k for k, bid in enumerate(self.ids)}
         return self._rows
+
+    def column_of(self, values: Mapping[str, float]) -> FloatArray:
+        """A per-backend figure of the request (its cached tokens on some backends, say) as a column:
+        each candidate's value in its row, 0 where absent."""
+        rows = self.rows
+        column = np.zeros(len(self))
+        for bid, value in values.items():
+            if (k := rows.get(bid)) is not None:
+                column[k] = value
+        return column
 
     @property
     def columns(self) -> FloatArray:

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 Role = Literal["language", "vision", "both"]
 NO_CACHED_TOKENS: Mapping[str, int] = MappingProxyType({})
+NO_EVICTED_REUSE: Mapping[str, float] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -86,6 +87,9 @@ class RequestProfile:
     # Per vision backend id, the image tokens of r whose embeddings it is predicted to hold
     # (gateway.routing.encoder_index): those it would not encode. Absent: none.
     cached_image_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHED_TOKENS)
+    # Per backend id whose prefix cache is full, ρ_i: the share of the blocks it evicted lately that later
+    # prompts asked for again (gateway.routing.prefix_index). Absent: 0 (placing r there costs no one).
+    evicted_reuse: Mapping[str, float] = field(default_factory=lambda: NO_EVICTED_REUSE)
 
 
 class CostTerms(NamedTuple):

@@ -15,6 +15,8 @@ sent to backend i:
     κ_i, c_i = i's calibrated stall (`common.calibration`, fitted on its completed requests' decode
               times): a prompt's prefill there stalls every request decoding beside it by
               S_i = κ_i · L_i · p_i + c_i (κ = 1, c = 0 before any fit, or with `calibrate: false`)
+    ρ_i     = the share of the prefix blocks i's cache evicted lately that later prompts asked for again,
+              for a backend whose cache is full (`RequestProfile.evicted_reuse`; 0 otherwise)
     σ_i,k   = the k-th smallest inter-token slack of the requests in flight on i (k ≤ 3,
               `common.itl_slack`, in calibrated stall seconds): the stall it can still take before
               its mean inter-token time passes the target (`routing.itl_target_ms`, 100 ms)
@@ -22,9 +24,10 @@ sent to backend i:
     T_first = (B_i + L_i) · p_i + s_i                         its own time to first token
     T_stall = w_stall · n_i · S_i                              its prefill stalls every request decoding then
     T_itl   = w_itl · #{k : σ_i,k < S_i}                       the requests its prefill would make miss the target
+    T_evict = w_evict · ρ_i · L_i · p_i                        the recomputation its L_i new blocks cause there
     T_dec   = w_decode · f · M · s_i                           its own decode
     T_kv    = max(0, U_i + R − K_i) / K_i · T̄_service(i)      waiting for the cache to turn over
-    cost    = T_first + T_stall + T_itl + T_dec + T_kv + veto · 1[R > K_i]
+    cost    = T_first + T_stall + T_itl + T_evict + T_dec + T_kv + veto · 1[R > K_i]
 
 Why this wins on mixed tiers: prefill and decode speed differ by different factors between tiers
 (an L40S prefills ~5x slower than an H100 but decodes only ~3x slower). T_first + T_stall sends long
@@ -38,6 +41,14 @@ tokens left to generate, not of one with hundreds, so the prompt goes where it b
 A cached prefix enters as the prefill it saves on that backend, h_i · p_i seconds at that backend's
 own speed: a hit on a slow tier is weighed against a miss on a fast one in the units of queueing, and
 affinity gives way, per backend, once B_i · p_i (the queue) costs more than the recomputation saves.
+A full cache is priced too: a prompt placed there evicts as many blocks as it adds, and where the
+evicted blocks are asked for again (ρ_i, measured) that is recomputation another request pays there
+later. Without T_evict the fastest tier takes every new conversation, its cache turns over faster
+than conversations think, and their histories are recomputed. w_evict (16) weighs it far above a
+one-for-one recomputation: ρ_i undercounts (a ghost list only as long as the cache, a block brought
+back on another backend credited to every one that evicted it) and a lost block costs every later
+block of its prompt and the queueing behind it; 16 was picked from 0, 8, 16, 32 and 64 on two seeds of
+the multi-turn replay and checked on three others and the other workloads (docs/ROUTING.md).
 The stall is what each engine really does, not what chunked prefill would do: a prefill-first engine
 stalls its decodes for whole prompts and an extra step each (κ > 1, c of a step), which the
 uncalibrated L · p̂ undercounts by half for short prompts; the slacks' budgets use the decode step
@@ -47,10 +58,10 @@ over capacity-weighted least-outstanding at 0.9x from +1.4 to +2.4 points on the
 (docs/ROUTING.md). Near-equal costs (within `tie_tolerance`, 1%, of the lowest) are a tie, drawn
 with a seeded rng (`seed`, or one injected), so identical backends share sequential requests.
 
-Reads: request.cached_tokens, learned_prefill_s_per_token (falls back to prefill_s_per_token),
+Reads: request.cached_tokens, request.evicted_reuse, learned_prefill_s_per_token (falls back to prefill_s_per_token),
 decode_step_s, in_flight, prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
 kv_reserved_tokens, mean_service_s, itl_slack_s, stall_factor, stall_per_prompt_s. Parameters: w_stall
-(0.2), w_itl (0.8 s a request broken), w_decode (1), output_fraction f (0.5: max_tokens overstates what is
+(0.2), w_itl (0.8 s a request broken), w_evict (16), w_decode (1), output_fraction f (0.5: max_tokens overstates what is
 generated), veto (1e6 s), calibrate (true), tie_tolerance (0.01), seed (0). Pure, O(N); its one state
 is the rng of the draw among ties. `choose` computes the terms as array operations on the candidates' columns
 (`gateway.routing.policies.candidates`), each element the same IEEE arithmetic in the same order as `cost`,
@@ -97,6 +108,7 @@ from gateway.routing.policies.first_token import prefill_stall_s
 class MarginalDelayParams(StrictModel):
     w_stall: float = Field(default=0.2, ge=0)
     w_itl: float = Field(default=0.8, ge=0)
+    w_evict: float = Field(default=16.0, ge=0)
     w_decode: float = Field(default=1.0, ge=0)
     output_fraction: float = Field(default=0.5, gt=0, le=1)
     veto: float = Field(default=1e6, ge=0)
@@ -111,7 +123,7 @@ class MarginalDelay:
 
     def __init__(self, params: MarginalDelayParams | None = None, rng: Draw | None = None) -> None:
         p = params or MarginalDelayParams()
-        self.w_stall, self.w_itl, self.veto = p.w_stall, p.w_itl, p.veto
+        self.w_stall, self.w_itl, self.w_evict, self.veto = p.w_stall, p.w_itl, p.w_evict, p.veto
         self.decode_share = p.w_decode * p.output_fraction
         self.calibrate, self.tie_tolerance = p.calibrate, p.tie_tolerance
         self.rng = rng or random.Random(p.seed)
@@ -127,11 +139,7 @@ class MarginalDelay:
         reserve = length + new_tokens
         fresh: float | npt.NDArray[np.float64] = length   # L_i: the tokens each candidate would prefill
         if request.cached_tokens:   # a few backends hold a prefix: their rows only
-            rows = chosen.rows
-            fresh = np.full(len(chosen), float(length))
-            for bid, hit in request.cached_tokens.items():
-                if (k := rows.get(bid)) is not None:
-                    fresh[k] = length - hit
+            fresh = length - chosen.column_of(request.cached_tokens)
         p, step, capacity, in_flight = c[SPEED_PREFILL], c[DECODE_STEP], c[KV_CAPACITY], c[IN_FLIGHT]
         if self.calibrate:
             stall = c[STALL_FACTOR] * (fresh * p) + c[STALL_PER_PROMPT]
@@ -141,6 +149,8 @@ class MarginalDelay:
         slacks = c[ITL_SLACKS]
         if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
             prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
+        if request.evicted_reuse:   # full caches: their rows only (0.0 elsewhere, and x + 0.0 == x)
+            prefill = prefill + self.w_evict * chosen.column_of(request.evicted_reuse) * (fresh * p)
         queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
         over = c[KV_USED] + reserve - capacity
         known = capacity > 0   # K_i reported (0: unknown, no KV terms)
@@ -176,6 +186,8 @@ class MarginalDelay:
         slacks = b.itl_slack_s   # ascending: those below the stall are the first bisect_left
         broken = bisect_left(slacks, stall) if slacks and slacks[0] < stall else 0
         prefill = (b.prefill_backlog_tokens + fresh) * p + step + self.w_stall * stalled * stall + self.w_itl * broken
+        if rho := request.evicted_reuse.get(b.id, 0.0):
+            prefill += self.w_evict * rho * (fresh * p)
         queue = self.decode_share * new_tokens * step
         if capacity:
             used = max(capacity - b.kv_free_bytes // kv_per_token, b.kv_reserved_tokens)
