@@ -166,9 +166,10 @@ def start_peers(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str])
     return out
 
 
-def gateway_config(engines: Engines, scrape: bool, prefix_cache: bool = True) -> dict[str, Any]:
+def gateway_config(engines: Engines, scrape: bool, routing: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`routing`: settings of gateway.routing (none: its defaults)."""
     tiers = dict(CLUSTER)
-    return {"model": MODEL, **({} if prefix_cache else {"gateway": {"routing": {"prefix_cache": {"enabled": False}}}}),
+    return {"model": MODEL, **({"gateway": {"routing": routing}} if routing else {}),
             "backends": [
         {"id": eid, "kind": "openai", "role": "language", "gpu": tiers[eid], "address": url,
          **({"scrape": {"engine": "vllm"}} if scrape else {"agent": True})}
@@ -180,11 +181,11 @@ def start_gateways(stack: ExitStack, tmp: Path, engines: Engines, policies: list
 
 
 def start_gateway(stack: ExitStack, tmp: Path, engines: Engines, name: str, policy: str,
-                  prefix_cache: bool = True) -> Target:
-    """One gateway scraping the engines; `prefix_cache` False: cache-aware routing off in its config."""
+                  routing: dict[str, Any] | None = None) -> Target:
+    """One gateway scraping the engines, with these gateway.routing settings."""
     where = tmp / name
     where.mkdir()
-    config = write_config(where, gateway_config(engines, scrape=True, prefix_cache=prefix_cache))
+    config = write_config(where, gateway_config(engines, scrape=True, routing=routing))
     gw = stack.enter_context(run_gateway(config, "--policy", policy))
     return Target(name, gw.url, [gw.process.pid])
 

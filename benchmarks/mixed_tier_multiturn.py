@@ -11,7 +11,8 @@ the next turn would pass the 4,096-token context, or at its first failed turn.
 
 Targets: rr and cwlor (benchmarks/lor_proxy.py), vllm-router and sglang-router with `--policy
 cache_aware` (`vllm-router-ca`, `sglang-router-ca`), and the gateway's default policy with cache-aware
-routing off (`hg-blind`: gateway.routing.prefix_cache.enabled false) and on (`hg-cache`, its default).
+routing off (`hg-blind`: gateway.routing.prefix_cache.enabled false) and on (`hg-cache`, its default),
+and on without the price of filling a full cache (`hg-noevict`: marginal_delay's w_evict 0).
 
 Load: a multiple of the cache-blind capacity, as prefix_affinity.py counts it: each engine alone
 saturated in emulated time with the workload's requests and no cache, summed; conversations arrive at
@@ -80,7 +81,12 @@ from benchmarks.prefix_affinity import DEFAULT_TENANTS, Conversation, conversati
 from benchmarks.prefix_affinity import run as replay
 
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier_multiturn.json"
-TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-cache")
+TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-cache")
+GATEWAYS: dict[str, dict[str, Any]] = {   # the gateway targets: their gateway.routing settings
+    "hg-blind": {"prefix_cache": {"enabled": False}},
+    "hg-noevict": {"params": {DEFAULT_POLICY: {"w_evict": 0.0}}},
+    "hg-cache": {},
+}
 PEERS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca")
 SIZING_CONVERSATIONS = 300   # prefix_affinity.request_sizes' default: the conversations the capacity is measured on
 
@@ -302,9 +308,9 @@ def main(args: argparse.Namespace) -> int:
         rates = engines.rates
         targets = start_proxies(stack, Path(tmp), engines, set(wanted))
         targets += start_peers(stack, Path(tmp), engines, set(wanted))
-        for name, on in (("hg-blind", False), ("hg-cache", True)):
+        for name, routing in GATEWAYS.items():
             if name in wanted:
-                targets.append(start_gateway(stack, Path(tmp), engines, name, DEFAULT_POLICY, prefix_cache=on))
+                targets.append(start_gateway(stack, Path(tmp), engines, name, DEFAULT_POLICY, routing))
         targets.sort(key=lambda t: wanted.index(t.name))
         print(f"cache-blind capacity {', '.join(f'seed {s}: {c:.1f}' for s, c in capacity.items())} req/s, "
               f"turns a conversation {', '.join(f'{sizing[s][1]:.2f}' for s in seeds)}; "
