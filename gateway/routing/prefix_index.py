@@ -124,6 +124,11 @@ class _Backend:
     def source(self) -> Source:
         return "engine" if self.reported_queries else "estimate"
 
+    @property
+    def reuse(self) -> float:
+        """ρ_i: of the blocks it evicted lately, the share later prompts asked for again."""
+        return min(1.0, self.wanted / self.evicted) if self.evicted else 0.0
+
 
 class PrefixIndex:
     def __init__(self, block_tokens: int = INDEX_BLOCK_TOKENS, max_blocks_per_backend: int = 1 << 20) -> None:
@@ -280,15 +285,14 @@ class PrefixIndex:
     def _rate(self, b: _Backend) -> None:
         """ρ_i listed while b's cache is full (a new prompt there evicts as much as it adds)."""
         if b.lru.capacity and len(b.lru) >= b.lru.capacity and b.evicted >= MIN_EVICTED_SHARE * b.kv_blocks:
-            if rho := min(1.0, b.wanted / b.evicted):
+            if rho := b.reuse:
                 self._reuse[b.id] = rho
                 return
         self._reuse.pop(b.id, None)
 
     def evicted_reuse(self, backend_id: str) -> float:
         """ρ_i: of the blocks backend i evicted lately, the share later prompts asked for again."""
-        b = self._backends[backend_id]
-        return min(1.0, b.wanted / b.evicted) if b.evicted else 0.0
+        return self._backends[backend_id].reuse
 
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
         """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: it reports none)."""
