@@ -33,6 +33,8 @@ docs/ROUTING.md quotes.
 --workload multiturn: shared-prefix conversations on the same engines with prefix caches, against
 rr, cwlor, vllm-router and sglang-router with `--policy cache_aware` and the gateway with and without
 cache-aware routing (benchmarks/mixed_tier_multiturn.py; benchmarks/results/mixed_tier_multiturn.json).
+--workload hotprefix: the hot-prefix stress (one tenant's system prompt in 80% of single requests) on
+the same engines (benchmarks/results/mixed_tier_hotprefix.json).
 """
 
 from __future__ import annotations
@@ -407,12 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=None,
                    help="requests of each target's unscored first run (default 200; multiturn: conversations of "
                         "each gateway's, default 40)")
-    p.add_argument("--workload", choices=("mixed", "multiturn"), default="mixed",
+    p.add_argument("--workload", choices=("mixed", "multiturn", "hotprefix"), default="mixed",
                    help="mixed: the distinct-prompt mix above; multiturn: shared-prefix conversations on engines "
-                        "with prefix caches (benchmarks/mixed_tier_multiturn.py)")
+                        "with prefix caches (benchmarks/mixed_tier_multiturn.py); hotprefix: one tenant's prefix "
+                        "in 80%% of single requests, on the same engines")
     p.add_argument("--loads", type=float, nargs="+", default=None,
-                   help="fractions of capacity (default: 0.6 0.9 1.0; multiturn: 0.9 1.5 of the cache-blind one)")
-    p.add_argument("--sessions", type=int, default=150, help="multiturn: conversations per run")
+                   help="fractions of capacity (default: 0.6 0.9 1.0; multiturn: 0.9 1.5 of the cache-blind one; "
+                        "hotprefix: 1.0 2.5)")
+    p.add_argument("--sessions", type=int, default=None,
+                   help="multiturn: conversations per run (default 150); hotprefix: requests per run (default 600)")
     p.add_argument("--no-oracle", dest="oracle", action="store_false",
                    help="multiturn: skip the virtual-time reference (prefix_affinity.py's hg-cache and hg-oracle)")
     p.add_argument("--out", type=Path, help="results file (default: benchmarks/results/mixed_tier[_multiturn].json)")
@@ -422,11 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", help="run only these targets (names as in the table)")
     p.add_argument("--policies", nargs="+", help="gateway policies to run (default: every language policy)")
     args = p.parse_args(argv)
-    if args.workload == "multiturn":
+    if args.workload in ("multiturn", "hotprefix"):
         from benchmarks import mixed_tier_multiturn  # it builds on this module's set-up
 
-        args.loads = args.loads or [0.9, 1.5]
-        args.warmup = 40 if args.warmup is None else args.warmup
+        multiturn = args.workload == "multiturn"
+        args.loads = args.loads or ([0.9, 1.5] if multiturn else [1.0, 2.5])
+        args.sessions = args.sessions or (150 if multiturn else 600)
+        args.warmup = (40 if multiturn else 200) if args.warmup is None else args.warmup
         return mixed_tier_multiturn.main(args)
     args.loads = args.loads or [0.6, 0.9, 1.0]
     args.warmup = 200 if args.warmup is None else args.warmup

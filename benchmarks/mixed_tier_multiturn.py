@@ -1,4 +1,5 @@
-"""The mixed-tier benchmark's shared-prefix chat, live: `python -m benchmarks mixed-tier --workload multiturn`.
+"""The mixed-tier benchmark's shared-prefix chat, live: `python -m benchmarks mixed-tier --workload multiturn`
+(or `--workload hotprefix`).
 
 The eight emulated engines of benchmarks/mixed_tier.py with vLLM-like prefix caching
 (`emulated_engine.py --prefix-caching`), and real clients holding conversations: the workload of
@@ -8,6 +9,10 @@ Poisson. Each conversation's next turn is its system prompt, every earlier user 
 assistant reply the client actually received (the streamed content), and the new message; it is sent
 an exponential think time (mean 3 s) after the reply's last token, and a conversation ends early where
 the next turn would pass the 4,096-token context, or at its first failed turn.
+`--workload hotprefix` runs prefix_affinity.py's hot-prefix stress instead: single requests, 80% of them
+one tenant's 2,400-token system prompt and a question of their own, the others distinct prompts of the
+mixed-tier mix (--sessions is then the requests of a run); its targets are goodput >= cwlor's and no
+engine above 2x its capacity share of the requests.
 
 Targets: rr and cwlor (benchmarks/lor_proxy.py), vllm-router and sglang-router with `--policy
 cache_aware` (`vllm-router-ca`, `sglang-router-ca`), and the gateway's default policy with cache-aware
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import os
 import signal
@@ -80,7 +86,7 @@ from benchmarks.mixed_workload import Request, queue_rate
 from benchmarks.prefix_affinity import DEFAULT_TENANTS, Conversation, conversations, request_sizes, tenants
 from benchmarks.prefix_affinity import run as replay
 
-RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier_multiturn.json"
+RESULTS = ROOT / "benchmarks" / "results"   # mixed_tier_<workload>.json
 TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-cache")
 GATEWAYS: dict[str, dict[str, Any]] = {   # the gateway targets: their gateway.routing settings
     "hg-blind": {"prefix_cache": {"enabled": False}},
@@ -93,19 +99,23 @@ SIZING_CONVERSATIONS = 300   # prefix_affinity.request_sizes' default: the conve
 
 # -- the workload --------------------------------------------------------------------------------
 
-def blind_capacity(seed: int, prompts: list[str]) -> tuple[dict[str, float], float]:
+def blind_capacity(workload: str, seed: int, prompts: list[str]) -> tuple[dict[str, float], float]:
     """(tier -> saturated requests/s without a cache, turns per conversation) for prefix_affinity's seed."""
-    sizes = request_sizes("multiturn", 99 + seed, prompts, SIZING_CONVERSATIONS)
+    sizes = request_sizes(workload, 99 + seed, prompts, SIZING_CONVERSATIONS)
     rates = {tier: queue_rate(TIERS[tier], sizes) for tier in {t for _, t in CLUSTER}}
     return rates, len(sizes) / SIZING_CONVERSATIONS
 
 
-def salted(prompts: list[str], run: int) -> list[str]:
-    """The tenants' system prompts led by a tag naming the run, as long as before (cut at the end): every
-    prompt's block chain starts there, so no router's memory of an earlier run (the same conversations at
-    another load, or another round's) matches this one's, and the engines, emptied, match nothing either."""
+def salted(convs: list[Conversation], run: int) -> list[Conversation]:
+    """The conversations' system prompts led by a tag naming the run, as long as before (cut at the end):
+    every prompt's block chain starts there, so no router's memory of an earlier run (the same
+    conversations at another load, or another round's) matches this one's, and the engines, emptied,
+    match nothing either."""
     tag = f"run{run:05d}-"
-    return [tag + p[:-len(tag)] for p in prompts]
+    for c in convs:
+        if c.system:
+            c.system = tag + c.system[:-len(tag)]
+    return convs
 
 
 def body(c: Conversation) -> bytes:
@@ -165,6 +175,13 @@ def reset_prefix_caches(engines: Engines) -> None:
             pass
 
 
+def largest_share(outcomes: list[Outcome], rates: dict[str, float]) -> float:
+    """The largest engine's share of the requests over its share of the capacity."""
+    counts = collections.Counter(o.engine for o in outcomes if not o.error)
+    total, capacity = sum(counts.values()), sum(rates.values())
+    return max(counts[e] / total / (rates[e] / capacity) for e in rates) if total else 0.0
+
+
 def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]], time_scale: float) -> dict[str, Any]:
     """One scored run of `t`: cold caches, the conversations `make` builds, the engines' counters around it."""
     convs = make()
@@ -182,14 +199,15 @@ def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]],
         "requests": len(outcomes), "conversations": len(convs), "wall_s": wall,
         "prefix_queries": queries, "prefix_hits": hits, "hit_rate": hits / queries if queries else 0.0,
         "prefilled_per_request": (queries - hits) / len(outcomes), "router_cores": cpu / wall,
+        "max_engine_over_capacity_share": largest_share(outcomes, engines.rates),
         "router_cpu_ms_per_req": cpu / len(outcomes) * 1000}
 
 
 # -- the virtual-time reference ------------------------------------------------------------------
 
-def replay_reference(seeds: list[int], loads: list[float], sessions: int) -> list[dict[str, Any]]:
+def replay_reference(workload: str, seeds: list[int], loads: list[float], sessions: int) -> list[dict[str, Any]]:
     """prefix_affinity.py's hg-cache and hg-oracle on the same seeds, loads and conversations, no warm-up."""
-    rows, _ = replay(["multiturn"], ["hg-cache", "hg-oracle"], seeds, loads, sessions, 0, 0, DEFAULT_TENANTS, 0.2,
+    rows, _ = replay([workload], ["hg-cache", "hg-oracle"], seeds, loads, sessions, sessions, 0, DEFAULT_TENANTS, 0.2,
                      log=lambda line: print("replay", line, flush=True))
     return rows
 
@@ -197,7 +215,7 @@ def replay_reference(seeds: list[int], loads: list[float], sessions: int) -> lis
 # -- tables --------------------------------------------------------------------------------------
 
 KEYS = ("goodput", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "hit_rate",
-        "prefilled_per_request", "requests", "router_cores")
+        "prefilled_per_request", "requests", "router_cores", "max_engine_over_capacity_share")
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -223,8 +241,9 @@ def table(summary: dict[str, dict[str, dict[str, Any]]], loads: list[str],
           oracle: dict[str, dict[str, float]]) -> str:
     order = ("H100", "A100-80GB", "L40S")
     lines = ["| load | target | goodput (range) | TTFT p50 / p90 / p99 s | ITL p50 / p99 ms | hit rate "
-             "| prefilled tokens / request | tier shares (H100 / A100 / L40S) | errors | router cores | rounds |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| prefilled tokens / request | tier shares (H100 / A100 / L40S) | max engine / capacity share "
+             "| errors | router cores | rounds |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for load in loads:
         for target, cells in summary.items():
             c = cells.get(load)
@@ -236,17 +255,19 @@ def table(summary: dict[str, dict[str, dict[str, Any]]], loads: list[str],
                 f"| {load} | {target} | {c['goodput']:.1%} ({min(g):.1%}-{max(g):.1%}) "
                 f"| {c['ttft_p50_s']:.2f} / {c['ttft_p90_s']:.2f} / {c['ttft_p99_s']:.2f} "
                 f"| {c['itl_p50_ms']:.0f} / {c['itl_p99_ms']:.0f} | {c['hit_rate']:.1%} "
-                f"| {c['prefilled_per_request']:.0f} | {shares} | {c['errors']} | {c['router_cores']:.2f} "
+                f"| {c['prefilled_per_request']:.0f} | {shares} | {c['max_engine_over_capacity_share']:.2f} "
+                f"| {c['errors']} | {c['router_cores']:.2f} "
                 f"| {c['rounds']} |")
         for name, rate in sorted(oracle.get(load, {}).items()):
-            lines.append(f"| {load} | *replay {name}* | | | | {rate:.1%} | | | | | |")
+            lines.append(f"| {load} | *replay {name}* | | | | {rate:.1%} | | | | | | |")
     return "\n".join(lines)
 
 
 def targets_met(summary: dict[str, dict[str, dict[str, Any]]], loads: list[str],
                 oracle: dict[str, dict[str, float]], ours: str = "hg-cache") -> list[dict[str, Any]]:
     """The issue's targets at each load: goodput >= the best peer's, TTFT p90 <= 0.5x sglang-router
-    cache_aware's, hit rate within 5 points of the (replayed) oracle's."""
+    cache_aware's, hit rate within 5 points of the (replayed) oracle's (multiturn); goodput >= cwlor's and
+    no engine above 2x its capacity share (hotprefix)."""
     out = []
     for load in loads:
         c = summary.get(ours, {}).get(load)
@@ -261,6 +282,11 @@ def targets_met(summary: dict[str, dict[str, dict[str, Any]]], loads: list[str],
         if "sglang-router-ca" in peers:
             theirs = peers["sglang-router-ca"]["ttft_p90_s"]
             row["ttft_p90"] = {"ours": c["ttft_p90_s"], "sglang_ca": theirs, "met": c["ttft_p90_s"] <= 0.5 * theirs}
+        if "cwlor" in peers:
+            row["vs_cwlor"] = {"ours": c["goodput"], "cwlor": peers["cwlor"]["goodput"],
+                               "met": c["goodput"] >= peers["cwlor"]["goodput"]}
+        row["max_engine_over_capacity_share"] = {"ours": c["max_engine_over_capacity_share"],
+                                                 "met": c["max_engine_over_capacity_share"] <= 2.0}
         if "hg-oracle" in oracle.get(load, {}):
             o = oracle[load]["hg-oracle"]
             row["hit_rate"] = {"ours": c["hit_rate"], "replay_oracle": o, "met": c["hit_rate"] >= o - 0.05}
@@ -273,11 +299,11 @@ def main(args: argparse.Namespace) -> int:
     wanted = list(TARGETS if not args.only else [t for t in TARGETS if t in args.only])
     seeds = [k + 1 for k in range(args.rounds)]
     prompts = {s: tenants(s, DEFAULT_TENANTS) for s in seeds}
-    sizing = {s: blind_capacity(s, prompts[s]) for s in seeds}
+    sizing = {s: blind_capacity(args.workload, s, prompts[s]) for s in seeds}
     capacity = {s: sum(sizing[s][0][tier] for _, tier in CLUSTER) * args.time_scale for s in seeds}
     runs: list[dict[str, Any]] = []
     # the reference first (a minute of CPU), so that every partial results file has it
-    reference = replay_reference(seeds, args.loads, args.sessions) if args.oracle else []
+    reference = replay_reference(args.workload, seeds, args.loads, args.sessions) if args.oracle else []
     oracle = oracle_rates(reference)
     loads = [f"{x}x" for x in args.loads]
 
@@ -291,8 +317,8 @@ def main(args: argparse.Namespace) -> int:
             print(text)
             for row in met:
                 print(row["load"], {k: v for k, v in row.items() if k != "load"})
-        save_report(args.out or RESULTS, {
-            "wall_s": time.monotonic() - started, "complete": complete, "workload": "multiturn",
+        save_report(args.out or RESULTS / f"mixed_tier_{args.workload}.json", {
+            "wall_s": time.monotonic() - started, "complete": complete, "workload": args.workload,
             "rounds": len({r["round"] for r in runs}), "conversations_per_run": args.sessions, "loads": args.loads,
             "time_scale": args.time_scale, "capacity_rps": capacity,
             "turns_per_conversation": {s: sizing[s][1] for s in seeds}, "engine_rates": rates,
@@ -320,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
 
         def make(seed: int, load: float, n: int, conv_seed: int) -> Callable[[], list[Conversation]]:
             rate = load * capacity[seed] / sizing[seed][1]
-            return lambda: conversations("multiturn", n, rate, conv_seed, salted(prompts[seed], next(salts)))
+            return lambda: salted(conversations(args.workload, n, rate, conv_seed, prompts[seed]), next(salts))
 
         with paused(targets):
             for t in targets:
