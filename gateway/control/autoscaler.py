@@ -192,8 +192,9 @@ class Scaler:
         self._observe(st, d, wanted, capacity, now)
         reason = ""
         if st.high_since is not None and st.high_load_s >= self._up_delay_s and desired < ceiling:
-            target, reason = self._step_up(scaling, st, d, wanted, capacity, now)
-            desired = min(max(target, desired), ceiling)
+            target, why = self._step_up(scaling, st, d, wanted, capacity, now)
+            if min(target, ceiling) > desired:   # not a step already asked for (export mode: nothing applies it)
+                desired, reason = min(target, ceiling), why
         elif desired > floor:
             fewer, reason = self._step_down(scaling, st, d, wanted, now, min(scaling.max_step, desired - floor))
             desired -= fewer

@@ -141,6 +141,15 @@ def test_engines_starting_count_as_capacity_no_second_step_unless_demand_outgrow
     assert run(other, clock, 11, burst(1, 1, 8000, leaving=1))[-1] == 2
 
 
+def test_a_step_nothing_applies_is_asked_for_once() -> None:
+    """Export mode: the engines do not follow the desired count; the scaler keeps asking for the same
+    step without deciding it again."""
+    clock = FakeClock()
+    scaler = Scaler(config(), clock)
+    decisions = [scaler.decide(vision(1, 8000))["vision"] for clock.now in range(1, 40)]
+    assert [d.desired for d in decisions][-1] == 2 and sum(bool(d.reason) for d in decisions) == 1
+
+
 def test_never_above_max_or_the_inventory() -> None:
     clock = FakeClock()
     scaler = Scaler(config(), clock)
