@@ -24,8 +24,9 @@ Pool = Literal["language", "vision"]
 
 
 class PoolScaling(StrictModel):
-    """One pool's bounds, inventory and marks. A pool's pressure is its largest signal over that
-    signal's high mark: at 1 or more demand is high, at `low_mark` or less it is low."""
+    """One pool's bounds, inventory and marks. A pool's need is its largest signal over that signal's
+    high mark, in engines: at or above the engines it has, demand is high; averaged over the down delay
+    and spread over one engine fewer, at `low_mark` or less, that engine may go."""
 
     min: NonNegativeInt = 1
     max: PositiveInt
@@ -33,8 +34,8 @@ class PoolScaling(StrictModel):
     gpus: list[str] = Field(default_factory=list)
     # the managed backend whose entry new engines copy (default: the pool's first managed `kind: engine`)
     template: str | None = None
-    low_mark: float = Field(default=0.3, ge=0, lt=1)
-    max_step: PositiveInt = 4   # engines one step up may add (a step down removes one)
+    low_mark: float = Field(default=0.3, ge=0, lt=1)   # the load the engines left may carry, of their high mark
+    max_step: PositiveInt = 4   # engines one step may add or remove
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolScaling:
@@ -62,9 +63,10 @@ class ScaledPools(StrictModel):
 class AutoscalingConfig(StrictModel):
     mode: Literal["off", "manage", "export"] = "off"
     interval_s: PositiveFloat = 1.0     # demand is read and the decision made this often
-    up_delay_s: float = Field(default=10.0, ge=0)      # demand above the high mark this long: a step up
-    down_delay_s: float = Field(default=120.0, ge=0)   # below the low mark this long: one engine fewer
-    # a step up is sized for the need this far ahead, at the rate it grew during the up delay (about an
+    # demand above the high mark this long (at a need just above the engines; a need n times them: 1/n of it)
+    up_delay_s: float = Field(default=10.0, ge=0)
+    down_delay_s: float = Field(default=60.0, ge=0)    # the window averaged before engines go
+    # a step up is sized for the need this far ahead, at the rate it grew during its high spell (about an
     # engine's start-up: what arrives while the new engines load waits for them); 0: the need as measured
     lookahead_s: float = Field(default=30.0, ge=0)
     pools: ScaledPools = ScaledPools()

@@ -7,16 +7,19 @@ Three parts:
   image tokens waiting; language: prefill backlog tokens, requests held or queued, and the serving
   engines times the best engine's predicted time to first token over the SLO); its pressure is the need
   per serving engine. Need at or above the capacity (the serving engines plus those the scaler added
-  that are still starting) for `up_delay_s` gives, in one step, the engines that bring the pressure under
-  1, at most `max_step`: a burst is met at once, not one engine per start-up. The step is sized for the
-  need `lookahead_s` later (about an engine's start-up) at the rate it grew during the delay, since what
-  arrives while the new engines load waits for them. Engines on their way count as capacity, so while
-  they start no other step is taken unless the need grows beyond them. Pressure at `low_mark` or less
-  for `down_delay_s`, with no step settling (an added engine not yet healthy, a removed one still
-  draining), gives one engine fewer, if the engines left would stay under the high mark. Each step
-  starts both delays again, so a blip shorter than the delay changes nothing. The count stays between
-  the pool's `min` and `max`, never above what the inventory's GPUs allow nor below the engines the
-  scaler may not remove.
+  that are still starting) starts a high spell; once the spell's need over the capacity, summed over its
+  seconds, reaches `up_delay_s` (the plain delay at a need just above the capacity, a fifth of it at
+  five times: a surge is met at once, a short or small blip is not), one step gives the engines that
+  bring the pressure under 1, at most `max_step`: a burst is met at once, not one engine per start-up.
+  The step is sized for the need `lookahead_s` later (about an engine's start-up) at the rate it grew
+  during the spell, since what arrives while the new engines load waits for them. Engines on their way
+  count as capacity, so while they start no other step is taken unless the need grows beyond them. One
+  engine fewer when the need averaged over the last `down_delay_s` (no step settling in that time: an
+  added engine not yet healthy, a removed one still draining), spread over the engines left, is at
+  `low_mark` or less and the need now fits on them: the load after the removal decides, so a large pool
+  sheds an engine its others can cover and a spike in a calm minute counts for its share. Each step
+  starts both delays again. The count stays between the pool's `min` and `max`, never above what the
+  inventory's GPUs allow nor below the engines the scaler may not remove.
 - `pool_demand`, pure too: a pool's `PoolDemand` as a state table shows it, with what only the caller
   knows (requests waiting at admission, its own steps under way, the GPUs it may add and engines it may
   remove). The loop below and the bursty benchmark's simulator (loadtest/planner/autoscaled.py) both
@@ -25,7 +28,7 @@ Three parts:
   and the admission queue, asks the scaler, and in `manage` mode applies the step through
   gateway/control/fleet.py: a copy of the pool's template backend on each of the next free GPUs of the
   inventory the step asks for, or the removal (drain first: no new requests, those in flight finish; then the engine
-  stops) of the engine it added last. It removes only engines it added. In both modes /metrics carries
+  stops) of the engines it added last. It removes only engines it added. In both modes /metrics carries
   `heterogate_pool_desired_replicas{pool}`, `heterogate_pool_replicas{pool}` and
   `heterogate_pool_pressure{pool}`, for an autoscaler outside the gateway (deploy/k8s/keda-scaledobject.yaml).
 """
@@ -37,9 +40,9 @@ import contextlib
 import itertools
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -130,19 +133,39 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
 @dataclass
 class _PoolState:
     desired: int | None = None
+    last: float | None = None        # the previous decision's clock
     high_since: float | None = None
-    high_need: float = 0.0      # the need when the high spell began: its growth over the spell
-    low_since: float | None = None
+    high_need: float = 0.0           # the need when the high spell began: its growth over the spell
+    high_load_s: float = 0.0         # the spell's pressure on the capacity, integrated over its seconds
+    calm: deque[float] = field(default_factory=deque)   # the need at each tick since the last step settled
+    calm_since: float | None = None
+
+    def end_high(self) -> None:
+        self.high_since, self.high_load_s = None, 0.0
+
+    def end_calm(self) -> None:
+        self.calm_since = None
+        self.calm.clear()
+
+    def restart(self) -> None:
+        """A step was taken: both delays start again."""
+        self.end_high()
+        self.end_calm()
 
 
 class Scaler:
-    """The decisions, from demand snapshots and an injected clock (no I/O)."""
+    """The decisions, from demand snapshots and an injected clock (no I/O); the rules are the module
+    docstring's. Why these: a fixed up delay makes a burst queue for the time that filters blips, and a
+    fixed low mark on the engines there now keeps an engine whose share the others could carry (and
+    restarts its delay at every spike of backlog); the pressure-seconds and the average load after the
+    removal answer both with the same two delays."""
 
     def __init__(self, config: AutoscalingConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = config.scaled()
         self._up_delay_s = config.up_delay_s
         self._down_delay_s = config.down_delay_s
         self._lookahead_s = config.lookahead_s
+        self._interval_s = config.interval_s
         self._clock = clock
         self._state = {pool: _PoolState() for pool in self._pools}
 
@@ -164,39 +187,78 @@ class Scaler:
         floor = min(scaling.min if d.removable is None else max(scaling.min, d.engines - d.removable), reachable)
         ceiling = max(min(scaling.max, reachable), floor)
         desired = min(max(d.engines if st.desired is None else st.desired, floor), ceiling)
-        wanted, p = need(scaling, d), pressure(scaling, d)
+        wanted = need(scaling, d)
         capacity = d.serving + d.arriving      # engines on their way count: no second step for the same demand
-        if wanted > 0 and wanted >= capacity:
-            st.low_since = None
-            if st.high_since is None:
-                st.high_since, st.high_need = now, wanted
-        elif d.arriving or d.leaving:
-            st.high_since = st.low_since = None   # the down delay starts again once the step settled
-        elif p <= scaling.low_mark:
-            st.high_since = None
-            st.low_since = now if st.low_since is None else st.low_since
-        else:
-            st.high_since = st.low_since = None
+        self._observe(st, d, wanted, capacity, now)
         reason = ""
-        if st.high_since is not None and now - st.high_since >= self._up_delay_s and desired < ceiling:
-            # the fewest engines under the high mark for the need `lookahead_s` on, at its growth over the spell
-            spell = now - st.high_since
-            growth = max(wanted - st.high_need, 0.0) / spell if spell > 0 else 0.0
-            ahead = wanted + growth * self._lookahead_s
-            step = min(math.floor(ahead) + 1 - capacity, scaling.max_step)
-            target = min(d.engines + step, ceiling)
-            if target > desired:
-                desired = target
-                reason = (f"need {wanted:.2f} engines (pressure {p:.2f}), {ahead:.2f} in {self._lookahead_s:g}s, "
-                          f"at or above the {capacity} serving or starting for {spell:.1f}s")
-        elif (st.low_since is not None and now - st.low_since >= self._down_delay_s and desired > floor
-              and (p * d.serving / (d.serving - 1) < 1.0 if d.serving > 1 else p == 0.0)):
-            desired -= 1
-            reason = f"pressure {p:.2f} at or below {scaling.low_mark} for {now - st.low_since:.1f}s"
+        if st.high_since is not None and st.high_load_s >= self._up_delay_s and desired < ceiling:
+            target, why = self._step_up(scaling, st, d, wanted, capacity, now)
+            if min(target, ceiling) > desired:   # not a step already asked for (export mode: nothing applies it)
+                desired, reason = min(target, ceiling), why
+        elif desired > floor:
+            fewer, reason = self._step_down(scaling, st, d, wanted, now, min(scaling.max_step, desired - floor))
+            desired -= fewer
         if reason:
-            st.high_since = st.low_since = None
+            st.restart()
         st.desired = desired
-        return Decision(pool, d.engines, desired, p, reason)
+        return Decision(pool, d.engines, desired, pressure(scaling, d), reason)
+
+    def _observe(self, st: _PoolState, d: PoolDemand, wanted: float, capacity: int, now: float) -> None:
+        """The tick's need into the high spell (need at or above the capacity) or the calm window."""
+        elapsed = now - st.last if st.last is not None else 0.0
+        st.last = now
+        if wanted > 0 and wanted >= capacity:
+            if st.high_since is None:
+                st.high_since, st.high_need, st.high_load_s = now, wanted, 0.0
+            else:
+                st.high_load_s += elapsed * (wanted / capacity if capacity else math.inf)
+        else:
+            st.end_high()
+        if d.arriving or d.leaving:
+            st.end_calm()   # the down delay starts again once the step settled
+            return
+        if st.calm_since is None:
+            st.calm_since = now
+        st.calm.append(wanted)
+        while len(st.calm) > max(1, round(self._down_delay_s / self._interval_s)):
+            st.calm.popleft()
+
+    def _step_up(self, scaling: PoolScaling, st: _PoolState, d: PoolDemand, wanted: float, capacity: int,
+                 now: float) -> tuple[int, str]:
+        """The fewest engines under the high mark for the need `lookahead_s` on, at its growth over the spell."""
+        assert st.high_since is not None
+        spell = now - st.high_since
+        growth = max(wanted - st.high_need, 0.0) / spell if spell > 0 else 0.0
+        ahead = wanted + growth * self._lookahead_s
+        step = min(math.floor(ahead) + 1 - capacity, scaling.max_step)
+        reason = (f"need {wanted:.2f} engines, {ahead:.2f} in {self._lookahead_s:g}s, at or above the "
+                  f"{capacity} serving or starting for {spell:.1f}s (pressure-seconds {st.high_load_s:.1f})")
+        return d.engines + step, reason
+
+    def _step_down(self, scaling: PoolScaling, st: _PoolState, d: PoolDemand, wanted: float, now: float,
+                   most: int) -> tuple[int, str]:
+        """How many engines fewer now, at most `most` (0: none), and why: after a full calm window, the
+        most whose going leaves engines that carry the window's average need at the low mark or less and
+        the need now under the high mark."""
+        if st.calm_since is None or now - st.calm_since < self._down_delay_s or st.high_since is not None:
+            return 0, ""
+        mean = sum(st.calm) / len(st.calm)
+        fewer = 0
+        while fewer < most and _carries(d.serving - fewer - 1, mean, wanted, scaling.low_mark):
+            fewer += 1
+        if not fewer:
+            return 0, ""
+        left = d.serving - fewer
+        return fewer, (f"need {mean:.2f} engines on average over {self._down_delay_s:g}s: "
+                       f"{mean / left if left else 0.0:.2f} on the {left} left, at or below {scaling.low_mark}")
+
+
+def _carries(engines: int, mean: float, wanted: float, low_mark: float) -> bool:
+    """Whether `engines` carry an average need of `mean` at `low_mark` or less and the need now under the
+    high mark (none carry any need)."""
+    if engines < 1:
+        return mean == 0 and wanted == 0
+    return mean / engines <= low_mark and wanted < engines
 
 
 class Autoscaler:

@@ -8,10 +8,11 @@ its own `StateTable`, the shared continuous batcher timed by the roofline model)
   demand with `gateway.control.autoscaler.pool_demand` and decides with `gateway.control.autoscaler.Scaler`,
   the very code the live gateway's loop runs, and applies the step as the live loop does: each new engine
   of the step, of the pool's GPU, is registered `starting` and becomes ready (a candidate) `startup_s`
-  later, the time a real engine takes to load its weights; a removal drains the engine the scaler added last (no new
-  requests; what it holds finishes: queued and running language work, images to encode, requests whose
-  embeddings are on their way) and stops it at the first tick it holds nothing. The pool's first `min`
-  engines are its fixed ones; engines above `min` at the start count as added (the scaler may remove them).
+  later, the time a real engine takes to load its weights; a step down drains the engines the scaler
+  added last (no new requests; what each holds finishes: queued and running language work, images to
+  encode, requests whose embeddings are on their way) and stops each at the first tick it holds nothing.
+  The pool's first `min` engines are its fixed ones; engines above `min` at the start count as added (the
+  scaler may remove them).
 - **what the fleet costs.** An engine is paid from its launch (its start-up included) to its stop, or to
   the run's last completion; GPU-seconds and dollars are summed over engines at the catalog's hourly
   prices, dollars per million output tokens divide them by the tokens the fleet generated.

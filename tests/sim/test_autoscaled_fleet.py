@@ -1,5 +1,5 @@
 """Pools run by the gateway's scaler in the simulator (loadtest/planner/autoscaled.py): an image burst grows
-the vision pool (several engines a step), quiet shrinks it back (one a step), the drain before a stop loses
+the vision pool (several engines a step), quiet shrinks it back (as many as it spares), the drain before a stop loses
 nothing; static pools never change; the bursty benchmark's command runs end to end on a tiny trace."""
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def test_a_burst_grows_the_vision_pool_and_quiet_drains_it_back_losing_nothing()
     assert vision[times < 60].max() == 1                  # light text: one encoder is enough
     assert vision[(times >= 60) & (times < 130)].max() >= 3   # the burst grows the pool
     assert result.steps["vision+"] >= 2 and result.steps["vision-"] >= 2
-    # up by several engines in one step (the default max_step, 4), down by one engine a step
-    assert np.diff(vision).max() == 4 and np.diff(vision).min() == -1
+    # several engines a step both ways (the default max_step, 4): up for the burst, down for what quiet spares
+    assert np.diff(vision).max() == 4 and -4 <= np.diff(vision).min() < -1
     assert vision[-1] == 1                                # back to min once the burst is over
     # the drain before each stop: every request completed, none sent to an engine that was draining
     assert result.lost == 0 and result.outcome.completed == trace.n and result.routed_while_draining == 0

@@ -1,7 +1,9 @@
-"""The scaler's decisions with a fake clock: a pool grows under sustained demand and not on a blip, by as
-many engines as the demand needs in one step (sized for where its growth takes it within lookahead_s;
-within max_step, max and the inventory), counts the engines starting as capacity, and shrinks one engine
-at a time after the down delay."""
+"""The scaler's decisions with a fake clock: a pool grows under sustained demand and not on a blip, the
+sooner the more the demand exceeds its capacity (the up delay counts pressure-seconds), by as many
+engines as the demand needs in one step (sized for where its growth takes it within lookahead_s; within
+max_step, max and the inventory), counts the engines starting as capacity, and shrinks once the load
+averaged over the down delay fits on the engines left, by as many engines as it fits without (within
+max_step)."""
 
 from __future__ import annotations
 
@@ -60,12 +62,12 @@ def test_grows_under_sustained_demand_after_the_delay_not_on_a_blip() -> None:
     clock = FakeClock()
     scaler = Scaler(config(), clock)
     assert scaler.decide(vision(1, 0))["vision"].desired == 1
-    # a blip of 9 s above the mark (4096 image tokens per engine by default) changes nothing
-    assert run(scaler, clock, 9, vision(1, 8000)) == [1] * 9
+    # a blip of 9 s just above the mark (4096 image tokens per engine by default) changes nothing
+    assert run(scaler, clock, 9, vision(1, 4200)) == [1] * 9
     assert run(scaler, clock, 5, vision(1, 100)) == [1] * 5
-    # sustained: after 10 s the engines that bring 8000 tokens under the mark (2); the same demand on
+    # sustained: after 10 s the engines that bring 4200 tokens under the mark (2); the same demand on
     # them asks for nothing more
-    desired = run(scaler, clock, 25, vision(1, 8000))
+    desired = run(scaler, clock, 25, vision(1, 4200))
     assert desired[:10] == [1] * 10 and desired[10:] == [2] * 15   # the 11th tick: 10 s after the first high one
     # as long as the pressure on the engines it has stays at 1 or more, it keeps growing, a step per delay
     grown, engines, sizes = Scaler(config(), clock), 1, []
@@ -73,6 +75,21 @@ def test_grows_under_sustained_demand_after_the_delay_not_on_a_blip() -> None:
         engines = follow(grown, clock, 11, 5000, engines)
         sizes.append(engines)
     assert sizes == [2, 3, 4, 4]   # max 4
+
+
+def test_the_up_delay_shrinks_with_the_pressure_a_surge_at_once_a_spike_not_at_all() -> None:
+    """The spell's pressure on the capacity, integrated, must reach up_delay_s (10 s): five times the
+    capacity steps at the third tick (2 s of it), a spike of three times for two seconds does nothing."""
+    clock = FakeClock()
+    surge, spike = burst(1, 1, 5 * 4096), burst(1, 1, 3 * 4096)
+    assert run(Scaler(config(vision={"min": 1, "max": 8}), clock), clock, 3, surge) == [1, 1, 5]
+    scaler = Scaler(config(), clock)
+    assert run(scaler, clock, 3, spike) + run(scaler, clock, 20, burst(1, 1, 1000)) == [1] * 23
+    # a spike that does not pass leaves no pressure-seconds behind: the next spell starts from nothing
+    assert run(scaler, clock, 4, spike) == [1, 1, 1, 1] and run(scaler, clock, 1, spike) == [4]
+    # with no engine serving nor starting, any demand is a surge: one tick to confirm it
+    empty = Scaler(config(vision={"min": 0, "max": 4}), clock)
+    assert run(empty, clock, 2, burst(0, 0, 100)) == [0, 1]
 
 
 def burst(engines: int, serving: int, tokens: int, **kw: Any) -> dict[Pool, PoolDemand]:
@@ -84,14 +101,14 @@ def test_a_burst_gets_several_engines_in_one_step_within_max_step_max_and_the_in
     wide = {"min": 1, "max": 10, "max_step": 8}
     scaler = Scaler(config(vision=wide), clock)
     surge = burst(1, 1, 5 * 4096 + 100)    # five engines' worth waiting: six bring it under the mark
-    assert run(scaler, clock, 10, surge) == [1] * 10
+    assert run(scaler, clock, 2, surge) == [1] * 2     # five times the capacity: the third tick
     clock.now += 1
     decision = scaler.decide(surge)["vision"]
     assert decision.desired == 6 and "need 5.02" in decision.reason
     for bound, desired in [({"max_step": 2}, 3), ({"max": 4}, 4)]:
         bounded = Scaler(config(vision={**wide, **bound}), clock)
         assert run(bounded, clock, 11, surge)[-1] == desired
-    assert Scaler(config(), clock).decide(surge)["vision"].desired == 1            # the default up delay
+    assert Scaler(config(), clock).decide(surge)["vision"].desired == 1            # the spell's first tick
     inventory = Scaler(config(vision=wide), clock)
     assert run(inventory, clock, 11, burst(1, 1, 5 * 4096 + 100, addable=2, removable=0))[-1] == 3
 
@@ -99,13 +116,14 @@ def test_a_burst_gets_several_engines_in_one_step_within_max_step_max_and_the_in
 def test_a_step_is_sized_for_the_need_lookahead_s_on_at_its_growth_over_the_up_delay() -> None:
     clock = FakeClock()
     wide = config(vision={"min": 1, "max": 10, "max_step": 8})
-    rising = [burst(1, 1, 4096 + 410 * k) for k in range(11)]   # 0.1 engine more a second: 2.0 after 10 s
+    # 0.1 engine more a second: pressure-seconds 1.1 + 1.2 + ... reach 10 at the ninth tick, need 1.8
+    rising = [burst(1, 1, 4096 + 410 * k) for k in range(9)]
     scaler, measured = Scaler(wide, clock), Scaler(wide.model_copy(update={"lookahead_s": 0.0}), clock)
     for demand in rising:
         clock.now += 1
         ahead, now = scaler.decide(demand)["vision"], measured.decide(demand)["vision"]
-    assert now.desired == 3                  # what 2.0 engines' worth needs
-    assert ahead.desired == 6 and "5.00 in 30s" in ahead.reason   # 2.0 + 0.1/s x 30 s
+    assert now.desired == 2                  # what 1.8 engines' worth needs
+    assert ahead.desired == 5 and "4.80 in 30s" in ahead.reason   # 1.8 + 0.1/s x 30 s
 
 
 def test_engines_starting_count_as_capacity_no_second_step_unless_demand_outgrows_them() -> None:
@@ -115,12 +133,21 @@ def test_engines_starting_count_as_capacity_no_second_step_unless_demand_outgrow
     # five engines starting, one serving: the same demand, and more of it below six, adds nothing
     assert run(scaler, clock, 60, burst(6, 1, 5 * 4096 + 100, arriving=5)) == [6] * 60
     assert run(scaler, clock, 30, burst(6, 1, 5 * 4096 + 3000, arriving=5)) == [6] * 30
-    # the burst grows beyond them: after the up delay, the difference
+    # the burst grows beyond them: after the up delay (shortened by its pressure, 7.1 on 6), the difference
     growing = run(scaler, clock, 11, burst(6, 1, 7 * 4096 + 500, arriving=5))
-    assert growing[:10] == [6] * 10 and growing[10] == 8
+    assert growing[:9] == [6] * 9 and growing[9] == 8
     # a removal draining does not hold a step up back either
     other = Scaler(config(), clock)
     assert run(other, clock, 11, burst(1, 1, 8000, leaving=1))[-1] == 2
+
+
+def test_a_step_nothing_applies_is_asked_for_once() -> None:
+    """Export mode: the engines do not follow the desired count; the scaler keeps asking for the same
+    step without deciding it again."""
+    clock = FakeClock()
+    scaler = Scaler(config(), clock)
+    decisions = [scaler.decide(vision(1, 8000))["vision"] for clock.now in range(1, 40)]
+    assert [d.desired for d in decisions][-1] == 2 and sum(bool(d.reason) for d in decisions) == 1
 
 
 def test_never_above_max_or_the_inventory() -> None:
@@ -136,20 +163,47 @@ def test_shrinks_after_the_down_delay_to_min_and_only_what_it_may_remove() -> No
     scaler = Scaler(config(), clock)
     scaler.decide(vision(3, 0))
     desired = run(scaler, clock, 130, vision(3, 0))
-    assert desired[58] == 3 and desired[59] == 2 and desired[119] == 2 and desired[120] == 1 == desired[-1]   # min
-    # one engine at a time, and none while a step settles (an added engine starting, a removed one draining)
+    assert desired[58] == 3 and desired[59] == 1 == desired[-1]   # no demand: to min in one step
+    # as many engines as the load fits without, within max_step: 0.6 engines' worth on 2 left is 0.3
+    for max_step, left in [(4, 2), (2, 4)]:
+        wide = Scaler(config(vision={"min": 1, "max": 6, "max_step": max_step}), clock)
+        wide.decide(vision(6, 410))
+        assert run(wide, clock, 60, vision(6, 400))[-1] == left
+    # none while a step settles (an added engine starting, a removed one draining)
     for settling in (burst(3, 2, 0, arriving=1), burst(3, 3, 0, leaving=1)):
         assert run(Scaler(config(), clock), clock, 200, settling) == [3] * 200
-    # load that the engines left could not carry under the high mark keeps them
+    # what decides is the load on the engines left: 0.29 on one engine fewer may go, 0.59 stays
     held = Scaler(config(), clock)
-    held.decide(vision(2, 1200))   # pressure 0.29, 0.59 on one engine fewer: may go
-    assert run(held, clock, 60, vision(2, 1200))[-1] == 1
-    kept = Scaler(config(**{"vision": {"min": 1, "max": 4, "low_mark": 0.6}}), clock)
-    kept.decide(vision(2, 2400))   # pressure 0.59 under the low mark 0.6, but 1.17 on one engine
-    assert run(kept, clock, 120, vision(2, 2400))[-1] == 2
+    held.decide(vision(2, 600))
+    assert run(held, clock, 60, vision(2, 600))[-1] == 1
+    kept = Scaler(config(), clock)
+    kept.decide(vision(2, 1200))
+    assert run(kept, clock, 120, vision(2, 1200))[-1] == 2
+    # ... and never more than the high mark now, whatever the low mark
+    loose = Scaler(config(vision={"min": 1, "max": 4, "low_mark": 0.9}), clock)
+    loose.decide(vision(2, 2400))   # 1.17 engines' worth: does not fit on one
+    assert run(loose, clock, 120, vision(2, 2400))[-1] == 2
     # in manage mode only the engines the scaler added may go
     own = Scaler(config(), clock)
     assert run(own, clock, 300, vision(3, 0, removable=1))[-1] == 2
+
+
+def test_a_big_pool_sheds_an_engine_its_load_fits_without_and_a_spike_counts_for_its_share() -> None:
+    clock = FakeClock()
+    # the same pressure on every engine (0.25): two engines keep both (0.5 on one), six go to five (0.3 on five)
+    for engines, left in [(2, 2), (6, 5)]:
+        scaler = Scaler(config(vision={"min": 1, "max": 6}), clock)
+        scaler.decide(vision(engines, 1024))
+        assert run(scaler, clock, 60, vision(engines, 1024))[-1] == left
+    # a calm minute with one tick of backlog (1.5 engines' worth, under the two engines' capacity) still
+    # averages low: the engine goes at the end of the window, unless the need at that instant does not fit
+    def calm(spike_at: int) -> int:
+        scaler = Scaler(config(), clock)
+        scaler.decide(vision(2, 100))
+        ticks = iter([burst(2, 2, 6000 if k == spike_at else 200) for k in range(60)])
+        return run(scaler, clock, 60, lambda: next(ticks))[-1]
+    assert calm(30) == 1
+    assert calm(59) == 2
 
 
 def test_below_min_goes_to_min_at_once_and_a_refused_step_settles() -> None:
