@@ -19,6 +19,9 @@ class AdmissionConfig(StrictModel):
     max_waiting: NonNegativeInt = 1024      # 0 = no queue: 429 as soon as everything is saturated
     saturated_queue_depth: PositiveInt = 256  # a backend with Q_i at least this is saturated
     max_wait_s: float = Field(default=30.0, gt=0)
+    # A request that goes past a saturated pool on its tenant's `min_in_flight` goes to the backend where
+    # its first token is predicted soonest, not where the pool's policy would send it (False: the policy's).
+    guaranteed_first_token: bool = True
 
 
 class OverloadConfig(StrictModel):

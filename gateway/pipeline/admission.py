@@ -25,7 +25,10 @@ A request that finds nobody waiting and capacity free is not queued and not char
 its `min_in_flight` requests under way (its guaranteed concurrency, none by default) while no request
 of a higher class waits: it goes at once, past a saturated pool, so a tenant's light traffic does not
 wait for a heavy one's requests to finish. The pool then holds at most the tenants' `min_in_flight`
-beyond the depth limit.
+beyond the depth limit. Such a request is routed to the backend where its first token is predicted
+soonest (`gateway.routing.policies.first_token.SoonestFirstToken`, `guaranteed_first_token`): every
+backend is mid-step then, and its first token comes after that step, its prefill and one decode step
+of the batch there, several times sooner on a fast GPU than on a slow one.
 """
 
 from __future__ import annotations
@@ -118,12 +121,13 @@ class AdmissionQueue:
         return self._waiting
 
     async def wait_for_capacity(self, saturated: Callable[[], bool], deadline: float,
-                                share: Share | None = None) -> None:
-        """Return when not `saturated()` and this request is at the head; raise Overloaded if it can't."""
+                                share: Share | None = None) -> bool:
+        """Return when not `saturated()` and this request is at the head; raise Overloaded if it can't.
+        True: it went at once on its tenant's guaranteed concurrency, past the queue and the pool's depth."""
         if not self._waiting and not saturated():
-            return
+            return False
         if share is not None and self._guaranteed(share.flow):
-            return
+            return True
         share = share or Share(self._default, 1.0)
         if self._waiting >= self.config.max_waiting and not self._push_out(share.flow):
             raise Overloaded(f"every backend is saturated and {self._waiting} requests are already queued")
@@ -146,6 +150,7 @@ class AdmissionQueue:
             if waiter.queued:
                 self._leave(waiter, admitted=False)
             self.notify()
+        return False
 
     def notify(self) -> None:
         """Capacity may have freed up: wake the head of the queue."""

@@ -67,7 +67,7 @@ from gateway.routing.backend_entry import Lease
 from gateway.routing.encoder_index import EncoderIndex
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
-from gateway.routing.policies.first_token import predicted_ttft_s
+from gateway.routing.policies.first_token import SoonestFirstToken, predicted_ttft_s
 from gateway.routing.policies.stealing import stealers
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
@@ -76,6 +76,7 @@ log = structlog.get_logger("pipeline")
 
 # The loop's timers may fire this much before their time (uvloop's count whole milliseconds).
 LOOP_TIMER_RESOLUTION_S = 0.001
+SOONEST_FIRST_TOKEN = SoonestFirstToken()   # how a request that went on its tenant's guarantee is routed
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")
 VISION_ROLES: tuple[Role, ...] = ("vision",)
 
@@ -416,12 +417,13 @@ class Pipeline:
         return candidates
 
     def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
-                       model: str | None = None) -> Decision | None:
-        """Route among the routable candidates whose context holds `context_tokens` (prompt + max_tokens);
-        with the overload queue on, to one that takes the request (`OverloadQueue.route`)."""
+                       model: str | None = None, policy: Policy | None = None) -> Decision | None:
+        """Route among the routable candidates whose context holds `context_tokens` (prompt + max_tokens)
+        by `policy` (the pool's by default); with the overload queue on, to one that takes the request
+        (`OverloadQueue.route`)."""
         now = self.clock()
         candidates = self.routable(now, exclude, model).fitting(context_tokens)
-        return self._decide(self.policy, profile, candidates, now, self.overload) if candidates else None
+        return self._decide(policy or self.policy, profile, candidates, now, self.overload) if candidates else None
 
     def _admitted(self, profile: RequestProfile, context_tokens: int, model: str | None) -> Decision | None:
         """The first attempt's decision when the request may go at once: it finds nobody waiting in the
@@ -485,11 +487,13 @@ class Pipeline:
         if admitted is None:
             waiting = self.clock()
             try:
-                await self.admission.wait_for_capacity(functools.partial(self.saturated, job.model), deadline,
-                                                       ticket.share)
+                guaranteed = await self.admission.wait_for_capacity(
+                    functools.partial(self.saturated, job.model), deadline, ticket.share)
             finally:
                 if record.trace is not None:
                     record.trace.admission(self.clock() - waiting)
+            if guaranteed and self.admission.config.guaranteed_first_token:
+                admitted = self.route_language(profile, [], job.context_tokens, job.model, SOONEST_FIRST_TOKEN)
         return await self._dispatch(job, record, profile, admitted)
 
     async def _dispatch(

@@ -12,7 +12,10 @@ snapshot its decision read, at the lease).
 
 from __future__ import annotations
 
-from gateway.routing.policies.contracts import BackendSnapshot
+from collections.abc import Sequence
+
+from gateway.routing.policies.candidates import first_lowest
+from gateway.routing.policies.contracts import BackendSnapshot, CostTerms, Decision, RequestProfile
 
 
 def kv_wait_s(b: BackendSnapshot, reserve_tokens: int) -> float:
@@ -47,3 +50,22 @@ def first_token_features(b: BackendSnapshot, prefill_tokens: int, reserve_tokens
     p = b.learned_prefill_s_per_token or b.prefill_s_per_token
     step = b.decode_step_s
     return ((b.prefill_backlog_tokens + prefill_tokens) * p, step, b.in_flight * step, kv_wait_s(b, reserve_tokens))
+
+
+class SoonestFirstToken:
+    """The backend where the request's first token is predicted soonest (`predicted_ttft_s` of its uncached
+    prompt tokens there; ties: the first candidate). Not a pool policy (it would pile every request onto
+    the fastest GPU): the pipeline routes a request with it when the request's own first token is what
+    counts and the pool's balance is not at stake, a request that went past a saturated pool on its
+    tenant's guaranteed concurrency (`gateway.admission.guaranteed_first_token`). On a saturated pool every
+    backend is mid-step, and a new request waits there for that step's end, then its prefill and one
+    decode step of the batch: so a fast GPU's first token comes several times sooner than a slow one's,
+    which the pool's policy (balancing queues) does not look at."""
+
+    name = "soonest_first_token"
+
+    def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
+        cached = request.cached_tokens
+        totals = [predicted_ttft_s(b, request.input_tokens - cached.get(b.id, 0)) for b in candidates]
+        costs = tuple([CostTerms(b.id, t, 0.0, 0.0, t) for b, t in zip(candidates, totals, strict=True)])
+        return Decision(candidates[first_lowest(totals)], self.name, costs)
