@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import itertools
 import os
 import signal
@@ -83,7 +82,14 @@ from benchmarks.mixed_tier import (
     start_proxies,
 )
 from benchmarks.mixed_workload import Request, queue_rate
-from benchmarks.prefix_affinity import DEFAULT_TENANTS, Conversation, conversations, request_sizes, tenants
+from benchmarks.prefix_affinity import (
+    DEFAULT_TENANTS,
+    Conversation,
+    conversations,
+    largest_share,
+    request_sizes,
+    tenants,
+)
 from benchmarks.prefix_affinity import run as replay
 
 RESULTS = ROOT / "benchmarks" / "results"   # mixed_tier_<workload>.json
@@ -175,13 +181,6 @@ def reset_prefix_caches(engines: Engines) -> None:
             pass
 
 
-def largest_share(outcomes: list[Outcome], rates: dict[str, float]) -> float:
-    """The largest engine's share of the requests over its share of the capacity."""
-    counts = collections.Counter(o.engine for o in outcomes if not o.error)
-    total, capacity = sum(counts.values()), sum(rates.values())
-    return max(counts[e] / total / (rates[e] / capacity) for e in rates) if total else 0.0
-
-
 def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]], time_scale: float) -> dict[str, Any]:
     """One scored run of `t`: cold caches, the conversations `make` builds, the engines' counters around it."""
     convs = make()
@@ -199,7 +198,7 @@ def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]],
         "requests": len(outcomes), "conversations": len(convs), "wall_s": wall,
         "prefix_queries": queries, "prefix_hits": hits, "hit_rate": hits / queries if queries else 0.0,
         "prefilled_per_request": (queries - hits) / len(outcomes), "router_cores": cpu / wall,
-        "max_engine_over_capacity_share": largest_share(outcomes, engines.rates),
+        "max_engine_over_capacity_share": largest_share((o.engine for o in outcomes if not o.error), engines.rates),
         "router_cpu_ms_per_req": cpu / len(outcomes) * 1000}
 
 

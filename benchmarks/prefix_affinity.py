@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import heapq
 import itertools
@@ -76,7 +77,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -513,23 +514,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def largest_share(engines: Iterable[str], rates: dict[str, float]) -> float:
+    """The largest engine's share of the requests (`engines`: the one each request went to) over its share
+    of the capacity."""
+    counts = collections.Counter(engines)
+    total, capacity = sum(counts.values()), sum(rates.values())
+    return max(counts[e] / total / (rates[e] / capacity) for e in rates) if total else 0.0
+
+
 def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> dict[str, Any]:
     tiers = dict(CLUSTER)
     n = len(outcomes)
     good = sum(1 for o in outcomes if o.ttft <= TTFT_SLO_S and o.itl <= ITL_SLO_S)
     ttft = [o.ttft for o in outcomes]
     shares: dict[str, float] = {}
-    per_engine: dict[str, int] = dict.fromkeys(rates, 0)
     for o in outcomes:
         shares[tiers[o.engine]] = shares.get(tiers[o.engine], 0.0) + 1 / n
-        per_engine[o.engine] += 1
-    capacity = sum(rates.values())
     prompt = sum(o.prompt for o in outcomes)
     cached = sum(o.cached for o in outcomes)
     row = {"requests": n, "goodput": good / n, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
            "ttft_p99_s": percentile(ttft, 0.99), "hit_rate": cached / prompt,
            "prefilled_per_request": (prompt - cached) / n, "tier_shares": shares,
-           "max_engine_over_capacity_share": max(per_engine[e] / n / (rates[e] / capacity) for e in rates)}
+           "max_engine_over_capacity_share": largest_share((o.engine for o in outcomes), rates)}
     if isinstance(router, CacheAware) and router.index is not None:
         described = [router.index.describe(eid) for eid in rates]
         queries = sum(d["predicted_query_tokens"] for d in described)
