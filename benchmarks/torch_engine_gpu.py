@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import statistics
 import sys
@@ -108,7 +109,7 @@ async def level(gw: Gateway, args: argparse.Namespace, concurrency: int, images:
     return {
         "concurrency": concurrency, "requests": len(done), "tokens": sum(r.tokens for r in done),
         "tok_s": sum(r.tokens for r in done) / wall,
-        "ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
+        "ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_p90_ms": 1000 * ttfts[math.ceil(0.9 * len(ttfts)) - 1],
         "latency_p50_s": statistics.median(r.latency_s for r in done),
     }
 
@@ -163,6 +164,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_results(args: argparse.Namespace, runs: dict[str, list[list[dict[str, Any]]]]) -> Path:
+    """The medians of the rounds run so far and every round's rows, as JSON: written after each round, so a
+    run cut short keeps what it measured."""
+    import torch
+
+    name = f"torch_engine_gpu_{args.model}_{args.device.split(':')[0]}.json"
+    out: Path = args.out or ROOT / "benchmarks" / "results" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = min(len(r) for r in runs.values())
+    out.write_text(json.dumps({
+        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"},
+        "torch": torch.__version__, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else None,
+        "rounds_done": done, "summary": {s: median_rows(runs[s][:done]) for s in SETUPS}, "rounds": runs,
+    }, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n_images = max(args.concurrency) * args.requests_per_client
@@ -173,24 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             for setup in SETUPS:
                 where = Path(tmp) / f"{setup}-{r}"
                 where.mkdir()
+                start = time.perf_counter()
                 runs[setup].append(run_setup(args, setup, images, where))
-                print(f"round {r + 1}/{args.rounds}: {setup} done", flush=True)
-    summary = {s: median_rows(runs[s]) for s in SETUPS}
-    print(f"{args.model}, {args.dtype}, monolithic on {args.device}, split: vision on {args.vision_device}, "
-          f"language on {args.language_device}; {args.max_tokens} tokens per answer, one "
-          f"{args.image_size[0]}x{args.image_size[1]} image per request")
-    print_table(summary)
-    name = f"torch_engine_gpu_{args.model}_{args.device.split(':')[0]}.json"
-    out = args.out or ROOT / "benchmarks" / "results" / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    out.write_text(json.dumps({
-        "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"},
-        "torch": torch.__version__, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
-        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else None,
-        "summary": summary, "rounds": runs,
-    }, indent=2))
+                print(f"round {r + 1}/{args.rounds}: {setup} done in {time.perf_counter() - start:.0f} s", flush=True)
+            out = write_results(args, runs)
+            print(f"{args.model}, {args.dtype}, monolithic on {args.device}, split: vision on {args.vision_device}, "
+                  f"language on {args.language_device}; {args.max_tokens} tokens per answer, one "
+                  f"{args.image_size[0]}x{args.image_size[1]} image per request; medians of {r + 1} round(s)")
+            print_table({s: median_rows(runs[s]) for s in SETUPS})
+            sys.stdout.flush()
     print(out)
     return 0
 
