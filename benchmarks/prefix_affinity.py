@@ -536,6 +536,10 @@ def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> d
            "ttft_p99_s": percentile(ttft, 0.99), "hit_rate": cached / prompt,
            "prefilled_per_request": (prompt - cached) / n, "tier_shares": shares,
            "max_engine_over_capacity_share": largest_share((o.engine for o in outcomes), rates)}
+    if isinstance(router, CacheAware):   # p̂ against the engine's true prefill rate, per engine
+        entries = {e.id: e for e in router.table.entries()}
+        row["learned_prefill_over_true"] = {
+            eid: entries[eid].speed.prefill.value / TIERS[tiers[eid]].prefill_s_per_token for eid in rates}
     if isinstance(router, CacheAware) and router.index is not None:
         described = [router.index.describe(eid) for eid in rates]
         queries = sum(d["predicted_query_tokens"] for d in described)
@@ -576,9 +580,12 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
                             router.close()
                     row |= {"workload": workload, "load": load, "target": target, "seed": seed}
                     rows.append(row)
+                    learned = row.get("learned_prefill_over_true")
                     log(f"{workload} {load}x seed {seed} {target}: goodput {row['goodput']:.1%} ttft p90 "
                         f"{row['ttft_p90_s']:.2f} s hit {row['hit_rate']:.1%} prefilled/req "
-                        f"{row['prefilled_per_request']:.0f}")
+                        f"{row['prefilled_per_request']:.0f}"
+                        + (f" learned/true prefill s/token {min(learned.values()):.2f}-{max(learned.values()):.2f}"
+                           if learned else ""))
     return rows, capacities
 
 
