@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from operator import mul
 
 TTFT_PRIOR = (1.0, 1.0, 0.0, 1.0)
+TTFT_KV_WAIT = 3   # the index of W_kv among the first-token features
 TTFT_BOUNDS = ((0.25, 4.0), (0.0, 4.0), (0.0, 4.0), (0.0, 4.0))
 STALL_FACTOR_BOUNDS = (0.5, 2.5)
 STALL_PER_PROMPT_BOUNDS = (0.0, 0.1)

@@ -7,6 +7,7 @@ and a tier's engines differ by configuration. Per backend, from each request it 
                                    tokens_ahead = prompt tokens this router had sent there and not yet
                                    seen a first token for, the request's own included (chunked
                                    prefill serves them in order), taken only when >= 64 tokens
+                                   and the dispatch predicted no wait for KV (W_kv = 0)
     decode step   ŝ (s)           sample = (last token − first token) / (completion tokens − 1)
     T̄_service     (s)             sample = prompt tokens · p̂ + (last token − first token): the
                                    request's own prefill and decode, not the time it queued
@@ -19,7 +20,11 @@ with n the samples seen so far and k0 = `prior_weight` (4: the prior counts as f
 one half after 4 samples and a tenth after 36). A sample is clipped to [estimate / C, estimate · C]
 (C = 4) before it enters the window, and the median ignores the rest of an outlier, so neither a
 warm-up request nor a stall moves an estimate far; a true change of speed is followed within half a
-window. T̄_service is `common.service_time` (prior, clipped EWMA). Each backend also calibrates the
+window. A first token that waited for the engine to admit it (its cache full) says how fast the cache
+turned over, not how fast the engine prefills: taken as a prefill sample, on a KV-bound backend it made p̂
+8-14x the engine's rate (the cache replay at 2.5x, benchmarks/prefix_affinity.py, which prints the ratio),
+and every term priced with p̂ with it; the wait is `marginal_delay`'s T_kv. T̄_service is
+`common.service_time` (prior, clipped EWMA). Each backend also calibrates the
 router's first-token and decode-time models (`common.calibration`) from the same first tokens and
 completions. Pure: numbers in, numbers out; no clock, no I/O.
 """
@@ -32,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common import perf_model
-from common.calibration import decode_fit, ttft_fit
+from common.calibration import TTFT_KV_WAIT, decode_fit, ttft_fit
 from common.catalog import GpuProfile, ModelProfile
 from common.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS, prior_service_s, updated_mean_service
 
@@ -103,8 +108,10 @@ class BackendSpeed:
 
     def first_token(self, ttft_s: float, tokens_ahead: int, features: Sequence[float] = ()) -> None:
         """A request's first token came `ttft_s` after dispatch with `tokens_ahead` tokens to prefill;
-        `features`: the first-token model's, as they were at its dispatch (none: not fitted)."""
-        if tokens_ahead >= self._params.min_prefill_tokens:
+        `features`: the first-token model's, as they were at its dispatch (none: not fitted). No prefill
+        sample where they predicted a wait for KV (the engine's admission, not its prefill)."""
+        waited = len(features) > TTFT_KV_WAIT and features[TTFT_KV_WAIT] > 0
+        if tokens_ahead >= self._params.min_prefill_tokens and not waited:
             self.prefill.add(max(0.0, ttft_s - self.decode.value) / tokens_ahead)
         if features:
             self.ttft_model.add(features, ttft_s)

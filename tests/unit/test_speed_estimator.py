@@ -84,6 +84,20 @@ def test_short_prompts_do_not_teach_the_prefill_rate() -> None:
     assert speed.prefill.samples == 1
 
 
+def test_a_first_token_that_waited_for_kv_does_not_teach_the_prefill_rate() -> None:
+    """A full cache holds the request until others finish: its TTFT is the cache's turnover, not prefill."""
+    speed = BackendSpeed(1e-4, 0.02, 1.0)
+    no_wait = (0.1, 0.02, 0.2, 0.0)      # the first-token features at dispatch: W_kv (last) = 0
+    waited = (0.1, 0.02, 0.2, 1.5)       # the dispatch predicted 1.5 s of waiting for KV
+    for _ in range(20):
+        speed.first_token(2.0, 1000, waited)
+    assert speed.prefill.samples == 0
+    assert speed.prefill.value == pytest.approx(1e-4)
+    assert speed.ttft_model.samples == 20   # the first-token model still learns the wait (its a4)
+    speed.first_token(0.12, 1000, no_wait)
+    assert speed.prefill.samples == 1
+
+
 def test_service_time_is_prefill_and_decode_not_queueing() -> None:
     speed = BackendSpeed(1e-3, 0.02, 1.0)
     # 30 s in the queue before this request's first token: none of it is service

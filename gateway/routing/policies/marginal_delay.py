@@ -49,6 +49,11 @@ one-for-one recomputation: ρ_i undercounts (a ghost list only as long as the ca
 back on another backend credited to every one that evicted it) and a lost block costs every later
 block of its prompt and the queueing behind it; 16 was picked from 0, 8, 16, 32 and 64 on two seeds of
 the multi-turn replay and checked on three others and the other workloads (docs/ROUTING.md).
+T_dec counts a second of the request's own decode as a quarter of a second of waiting (w_decode 0.25):
+a stream already faster than its reader gains little from a faster tier, and its inter-token target is
+T_itl's; at full weight a fast tier's decode outbid a second of KV wait there, which sent the
+hot-prefix replay's first tokens past 2 s on the H100s (94.7% goodput at 2.5x; 99.6% at 0.25, seeds 1-2)
+while the engine family's goodput behind the overload queue did not move (docs/ROUTING.md).
 The stall is what each engine really does, not what chunked prefill would do: a prefill-first engine
 stalls its decodes for whole prompts and an extra step each (κ > 1, c of a step), which the
 uncalibrated L · p̂ undercounts by half for short prompts; the slacks' budgets use the decode step
@@ -61,8 +66,8 @@ with a seeded rng (`seed`, or one injected), so identical backends share sequent
 Reads: request.cached_tokens, request.evicted_reuse, learned_prefill_s_per_token (falls back to prefill_s_per_token),
 decode_step_s, in_flight, prefilling, prefill_backlog_tokens, kv_free_bytes, kv_total_bytes, kv_bytes_per_token,
 kv_reserved_tokens, mean_service_s, itl_slack_s, stall_factor, stall_per_prompt_s. Parameters: w_stall
-(0.2), w_itl (0.8 s a request broken), w_evict (16), w_decode (1), output_fraction f (0.5: max_tokens overstates what is
-generated), veto (1e6 s), calibrate (true), tie_tolerance (0.01), seed (0). Pure, O(N); its one state
+(0.2), w_itl (0.8 s a request broken), w_evict (16), w_decode (0.25), output_fraction f (0.5: max_tokens
+overstates what is generated), veto (1e6 s), calibrate (true), tie_tolerance (0.01), seed (0). Pure, O(N); its one state
 is the rng of the draw among ties. `choose` computes the terms as array operations on the candidates' columns
 (`gateway.routing.policies.candidates`), each element the same IEEE arithmetic in the same order as `cost`,
 the one-candidate form: the same costs and choices, at N=1024 in tens of microseconds instead of a
@@ -109,7 +114,7 @@ class MarginalDelayParams(StrictModel):
     w_stall: float = Field(default=0.2, ge=0)
     w_itl: float = Field(default=0.8, ge=0)
     w_evict: float = Field(default=16.0, ge=0)
-    w_decode: float = Field(default=1.0, ge=0)
+    w_decode: float = Field(default=0.25, ge=0)
     output_fraction: float = Field(default=0.5, gt=0, le=1)
     veto: float = Field(default=1e6, ge=0)
     calibrate: bool = True          # the backends' calibrated models (False: their priors, the uncalibrated model)
