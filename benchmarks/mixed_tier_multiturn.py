@@ -17,7 +17,8 @@ engine above 2x its capacity share of the requests.
 Targets: rr and cwlor (benchmarks/lor_proxy.py), vllm-router and sglang-router with `--policy
 cache_aware` (`vllm-router-ca`, `sglang-router-ca`), and the gateway's default policy with cache-aware
 routing off (`hg-blind`: gateway.routing.prefix_cache.enabled false) and on (`hg-cache`, its default),
-and on without the price of filling a full cache (`hg-noevict`: marginal_delay's w_evict 0).
+and on without the price of filling a full cache (`hg-noevict`: marginal_delay's w_evict 0) or with the
+request's own decode at full weight (`hg-decode1`: w_decode 1, the default before 0.25).
 
 Load: a multiple of the cache-blind capacity, as prefix_affinity.py counts it: each engine alone
 saturated in emulated time with the workload's requests and no cache, summed; conversations arrive at
@@ -93,10 +94,11 @@ from benchmarks.prefix_affinity import (
 from benchmarks.prefix_affinity import run as replay
 
 RESULTS = ROOT / "benchmarks" / "results"   # mixed_tier_<workload>.json
-TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-cache")
+TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-decode1", "hg-cache")
 GATEWAYS: dict[str, dict[str, Any]] = {   # the gateway targets: their gateway.routing settings
     "hg-blind": {"prefix_cache": {"enabled": False}},
     "hg-noevict": {"params": {DEFAULT_POLICY: {"w_evict": 0.0}}},
+    "hg-decode1": {"params": {DEFAULT_POLICY: {"w_decode": 1.0}}},
     "hg-cache": {},
 }
 PEERS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca")
