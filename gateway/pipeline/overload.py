@@ -9,8 +9,8 @@ leaves every in-flight request there `itl_reserve_steps` decode steps of inter-t
 (`taking`), the wait for its KV (`kv_wait_s`, marginal_delay's T_kv: a full cache admits it only as
 others finish) counted in that TTFT. A request no backend takes is held by the gateway instead, and
 released, earliest start deadline first, when one does; it is then routed by the policy on the table as
-it stands at its release (so it goes where capacity freed, not where it would have queued). A request that goes, at
-once or released, goes to a backend that takes it (`OverloadQueue.route`: the policy's choice when
+it stands at its release (so it goes where capacity freed, not where it would have queued). A request
+that goes, at once or released, goes to a backend that takes it (`OverloadQueue.route`: the policy's choice when
 that backend takes it, else its choice among those that do): before, the policy could send a request
 let go for one backend to another where its first token was predicted 1.2-1.6 s away after it had
 waited up to 1 s. The engines' queues stay short and the waiting happens here, where requests can be
