@@ -53,6 +53,7 @@ class LanguageScaling(PoolScaling):
     queue_per_engine: PositiveFloat = 16.0          # high mark: requests held (Q_i) or queued at admission
     ttft_slo_s: PositiveFloat = 2.0                 # high mark: the best engine's predicted time to first token
     ttft_prompt_tokens: NonNegativeInt = 512        # ... for a prompt of this many tokens
+    ttft_max_tokens: NonNegativeInt = 128           # ... and max_tokens (its KV: prompt + these)
 
 
 class ScaledPools(StrictModel):

@@ -124,7 +124,8 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
         return PoolDemand(len(members), len(serving), arriving, leaving, sum(s.vision_backlog for s in snaps),
                           addable=addable, removable=removable)
     assert isinstance(scaling, LanguageScaling)
-    ttfts = [predicted_ttft_s(table.snapshot(e), scaling.ttft_prompt_tokens) for e in serving]
+    prompt, reserve = scaling.ttft_prompt_tokens, scaling.ttft_prompt_tokens + scaling.ttft_max_tokens
+    ttfts = [predicted_ttft_s(table.snapshot(e), prompt, reserve) for e in serving]
     return PoolDemand(len(members), len(serving), arriving, leaving, sum(s.prefill_backlog_tokens for s in snaps),
                       sum(s.queue_depth for s in snaps) + waiting, min(ttfts, default=None),
                       addable=addable, removable=removable)

@@ -100,13 +100,14 @@ class _Wait:
     """One attempt waiting for its first token: what to cancel, and what its limit is worked out from
     (at the watch's first tick: most first tokens come before it)."""
 
-    __slots__ = ("backend", "due", "reason", "since", "target", "tokens", "whole")
+    __slots__ = ("backend", "due", "reason", "reserve", "since", "target", "tokens", "whole")
 
-    def __init__(self, target: asyncio.Future[Any], backend: BackendSnapshot, tokens: int, whole: bool,
+    def __init__(self, target: asyncio.Future[Any], backend: BackendSnapshot, tokens: int, reserve: int, whole: bool,
                  since: float | None) -> None:
         self.target = target            # the task or future that waits
         self.backend = backend          # as routed
         self.tokens = tokens            # its prompt's (text + image)
+        self.reserve = reserve          # the KV it holds there: its prompt + max_tokens
         self.whole = whole              # a non-streamed request
         self.since = since              # loop time its limit counts from; None: not yet (embeddings to come)
         self.due: float | None = None   # loop time its limit passes (inf: none); None: not worked out yet
@@ -124,18 +125,18 @@ class FirstTokenWatch:
     fails open on it): only its limit is watched, and not for a non-streamed reply, which comes whole
     after its last token."""
 
-    def __init__(self, table: StateTable, every_s: float, limit: Callable[[BackendSnapshot, int], float | None]) -> (
-        None
-    ):
+    def __init__(self, table: StateTable, every_s: float,
+                 limit: Callable[[BackendSnapshot, int, int], float | None]) -> None:
         self._table = table
         self._every_s = every_s
         self._limit = limit
         self._waits: set[_Wait] = set()
         self._handle: asyncio.TimerHandle | None = None
 
-    def watch(self, target: asyncio.Future[Any], backend: BackendSnapshot, tokens: int, whole: bool,
+    def watch(self, target: asyncio.Future[Any], backend: BackendSnapshot, job: GenerationJob,
               since: float | None) -> _Wait:
-        wait = _Wait(target, backend, tokens, whole, since)
+        tokens = job.prompt_tokens + job.image_tokens
+        wait = _Wait(target, backend, tokens, tokens + job.max_tokens, job.whole, since)
         self._waits.add(wait)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self._every_s, self._tick)
@@ -160,7 +161,7 @@ class FirstTokenWatch:
                 self._waits.discard(wait)
                 continue
             if wait.due is None and wait.since is not None:
-                limit = self._limit(backend, wait.tokens)
+                limit = self._limit(backend, wait.tokens, wait.reserve)
                 wait.due = float("inf") if limit is None else wait.since + limit
             if wait.due is not None and now >= wait.due:
                 wait.reason = f"no first token within {wait.due - (wait.since or 0.0):.3g} s (its first-token limit)"
@@ -607,7 +608,7 @@ class Pipeline:
                 stream = self._send(dispatch, job, client, record)
                 task = asyncio.current_task()
                 assert task is not None
-                wait = self.watch.watch(task, backend, job.prompt_tokens, job.whole, dispatch.sent)
+                wait = self.watch.watch(task, backend, job, dispatch.sent)
                 try:
                     first = await anext(stream)
                 except asyncio.CancelledError:
@@ -627,11 +628,13 @@ class Pipeline:
         dispatch._first_token(first, job)
         return dispatch
 
-    def first_token_limit(self, backend: BackendSnapshot, prompt_tokens: int) -> float | None:
-        """How long an attempt on `backend` may wait for its first token; None: as long as its client's
-        own timers allow (`first_token_timeout_s` and the deadline)."""
+    def first_token_limit(self, backend: BackendSnapshot, prompt_tokens: int, reserve_tokens: int) -> float | None:
+        """How long an attempt on `backend` may wait for its first token (`prompt_tokens`, holding
+        `reserve_tokens` of KV there); None: as long as its client's own timers allow
+        (`first_token_timeout_s` and the deadline)."""
         s = self.settings
-        limit = max(s.first_token_floor_s, s.first_token_ttft_factor * predicted_ttft_s(backend, prompt_tokens))
+        predicted = predicted_ttft_s(backend, prompt_tokens, reserve_tokens)
+        limit = max(s.first_token_floor_s, s.first_token_ttft_factor * predicted)
         return limit if limit < s.first_token_timeout_s else None
 
     def _send(
@@ -665,7 +668,7 @@ class Pipeline:
             stream = self._send(dispatch, job, client, record)
             task = asyncio.current_task()
             assert task is not None
-            wait = self.watch.watch(task, backend, job.prompt_tokens + job.image_tokens, job.whole, dispatch.sent)
+            wait = self.watch.watch(task, backend, job, dispatch.sent)
             try:
                 return await anext(stream), job
             except asyncio.CancelledError:
@@ -679,7 +682,7 @@ class Pipeline:
                             * self.settings.max_attempts)
         first_read = asyncio.ensure_future(anext(stream))
         encoding = asyncio.ensure_future(self._encode(job, key, backend, client.address, record))
-        wait = self.watch.watch(first_read, backend, job.prompt_tokens + job.image_tokens, job.whole, None)
+        wait = self.watch.watch(first_read, backend, job, None)
         try:
             await asyncio.wait({first_read, encoding}, return_when=asyncio.FIRST_COMPLETED)
             if encoding.done():

@@ -3,17 +3,17 @@
 Past saturation an engine's own queue only grows: every request sent to it waits behind the others
 there, on the backend it was sent to when it arrived, in arrival order, until most of them miss
 their time to first token. Here a backend *takes* a request when its predicted TTFT there
-(`predicted_ttft_s`: the prompts ahead of it and its own at the backend's learned prefill speed, plus
-a decode step) is at most `hold_above_s` and, with `protect_itl`, its prefill's calibrated stall
-leaves every in-flight request there `itl_reserve_steps` decode steps of inter-token slack
-(`taking`), the wait for its KV (`kv_wait_s`, marginal_delay's T_kv: a full cache admits it only as
-others finish) counted in that TTFT. A request no backend takes is held by the gateway instead, and
-released, earliest start deadline first, when one does; it is then routed by the policy on the table as
-it stands at its release (so it goes where capacity freed, not where it would have queued). A request
-that goes, at once or released, goes to a backend that takes it (`OverloadQueue.route`: the policy's choice when
-that backend takes it, else its choice among those that do): before, the policy could send a request
-let go for one backend to another where its first token was predicted 1.2-1.6 s away after it had
-waited up to 1 s. The engines' queues stay short and the waiting happens here, where requests can be
+(`predicted_ttft_s`: the wait for its KV, marginal_delay's T_kv, as a full cache admits it only as
+others finish; the prompts ahead of it and its own at the backend's learned prefill speed, plus a
+decode step) is at most `hold_above_s` and, with `protect_itl`, its prefill's calibrated stall leaves
+every in-flight request there `itl_reserve_steps` decode steps of inter-token slack (`taking`). A
+request no backend takes is held by the gateway instead, and released, earliest start deadline
+first, when one does; it is then routed by the policy on the table as it stands at its release (so it
+goes where capacity freed, not where it would have queued). A request that goes, at once or
+released, goes to a backend that takes it (`OverloadQueue.route`: the policy's choice when that
+backend takes it, else its choice among those that do): before, the policy could send a request let
+go for one backend to another where its first token was predicted 1.2-1.6 s away after it had waited
+up to 1 s. The engines' queues stay short and the waiting happens here, where requests can be
 ordered by deadline.
 
 The reserve: a stall exactly within a request's slack still breaks it often (its steps grow with the
@@ -59,7 +59,7 @@ from gateway.config.sections import OverloadConfig
 from gateway.requests.errors import Overloaded
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
-from gateway.routing.policies.first_token import kv_wait_s, predicted_ttft_s, prefill_stall_s
+from gateway.routing.policies.first_token import predicted_ttft_s, prefill_stall_s
 
 T = TypeVar("T")
 
@@ -74,7 +74,7 @@ def taking(b: BackendSnapshot, profile: RequestProfile, hold_above_s: float, pro
     cached = profile.cached_tokens
     tokens = profile.input_tokens - cached.get(b.id, 0) if cached else profile.input_tokens
     p = b.learned_prefill_s_per_token or b.prefill_s_per_token
-    ttft = predicted_ttft_s(b, tokens) + kv_wait_s(b, profile.input_tokens + profile.max_output_tokens)
+    ttft = predicted_ttft_s(b, tokens, profile.input_tokens + profile.max_output_tokens)
     if ttft > hold_above_s and ttft > tokens * p + b.decode_step_s:   # not even its TTFT with nothing ahead
         return False
     return not (protect_itl and b.itl_slack_s

@@ -252,7 +252,8 @@ def test_pool_demand_reads_the_table_as_the_live_loop_and_the_simulator_do() -> 
     language = pool_demand(table, "language", pools["language"], waiting=4)
     assert (language.engines, language.serving, language.backlog_tokens, language.queued) == (3, 2, 400, 7 + 2 + 4)
     l0, l1 = (table.snapshot(table.get(i)) for i in ("l0", "l1"))  # type: ignore[arg-type]
-    assert language.predicted_ttft_s == pytest.approx(min(predicted_ttft_s(l0, 100), predicted_ttft_s(l1, 100)))
+    ttfts = [predicted_ttft_s(b, 100, 100 + 128) for b in (l0, l1)]   # ttft_max_tokens 128 by default
+    assert language.predicted_ttft_s == pytest.approx(min(ttfts))
     assert language.addable is None and language.removable is None
 
 

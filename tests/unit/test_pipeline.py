@@ -34,7 +34,7 @@ from gateway.requests.job import GenerationJob, Handoff
 from gateway.routing.backend_entry import Reported
 from gateway.routing.policies import build_policy
 from gateway.routing.policies.contracts import Role
-from gateway.routing.policies.first_token import predicted_ttft_s
+from gateway.routing.policies.first_token import kv_wait_s, predicted_ttft_s
 from gateway.routing.state_table import StateTable
 from tests.snapshots import catalog
 
@@ -478,13 +478,22 @@ async def test_a_first_token_slower_than_its_limit_is_retried_elsewhere() -> Non
 async def test_the_first_token_limit_follows_the_predicted_ttft() -> None:
     r = rig({"a": "language"}, first_token_floor_s=0.5, first_token_ttft_factor=4.0)
     quiet = r.table.candidates(("language",))[0]
-    assert r.pipeline.first_token_limit(quiet, 12) == 0.5   # a short prompt on an idle backend: the floor
+    assert r.pipeline.first_token_limit(quiet, 12, 28) == 0.5   # a short prompt on an idle backend: the floor
     backlog = r.table.acquire("a", 100_000, 16)   # prompts ahead of it, not yet prefilled
     busy = r.table.candidates(("language",))[0]
-    predicted = predicted_ttft_s(busy, 12)
-    assert predicted == pytest.approx((100_000 + 12) * busy.learned_prefill_s_per_token + busy.decode_step_s)
-    assert r.pipeline.first_token_limit(busy, 12) == pytest.approx(4.0 * predicted) and 0.5 < 4.0 * predicted < 60
+    predicted = predicted_ttft_s(busy, 12, 28)
+    assert predicted == pytest.approx((100_000 + 12) * busy.learned_prefill_s_per_token + busy.decode_step_s
+                                      + kv_wait_s(busy, 28))
+    assert r.pipeline.first_token_limit(busy, 12, 28) == pytest.approx(4.0 * predicted) and 0.5 < 4.0 * predicted < 60
     r.table.release(backlog)
+    # A cache this router has filled: the wait for it turning over lengthens the limit.
+    capacity = quiet.kv_total_bytes // quiet.kv_bytes_per_token
+    held = r.table.acquire("a", 12, capacity)   # prefilled at once (a prompt of 12), its KV reserved
+    r.table.first_token(held)
+    full = r.table.candidates(("language",))[0]
+    assert kv_wait_s(full, 28) > 0
+    assert predicted_ttft_s(full, 12, 28) == pytest.approx(predicted_ttft_s(quiet, 12, 28) + kv_wait_s(full, 28))
+    r.table.release(held)
 
 
 async def test_a_whole_reply_from_an_openai_upstream_is_not_cut_by_the_first_token_limit() -> None:

@@ -29,12 +29,15 @@ def kv_wait_s(b: BackendSnapshot, reserve_tokens: int) -> float:
     return over / capacity * b.mean_service_s if over > 0 else 0.0
 
 
-def predicted_ttft_s(b: BackendSnapshot, prompt_tokens: int) -> float:
-    """A request's time to first token there: the prompts ahead of it and its own at the learned prefill speed,
-    then one decode step (`marginal_delay`'s T_first). Queueing for a batch slot or for KV cache is not in it.
-    The pipeline bounds a first-token wait by it; the autoscaler compares it with the SLO."""
+def predicted_ttft_s(b: BackendSnapshot, prompt_tokens: int, reserve_tokens: int) -> float:
+    """A request's time to first token there, for `prompt_tokens` to prefill there and `reserve_tokens`
+    of KV to hold (its prompt + max_tokens): the wait for its KV (`kv_wait_s`, `marginal_delay`'s T_kv),
+    then the prompts ahead of it and its own at the learned prefill speed and one decode step
+    (`marginal_delay`'s T_first). Queueing for a batch slot is not in it. The overload queue holds a
+    request on it, the pipeline bounds a first-token wait by it, `SoonestFirstToken` routes on it and the
+    autoscaler compares it with the SLO: a full cache delays a first token as a prefill backlog does."""
     per_token = b.learned_prefill_s_per_token or b.prefill_s_per_token
-    return (b.prefill_backlog_tokens + prompt_tokens) * per_token + b.decode_step_s
+    return (b.prefill_backlog_tokens + prompt_tokens) * per_token + b.decode_step_s + kv_wait_s(b, reserve_tokens)
 
 
 def prefill_stall_s(b: BackendSnapshot, prefill_tokens: int) -> float:
@@ -54,18 +57,20 @@ def first_token_features(b: BackendSnapshot, prefill_tokens: int, reserve_tokens
 
 class SoonestFirstToken:
     """The backend where the request's first token is predicted soonest (`predicted_ttft_s` of its uncached
-    prompt tokens there; ties: the first candidate). Not a pool policy (it would pile every request onto
-    the fastest GPU): the pipeline routes a request with it when the request's own first token is what
-    counts and the pool's balance is not at stake, a request that went past a saturated pool on its
-    tenant's guaranteed concurrency (`gateway.admission.guaranteed_first_token`). On a saturated pool every
-    backend is mid-step, and a new request waits there for that step's end, then its prefill and one
-    decode step of the batch: so a fast GPU's first token comes several times sooner than a slow one's,
-    which the pool's policy (balancing queues) does not look at."""
+    prompt tokens there, its wait for KV counted; ties: the first candidate). Not a pool policy (it
+    would pile every request onto the fastest GPU): the pipeline routes a request with it when the
+    request's own first token is what counts and the pool's balance is not at stake, a request that
+    went past a saturated pool on its tenant's guaranteed concurrency
+    (`gateway.admission.guaranteed_first_token`). On a saturated pool every backend is mid-step, and a
+    new request waits there for that step's end, then its prefill and one decode step of the batch: so
+    a fast GPU's first token comes several times sooner than a slow one's, which the pool's policy
+    (balancing queues) does not look at; and on a full cache it waits for running requests to finish."""
 
     name = "soonest_first_token"
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
         cached = request.cached_tokens
-        totals = [predicted_ttft_s(b, request.input_tokens - cached.get(b.id, 0)) for b in candidates]
+        reserve = request.input_tokens + request.max_output_tokens
+        totals = [predicted_ttft_s(b, request.input_tokens - cached.get(b.id, 0), reserve) for b in candidates]
         costs = tuple([CostTerms(b.id, t, 0.0, 0.0, t) for b, t in zip(candidates, totals, strict=True)])
         return Decision(candidates[first_lowest(totals)], self.name, costs)
