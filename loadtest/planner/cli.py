@@ -163,7 +163,12 @@ def build_problem(args: argparse.Namespace) -> Problem:
 
 
 def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str, Any]:
-    """The plan as backends.yaml content: one managed simulated engine per GPU (configs/backends.yaml's form)."""
+    """The plan as backends.yaml content: one managed simulated engine per GPU (configs/backends.yaml's form).
+    Engines slowed by `time_scale` take that many seconds for one of the model's, so the gateway's
+    targets in seconds (the inter-token target, the overload queue's TTFT, hold bound and wait) are
+    scaled by it too: the SLO the plan was sought for, in the time the gateway measures (time_scale 0,
+    engines that take no time: unscaled)."""
+    scale = time_scale or 1.0
     backends: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     for gpu, role, steal in plan.members():
@@ -175,9 +180,10 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str
         entry["launch"] = {"time_scale": time_scale}
         backends.append(entry)
     routing = {"policy": problem.policies.language, "vision_policy": problem.policies.vision,
-               "itl_target_ms": round(problem.slo.itl_s * 1000, 3)}
+               "itl_target_ms": round(problem.slo.itl_s * 1000 * scale, 3)}
     queue = problem.slo.overload()
-    overload = ({"ttft_slo_s": queue.ttft_slo_s, "hold_above_s": queue.hold_above_s, "max_wait_s": queue.max_wait_s}
+    overload = ({"ttft_slo_s": queue.ttft_slo_s * scale, "hold_above_s": queue.hold_above_s * scale,
+                 "max_wait_s": queue.max_wait_s * scale}
                 if problem.policies.overload else {"enabled": False})
     return {"model": problem.model.name, "gateway": {"routing": routing, "overload": overload}, "backends": backends}
 

@@ -112,7 +112,10 @@ def test_the_written_backends_yaml_is_one_the_gateway_loads(tmp_path: Path) -> N
     backends = config.raw.backends
     assert [(b.gpu, b.role, b.steal) for b in backends] == [(g, r, s) for g, r, s in plan.members()]
     assert all(b.launch is not None and b.launch.time_scale == 0.5 for b in backends)
-    assert config.settings.routing.itl_target_ms == 50.0
+    # Engines at time scale 0.5 take half a second for a second of the model: the targets scale with them.
+    assert config.settings.routing.itl_target_ms == 25.0
+    overload = config.settings.overload
+    assert (overload.ttft_slo_s, overload.hold_above_s, overload.max_wait_s) == (0.75, 0.375, 0.375)
     assert config.settings.routing.policy == problem.policies.language
 
 
