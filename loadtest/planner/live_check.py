@@ -81,18 +81,26 @@ def parse_plan(text: str) -> Plan:
     return Plan(tuple(sorted(pools, key=lambda p: p[1] == "vision")), steal)
 
 
-def replay_body(trace: Trace, i: int, image: str) -> dict[str, Any]:
-    """Request i as a streamed chat completion the gateway counts as the trace's prompt tokens."""
+def replay_body(trace: Trace, i: int, tag: str, images: list[str]) -> dict[str, Any]:
+    """Request i as a streamed chat completion the gateway counts as the trace's prompt tokens: its text
+    starts with `tag` (its own) and its `images` are its own, so no engine's prefix or embedding cache
+    holds any of it, as the planner's workload has no sharing (the simulator's engines cache nothing)."""
     lengths = trace.lengths
     text_tokens = int(lengths.text_tokens[i])
-    text = "a" * max(1, text_tokens - CHAT_MESSAGE_OVERHEAD) * BYTES_PER_TOKEN
+    size = max(1, text_tokens - CHAT_MESSAGE_OVERHEAD) * BYTES_PER_TOKEN
+    text = (tag + " " + "a" * size)[:size]
     content: str | list[dict[str, Any]] = text
-    if int(lengths.images[i]):
-        content = [{"type": "text", "text": text},
-                   *({"type": "image_url", "image_url": {"url": image}} for _ in range(int(lengths.images[i])))]
+    if images:
+        content = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in images)]
     return {"model": MODEL, "messages": [{"role": "user", "content": content}],
             "max_tokens": int(lengths.max_output_tokens[i]), "stream": True,
             "stream_options": {"include_usage": True}}
+
+
+def request_images(trace: Trace, seed: int) -> list[list[str]]:
+    """Each request's images as data URLs, every one its own (random pixels), made before the replay."""
+    return [[data_url(image_bytes(noise=True, seed=seed * 1_000_003 + i * 64 + k)) for k in range(int(count))]
+            for i, count in enumerate(trace.lengths.images)]
 
 
 async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any], request_id: str) -> tuple[float, int, str]:
@@ -128,8 +136,8 @@ async def _replay(
     url: str, trace: Trace, time_scale: float, seed: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Send request i at arrival_i × time_scale (open loop); per-request model-second times."""
-    image = data_url(image_bytes())
     ids = [request_id_for(int(trace.lengths.output_tokens[i]), f"p{seed}-{i}") for i in range(trace.n)]
+    images = request_images(trace, seed)
     n = trace.n
     sent, first, finish = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     tokens, failed = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
@@ -138,7 +146,7 @@ async def _replay(
 
         async def one(i: int) -> None:
             sent[i] = time.monotonic()
-            f, k, error = await _stream_chat(client, replay_body(trace, i, image), ids[i])
+            f, k, error = await _stream_chat(client, replay_body(trace, i, ids[i], images[i]), ids[i])
             first[i], tokens[i], failed[i] = f, k, bool(error)
             if not error:
                 finish[i] = time.monotonic()

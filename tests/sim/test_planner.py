@@ -18,6 +18,7 @@ import yaml
 from common.catalog import CONFIG_DIR, load_catalog
 from common.service_time import prior_service_s
 from gateway.config.cluster import load_cluster
+from gateway.requests.tokens import BYTES_PER_TOKEN, CHAT_MESSAGE_OVERHEAD
 from loadtest.planner.cli import write_backends
 from loadtest.planner.evaluate import outcome, simulate
 from loadtest.planner.search import Candidate, Evaluated, Problem, better, search
@@ -202,3 +203,24 @@ def test_an_overloaded_plan_is_simulated_behind_the_overload_queue_as_the_gatewa
         outcomes[queue] = outcome(trace, rec, SLO, 1.0, 0.0, 0.0)
         assert refused.any() == queue
     assert outcomes[True].attainment > outcomes[False].attainment
+
+
+def test_the_live_checks_requests_share_no_prefix_and_no_image() -> None:
+    """The planner's workload shares nothing, so its live replay must not either: the engines cache prefixes
+    and image embeddings by content (a shared prompt or image made the live plans look faster)."""
+    from loadtest.planner.live_check import replay_body, request_images
+
+    trace = described_trace(Description(5.0, image_share=0.5), MODEL, 40, seed=0)
+    images = request_images(trace, seed=0)
+    bodies = [replay_body(trace, i, f"p0-{i}", images[i]) for i in range(trace.n)]
+    texts, urls = [], []
+    for i, body in enumerate(bodies):
+        content = body["messages"][0]["content"]
+        text = content if isinstance(content, str) else content[0]["text"]
+        texts.append(text)
+        urls += [part["image_url"]["url"] for part in content[1:]] if not isinstance(content, str) else []
+        assert len(text) == max(1, int(trace.lengths.text_tokens[i]) - CHAT_MESSAGE_OVERHEAD) * BYTES_PER_TOKEN
+        assert len(images[i]) == int(trace.lengths.images[i])
+    assert sum(1 for c in trace.lengths.images if c) >= 10 and len(set(urls)) == len(urls)
+    first_blocks = [t[:64] for t in texts if len(t) >= 64]   # the first 16-token block of each prompt
+    assert len(first_blocks) >= 10 and len(set(first_blocks)) == len(first_blocks)
