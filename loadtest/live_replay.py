@@ -62,9 +62,12 @@ def request_id_for(output_tokens: int, prefix: str) -> str:
     return f"{prefix}-{k}"
 
 
-def prompt_text(tokens: int) -> str:
-    """A prompt of exactly `tokens` estimated tokens (gateway.requests.tokens.count_text_tokens)."""
-    return ("a" * (BYTES_PER_TOKEN - 1) + " ") * tokens     # ASCII: BYTES_PER_TOKEN bytes per token
+def prompt_text(tokens: int, tag: str) -> str:
+    """A prompt of exactly `tokens` estimated tokens (gateway.requests.tokens.count_text_tokens) that starts
+    with `tag` (ASCII, the request's own id): no two requests share a prefix block, so no engine's prefix
+    cache turns a replayed trace (which shares nothing) into one that does."""
+    size = tokens * BYTES_PER_TOKEN     # ASCII: BYTES_PER_TOKEN bytes per token
+    return (tag + " " + ("a" * (BYTES_PER_TOKEN - 1) + " ") * tokens)[:size]
 
 
 def replay_client(url: str, connections: int, request_timeout_s: float) -> httpx.AsyncClient:
@@ -131,8 +134,8 @@ async def _probe_lag(lags: list[float]) -> None:
 
 
 async def _one(client: httpx.AsyncClient, model: str, r: ReplayRequest, origin: float) -> ReplayOutcome:
-    body = {"model": model, "prompt": prompt_text(r.prompt_tokens), "max_tokens": r.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt_text(r.prompt_tokens, r.request_id), "max_tokens": r.max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
     stream, backend = _Stream(), ""
     try:

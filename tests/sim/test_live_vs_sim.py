@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from common.catalog import load_catalog
+from gateway.requests.tokens import BYTES_PER_TOKEN, count_text_tokens
 from loadtest.consistency import CLUSTER, arrival_rate, conservation_errors, measure, replay_trace, run_live, run_sim
+from loadtest.live_replay import prompt_text
 
 N_REQUESTS, LOAD, TIME_SCALE, SEED = 40, 0.7, 2.0, 1
 # 40 requests make a 0.7 s arrival window and a ~4 s drain, so the makespan is the finish of one long
@@ -42,3 +44,13 @@ def test_live_and_simulator_conserve_requests_and_agree_on_throughput(tmp_path: 
     assert abs(diff) <= THROUGHPUT_BOUND, (
         f"live {live_tps:.0f} tok/s vs sim {sim_tps:.0f} tok/s ({diff:+.1%}); live diagnostics {diagnostics}"
     )
+
+
+def test_replayed_prompts_are_their_trace_lengths_and_share_no_prefix_block() -> None:
+    """The trace shares nothing, and the engines cache prefixes: each replayed prompt is its own from its
+    first block on, and the gateway counts it as exactly the trace's prompt tokens."""
+    tags = [f"c1-{i}-{k}" for i, k in enumerate((3, 17, 0, 250, 9, 41))]
+    prompts = [prompt_text(512, tag) for tag in tags]
+    assert [count_text_tokens(p) for p in prompts] == [512] * len(tags)
+    assert len({p[:16 * BYTES_PER_TOKEN] for p in prompts}) == len(tags)   # the first 16-token block differs
+    assert count_text_tokens(prompt_text(3, "a-long-request-id")) == 3
