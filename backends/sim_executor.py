@@ -50,7 +50,7 @@ class SimulatedExecutor:
         self.batcher = ContinuousBatcher(model, gpu, kv_capacity_bytes, max_batch, max_prefill_tokens,
                                          prefix_cache=cache)
         self.time_scale = time_scale
-        self._streams = TokenStreams(self.batcher, on_change)
+        self._streams = TokenStreams(self.batcher, on_change, time_scale)
         self._on_change = on_change
 
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:

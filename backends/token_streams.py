@@ -16,11 +16,17 @@ from common.service_time import prior_service_s, updated_mean_service
 
 
 class TokenStreams:
-    def __init__(self, batcher: ContinuousBatcher, on_change: Callable[[], None]) -> None:
+    """`time_scale`: the seconds the engine runs for one second of the batcher's model (a simulated
+    engine's `launch.time_scale`; 1 for a real one). T̄_service is reported in the engine's seconds, as
+    the gateway measures everything else it routes on (first tokens, decode steps): a simulated engine
+    slowed 4x reporting model seconds made the gateway's wait for KV 4x short."""
+
+    def __init__(self, batcher: ContinuousBatcher, on_change: Callable[[], None], time_scale: float = 1.0) -> None:
         self.batcher = batcher
         self._on_change = on_change
         self._queues: dict[int, asyncio.Queue[Token]] = {}
-        self.measured_service_s = prior_service_s(batcher.model, batcher.gpu)   # model seconds, the prior at first
+        self.time_scale = time_scale
+        self.measured_service_s = prior_service_s(batcher.model, batcher.gpu) * time_scale   # the prior at first
         self.tokens_generated = 0
         self.requests_completed = 0
 
@@ -51,8 +57,9 @@ class TokenStreams:
             queue.put_nowait(token)
 
     def completed(self, service_s: float) -> None:
+        """A sequence finished after `service_s` of the batcher's model time (admission to last token)."""
         self.requests_completed += 1
-        self.measured_service_s = updated_mean_service(self.measured_service_s, service_s)
+        self.measured_service_s = updated_mean_service(self.measured_service_s, service_s * self.time_scale)
 
     def load(self, max_model_len: int) -> LoadReport:
         b = self.batcher

@@ -212,9 +212,10 @@ def test_whole_generate_sends_the_first_token_then_the_rest_in_one_message(clust
     assert whole[-1].usage == streamed[-1].usage
 
 
-def test_a_time_scaled_engine_reports_service_time_in_model_seconds(cluster: Cluster) -> None:
-    """T̄_service is added to the performance model's prefill term, so it must be in the same unit:
-    an engine that runs 4× slower than the model says still reports the model's seconds."""
+def test_a_time_scaled_engine_reports_service_time_in_its_own_seconds(cluster: Cluster) -> None:
+    """The gateway measures an engine's first tokens and decode steps on its own clock, and prices the wait
+    for KV with T̄_service beside them: an engine that runs 4× slower than the model says reports 4× the
+    model's seconds (the performance model's service time exactly, times 4)."""
     cluster.engines.launch("slow-0", "language", "A100-80GB", "--time-scale", "4")
     with grpc.insecure_channel(cluster.engines.address("slow-0")) as channel:
         request = engine_pb2.GenerateRequest(request_id="timed-1", prompt="user: hi", prompt_tokens=9, max_tokens=8)
@@ -222,8 +223,8 @@ def test_a_time_scaled_engine_reports_service_time_in_model_seconds(cluster: Clu
     assert len(chunks) == 8   # natural lengths are ≥ 16 tokens: max_tokens decides
     catalog = load_catalog()
     model, gpu = catalog.model(MODEL), catalog.gpu("A100-80GB")
-    expected = perf_model.prefill_seconds(model, gpu, 9) + sum(
-        perf_model.decode_step_seconds(model, gpu, 1, 9 + k) for k in range(1, 8))
-    prior = service_time.prior_service_s(model, gpu)   # reported from the start; one sample moves it by a fifth
+    expected = 4 * (perf_model.prefill_seconds(model, gpu, 9) + sum(
+        perf_model.decode_step_seconds(model, gpu, 1, 9 + k) for k in range(1, 8)))
+    prior = 4 * service_time.prior_service_s(model, gpu)   # reported from the start; one sample moves it by a fifth
     reported = cluster.engines.wait_reported("slow-0", lambda r: r.mean_service_s != prior).mean_service_s
     assert reported == pytest.approx(service_time.updated_mean_service(prior, expected), rel=1e-6)
