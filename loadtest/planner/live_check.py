@@ -36,8 +36,8 @@ import httpx
 import numpy as np
 
 from common.catalog import Catalog, load_catalog
-from gateway.requests.tokens import BYTES_PER_TOKEN, CHAT_MESSAGE_OVERHEAD
-from loadtest.live_replay import START_DELAY_S, replay_client, request_id_for
+from gateway.requests.tokens import CHAT_MESSAGE_OVERHEAD
+from loadtest.live_replay import START_DELAY_S, prompt_text, replay_client, request_id_for
 from loadtest.planner.cli import backends_config
 from loadtest.planner.evaluate import Outcome, outcome, simulate
 from loadtest.planner.search import Problem
@@ -87,8 +87,7 @@ def replay_body(trace: Trace, i: int, tag: str, images: list[str]) -> dict[str, 
     holds any of it, as the planner's workload has no sharing (the simulator's engines cache nothing)."""
     lengths = trace.lengths
     text_tokens = int(lengths.text_tokens[i])
-    size = max(1, text_tokens - CHAT_MESSAGE_OVERHEAD) * BYTES_PER_TOKEN
-    text = (tag + " " + "a" * size)[:size]
+    text = prompt_text(max(1, text_tokens - CHAT_MESSAGE_OVERHEAD), tag)
     content: str | list[dict[str, Any]] = text
     if images:
         content = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in images)]
