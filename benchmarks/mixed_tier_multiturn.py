@@ -194,6 +194,7 @@ def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]],
     wall = time.monotonic() - started
     cpu = (sum(loadgen.cpu_ticks(p) for p in t.pids) - cpu0) / loadgen.CLK_TCK
     q1, h1 = prefix_counters(engines)
+    speeds = {"learned": learned(t.url)} if t.name.startswith("hg-") else {}
     t.signal(signal.SIGSTOP)
     queries, hits = q1 - q0, h1 - h0
     return score(outcomes, time_scale) | {
@@ -201,7 +202,23 @@ def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]],
         "prefix_queries": queries, "prefix_hits": hits, "hit_rate": hits / queries if queries else 0.0,
         "prefilled_per_request": (queries - hits) / len(outcomes), "router_cores": cpu / wall,
         "max_engine_over_capacity_share": largest_share((o.engine for o in outcomes if not o.error), engines.rates),
-        "router_cpu_ms_per_req": cpu / len(outcomes) * 1000}
+        "router_cpu_ms_per_req": cpu / len(outcomes) * 1000} | speeds
+
+
+LEARNED = ("prefill_s_per_token", "prefill_samples", "decode_step_s", "decode_samples", "decode_floor_s",
+           "stall_factor", "stall_per_prompt_s", "decode_model_samples", "service_s")
+
+
+IDLE = ("breaker", "in_flight", "prefilling", "prefill_backlog_tokens", "kv_reserved_tokens", "kv_free_bytes")
+
+
+def learned(url: str) -> dict[str, dict[str, Any]]:
+    """A gateway's learned speeds per backend after a run (/admin/backends): what its routing priced with,
+    and what it counts there once every reply is in (in flight, backlog, reservations: 0 unless leaked)."""
+    with urllib.request.urlopen(url + "/admin/backends", timeout=10) as resp:
+        backends = orjson.loads(resp.read())["data"]
+    return {b["id"]: {k: b["learned_speed"][k] for k in LEARNED} | {k: b[k] for k in IDLE}
+            | {"prefix_cache": b["prefix_cache"]} for b in backends}
 
 
 # -- the virtual-time reference ------------------------------------------------------------------

@@ -25,7 +25,8 @@ over a decaying window (DECAY a reading),
 
 so it forgets the oldest blocks first, as the engine did, until it predicts the hit rate the engine
 reports; an engine that reports no hit at all (it caches nothing) gets keep_i = 0: no prediction.
-`source` says which: "estimate" (keep_i = 1) until an engine reports, then "engine".
+`source` says which: "estimate" (keep_i = 1) until an engine reports, then "engine". Counters that
+go back (a restarted engine) empty the backend's LRU: its cache is empty too.
 
 Blocks of 64 tokens by default (`gateway.routing.prefix_cache.block_tokens`), four of an engine's
 16-token blocks: a hit is counted in whole blocks of the index, so up to 63 tokens of a cached prefix
@@ -52,7 +53,14 @@ evicted (both counts halve past it). A backend whose cache is full and whose ρ_
 in every query's `reuse` (a live view), and `marginal_delay` charges a placement there the
 recomputation it causes elsewhere in the backend's future, w_evict · ρ_i · L_i · p_i seconds
 (docs/ROUTING.md): a fast tier that is evicting live conversations stops taking new ones that could
-go where the cache turns over slowly.
+go where the cache turns over slowly. ρ_i ages while backend i evicts nothing: it halves each time
+the cluster takes in K_i new blocks elsewhere since i's last eviction (ρ_i · 2^(−placed / K_i),
+brought up to date every AGE_EVERY blocks placed), as the blocks i would evict next grow that much
+older than those it was measured on. Without it a backend that ρ_i priced out took no placement,
+so it never evicted again and its ρ_i never moved: once its tenants' prompts changed it was shut out
+for good (the live multi-turn benchmark's gateway sent an H100 14 requests in a run after 226 in
+the one before, docs/ROUTING.md); with it the backend takes new prompts again once the cluster has
+moved on, and the ghosts of what it then evicts measure ρ_i afresh.
 
 Images: a request's images head its chain, named by their content (`common.prefix_blocks.prompt_blocks`),
 so the same image with the same text is a hit and another image is not.
@@ -84,6 +92,8 @@ MIN_REPORTED_TOKENS = 4096    # reported query tokens in the window before keep_
 KEEP_GAIN = 0.05              # keep_i moves by (reported / predicted hit rate)^KEEP_GAIN a reading
 MIN_KEEP = 1 / 64             # keep_i of an engine that hits at all
 REUSE_WINDOW = 2              # ρ_i counts over the last ~REUSE_WINDOW · K_i blocks evicted from backend i
+AGE_EVERY = 64                # blocks placed (anywhere) between updates of the listed backends' aged ρ_i
+MIN_REUSE = 0.01              # an aged ρ_i below this is not listed (priced at 0)
 MIN_EVICTED_SHARE = 0.25      # no ρ_i before a quarter of K_i has been evicted
 Source = Literal["estimate", "engine"]
 Routed = tuple[str, Sequence[int], int | None, int]   # (backend, blocks, session key, prompt tokens)
@@ -119,6 +129,7 @@ class _Backend:
     ghosts: deque[int] = field(default_factory=deque)   # its last evicted blocks, oldest first
     evicted: float = 0.0                # blocks evicted, over the window
     wanted: float = 0.0                 # of them, brought back by a later prompt
+    evicted_at: int = 0                 # the index's blocks placed (anywhere) at its last eviction
 
     @property
     def source(self) -> Source:
@@ -141,6 +152,8 @@ class PrefixIndex:
         self._reuse: dict[str, float] = {}   # ρ_i of the backends whose cache is full, where above 0
         self._reuse_view = MappingProxyType(self._reuse)
         self._all = 0
+        self._placed = 0                     # blocks taken into any backend's LRU, ever (ρ_i's age)
+        self._aged_at = 0                    # _placed when the listed ρ_i were last aged
         self.stable = False                  # hashes the same in every process (`share`)
         self._routed: deque[Routed] | None = None   # this process's records not yet shared
 
@@ -232,12 +245,17 @@ class PrefixIndex:
     def _touch(self, b: _Backend, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
         if blocks:   # a prompt shorter than a block has none
             added, evicted = b.lru.touch(blocks)
+            self._placed += len(added)
             self._hold(b, added)
             self._forget(b, evicted)
         if session is not None:
             added, evicted = b.lru.touch((session,), prompt_tokens)
             self._hold(b, added)
             self._forget(b, evicted)
+        if self._reuse and self._placed - self._aged_at >= AGE_EVERY:
+            self._aged_at = self._placed
+            for listed in list(self._reuse):
+                self._rate(self._backends[listed])
 
     def _fit(self, b: _Backend) -> None:
         """The backend's LRU at keep_i · K_i blocks (its oldest blocks forgotten)."""
@@ -278,6 +296,7 @@ class PrefixIndex:
             else:
                 ghosts.pop(old, None)
         b.evicted += len(blocks)
+        b.evicted_at = self._placed
         if b.evicted > REUSE_WINDOW * b.kv_blocks:
             b.evicted, b.wanted = b.evicted / 2, b.wanted / 2
         self._rate(b)
@@ -285,14 +304,22 @@ class PrefixIndex:
     def _rate(self, b: _Backend) -> None:
         """ρ_i listed while b's cache is full (a new prompt there evicts as much as it adds)."""
         if b.lru.capacity and len(b.lru) >= b.lru.capacity and b.evicted >= MIN_EVICTED_SHARE * b.kv_blocks:
-            if rho := b.reuse:
+            if (rho := self._aged(b)) >= MIN_REUSE:
                 self._reuse[b.id] = rho
                 return
         self._reuse.pop(b.id, None)
 
+    def _aged(self, b: _Backend) -> float:
+        """ρ_i, halved for every K_i blocks the cluster took in since i last evicted."""
+        rho = b.reuse
+        if rho and (since := self._placed - b.evicted_at):
+            rho *= 2.0 ** (-since / max(1, b.kv_blocks))
+        return rho
+
     def evicted_reuse(self, backend_id: str) -> float:
-        """ρ_i: of the blocks backend i evicted lately, the share later prompts asked for again."""
-        return self._backends[backend_id].reuse
+        """ρ_i: of the blocks backend i evicted lately, the share later prompts asked for again, aged by
+        what the cluster took in since."""
+        return self._aged(self._backends[backend_id])
 
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
         """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: it reports none)."""
@@ -303,6 +330,8 @@ class PrefixIndex:
         last, b.last = b.last, (queries, hits)
         if last is None or queries < last[0] or hits < last[1]:   # first reading, or the engine restarted
             b.mark = marks
+            if last is not None:
+                self._emptied(b)
             return
         dq, dh = queries - last[0], hits - last[1]
         b.reported_queries += dq
@@ -321,6 +350,19 @@ class PrefixIndex:
             ratio = (w[3] / w[2]) / (w[1] / w[0])
             b.keep = min(1.0, max(MIN_KEEP, b.keep * ratio ** KEEP_GAIN))
         self._fit(b)
+
+    def _emptied(self, b: _Backend) -> None:
+        """b's engine restarted with an empty cache: so is b's LRU here (its blocks go to no ghost list,
+        as no placement evicted them)."""
+        holders, keep = self._holders, ~(1 << b.bit)
+        capacity = b.lru.capacity
+        for block in b.lru.resize(0):
+            if mask := holders.get(block, 0) & keep:
+                holders[block] = mask
+            else:
+                holders.pop(block, None)
+        b.lru.resize(capacity)
+        self._rate(b)
 
     def describe(self, backend_id: str) -> dict[str, Any]:
         """For /admin/backends: the index's source, size and predicted vs reported hit rate."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
+
 from common.prefix_blocks import (
     BLOCK_TOKENS,
     BlockLru,
@@ -16,7 +18,7 @@ from common.prefix_blocks import (
 from gateway.config.cluster import PrefixCacheConfig
 from gateway.requests.images import ImageInput
 from gateway.routing.backend_entry import Reported
-from gateway.routing.prefix_index import MIN_REPORTED_TOKENS, PrefixIndex
+from gateway.routing.prefix_index import MIN_REPORTED_TOKENS, MIN_REUSE, PrefixIndex
 from gateway.routing.state_table import StateTable
 from tests.snapshots import catalog
 
@@ -176,8 +178,12 @@ def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() ->
     assert described["capacity_blocks"] == int(100 * described["keep"]) >= 10
     assert index.lookup(prompts[0], "", 200).cached == {}         # forgotten first
     assert index.lookup(prompts[9], "", 200).cached == {"a": 160}   # the most recent stays
-    index.observe("a", 10, 0)   # the engine restarted: a new baseline, keep unchanged
+    index.observe("a", 10, 0)   # the engine restarted: a new baseline, keep unchanged, its cache empty
     assert index.describe("a")["keep"] == described["keep"]
+    assert index.lookup(prompts[9], "", 200).cached == {}
+    assert index.describe("a")["blocks"] == 0 and index.held_blocks() == 0
+    index.record(index.lookup(prompts[9], "", 200), "a", 100 * 16)   # and it fills again
+    assert index.lookup(prompts[9], "", 200).cached == {"a": 160}
 
 
 def test_an_engine_that_reports_no_hit_gets_no_prediction() -> None:
@@ -287,10 +293,42 @@ def test_evicted_blocks_asked_for_again_make_a_full_backend_costly_to_fill() -> 
     assert index.evicted_reuse("a") == 0.0
     assert index.lookup(first, "", 100).reuse == {}    # full, but nothing evicted was asked for again
     index.record(index.lookup(first, "", 100), "b", 100 * 16)   # both come back, on another backend
-    assert index.evicted_reuse("a") == 1.0
-    assert index.lookup(second, "", 100).reuse == {"a": 1.0}
-    assert index.describe("a")["evicted_reuse"] == 1.0
+    aged = 2 ** (-len(first) / 4)   # every evicted block was wanted (1.0), aged by the 6 blocks b took in
+    assert index.evicted_reuse("a") == pytest.approx(aged)
+    assert index.lookup(second, "", 100).reuse == {"a": pytest.approx(aged)}
+    assert index.describe("a")["evicted_reuse"] == pytest.approx(aged)
     assert index.evicted_reuse("b") == 0.0   # b has evicted nothing
+
+
+def blocks_of(tag: str, n: int) -> str:
+    """`n` blocks of text of their own."""
+    return "".join(f"{tag}-{j}".ljust(64, "-") for j in range(n))
+
+
+def test_the_reuse_of_a_backend_that_evicts_nothing_ages_as_the_cluster_takes_in_new_blocks() -> None:
+    """A backend priced out by its ρ_i takes no prompt, so it evicts nothing and its ρ_i would never move:
+    it halves for every K_i blocks placed elsewhere, leaves the queries' `reuse` below MIN_REUSE, and is
+    measured afresh once it evicts again."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("a", 40 * 16)
+    index.add_backend("b", 10_000 * 16)
+    prompts = [index.hashes(blocks_of(f"p{k}", 12), (), 200) for k in range(8)]
+    for blocks in prompts:   # a full and turning over: 8 prompts of 12 blocks through 40 blocks
+        index.record(index.lookup(blocks, "", 200), "a", 40 * 16)
+    for blocks in prompts[:4]:   # the evicted ones come back, elsewhere
+        index.record(index.lookup(blocks, "", 200), "b", 10_000 * 16)
+    measured = index.evicted_reuse("a")   # aged already by the 48 blocks brought back on b
+    assert measured > 0.1
+    for k in range(200):   # the cluster moves on: new prompts, none of them on a
+        index.record(index.lookup(index.hashes(blocks_of(f"new{k}", 12), (), 200), "", 200), "b", 10_000 * 16)
+        if k == 1:   # 24 blocks more taken in elsewhere: 24 / 40 of a half-life
+            assert index.evicted_reuse("a") == pytest.approx(measured * 2 ** (-24 / 40))
+    assert index.evicted_reuse("a") < MIN_REUSE
+    assert "a" not in index.lookup(prompts[0], "", 200).reuse
+    index.record(index.lookup(prompts[7], "", 200), "a", 40 * 16)   # held: evicts nothing, ρ_a still aged
+    assert index.evicted_reuse("a") < MIN_REUSE
+    index.record(index.lookup(index.hashes(blocks_of("fresh", 12), (), 200), "", 200), "a", 40 * 16)
+    assert index.evicted_reuse("a") > 0.1   # it evicted again: its own ratio, not aged
 
 
 def test_distinct_prompts_evict_blocks_nobody_asks_for_again() -> None:
