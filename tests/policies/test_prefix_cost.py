@@ -10,6 +10,7 @@ import pytest
 from gateway.routing.policies.candidates import near_lowest
 from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
 from gateway.routing.policies.marginal_delay import MarginalDelay, MarginalDelayParams
+from gateway.routing.prefix_index import PrefixIndex
 from tests.snapshots import random_cluster, snapshot
 
 
@@ -88,3 +89,33 @@ def test_columns_and_the_one_candidate_form_agree_with_cached_tokens(seed: int, 
         assert list(decision.costs) == expected
         best = near_lowest([c.total for c in expected], random.Random(7), MarginalDelayParams().tie_tolerance)
         assert decision.backend is snapshots[best]
+
+
+def test_a_backend_priced_out_by_its_evictions_takes_new_prompts_again_once_the_cluster_moved_on() -> None:
+    """The index and the policy together: `a`, the faster, has a full cache whose evicted blocks came back
+    elsewhere (ρ_a high), so new prompts go to `b`; none of them goes to `a`, so `a` evicts nothing, and
+    without ageing its ρ_a would price it out for good. It ages with the blocks `b` takes in, and `a`
+    takes new prompts again."""
+    index = PrefixIndex(16)
+    index.add_backend("a", 40 * 16)
+    index.add_backend("b", 10_000 * 16)
+    policy = MarginalDelay()
+    a = dataclasses.replace(H100, id="a")
+    b = dataclasses.replace(H100, id="b", learned_prefill_s_per_token=0.08e-3)
+
+    def prompt(tag: str) -> list[int]:   # 12 blocks of text of its own, 200 tokens
+        return index.hashes("".join(f"{tag}-{j}".ljust(64, "-") for j in range(12)), (), 200)
+
+    old = [prompt(f"old{k}") for k in range(8)]
+    for blocks in old:   # a full and turning over
+        index.record(index.lookup(blocks, "", 200), "a", 40 * 16)
+    for blocks in old[:4]:   # what it evicted is asked for again, elsewhere
+        index.record(index.lookup(blocks, "", 200), "b", 10_000 * 16)
+    chosen = []
+    for k in range(40):
+        query = index.lookup(prompt(f"new{k}"), "", 200)
+        profile = RequestProfile(f"r{k}", 200, 16, cached_tokens=query.cached, evicted_reuse=query.reuse)
+        chosen.append(policy.choose(profile, [a, b], 0.0).backend.id)
+        index.record(query, chosen[-1], (40 if chosen[-1] == "a" else 10_000) * 16)
+    assert chosen[:5] == ["b"] * 5   # T_evict on a: 16 · ρ_a · 200 · 0.06 ms, above b's slower prefill
+    assert "a" in chosen[5:]
