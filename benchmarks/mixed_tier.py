@@ -168,10 +168,10 @@ def start_peers(stack: ExitStack, tmp: Path, engines: Engines, wanted: set[str])
     return out
 
 
-def gateway_config(engines: Engines, scrape: bool, routing: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`routing`: settings of gateway.routing (none: its defaults)."""
+def gateway_config(engines: Engines, scrape: bool, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`settings`: of the `gateway:` section (none: its defaults)."""
     tiers = dict(CLUSTER)
-    return {"model": MODEL, **({"gateway": {"routing": routing}} if routing else {}),
+    return {"model": MODEL, **({"gateway": settings} if settings else {}),
             "backends": [
         {"id": eid, "kind": "openai", "role": "language", "gpu": tiers[eid], "address": url,
          **({"scrape": {"engine": "vllm"}} if scrape else {"agent": True})}
@@ -183,11 +183,11 @@ def start_gateways(stack: ExitStack, tmp: Path, engines: Engines, policies: list
 
 
 def start_gateway(stack: ExitStack, tmp: Path, engines: Engines, name: str, policy: str,
-                  routing: dict[str, Any] | None = None) -> Target:
-    """One gateway scraping the engines, with these gateway.routing settings."""
+                  settings: dict[str, Any] | None = None) -> Target:
+    """One gateway scraping the engines, with these `gateway:` settings."""
     where = tmp / name
     where.mkdir()
-    config = write_config(where, gateway_config(engines, scrape=True, routing=routing))
+    config = write_config(where, gateway_config(engines, scrape=True, settings=settings))
     gw = stack.enter_context(run_gateway(config, "--policy", policy))
     return Target(name, gw.url, [gw.process.pid])
 

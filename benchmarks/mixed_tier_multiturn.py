@@ -18,7 +18,8 @@ Targets: rr and cwlor (benchmarks/lor_proxy.py), vllm-router and sglang-router w
 cache_aware` (`vllm-router-ca`, `sglang-router-ca`), and the gateway's default policy with cache-aware
 routing off (`hg-blind`: gateway.routing.prefix_cache.enabled false) and on (`hg-cache`, its default),
 and on without the price of filling a full cache (`hg-noevict`: marginal_delay's w_evict 0) or with the
-request's own decode at full weight (`hg-decode1`: w_decode 1, the default before 0.25).
+request's own decode at full weight (`hg-decode1`: w_decode 1, the default before 0.25), or without the
+overload queue (`hg-noqueue`: gateway.overload.enabled false).
 
 Load: a multiple of the cache-blind capacity, as prefix_affinity.py counts it: each engine alone
 saturated in emulated time with the workload's requests and no cache, summed; conversations arrive at
@@ -94,11 +95,13 @@ from benchmarks.prefix_affinity import (
 from benchmarks.prefix_affinity import run as replay
 
 RESULTS = ROOT / "benchmarks" / "results"   # mixed_tier_<workload>.json
-TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-decode1", "hg-cache")
-GATEWAYS: dict[str, dict[str, Any]] = {   # the gateway targets: their gateway.routing settings
-    "hg-blind": {"prefix_cache": {"enabled": False}},
-    "hg-noevict": {"params": {DEFAULT_POLICY: {"w_evict": 0.0}}},
-    "hg-decode1": {"params": {DEFAULT_POLICY: {"w_decode": 1.0}}},
+TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-decode1", "hg-noqueue",
+           "hg-cache")
+GATEWAYS: dict[str, dict[str, Any]] = {   # the gateway targets: their `gateway:` settings
+    "hg-blind": {"routing": {"prefix_cache": {"enabled": False}}},
+    "hg-noevict": {"routing": {"params": {DEFAULT_POLICY: {"w_evict": 0.0}}}},
+    "hg-decode1": {"routing": {"params": {DEFAULT_POLICY: {"w_decode": 1.0}}}},
+    "hg-noqueue": {"overload": {"enabled": False}},
     "hg-cache": {},
 }
 PEERS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca")
@@ -352,9 +355,9 @@ def main(args: argparse.Namespace) -> int:
         rates = engines.rates
         targets = start_proxies(stack, Path(tmp), engines, set(wanted))
         targets += start_peers(stack, Path(tmp), engines, set(wanted))
-        for name, routing in GATEWAYS.items():
+        for name, settings in GATEWAYS.items():
             if name in wanted:
-                targets.append(start_gateway(stack, Path(tmp), engines, name, DEFAULT_POLICY, routing))
+                targets.append(start_gateway(stack, Path(tmp), engines, name, DEFAULT_POLICY, settings))
         targets.sort(key=lambda t: wanted.index(t.name))
         print(f"cache-blind capacity {', '.join(f'seed {s}: {c:.1f}' for s, c in capacity.items())} req/s, "
               f"turns a conversation {', '.join(f'{sizing[s][1]:.2f}' for s in seeds)}; "
