@@ -274,19 +274,24 @@ class PrefixIndex:
                     c.wanted += 1
                     self._rate(c)
 
-    def _forget(self, b: _Backend, blocks: list[int]) -> None:
-        """`blocks` left b's LRU: out of the holders map, into b's ghost list (as long as its LRU)."""
-        holders, ghosts, bit = self._holders, self._ghosts, 1 << b.bit
-        keep = ~bit
+    def _drop(self, b: _Backend, blocks: list[int]) -> None:
+        """`blocks` left b's LRU: out of the holders map."""
+        holders, keep = self._holders, ~(1 << b.bit)
         for block in blocks:
-            mask = holders.get(block, 0) & keep
-            if mask:
+            if mask := holders.get(block, 0) & keep:
                 holders[block] = mask
             else:
                 holders.pop(block, None)
-            ghosts[block] = ghosts.get(block, 0) | bit
+
+    def _forget(self, b: _Backend, blocks: list[int]) -> None:
+        """`blocks` left b's LRU: out of the holders map, into b's ghost list (as long as its LRU)."""
         if not blocks:
             return
+        self._drop(b, blocks)
+        ghosts, bit = self._ghosts, 1 << b.bit
+        keep = ~bit
+        for block in blocks:
+            ghosts[block] = ghosts.get(block, 0) | bit
         listed = b.ghosts
         listed.extend(blocks)
         while len(listed) > b.lru.capacity:
@@ -354,13 +359,8 @@ class PrefixIndex:
     def _emptied(self, b: _Backend) -> None:
         """b's engine restarted with an empty cache: so is b's LRU here (its blocks go to no ghost list,
         as no placement evicted them)."""
-        holders, keep = self._holders, ~(1 << b.bit)
         capacity = b.lru.capacity
-        for block in b.lru.resize(0):
-            if mask := holders.get(block, 0) & keep:
-                holders[block] = mask
-            else:
-                holders.pop(block, None)
+        self._drop(b, b.lru.resize(0))
         b.lru.resize(capacity)
         self._rate(b)
 
