@@ -19,7 +19,8 @@ cache_aware` (`vllm-router-ca`, `sglang-router-ca`), and the gateway's default p
 routing off (`hg-blind`: gateway.routing.prefix_cache.enabled false) and on (`hg-cache`, its default),
 and on without the price of filling a full cache (`hg-noevict`: marginal_delay's w_evict 0) or with the
 request's own decode at full weight (`hg-decode1`: w_decode 1, the default before 0.25), or without the
-overload queue (`hg-noqueue`: gateway.overload.enabled false).
+overload queue (`hg-noqueue`: gateway.overload.enabled false), or pricing stalls with the uncalibrated
+model (`hg-nocal`: marginal_delay's calibrate false).
 
 Load: a multiple of the cache-blind capacity, as prefix_affinity.py counts it: each engine alone
 saturated in emulated time with the workload's requests and no cache, summed; conversations arrive at
@@ -96,12 +97,13 @@ from benchmarks.prefix_affinity import run as replay
 
 RESULTS = ROOT / "benchmarks" / "results"   # mixed_tier_<workload>.json
 TARGETS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca", "hg-blind", "hg-noevict", "hg-decode1", "hg-noqueue",
-           "hg-cache")
+           "hg-nocal", "hg-cache")
 GATEWAYS: dict[str, dict[str, Any]] = {   # the gateway targets: their `gateway:` settings
     "hg-blind": {"routing": {"prefix_cache": {"enabled": False}}},
     "hg-noevict": {"routing": {"params": {DEFAULT_POLICY: {"w_evict": 0.0}}}},
     "hg-decode1": {"routing": {"params": {DEFAULT_POLICY: {"w_decode": 1.0}}}},
     "hg-noqueue": {"overload": {"enabled": False}},
+    "hg-nocal": {"routing": {"params": {DEFAULT_POLICY: {"calibrate": False}}}},
     "hg-cache": {},
 }
 PEERS = ("rr", "cwlor", "vllm-router-ca", "sglang-router-ca")
