@@ -199,7 +199,7 @@ def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]],
     wall = time.monotonic() - started
     cpu = (sum(loadgen.cpu_ticks(p) for p in t.pids) - cpu0) / loadgen.CLK_TCK
     q1, h1 = prefix_counters(engines)
-    speeds = {"learned": learned(t.url)} if t.name.startswith("hg-") else {}
+    state = {"learned": learned(t.url)} if t.name.startswith("hg-") else {}
     t.signal(signal.SIGSTOP)
     queries, hits = q1 - q0, h1 - h0
     return score(outcomes, time_scale) | {
@@ -207,13 +207,12 @@ def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]],
         "prefix_queries": queries, "prefix_hits": hits, "hit_rate": hits / queries if queries else 0.0,
         "prefilled_per_request": (queries - hits) / len(outcomes), "router_cores": cpu / wall,
         "max_engine_over_capacity_share": largest_share((o.engine for o in outcomes if not o.error), engines.rates),
-        "router_cpu_ms_per_req": cpu / len(outcomes) * 1000} | speeds
+        "router_cpu_ms_per_req": cpu / len(outcomes) * 1000} | state
 
 
+# What `learned` keeps of each backend in /admin/backends: its learned_speed fields, and its own fields
 LEARNED = ("prefill_s_per_token", "prefill_samples", "decode_step_s", "decode_samples", "decode_floor_s",
            "stall_factor", "stall_per_prompt_s", "decode_model_samples", "service_s")
-
-
 IDLE = ("breaker", "in_flight", "prefilling", "prefill_backlog_tokens", "kv_reserved_tokens", "kv_free_bytes")
 
 

@@ -267,12 +267,15 @@ class PrefixIndex:
     def _hold(self, b: _Backend, blocks: Iterable[int]) -> None:
         """`blocks` are new in b's LRU; those another backend (or b) evicted lately count as wanted there."""
         holders, ghosts, bit = self._holders, self._ghosts, 1 << b.bit
+        wanted_by = 0
         for block in blocks:
             holders[block] = holders.get(block, 0) | bit
             if ghosts and (evicted_by := ghosts.pop(block, 0)):
+                wanted_by |= evicted_by
                 for c in _members(evicted_by, self._by_bit):
                     c.wanted += 1
-                    self._rate(c)
+        for c in _members(wanted_by, self._by_bit):   # each rated once, on its counts after the prompt
+            self._rate(c)
 
     def _drop(self, b: _Backend, blocks: list[int]) -> None:
         """`blocks` left b's LRU: out of the holders map."""
