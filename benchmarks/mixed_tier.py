@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all-rounds", action="store_true", help="baseline gateway policies in every round too")
     p.add_argument("--no-peers", action="store_true", help="leave vllm-router and sglang-router out")
     p.add_argument("--only", nargs="+", help="run only these targets (names as in the table)")
+    p.add_argument("--timeline", type=float, default=0.0, metavar="SECONDS",
+                   help="multiturn, hotprefix: read each gateway's /admin/backends every SECONDS during its runs "
+                        "(warm-up included) and keep what its prefix index and leases held (`timeline` of a run)")
     p.add_argument("--policies", nargs="+", help="gateway policies to run (default: every language policy)")
     args = p.parse_args(argv)
     if args.workload in ("multiturn", "hotprefix"):

@@ -188,18 +188,25 @@ def reset_prefix_caches(engines: Engines) -> None:
             pass
 
 
-def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]], time_scale: float) -> dict[str, Any]:
-    """One scored run of `t`: cold caches, the conversations `make` builds, the engines' counters around it."""
+def run_one(t: Target, engines: Engines, make: Callable[[], list[Conversation]], time_scale: float,
+            timeline_s: float = 0.0) -> dict[str, Any]:
+    """One scored run of `t`: cold caches, the conversations `make` builds, the engines' counters around it
+    (and, every `timeline_s` seconds where above 0, what a gateway's /admin/backends says)."""
     convs = make()
     t.signal(signal.SIGCONT)
     time.sleep(SETTLE_S)
     reset_prefix_caches(engines)
     (q0, h0), cpu0, started = prefix_counters(engines), sum(loadgen.cpu_ticks(p) for p in t.pids), time.monotonic()
-    outcomes = asyncio.run(hold(t.url, convs, time_scale))
+    points: list[dict[str, Any]] = []
+    watch = timeline_s > 0 and t.name.startswith("hg-")
+    outcomes = asyncio.run(watched(hold(t.url, convs, time_scale), t.url, timeline_s, points) if watch
+                           else hold(t.url, convs, time_scale))
     wall = time.monotonic() - started
     cpu = (sum(loadgen.cpu_ticks(p) for p in t.pids) - cpu0) / loadgen.CLK_TCK
     q1, h1 = prefix_counters(engines)
     state = {"learned": learned(t.url)} if t.name.startswith("hg-") else {}
+    if watch:
+        state["timeline"] = points
     t.signal(signal.SIGSTOP)
     queries, hits = q1 - q0, h1 - h0
     return score(outcomes, time_scale) | {
@@ -216,13 +223,36 @@ LEARNED = ("prefill_s_per_token", "prefill_samples", "decode_step_s", "decode_sa
 IDLE = ("breaker", "in_flight", "prefilling", "prefill_backlog_tokens", "kv_reserved_tokens", "kv_free_bytes")
 
 
+def admin_backends(url: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(url + "/admin/backends", timeout=10) as resp:
+        backends: list[dict[str, Any]] = orjson.loads(resp.read())["data"]
+    return backends
+
+
 def learned(url: str) -> dict[str, dict[str, Any]]:
     """A gateway's learned speeds per backend after a run (/admin/backends): what its routing priced with,
     and what it counts there once every reply is in (in flight, backlog, reservations: 0 unless leaked)."""
-    with urllib.request.urlopen(url + "/admin/backends", timeout=10) as resp:
-        backends = orjson.loads(resp.read())["data"]
+    backends = admin_backends(url)
     return {b["id"]: {k: b["learned_speed"][k] for k in LEARNED} | {k: b[k] for k in IDLE}
             | {"prefix_cache": b["prefix_cache"]} for b in backends}
+
+
+TIMELINE = ("in_flight", "prefill_backlog_tokens")
+INDEX = ("blocks", "capacity_blocks", "keep", "evicted_reuse", "predicted_query_tokens", "predicted_hit_tokens",
+         "reported_query_tokens", "reported_hit_tokens")
+
+
+async def watched(run: Any, url: str, every_s: float, points: list[dict[str, Any]]) -> list[Outcome]:
+    """`run` (a hold), with the gateway's per-backend state read every `every_s` seconds into `points`:
+    {"t": seconds since the start, backend: [in flight, prefill backlog, then INDEX's fields]}."""
+    task = asyncio.ensure_future(run)
+    start = time.monotonic()
+    while not task.done():
+        await asyncio.wait([task], timeout=every_s)
+        backends = await asyncio.to_thread(admin_backends, url)
+        points.append({"t": round(time.monotonic() - start, 2)} | {
+            b["id"]: [b[k] for k in TIMELINE] + [b["prefix_cache"].get(k) for k in INDEX] for b in backends})
+    return task.result()
 
 
 # -- the virtual-time reference ------------------------------------------------------------------
@@ -348,7 +378,7 @@ def main(args: argparse.Namespace) -> int:
             "warmup_conversations": args.warmup, "cpus": os.cpu_count(),
             "load_average": {"start": load_start, "end": os.getloadavg()},
             "git": git_state(), "table": text, "targets_met": met, "summary": summary,
-            "replay_reference": reference, "runs": runs,
+            "replay_reference": reference, "runs": runs, "warmup_timelines": warmups,
         })
 
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
@@ -365,6 +395,7 @@ def main(args: argparse.Namespace) -> int:
               f"targets: {', '.join(t.name for t in targets)}", flush=True)
 
         salts = itertools.count(1)
+        warmups: dict[str, Any] = {}
 
         def make(seed: int, load: float, n: int, conv_seed: int) -> Callable[[], list[Conversation]]:
             rate = load * capacity[seed] / sizing[seed][1]
@@ -373,14 +404,16 @@ def main(args: argparse.Namespace) -> int:
         with paused(targets):
             for t in targets:
                 if args.warmup and t.name.startswith("hg-"):
-                    row = run_one(t, engines, make(1, 0.6, args.warmup, 8), args.time_scale)
+                    row = run_one(t, engines, make(1, 0.6, args.warmup, 8), args.time_scale, args.timeline)
+                    warmups[t.name] = row.get("timeline")
                     print(f"warm-up {t.name}: goodput {row['goodput']:.1%} hit {row['hit_rate']:.1%} "
                           f"errors {row['errors']}", flush=True)
             for i, seed in enumerate(seeds):
                 order = targets if i % 2 == 0 else targets[::-1]
                 for load in args.loads:
                     for t in order:
-                        row = run_one(t, engines, make(seed, load, args.sessions, 1000 * seed + 1), args.time_scale)
+                        row = run_one(t, engines, make(seed, load, args.sessions, 1000 * seed + 1), args.time_scale,
+                                      args.timeline)
                         row.update(target=t.name, load=f"{load}x", round=i, seed=seed, capacity_rps=capacity[seed])
                         runs.append(row)
                         print(f"round {i + 1}/{len(seeds)} {load}x {t.name}: goodput {row['goodput']:.1%} "

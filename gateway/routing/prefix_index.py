@@ -24,7 +24,11 @@ over a decaying window (DECAY a reading),
     keep_i ← clamp(keep_i · (reported hit rate / predicted hit rate)^KEEP_GAIN, MIN_KEEP, 1)
 
 so it forgets the oldest blocks first, as the engine did, until it predicts the hit rate the engine
-reports; an engine that reports no hit at all (it caches nothing) gets keep_i = 0: no prediction.
+reports; an engine that reports no hit where the index predicted some (MIN_REPORTED_TOKENS of them: it
+caches nothing) gets keep_i = 0: no prediction. Readings with no hit predicted and none reported (cold
+caches) move nothing: taken as "caches nothing", the first misses of a cold start set keep_i to 0 on
+every backend, whose LRU then regrew by 2^KEEP_GAIN a reading, so each one's recovery, and the
+evictions its shrunken LRU counted in ρ_i, depended on how often it was routed to early on.
 `source` says which: "estimate" (keep_i = 1) until an engine reports, then "engine". Counters that
 go back (a restarted engine) empty the backend's LRU: its cache is empty too.
 
@@ -350,8 +354,10 @@ class PrefixIndex:
         b.mark = marks
         if w[2] < MIN_REPORTED_TOKENS:
             return
-        if not w[3]:                 # no hit at all: the engine caches nothing
-            b.keep = 0.0
+        if not w[3]:
+            if w[1] < MIN_REPORTED_TOKENS:   # nothing predicted, nothing found (a cold cache): no news
+                return
+            b.keep = 0.0             # hits predicted, none found: the engine caches nothing
         elif not w[1]:               # hits the index did not predict: it forgot too much
             b.keep = min(1.0, max(b.keep, MIN_KEEP) * 2 ** KEEP_GAIN)
         else:

@@ -191,12 +191,30 @@ def test_an_engine_that_reports_no_hit_gets_no_prediction() -> None:
     index.add_backend("b", 100_000)
     blocks = index.hashes(text(*"abcdefghij"), (), 200)
     queries = 0
-    for _ in range(30):
+    for _ in range(40):   # the index predicts 192 of 200 tokens cached each time; the engine finds none
         index.record(index.lookup(blocks, "", 200), "b", 100_000)
         queries += 200
         index.observe("b", queries, 0)
     assert index.describe("b")["keep"] == 0.0
     assert index.lookup(blocks, "", 200).cached == {}
+
+
+def test_a_cold_cache_missing_prompts_nobody_predicted_leaves_keep_alone() -> None:
+    """A cold engine misses every new prompt; that says nothing about whether it caches. Taken as "caches
+    nothing", it set keep_i to 0 at every start with cold engines, and the index then predicted nothing
+    on that backend until its LRU had regrown reading by reading."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("b", 100_000)
+    queries = 0
+    for k in range(40):   # distinct prompts: the index predicts no hit, the engine finds none
+        index.record(index.lookup(index.hashes(text(str(k), *"abcdefghij"), (), 200), "", 200), "b", 100_000)
+        queries += 200
+        index.observe("b", queries, 0)
+    described = index.describe("b")
+    assert described["reported_query_tokens"] == 39 * 200 >= MIN_REPORTED_TOKENS   # the first reading a baseline
+    assert described["keep"] == 1.0
+    blocks = index.hashes(text("0", *"abcdefghij"), (), 200)
+    assert index.lookup(blocks, "", 200).cached == {"b": 176}   # its 11 blocks
 
 
 def test_engine_cache_pins_running_blocks_and_evicts_the_free_ones_lru() -> None:
