@@ -68,7 +68,7 @@ from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_workload import Request, saturated_rate, trace  # noqa: E402
 from gateway.config.cluster import RoutingConfig  # noqa: E402
 from gateway.routing.policies import REGISTRY  # noqa: E402
-from testkit.harness import free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import free_port, free_ports, run_gateway, write_config  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier.json"
 QUICK_RESULTS = ROOT / "benchmarks" / "results" / "mixed_tier_quick.json"   # --quick leaves the full run's alone
@@ -114,7 +114,7 @@ def start_engines(stack: ExitStack, tmp: Path, time_scale: float, prefix_caching
                   tier_rates: dict[str, float] | None = None) -> Engines:
     """The emulated engines; `tier_rates`: each tier's saturated requests/s in emulated time (default: on
     the mixed workload, benchmarks/mixed_workload.saturated_rate)."""
-    ports = {eid: free_port() for eid, _ in CLUSTER}
+    ports = dict(zip((eid for eid, _ in CLUSTER), free_ports(len(CLUSTER)), strict=True))
     args = [a for eid, tier in CLUSTER for a in ("--engine", f"{eid}:{tier}:{ports[eid]}")]
     proc = stack.enter_context(process(
         [sys.executable, str(ROOT / "benchmarks" / "emulated_engine.py"), "--time-scale", str(time_scale),
