@@ -94,7 +94,7 @@ def run_gateway(
 ) -> Iterator[Gateway]:
     """Run `gateway --backends config` until the block ends; wait until `healthy` backends heartbeat.
     `https_ca`: the HTTP door speaks TLS with a certificate from this CA."""
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_ports(2)
     log_path = config.parent / "gateway.log"
     cmd = [sys.executable, "-m", "gateway.cli", "--backends", str(config), "--port", str(port),
            "--grpc-port", str(grpc_port), "--log-level", "warning", *extra]

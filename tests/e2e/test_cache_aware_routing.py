@@ -3,11 +3,12 @@
 A conversation's next turn lands where its prefix is cached, by its blocks or by its session, unless
 that backend is overloaded: a burst of turns that share a cached prefix fills that backend's KV, and
 the rest go to the other one. /admin/backends and /metrics show the index's source and predicted vs
-reported hits.
+reported hits. A gateway in front of a cold engine keeps predicting after the engine's first misses.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -127,3 +128,32 @@ def test_affinity_gives_way_when_the_cached_backend_is_overloaded(gw: Gateway) -
     backends = [backend_of(resp) for _, resp in burst]
     assert backends.count(home) >= 1            # the cached backend takes what its KV holds ...
     assert len(set(backends)) == 2, backends    # ... and the rest recompute the prefix elsewhere
+
+
+@pytest.fixture(scope="module")
+def cold_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    config = write_config(tmp_path_factory.mktemp("cold_cache"), {
+        "model": MODEL,
+        "gateway": {"heartbeat_interval_ms": 100},
+        "backends": [{"id": "a100-a", "role": "language", "gpu": "A100-80GB", "launch": {"time_scale": 1.0}}],
+    })
+    with run_gateway(config) as gateway:
+        yield gateway
+
+
+def test_a_cold_engines_first_misses_do_not_turn_the_index_off(cold_gw: Gateway) -> None:
+    """An engine that has cached nothing yet misses every new prompt: its first thousands of query
+    tokens with no hit must not read as "this engine caches nothing" (keep_i 0, no prediction), which
+    left the index predicting nothing there until its LRU regrew reading by reading."""
+    gap = 0.35   # a few heartbeats (100 ms): each routing reads the engine's counters as last reported
+    chat(cold_gw, [{"role": "user", "content": "hello"}])   # the index's first reading of the counters
+    prompts = [turn([{"role": "system", "content": system_prompt(f"cold{k}")}], "Hi.") for k in range(4)]
+    for messages in prompts:   # four new prompts of ~2,000 tokens: misses, nobody predicted a hit
+        time.sleep(gap)
+        chat(cold_gw, messages)
+    time.sleep(gap)
+    chat(cold_gw, turn(prompts[0][:1], "Again, and longer?"))   # a reading after them; a predicted hit
+    cache = cold_gw.backend("a100-a")["prefix_cache"]
+    assert cache["source"] == "engine" and cache["reported_query_tokens"] >= 4096
+    assert cache["keep"] == 1.0 and cache["capacity_blocks"] > 0
+    assert cache["predicted_hit_tokens"] > 0
