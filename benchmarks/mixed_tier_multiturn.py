@@ -42,7 +42,10 @@ targets learn nothing that a run keeps. Scored per run: goodput (TTFT <= 2 s and
 time <= 100 ms, over every turn sent), TTFT p50 / p90 / p99, the hit rate (the engines' summed
 `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total`, read before and after the run),
 prompt tokens prefilled per request (queries - hits, over the turns sent) and tier shares (the engine
-each reply names in its `system_fingerprint`). Cells are medians over rounds.
+each reply names in its `system_fingerprint`). Cells are medians over rounds. With `--timeline S`, every
+S seconds of each gateway's runs (warm-up included) its /admin/backends per backend: in flight, prefill
+backlog, and its prefix index's blocks, capacity, keep_i, ρ_i and predicted / reported tokens (`timeline`
+of each run, `warmup_timelines`): how the index's view moved within a run, not only where it ended.
 """
 
 from __future__ import annotations
