@@ -59,7 +59,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -245,7 +245,8 @@ INDEX = ("blocks", "capacity_blocks", "keep", "evicted_reuse", "predicted_query_
          "reported_query_tokens", "reported_hit_tokens")
 
 
-async def watched(run: Any, url: str, every_s: float, points: list[dict[str, Any]]) -> list[Outcome]:
+async def watched(run: Coroutine[Any, Any, list[Outcome]], url: str, every_s: float,
+                  points: list[dict[str, Any]]) -> list[Outcome]:
     """`run` (a hold), with the gateway's per-backend state read every `every_s` seconds into `points`:
     {"t": seconds since the start, backend: [in flight, prefill backlog, then INDEX's fields]}."""
     task = asyncio.ensure_future(run)
