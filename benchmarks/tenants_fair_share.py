@@ -2,7 +2,8 @@
 
     flock /tmp/heterogate-heavy.lock python -m benchmarks tenants-fair-share [--duration 60] [--warmup 20] \
         [--time-scale 1.0] [--depth 4] [--policy shortest_queue] [--concurrency 48] [--light-rate 4] \
-        [--light-min-in-flight 8] [--max-tokens 48] [--rounds 1] [--guaranteed-by-policy] [--no-baseline]
+        [--light-min-in-flight 8] [--max-tokens 48] [--rounds 1] [--guaranteed-by-policy] [--no-baseline] \
+        [--reserve ID [ID ...]]
 
 The demo cluster (configs/backends.yaml: 2 x H100, 3 x A100-80GB, 3 x L40S, 2 x RTX 4090 that steal), its
 simulated engines at --time-scale, behind one gateway whose admission queue holds requests once every
@@ -19,6 +20,11 @@ tenants of one priority class, each with its own API key:
               go past the saturated pool to the backend of the soonest predicted first token
               (gateway.admission.guaranteed_first_token), or with --guaranteed-by-policy where the
               pool's policy sends them
+
+--reserve keeps the named backends for the light tenant: they get `min_priority: 1` and the light tenant
+priority class 1, so the heavy tenants' requests never go there (and count the pool as saturated
+without them), and the light tenant's go to an idle one first (an idle backend's first token ends
+its prefill). The idle phase runs the same config.
 
 Phases, each on a freshly started gateway:
 
@@ -92,10 +98,13 @@ def gateway_config(tmp: Path, tenants: bool, args: argparse.Namespace) -> Path:
         section["teams"] = {name: {"api_keys_file": str(tmp / f"{name}.keys"), "weight": WEIGHTS[name]}
                             for name in KEYS}
         section["teams"]["light"]["min_in_flight"] = args.light_min_in_flight
+        if args.reserve:   # the light tenant's class is the one the reserved backends are kept for
+            section["teams"]["light"]["priority"] = 1
     else:   # the same keys, no tenants: every request in the default tenant
         (tmp / "plain.keys").write_text("".join(k + "\n" for k in KEYS.values()))
         auth["api_keys_file"] = str(tmp / "plain.keys")
-    return demo_config(tmp, time_scale=args.time_scale, auth=auth, tenants=section,
+    reserved = {bid: {"min_priority": 1} for bid in args.reserve} if tenants else {}
+    return demo_config(tmp, time_scale=args.time_scale, per_backend=reserved, auth=auth, tenants=section,
                        admission={"saturated_queue_depth": args.depth, "max_waiting": 4096, "max_wait_s": 600,
                                   "guaranteed_first_token": not args.guaranteed_by_policy})
 
@@ -273,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="idle and tenants phases, in turn, this many times")
     p.add_argument("--guaranteed-by-policy", action="store_true",
                    help="route the light tenant's guaranteed requests by --policy (guaranteed_first_token off)")
+    p.add_argument("--reserve", nargs="+", default=[], metavar="ID",
+                   help="backends kept for the light tenant (min_priority: 1, the light tenant's priority 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip the phase without tenants")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)

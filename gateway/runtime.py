@@ -128,6 +128,7 @@ class Runtime:
                 "embedding_cache_hits": e.reported.embedding_cache_hits,
                 "embedding_bytes_sent": e.reported.embedding_bytes_sent,
                 "steal": e.steal,
+                "min_priority": e.min_priority,   # kept for tenants of this class or higher (None: anyone's)
                 "steal_episodes": e.reported.steal_episodes,
                 "tokens_stolen": e.reported.tokens_stolen,
                 "mean_service_s": snap.mean_service_s,
@@ -173,6 +174,7 @@ def register_backend(table: StateTable, config: ClusterConfig, spec: BackendSpec
     table.register(
         spec.id, spec.role, config.gpus[spec.id], address=address, managed=spec.launch is not None,
         steal=spec.steal, external=spec.kind == "openai", max_model_len=spec.max_model_len,
+        min_priority=spec.min_priority,
         kv_capacity_tokens=spec.kv_capacity_tokens, models=[m.name for m in config.backend_models[spec.id]],
         profile=config.model_of(spec.id).profile,
         report_interval_s=spec.scrape.interval_s(config.settings.heartbeat_interval_ms) if spec.scrape else None,

@@ -35,12 +35,15 @@ def free_ports(n: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in sockets]
 
 
-def demo_config(tmp: Path, *, time_scale: float = 0.2, **gateway: Any) -> Path:
-    """The default demo cluster with a faster clock and optional gateway-setting overrides."""
+def demo_config(tmp: Path, *, time_scale: float = 0.2, per_backend: dict[str, dict[str, Any]] | None = None,
+                **gateway: Any) -> Path:
+    """The default demo cluster with a faster clock and optional gateway-setting overrides; `per_backend`:
+    settings added to the entries of these backend ids."""
     data = yaml.safe_load((ROOT / "configs" / "backends.yaml").read_text())
     for b in data["backends"]:
         if "launch" in b:
             b["launch"] = {**b["launch"], "time_scale": time_scale}
+        b.update((per_backend or {}).get(b["id"], {}))
     data.setdefault("gateway", {}).update(gateway)
     return write_config(tmp, data)
 

@@ -167,6 +167,9 @@ class BackendSpec(StrictModel):
     address: str | None = None      # engine: host:port; openai: base URL. Managed engines report theirs.
     launch: Launch | None = None
     steal: bool = False
+    # Kept for the tenants of this priority class or higher (gateway.tenants): the requests of a lower
+    # class are never routed here, for language work, stealing or encoding. None (the default): anyone's.
+    min_priority: int | None = None
     # the model(s) it serves, by name (gateway/config/models.py): default the cluster's first model; a
     # kind: openai upstream may serve several
     model: str | list[str] | None = None
@@ -370,6 +373,12 @@ class ClusterConfig:
             if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and runs.profile.hf_config is None:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {runs.catalog!r} has no "
                                   "Hugging Face config in the catalog (hf_config); it runs on simulated engines only")
+        classes = [raw.gateway.tenants.default.priority, *(t.priority for t in raw.gateway.tenants.teams.values())]
+        for i, b in enumerate(raw.backends):
+            if b.min_priority is not None and b.min_priority > max(classes):
+                raise ConfigError(f"{path}: backends.{i} ({b.id}).min_priority: {b.min_priority} is above every "
+                                  f"tenant's priority class (the highest is {max(classes)}): nothing would be "
+                                  "routed to it")
         simulated_vision = [b.id for b in raw.backends if b.role == "vision" and isinstance(b.launch, LaunchSpec)
                             and b.launch.executor == "simulated"]
         embeds = [(i, b.id) for i, b in enumerate(raw.backends) if b.image_embeds]

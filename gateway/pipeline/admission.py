@@ -14,7 +14,10 @@ advances its flow's finish tag by cost / weight, where the cost is the tokens it
 (prompt + max_tokens) and is corrected to what it took when it ends (`Share.end`). The smallest
 start tag goes first, so under contention flows get throughput in proportion to their weights, and
 a flow that was idle starts at the class's virtual time: it goes next, with no credit saved up.
-Within a flow, requests go by deadline then arrival.
+Within a flow, requests go by deadline then arrival. Saturation is each waiter's own: counted over the
+backends open to its class (`min_priority` keeps a backend for a class and above), so a lower class
+waits while a backend kept for a higher one is idle, and the higher classes, which may use every
+backend a lower one may, are never held up by it.
 
 The bound is shared fairly too: a request that finds the queue full pushes out the last request of
 the flow holding the most places per weight, when that flow holds more than the newcomer's would

@@ -45,7 +45,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -394,22 +394,22 @@ class Pipeline:
         index.record(query, backend.id, backend.kv_total_bytes // per_token if per_token else 0)
         return query.cached.get(backend.id, 0)
 
-    def saturated(self, model: str | None = None) -> bool:
-        """Every language candidate (of `model`'s pool) is at the admission queue-depth limit (none at
-        all: not saturated)."""
+    def saturated(self, model: str | None = None, closed: Sequence[str] = ()) -> bool:
+        """Every language candidate (of `model`'s pool, less the backends `closed` to the request) is at
+        the admission queue-depth limit (none at all: not saturated)."""
         limit = self.admission.config.saturated_queue_depth
-        candidates = self.language_candidates(model)
+        candidates = self.language_candidates(model, closed)
         return bool(candidates) and all(b.queue_depth >= limit for b in candidates)
 
-    def language_candidates(self, model: str | None = None) -> Candidates:
-        """The healthy language candidates (of `model`'s pool) now (what saturation reads)."""
-        return self.table.candidates(LANGUAGE_ROLES, exclude=self.breakers.blocked(), model=model)
+    def language_candidates(self, model: str | None = None, closed: Sequence[str] = ()) -> Candidates:
+        """The healthy language candidates (of `model`'s pool) now, less `closed` (what saturation reads)."""
+        return self.table.candidates(LANGUAGE_ROLES, exclude=[*closed, *self.breakers.blocked()], model=model)
 
-    def routable(self, now: float, exclude: list[str], model: str | None = None) -> Candidates:
+    def routable(self, now: float, exclude: Sequence[str], model: str | None = None) -> Candidates:
         """What a language decision chooses among: the healthy language candidates of `model`'s pool
-        (None: every backend) and the vision backends that would steal language work now; the overload
-        queue predicts on the same set."""
-        exclude = exclude + self.breakers.blocked()
+        (None: every backend) and the vision backends that would steal language work now, less
+        `exclude`; the overload queue predicts on the same set."""
+        exclude = [*exclude, *self.breakers.blocked()]
         candidates = self.table.candidates(LANGUAGE_ROLES, now, exclude, model)
         if self.settings.stealing and self.table.has_role(VISION_ROLES):   # a text-only cluster: nobody to steal
             vision = self.table.candidates(VISION_ROLES, now, exclude, model)
@@ -417,7 +417,7 @@ class Pipeline:
                                                       self.settings.steal_threshold, self.settings.steal_max_batch))
         return candidates
 
-    def route_language(self, profile: RequestProfile, exclude: list[str], context_tokens: int = 0,
+    def route_language(self, profile: RequestProfile, exclude: Sequence[str], context_tokens: int = 0,
                        model: str | None = None, policy: Policy | None = None) -> Decision | None:
         """Route among the routable candidates whose context holds `context_tokens` (prompt + max_tokens)
         by `policy` (the pool's by default); with the overload queue on, to one that takes the request
@@ -426,14 +426,16 @@ class Pipeline:
         candidates = self.routable(now, exclude, model).fitting(context_tokens)
         return self._decide(policy or self.policy, profile, candidates, now, self.overload) if candidates else None
 
-    def _admitted(self, profile: RequestProfile, context_tokens: int, model: str | None) -> Decision | None:
+    def _admitted(self, profile: RequestProfile, context_tokens: int, model: str | None,
+                  closed: Sequence[str]) -> Decision | None:
         """The first attempt's decision when the request may go at once: it finds nobody waiting in the
         admission queue, and the language backend chosen for it is below the queue-depth limit, which
         proves the pool is not saturated (one read of the candidates instead of two). None: it waits in
         the queue while every language backend is saturated (`AdmissionQueue.wait_for_capacity`), then
-        routes. A plain function: most requests never wait, and a coroutine per request costs."""
+        routes. A plain function: most requests never wait, and a coroutine per request costs. `closed`:
+        the backends kept for classes above the request's."""
         if not self.admission.waiting:
-            decision = self.route_language(profile, [], context_tokens, model)
+            decision = self.route_language(profile, closed, context_tokens, model)
             if (decision is not None and decision.backend.role in LANGUAGE_ROLES
                     and decision.backend.queue_depth < self.admission.config.saturated_queue_depth):
                 return decision
@@ -475,26 +477,27 @@ class Pipeline:
         if self.tracing is not None and record.trace is None:
             record.trace = self.tracing.request(job, record.traceparent, self.clock() - record.started)
         ticket = record.tenant = self.tenants.ticket(job)
+        closed = record.closed = self.table.closed_to(ticket.tenant.policy.priority)
         if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits
             await self.tenants.charge(ticket)
         deadline = self.deadline(job, record)
         profile = self.profile(job, record)
-        admitted = self._admitted(profile, job.context_tokens, job.model)
+        admitted = self._admitted(profile, job.context_tokens, job.model, closed)
         gate = self.overload
         if gate is not None and (gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
             # held: route when released
-            if await gate.wait(profile, lambda: self.routable(self.clock(), [], job.model), deadline):
-                admitted = self._admitted(profile, job.context_tokens, job.model)
+            if await gate.wait(profile, lambda: self.routable(self.clock(), closed, job.model), deadline):
+                admitted = self._admitted(profile, job.context_tokens, job.model, closed)
         if admitted is None:
             waiting = self.clock()
             try:
                 guaranteed = await self.admission.wait_for_capacity(
-                    functools.partial(self.saturated, job.model), deadline, ticket.share)
+                    functools.partial(self.saturated, job.model, closed), deadline, ticket.share)
             finally:
                 if record.trace is not None:
                     record.trace.admission(self.clock() - waiting)
             if guaranteed and self.admission.config.guaranteed_first_token:
-                admitted = self.route_language(profile, [], job.context_tokens, job.model, SOONEST_FIRST_TOKEN)
+                admitted = self.route_language(profile, closed, job.context_tokens, job.model, SOONEST_FIRST_TOKEN)
         return await self._dispatch(job, record, profile, admitted)
 
     async def _dispatch(
@@ -512,7 +515,8 @@ class Pipeline:
                 raise self._deadline_error(record, last_error)
             if self.clock() >= deadline:
                 raise self._deadline_error(record, last_error)
-            decision = decision or self.route_language(profile, record.failed, job.context_tokens, job.model)
+            decision = decision or self.route_language(profile, [*record.failed, *record.closed], job.context_tokens,
+                                                       job.model)
             if decision is None:
                 break
             backend_id = decision.backend.id
@@ -537,7 +541,9 @@ class Pipeline:
             raise last_error
         raise NoBackendAvailable(
             f"no healthy language backend is available for a context of {job.context_tokens} tokens"
-            + (f" of model {job.model!r}" if job.model else "") + "; retry later"
+            + (f" of model {job.model!r}" if job.model else "")
+            + (f" (kept for higher priority classes: {', '.join(record.closed)})" if record.closed else "")
+            + "; retry later"
         )
 
     @staticmethod
@@ -734,7 +740,8 @@ class Pipeline:
             now = self.clock()
             if now >= record.deadline:
                 break
-            candidates = self.table.candidates(VISION_ROLES, now, record.failed + self.breakers.blocked(), job.model)
+            candidates = self.table.candidates(VISION_ROLES, now, [*record.failed, *record.closed,
+                                                                    *self.breakers.blocked()], job.model)
             if not candidates:
                 break
             vision_id = self._decide(self.vision_policy, profile, candidates, now).backend.id

@@ -85,6 +85,7 @@ class BackendEntry:
     kv_reserved_tokens: int = 0               # prompt + max tokens of every lease
     lifecycle: Lifecycle | None = None
     models: frozenset[str] = frozenset()      # the model names it serves (empty: the table's only model)
+    min_priority: int | None = None           # kept for requests of this priority class or higher (None: any)
     cached: BackendSnapshot | None = field(default=None, repr=False)
     blind: BackendSnapshot | None = field(default=None, repr=False)   # the snapshot failing open (`_blind`)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots

@@ -92,6 +92,7 @@ class StateTable:
         self._reachable: dict[str, bool] = {}   # kind: openai: whether its upstream answers the probe (absent: unknown)
         self._open: dict[tuple[tuple[Role, ...], str | None], tuple[Sequence[BackendEntry], Candidates]] = {}
         self._draining: set[str] = set()   # no new requests (gateway/control/fleet.py); their leases finish
+        self._reserved: dict[str, int] = {}   # backends kept for a priority class and above: their min_priority
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -99,16 +100,21 @@ class StateTable:
         self, backend_id: str, role: Role, gpu: GpuProfile, *, address: str | None, managed: bool,
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
         kv_capacity_tokens: int | None = None, models: Iterable[str] = (), profile: ModelProfile | None = None,
-        report_interval_s: float | None = None,
+        report_interval_s: float | None = None, min_priority: int | None = None,
     ) -> BackendEntry:
         """`models`: the names of the models it serves (none: the cluster serves one model); `profile`:
         the catalog model its figures come from (default: the table's); `report_interval_s`: how often
         its reports come when that is less often than heartbeats (a scrape interval): it is heard from
-        for the miss limit of its own interval."""
+        for the miss limit of its own interval; `min_priority`: kept for requests of that priority class
+        or higher (`closed_to`)."""
         profile = profile or self.model
         entry = BackendEntry(backend_id, role, gpu, address, managed, prior_speed(profile, gpu),
                              InterTokenSlack(self.itl_target_s), steal, external, max_model_len=max_model_len,
-                             kv_capacity_tokens=kv_capacity_tokens, models=frozenset(models), changes=self._changes)
+                             kv_capacity_tokens=kv_capacity_tokens, models=frozenset(models), changes=self._changes,
+                             min_priority=min_priority)
+        self._reserved.pop(backend_id, None)
+        if min_priority is not None:
+            self._reserved[backend_id] = min_priority
         if report_interval_s is not None:
             entry.grace_s = self.miss_limit * max(0.0, report_interval_s - self.heartbeat_interval_s)
         self._entries[backend_id] = entry
@@ -124,6 +130,7 @@ class StateTable:
         entry = self._entries.pop(backend_id)
         del self._fixed[backend_id]
         self._draining.discard(backend_id)
+        self._reserved.pop(backend_id, None)
         self._reachable.pop(backend_id, None)
         self._changes.discard(backend_id)
         self._roles = {e.role for e in self._entries.values()}
@@ -296,6 +303,13 @@ class StateTable:
     def _serves(self, entry: BackendEntry) -> bool:
         """May be routed to at all: a launched engine once ready, and not an upstream found unreachable."""
         return serves(entry) and self._reachable.get(entry.id) is not False
+
+    def closed_to(self, priority: int) -> tuple[str, ...]:
+        """The backends kept for priority classes above `priority` (`min_priority`): none of a request of
+        that class's candidates. O(reserved backends); mostly none."""
+        if not self._reserved:
+            return ()
+        return tuple([backend_id for backend_id, least in self._reserved.items() if least > priority])
 
     def candidates(self, roles: tuple[Role, ...], now: float | None = None, exclude: Iterable[str] = (),
                    model: str | None = None) -> Candidates:

@@ -50,3 +50,16 @@ def test_the_soonest_first_token_goes_past_a_full_cache() -> None:
     # With room on both, the shorter queue wins.
     roomy = backend("full")
     assert SoonestFirstToken().choose(request, [roomy, free], 0.0).backend.id == "full"
+
+
+def test_an_idle_backend_owes_no_decode_step_before_the_first_token() -> None:
+    # A busy fast GPU (ŝ 20 ms, four in flight) and an idle one prefilling twice as slowly with a
+    # longer step (30 ms): the idle one starts the prefill at once and its first token ends it.
+    busy = replace(backend("busy"), queue_depth=4, in_flight=4)
+    idle = replace(backend("idle"), learned_prefill_s_per_token=2 * P, decode_step_s=0.03)
+    request = RequestProfile("r", 100, 16)
+    assert predicted_ttft_s(idle, 100, 116) > predicted_ttft_s(busy, 100, 116)   # the pool-wide prediction
+    decision = SoonestFirstToken().choose(request, [busy, idle], 0.0)
+    assert decision.backend.id == "idle" and decision.costs[1].total == pytest.approx(100 * 2 * P)
+    # Once it has a request of its own it owes a step as the others do.
+    assert SoonestFirstToken().choose(request, [busy, replace(idle, queue_depth=1)], 0.0).backend.id == "busy"

@@ -83,3 +83,15 @@ def test_the_table_knows_which_roles_it_has() -> None:
     assert t.has_role(("language", "both")) and not t.has_role(("vision",))
     t.register("l4-0", "vision", catalog().gpu("L4"), address=None, managed=True, steal=True)
     assert t.has_role(("vision",))
+
+
+def test_backends_kept_for_a_class_are_closed_to_the_classes_below_it() -> None:
+    t = table()
+    gpu = catalog().gpu("H100")
+    t.register("h100-1", "language", gpu, address=None, managed=True, min_priority=1)
+    t.register("h100-2", "language", gpu, address=None, managed=True, min_priority=2)
+    assert t.closed_to(0) == ("h100-1", "h100-2") and t.closed_to(1) == ("h100-2",) and t.closed_to(2) == ()
+    assert t.closed_to(-5) == ("h100-1", "h100-2")
+    t.register("h100-2", "language", gpu, address=None, managed=True)   # registered again, open to all
+    t.unregister("h100-1")
+    assert t.closed_to(0) == ()

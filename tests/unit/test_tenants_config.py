@@ -123,3 +123,17 @@ def test_check_config_refuses_what_start_up_refuses(tmp_path: Path) -> None:
         "backends": [{"id": "h100-0", "gpu": "H100", "launch": {"time_scale": 0.1}}]})
     result = run_cli("check-config", str(ok), env={"HG_TEST_TENANT_KEYS": "sk-a"})
     assert result.returncode == 0, result.stderr
+
+
+def test_a_backend_kept_for_a_class_no_tenant_has_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HG_TEST_KEYS", "sk-a")
+    teams = {"teams": {"a": {"api_keys_env": "HG_TEST_KEYS", "priority": 1}}}
+    backends = [{"id": "h100-0", "gpu": "H100", "launch": {"time_scale": 0.1}},
+                {"id": "h100-1", "gpu": "H100", "launch": {"time_scale": 0.1}, "min_priority": 2}]
+    path = write_config(tmp_path, {"model": "llava-1.5-7b", "gateway": {"tenants": teams}, "backends": backends})
+    with pytest.raises(ConfigError) as err:
+        load_cluster(path)
+    assert "backends.1 (h100-1).min_priority: 2 is above every tenant's priority class (the highest is 1)" in str(
+        err.value)
+    backends[1]["min_priority"] = 1   # tenant a's class: fine
+    load_cluster(write_config(tmp_path, {"model": "llava-1.5-7b", "gateway": {"tenants": teams}, "backends": backends}))
