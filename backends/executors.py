@@ -49,7 +49,7 @@ class GenerateInput:
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # Qwen2-VL family: (t, h, w) per image
     embeddings: list[engine_pb2.Embedding] = field(default_factory=list)
     sampling: Sampling = Sampling()
-    images: list[tuple[int, int]] = field(default_factory=list)   # (content digest, tokens) per image, in order
+    images: list[tuple[int, int, int]] = field(default_factory=list)   # (content digest, tokens, place) per image
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,8 @@ Workloads (each request's prompt is the chat rendered as the gateway renders it,
                 popularity (s = 1.1: the top 10 are a third of the requests) and, 60% of the time, one of 8
                 common questions about it (else a question of its own, 16-400 tokens); the engines cache
                 image tokens as prefix blocks named by the image's content hash, as the gateway's index does
-                (the image first, then the text); only the language pool is replayed (no encoders)
+                (at its place: the image heads the user's message); only the language pool is replayed (no
+                encoders)
 
 Load (--loads, by default per workload: DEFAULT_LOADS) is a multiple of the cache-blind capacity: each
 engine alone saturated in emulated time with the workload's requests and no cache (as
@@ -127,6 +128,7 @@ DEFAULT_LOADS = {"multiturn": [1.0, 1.5, 2.0], "nosharing": [0.9, 1.0], "hotpref
                  "repeatimage": [1.0, 1.5, 2.0]}
 HOT_SHARE, THINK_MEAN_S, DEFAULT_TENANTS = 0.8, 3.0, 32
 IMAGE_POOL, IMAGE_TOKENS, IMAGE_ZIPF, COMMON_QUESTIONS, COMMON_SHARE = 200, 576, 1.1, 8, 0.6
+IMAGE_PLACE = len(b"user: ")   # the image heads the user's message, before its question
 _IMAGE_WEIGHTS = list(itertools.accumulate(1 / (k + 1) ** IMAGE_ZIPF for k in range(IMAGE_POOL)))
 _WORDS = "policy refund order account invoice shipping answer customer ticket window".split()
 
@@ -164,11 +166,11 @@ class Conversation:
     thinks: list[float]                           # seconds before each turn after the first
     replies: list[str] = field(default_factory=list)   # the answers so far, as the client keeps them
     sent: int = 0                                 # turns sent
-    images: tuple[tuple[int, int], ...] = ()      # (content digest, tokens) of its images, in every turn
+    images: tuple[tuple[int, int, int], ...] = ()   # (content digest, tokens, place) of its images, every turn
 
     def tokens(self) -> int:
         """The next turn's prompt tokens: its messages' and its images'."""
-        return tokens_of(self.messages()) + sum(tokens for _, tokens in self.images)
+        return tokens_of(self.messages()) + sum(tokens for _, tokens, _ in self.images)
 
     def messages(self) -> list[tuple[str, str]]:
         """The next turn's messages: the system prompt, the history, the new user message."""
@@ -212,7 +214,8 @@ def conversations(workload: str, n: int, rate: float, seed: int, tenant_prompts:
             else:
                 question = text(rng, user_tokens(rng), tag)
             out.append(Conversation(tag, t, "", [(question, output_tokens(rng))], [0.0],
-                                    images=((content_digest(f"image-{picture}".encode()), IMAGE_TOKENS),)))
+                                    images=((content_digest(f"image-{picture}".encode()), IMAGE_TOKENS,
+                                             IMAGE_PLACE),)))
         elif workload == "hotprefix" and rng.random() < HOT_SHARE:
             question = text(rng, user_tokens(rng), tag)
             out.append(Conversation(tag, t, hot, [(question, output_tokens(rng))], [0.0]))

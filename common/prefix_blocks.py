@@ -40,20 +40,25 @@ def content_digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def image_blocks(images: Sequence[tuple[int, int]], *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
-    """The chained hashes a prompt's images stand for, given as (content digest, image tokens) in
-    order: tokens // block_tokens blocks an image (at least one), each named by the image's digest and
-    its place in it. They head the prompt's chain (`block_hashes`' `seed` is the last of them): a
-    prompt's text blocks match only after the same images in the same order, as an engine caches
-    image tokens only where the same image was (an approximation: the gateway does not know where in
-    the text each image sits, so a text prefix shared before different images is not counted)."""
+def image_blocks(images: Sequence[tuple[int, int, int]], *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """The chained hashes a prompt's images stand for, given as (content digest, image tokens, place) in
+    order, when they head the chain (their places are ignored): tokens // block_tokens blocks an image
+    (at least one), each named by the image's digest and its place in it (`_image_chain`)."""
     out: list[int] = []
     previous = 0
-    for digest, tokens in images:
-        for k in range(max(1, tokens // block_tokens)):
-            previous = hash((previous, digest, k))
-            out.append(previous)
+    for digest, tokens, _ in images:
+        previous = _image_chain(previous, digest, tokens, block_tokens, None, out)
     return out
+
+
+def _image_chain(previous: int, digest: int, tokens: int, block_tokens: int, lead: object, out: list[int]) -> int:
+    """Append an image's blocks to `out`, chained from `previous`; returns the last. `lead`: the text
+    before it that filled no block of its own (None: none), which shares the image's first block in
+    the engine's cache, so it names that block too."""
+    for k in range(max(1, tokens // block_tokens)):
+        previous = hash((previous, digest, k) if k or lead is None else (previous, lead, digest, k))
+        out.append(previous)
+    return previous
 
 
 def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
@@ -77,30 +82,60 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
     count = len(data) // size
     if max_blocks is not None:
         count = min(count, max_blocks)
+    _text_chain(data, count, size, previous, stable, out)
+    return out
+
+
+def _text_chain(data: bytes, count: int, size: int, previous: int, stable: bool, out: list[int]) -> int:
+    """Append the hashes of `data`'s first `count` blocks of `size` bytes to `out`, chained from
+    `previous`; returns the last (`previous` when none)."""
     if stable:
         from_bytes = int.from_bytes
         for start in range(0, count * size, size):
             previous = hash((previous, from_bytes(data[start:start + size], "little")))
             out.append(previous)
-        return out
+        return previous
     for start in range(0, count * size, size):
         previous = hash((previous, data[start:start + size]))
         out.append(previous)
-    return out
+    return previous
 
 
-def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int]] = (),
+def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int, int]] = (),
                   *, block_tokens: int = BLOCK_TOKENS, stable: bool = False) -> list[int]:
-    """A prompt's chained block hashes, its images' (`image_blocks`) first, then its text's or token
-    ids' (`block_hashes`), at most the blocks its `prompt_tokens` (text and image tokens) fill."""
+    """A prompt's chained block hashes, at most the blocks its `prompt_tokens` (text and image tokens)
+    fill. `images`: (content digest, image tokens, place) in order, the place being the bytes of `text`
+    before the image (where the chat puts it). From text, each image's blocks come at its place, after
+    the full blocks of the text before it, as an engine lays out a prompt (the text's last partial
+    block shares the image's first block and names it too): a system prompt shared ahead of different
+    images is a shared prefix. From token ids, the images head the chain (`image_blocks`): their places
+    among the ids are not counted."""
     limit = prompt_tokens // block_tokens
     if limit < 1:   # it fills no block: nothing to hash
         return []
     if not images:
         return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable)
-    head = image_blocks(images, block_tokens=block_tokens)[:limit]
-    return head + block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit - len(head),
-                               seed=head[-1] if head else 0, stable=stable)
+    if token_ids:
+        head = image_blocks(images, block_tokens=block_tokens)[:limit]
+        return head + block_hashes("", token_ids, block_tokens=block_tokens, max_blocks=limit - len(head),
+                                   seed=head[-1] if head else 0)
+    data = text.encode()
+    size = block_tokens * BYTES_PER_TOKEN
+    out: list[int] = []
+    previous, start = 0, 0
+    for digest, tokens, place in images:
+        place = min(max(place, start), len(data))
+        full = (place - start) // size
+        previous = _text_chain(data[start:], full, size, previous, stable, out)
+        start += full * size
+        lead = data[start:place]   # under a block: part of the image's first block
+        key = None if not lead else int.from_bytes(lead, "little") if stable else lead
+        previous = _image_chain(previous, digest, tokens, block_tokens, key, out)
+        start = place
+        if len(out) >= limit:
+            return out[:limit]
+    _text_chain(data[start:], min(limit - len(out), (len(data) - start) // size), size, previous, stable, out)
+    return out
 
 
 def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:

@@ -121,12 +121,14 @@ class Image(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class ImageKey(_message.Message):
-    __slots__ = ("digest", "tokens")
+    __slots__ = ("digest", "tokens", "place")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
     digest: int
     tokens: int
-    def __init__(self, digest: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    place: int
+    def __init__(self, digest: _Optional[int] = ..., tokens: _Optional[int] = ..., place: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "images", "deliver_to", "image_index_offset", "traceparent")

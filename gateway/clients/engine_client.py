@@ -73,7 +73,7 @@ class EngineClient:
             image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,
             embedding_count=len(job.images), embedding_timeout_ms=int(handoff_timeout_s * 1000),
             handoff_key=handoff_key, whole=job.whole, token_ids=job.token_ids,
-            image_keys=[engine_pb2.ImageKey(digest=i.digest, tokens=i.tokens) for i in job.images],
+            image_keys=[engine_pb2.ImageKey(digest=d, tokens=t, place=p) for d, t, p in job.placed_images()],
             image_spans=[engine_pb2.ImageSpan(start=a, length=n, grid_thw=g) for (a, n), g in
                          zip(job.image_spans, job.image_grids or [()] * len(job.image_spans), strict=True)],
             top_p=job.top_p,

@@ -13,7 +13,14 @@ from gateway.requests.errors import InvalidRequest, ModelNotFound
 from gateway.requests.exact_prompt import ExactPrompts
 from gateway.requests.images import ImageInput, load_image
 from gateway.requests.job import GenerationJob
-from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, ImagePart, image_parts, render_chat
+from gateway.requests.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ImagePart,
+    image_parts,
+    image_places,
+    render_chat,
+)
 from gateway.requests.tokens import count_text_tokens
 from gateway.runtime import Runtime
 
@@ -89,7 +96,7 @@ class JobBuilder:
                              token_ids=ids, image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "",
-                             model=served.name)
+                             model=served.name, image_places=image_places(req.messages) if parts else ())
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None) -> GenerationJob:

@@ -375,7 +375,7 @@ class Pipeline:
             return profile
         tokens = profile.input_tokens
         blocks = record.prefix.blocks if record.prefix is not None else index.hashes(
-            job.prompt, job.token_ids, tokens, [(i.digest, i.tokens) for i in job.images] if job.images else ())
+            job.prompt, job.token_ids, tokens, job.placed_images() if job.images else ())
         record.prefix = query = index.lookup(blocks, job.session, tokens)
         if not query.cached and not query.reuse:
             return profile

@@ -57,6 +57,8 @@ class GenerationJob:
     model: str | None = None
     # W3C trace context of the dispatch span, passed on to the backend ("" untraced: gateway.pipeline.tracing).
     traceparent: str = field(default="", compare=False)
+    # Where each image sits: the bytes of `prompt` before it (none given: every image before the text).
+    image_places: tuple[int, ...] = ()
 
     @property
     def image_tokens(self) -> int:
@@ -74,6 +76,12 @@ class GenerationJob:
         if self.max_tokens_asked or not max_context or self.max_tokens <= room:
             return self
         return replace(self, max_tokens=max(1, room))
+
+    def placed_images(self) -> list[tuple[int, int, int]]:
+        """Each image as the prefix index and the engines' caches lay it out: (content digest, tokens,
+        bytes of the prompt before it)."""
+        places = self.image_places or (0,) * len(self.images)
+        return [(i.digest, i.tokens, p) for i, p in zip(self.images, places, strict=True)]
 
     def profile(self) -> RequestProfile:
         return RequestProfile(

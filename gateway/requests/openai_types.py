@@ -96,6 +96,24 @@ def render_chat(messages: list[ChatMessage]) -> tuple[str, int]:
     return "\n".join(lines), tokens
 
 
+def image_places(messages: list[ChatMessage]) -> tuple[int, ...]:
+    """Where each image part sits in `render_chat`'s prompt, in order: the UTF-8 bytes before it (its
+    message's line up to the image, after the lines before). The prefix index lays the prompt's blocks
+    out as an engine does, each image at its place (common.prefix_blocks.prompt_blocks)."""
+    places: list[int] = []
+    start = 0
+    for m in messages:
+        head = start + len(f"{m.role}: ".encode())
+        if isinstance(m.content, list):
+            for p in m.content:
+                if isinstance(p, TextPart):
+                    head += len(p.text.encode())
+                elif isinstance(p, ImagePart):
+                    places.append(head)
+        start += len(f"{m.role}: {message_text(m)}".encode()) + 1   # the line and its newline
+    return tuple(places)
+
+
 def image_parts(messages: list[ChatMessage]) -> list[tuple[int, int, ImagePart]]:
     """Every image part as (message index, part index, part), in order."""
     out: list[tuple[int, int, ImagePart]] = []

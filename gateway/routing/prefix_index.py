@@ -66,8 +66,9 @@ for good (the live multi-turn benchmark's gateway sent an H100 14 requests in a 
 the one before, docs/ROUTING.md); with it the backend takes new prompts again once the cluster has
 moved on, and the ghosts of what it then evicts measure ρ_i afresh.
 
-Images: a request's images head its chain, named by their content (`common.prefix_blocks.prompt_blocks`),
-so the same image with the same text is a hit and another image is not.
+Images: a request's images take their places in its chain, named by their content
+(`common.prefix_blocks.prompt_blocks`): the same image with the same text is a hit, another image is
+not, and a system prompt ahead of different images is a shared prefix (its full blocks).
 
 Replicas (`share`, with `--redis-url`): each replica publishes what it routed and applies what the
 others routed (gateway.replicas.shared_state, every refresh), so every replica predicts from what all
@@ -197,10 +198,11 @@ class PrefixIndex:
         return min(self.max_blocks, max(0, capacity_tokens) // self.block_tokens)
 
     def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int,
-               images: Sequence[tuple[int, int]] = ()) -> list[int]:
+               images: Sequence[tuple[int, int, int]] = ()) -> list[int]:
         """The prompt's block hashes (token ids where given), at most the blocks its tokens fill;
-        `images` (content digest, tokens) head the chain (`common.prefix_blocks.image_blocks`), so a
-        repeated image with the same text is a hit and another image is not."""
+        `images` (content digest, tokens, bytes of the prompt before it) take their places in the chain
+        (`common.prefix_blocks.prompt_blocks`), so a repeated image with the same text is a hit, another
+        image is not, and the text before an image is a prefix of its own."""
         return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens,
                              stable=self.stable)
 

@@ -16,7 +16,17 @@ from typing import Any
 import httpx
 import pytest
 
-from testkit.harness import Gateway, long_request_id, metric_total, run_gateway, write_config
+from testkit.harness import (
+    Gateway,
+    data_url,
+    image_bytes,
+    image_part,
+    long_request_id,
+    metric_total,
+    run_gateway,
+    text_part,
+    write_config,
+)
 
 MODEL = "llava-1.5-7b"
 BACKENDS = ("a100-a", "a100-b")
@@ -157,3 +167,42 @@ def test_a_cold_engines_first_misses_do_not_turn_the_index_off(cold_gw: Gateway)
     assert cache["source"] == "engine" and cache["reported_query_tokens"] >= 4096
     assert cache["keep"] == 1.0 and cache["capacity_blocks"] > 0
     assert cache["predicted_hit_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def monolithic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One engine that encodes its own images (role both): what it caches is what the test reads."""
+    config = write_config(tmp_path_factory.mktemp("image_places"), {
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "backends": [{"id": "h100-both", "role": "both", "gpu": "H100", "launch": {}}]})
+    with run_gateway(config) as gateway:
+        yield gateway
+
+
+def test_a_system_prompt_ahead_of_different_images_is_a_shared_prefix(monolithic: Gateway) -> None:
+    """The engine lays out a prompt with each image where the chat puts it, and so does the index: a
+    tenant's system prompt before another image is a hit for its full blocks, on both counts. With the
+    images placed first, neither counted any of it."""
+    system = {"role": "system", "content": system_prompt("vision-tenant")}   # 8,000 bytes: ~2,000 tokens
+
+    def ask(seed: int) -> None:
+        picture = image_part(data_url(image_bytes("PNG", (48, 48), noise=True, seed=seed)))
+        chat(monolithic, [system, {"role": "user", "content": [picture, text_part("What is in it?")]}])
+
+    def counts() -> tuple[int, int]:
+        cache = monolithic.backend("h100-both")["prefix_cache"]
+        return cache["predicted_hit_tokens"], cache["reported_hit_tokens"]
+
+    chat(monolithic, [{"role": "user", "content": "hello"}])
+    time.sleep(0.35)   # a few heartbeats (100 ms): the index reads the engine's counters once, its baseline
+    monolithic.backend("h100-both")
+    ask(1)
+    monolithic.wait_until(lambda: monolithic.backend("h100-both")["prefix_cache"]["reported_query_tokens"] > 0)
+    before = counts()
+    ask(2)   # another image after the same system prompt
+    monolithic.wait_until(lambda: counts()[1] > before[1])
+    predicted, reported = (now - then for now, then in zip(counts(), before, strict=True))
+    # "system: " and the prompt's 8,000 bytes, in whole blocks: the index's of 64 tokens (256 bytes),
+    # the engine's of 16 (64 bytes); the rest of the last one goes with the image
+    assert predicted == (8 + 8000) // 256 * 64
+    assert reported == (8 + 8000) // 64 * 16

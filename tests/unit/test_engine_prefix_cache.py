@@ -123,14 +123,14 @@ def test_the_executor_reports_vllm_counters_in_its_load() -> None:
 
 def test_the_executor_caches_image_tokens_by_the_images_content() -> None:
     """The same text after another image is no hit; after the same image, all of it but the last token is."""
-    cat, dog = (content_digest(b"cat"), 576), (content_digest(b"dog"), 576)
+    cat, dog = (content_digest(b"cat"), 576, 0), (content_digest(b"dog"), 576, 0)
     question = "what is in this picture? " * 8   # 200 bytes: 50 tokens
 
     async def main() -> list[int]:
         executor = SimulatedExecutor(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU), time_scale=0.0)
         hits = []
 
-        async def ask(name: str, image: tuple[int, int]) -> None:
+        async def ask(name: str, image: tuple[int, int, int]) -> None:
             request = GenerateInput(name, 576 + 50, 2, prompt=question, images=[image])
             before = executor.load().prefix_cache_hits
             async for _ in executor.generate(request):

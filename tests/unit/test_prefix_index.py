@@ -14,6 +14,7 @@ from common.prefix_blocks import (
     cached_tokens,
     content_digest,
     image_blocks,
+    prompt_blocks,
 )
 from gateway.config.cluster import PrefixCacheConfig
 from gateway.requests.images import ImageInput
@@ -261,7 +262,7 @@ def test_the_default_index_counts_hits_in_blocks_of_64_tokens() -> None:
     assert query.cached == {"a": 320}
 
 
-def test_images_head_the_chain_by_content_so_a_repeated_image_with_the_same_text_is_a_hit() -> None:
+def test_an_image_before_the_text_is_named_by_its_content_so_a_repeated_image_with_the_same_text_is_a_hit() -> None:
     index = PrefixIndex()   # 64-token blocks
     index.add_backend("a", 100_000)
     index.add_backend("b", 100_000)
@@ -269,18 +270,18 @@ def test_images_head_the_chain_by_content_so_a_repeated_image_with_the_same_text
     assert cat == content_digest(b"cat picture bytes") != dog
     question = "".join(f"{j:063d}-" for j in range(16))    # 1,024 bytes: 256 tokens of text
     prompt_tokens = 576 + 256
-    with_cat = index.hashes(question, (), prompt_tokens, [(cat, 576)])
+    with_cat = index.hashes(question, (), prompt_tokens, [(cat, 576, 0)])
     assert len(with_cat) == 576 // 64 + 256 // 64
-    assert with_cat[:9] == image_blocks([(cat, 576)], block_tokens=64)
+    assert with_cat[:9] == image_blocks([(cat, 576, 0)], block_tokens=64)
     index.record(index.lookup(with_cat, "", prompt_tokens), "a", 100_000)
     # the same image and text: all of it but the last token is predicted cached on "a"
-    assert index.lookup(index.hashes(question, (), prompt_tokens, [(cat, 576)]), "", prompt_tokens).cached == {
+    assert index.lookup(index.hashes(question, (), prompt_tokens, [(cat, 576, 0)]), "", prompt_tokens).cached == {
         "a": prompt_tokens - 1}
     # the same image, another question: the image's tokens only
-    other = index.hashes("x" * 1024, (), prompt_tokens, [(cat, 576)])
+    other = index.hashes("x" * 1024, (), prompt_tokens, [(cat, 576, 0)])
     assert index.lookup(other, "", prompt_tokens).cached == {"a": 576}
     # another image with the same text: nothing (the text follows a different image)
-    assert index.lookup(index.hashes(question, (), prompt_tokens, [(dog, 576)]), "", prompt_tokens).cached == {}
+    assert index.lookup(index.hashes(question, (), prompt_tokens, [(dog, 576, 0)]), "", prompt_tokens).cached == {}
     # and text alone does not match the text that followed an image
     assert index.lookup(index.hashes(question, (), 256), "", 256).cached == {}
 
@@ -288,8 +289,8 @@ def test_images_head_the_chain_by_content_so_a_repeated_image_with_the_same_text
 def test_token_ids_with_image_placeholders_differ_by_the_images_content() -> None:
     """Exact prompts carry the same placeholder ids for every image: the digests keep them apart."""
     ids = [7] * 576 + list(range(100))
-    one = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"one"), 576)])
-    two = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"two"), 576)])
+    one = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"one"), 576, 0)])
+    two = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"two"), 576, 0)])
     assert len(one) == len(ids) // 64 and not set(one) & set(two)
 
 
@@ -359,3 +360,50 @@ def test_distinct_prompts_evict_blocks_nobody_asks_for_again() -> None:
         index.record(query, "a", 8 * 16)
     assert index.describe("a")["blocks"] == 8
     assert index.evicted_reuse("a") == 0.0
+
+
+def test_text_before_an_image_is_a_prefix_of_its_own() -> None:
+    """A system prompt ahead of different images: its full blocks are shared, as an engine shares them;
+    the part of it that fills no block goes with the image's first block, and so do the words that
+    follow the image."""
+    index = PrefixIndex()   # 64-token blocks: 256 bytes of text a block
+    index.add_backend("a", 100_000)
+    cat, dog = content_digest(b"cat picture bytes"), content_digest(b"dog picture bytes")
+    system = "".join(f"{j:063d}-" for j in range(10)) + "tail"   # 644 bytes: 2 full blocks and 132 bytes
+    question = "".join(f"{j:063d}-" for j in range(8))          # 512 bytes: 2 blocks
+    prompt, place, tokens = system + question, len(system.encode()), 161 + 576 + 128
+
+    def hashes(image: int, at: int = place, text: str = prompt) -> list[int]:
+        return index.hashes(text, (), tokens, [(image, 576, at)])
+
+    with_cat = hashes(cat)
+    assert len(with_cat) == tokens // 64 and with_cat[:2] == block_hashes(system, block_tokens=64)
+    index.record(index.lookup(with_cat, "", tokens), "a", 100_000)
+    assert index.lookup(hashes(cat), "", tokens).cached == {"a": 13 * 64}   # the same image and text: every block
+    assert index.lookup(hashes(dog), "", tokens).cached == {"a": 2 * 64}       # the system prompt's full blocks
+    # the same image with another partial tail before it: the image's first block differs, and all after it
+    other_tail = system[:-4] + "TAIL" + question
+    assert index.lookup(hashes(cat, text=other_tail), "", tokens).cached == {"a": 2 * 64}
+    # images before the text (no places given): no text prefix is shared with the placed ones
+    assert index.lookup(hashes(cat, at=0), "", tokens).cached == {}
+    # image blocks come at the image's place whatever the blocks before: the stable hashes of replicas too
+    stable = prompt_blocks(prompt, (), tokens, [(cat, 576, place)], block_tokens=64, stable=True)
+    assert len(stable) == len(with_cat) and stable[:2] == block_hashes(system, block_tokens=64, stable=True)
+
+
+def test_an_images_place_is_the_rendered_prompt_before_it() -> None:
+    from gateway.requests.openai_types import ChatCompletionRequest, image_places, render_chat
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "Be brief. Ünïcode counts in bytes."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, image, {"type": "text", "text": "and"},
+                                     image]},
+        {"role": "assistant", "content": "Two cats."},
+        {"role": "user", "content": [image, {"type": "text", "text": "And this?"}]}]})
+    prompt, _ = render_chat(req.messages)
+    data = prompt.encode()
+    first, second, third = image_places(req.messages)
+    assert data[:first].decode().endswith("Be brief. Ünïcode counts in bytes.\nuser: Compare ")
+    assert data[first:second] == b"and"
+    assert data[:third].decode().endswith("assistant: Two cats.\nuser: ") and data[third:] == b"And this?"
