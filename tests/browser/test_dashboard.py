@@ -5,6 +5,7 @@ on, it asks for a key and shows nothing until given one."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -55,7 +56,7 @@ def rows(driver: WebDriver) -> dict[str, dict[str, str]]:
 
 
 def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_path: Path) -> None:
-    config = demo_config(tmp_path, heartbeat_interval_ms=100)
+    config = demo_config(tmp_path, heartbeat_interval_ms=100, per_backend={"l40s-2": {"min_priority": 0}})
     with run_gateway(config) as gw, browser() as driver:
         backends = {b["id"]: b for b in gw.backends()}
         driver.get(f"{gw.url}/dashboard")
@@ -66,6 +67,7 @@ def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_pat
             assert shown[backend_id]["GPU"] == b["gpu"] and shown[backend_id]["role"] == b["role"]
             assert shown[backend_id]["models"] == ", ".join(b["models"])
             assert shown[backend_id]["state"] == "healthy" and shown[backend_id]["restarts"] == "0"
+            assert shown[backend_id]["kept for"] == ("class ≥ 0" if backend_id == "l40s-2" else "all")
 
         with gw.client() as client:
             for _ in range(5):   # streamed: each gives its mean inter-token time too
@@ -76,6 +78,11 @@ def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_pat
         wait.until(lambda d: ["200", "5"] in table(d, "#outcomes"))
         wait.until(lambda d: "–" not in d.find_element(By.ID, "ttft").text)   # three percentiles, in ms or s
         wait.until(lambda d: "–" not in d.find_element(By.ID, "itl").text)    # p50 / p99 of heterogate_itl_seconds
+        # the language backends that served: the engine's prefix-cache hit rate, or the index's prediction
+        served = [b["id"] for b in gw.backends() if b["prefix_cache"] and b["prefix_cache"]["predicted_query_tokens"]]
+        assert served
+        wait.until(lambda d: all(re.fullmatch(r"\d+%( \(predicted\))?", rows(d)[i]["prefix hits"]) for i in served))
+        assert {rows(driver)[b]["prefix hits"] for b in backends if b.startswith("rtx4090")} == {"–"}   # none routed
         shot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if SCREENSHOT_DIR:   # README's picture: HETEROGATE_SCREENSHOT_DIR=docs python -m pytest tests/browser

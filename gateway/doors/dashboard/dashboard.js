@@ -66,6 +66,13 @@ function windowed(now, before) {
 
 const seconds = (v) => v == null ? "–" : v < 1 ? `${(v * 1000).toFixed(0)} ms` : `${v.toFixed(2)} s`;
 
+function prefixHits(cache) {
+  // the engine's reported prefix-cache hit rate where it reports one, else the index's prediction
+  if (!cache) return "–";
+  if (cache.reported_hit_rate != null) return `${(100 * cache.reported_hit_rate).toFixed(0)}%`;
+  return cache.predicted_hit_rate == null ? "–" : `${(100 * cache.predicted_hit_rate).toFixed(0)}% (predicted)`;
+}
+
 function cell(tr, text, cls) {
   const td = document.createElement("td");
   td.textContent = text;
@@ -92,8 +99,10 @@ function renderBackends(backends, metrics, rates) {
     cell(tr, String(b.queue_depth));
     cell(tr, String(b.in_flight));
     cell(tr, `${(100 * kvUsed).toFixed(0)}%`);
+    cell(tr, prefixHits(b.prefix_cache));
     cell(tr, speed.prefill_s_per_token == null ? "–" : (speed.prefill_s_per_token * 1e6).toFixed(1));
     cell(tr, speed.decode_step_s == null ? "–" : (speed.decode_step_s * 1e3).toFixed(2));
+    cell(tr, b.min_priority == null ? "all" : `class ≥ ${b.min_priority}`);
     cell(tr, String(restarts.get(b.id) || 0), "restarts");
     cell(tr, (rates.get(b.id) || 0).toFixed(1));
     body.appendChild(tr);
