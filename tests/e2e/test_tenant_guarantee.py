@@ -1,14 +1,23 @@
-"""A tenant's guaranteed concurrency end to end: a real gateway in front of a slow and a fast simulated
-engine (an L40S listed first, an H100), a saturated pool (queue depth 1) full of a heavy tenant's
-requests, and a light tenant with `min_in_flight: 1`. Its request goes at once, past the heavy tenant's
-waiting ones, and to the backend where its first token comes soonest (the H100), not where the pool's
-policy sends it (shortest queue: equal depths, so the first listed, the L40S)."""
+"""A tenant's place in a saturated pool end to end: real gateways in front of a slow and a fast
+simulated engine (an L40S listed first, an H100), slowed down so that requests stay under way for
+seconds, a pool saturated at a queue depth of 1, shortest-queue routing.
+
+- Guaranteed concurrency: the pool full of a heavy tenant's requests, a light tenant with
+  `min_in_flight: 1`. Its request goes at once, past the heavy tenant's waiting ones, and to the
+  backend where its first token comes soonest (the H100), not where the pool's policy sends it
+  (shortest queue: equal depths, so the first listed, the L40S).
+- A backend kept for a class (`min_priority: 1` on the H100): the batch tenant's requests never reach
+  it; with the L40S at the depth limit they wait in the admission queue although the H100 is idle
+  (saturation is counted over the backends open to their class). The interactive tenant (class 1)
+  goes at once, past them, to the H100."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,41 +26,58 @@ from testkit.harness import Gateway, run_gateway, write_config
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "llava-1.5-7b"
-HEAVY, LIGHT, ADMIN = "sk-heavy", "sk-light", "sk-admin"
+ADMIN = "sk-admin"
 HEAVY_REQUESTS = 4   # two per backend: each at the depth limit, and two waiting in the admission queue
+BATCH_REQUESTS = 3   # one under way on the L40S (the depth limit), two waiting
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp: Path = tmp_path_factory.mktemp("guarantee")
-    for name, key in (("heavy", HEAVY), ("light", LIGHT), ("admin", ADMIN)):
-        (tmp / f"{name}.keys").write_text(f"{key}\n")
+def key(tenant: str) -> str:
+    return f"sk-{tenant}"
+
+
+@contextmanager
+def saturated_pool(tmp: Path, teams: dict[str, dict[str, Any]], h100: dict[str, Any]) -> Iterator[Gateway]:
+    """A gateway whose tenants are `teams` (each with the key `key(name)`), its H100's entry with `h100` added."""
+    for name in (*teams, "admin"):
+        (tmp / f"{name}.keys").write_text(f"{key(name)}\n")
     (tmp / "cluster.token").write_text("cluster-secret\n")
     config = write_config(tmp, {
         "model": MODEL,
         "gateway": {
             "auth": {"admin_keys_file": str(tmp / "admin.keys"), "cluster_token_file": str(tmp / "cluster.token")},
-            "admission": {"saturated_queue_depth": 1},
+            "admission": {"saturated_queue_depth": 1, "max_wait_s": 120},
             "overload": {"enabled": False},
-            "tenants": {"teams": {
-                "heavy": {"api_keys_file": str(tmp / "heavy.keys")},
-                "light": {"api_keys_file": str(tmp / "light.keys"), "min_in_flight": 1}}},
+            "tenants": {"teams": {name: {"api_keys_file": str(tmp / f"{name}.keys"), **policy}
+                                  for name, policy in teams.items()}},
         },
-        "backends": [   # slowed down: the heavy requests stay under way for seconds
+        "backends": [
             {"id": "l40s-0", "role": "language", "gpu": "L40S", "launch": {"time_scale": 20}},
-            {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 20}},
+            {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 20}, **h100},
         ],
     })
     with run_gateway(config, "--policy", "shortest_queue", admin_key=ADMIN) as gw:
         yield gw
 
 
-def chat(gw: Gateway, key: str, max_tokens: int, stream: bool = False) -> httpx.Response:
-    """A chat request of `key`'s tenant, read whole (streamed: to the end of its first chunk, then left)."""
+@pytest.fixture(scope="module")
+def guarantee(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with saturated_pool(tmp_path_factory.mktemp("guarantee"), {"heavy": {}, "light": {"min_in_flight": 1}}, {}) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def reserved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with saturated_pool(tmp_path_factory.mktemp("reserved"), {"batch": {}, "interactive": {"priority": 1}},
+                        {"min_priority": 1}) as gw:
+        yield gw
+
+
+def chat(gw: Gateway, tenant: str, max_tokens: int, stream: bool = False) -> httpx.Response:
+    """A chat request of `tenant`'s, read whole (streamed: to the end of its first chunk, then left)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens,
             "stream": stream}
     with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {key}"}) as resp:
+                      headers={"authorization": f"Bearer {key(tenant)}"}) as resp:
         if stream:
             next(resp.iter_lines())
         else:
@@ -64,11 +90,25 @@ def waiting(gw: Gateway, tenant: str) -> int:
     return int(next(t["waiting"] for t in resp.json()["data"] if t["tenant"] == tenant))
 
 
-def test_a_guaranteed_request_goes_past_the_saturated_pool_to_the_soonest_first_token(gateway: Gateway) -> None:
+def test_a_guaranteed_request_goes_past_the_saturated_pool_to_the_soonest_first_token(guarantee: Gateway) -> None:
     with ThreadPoolExecutor(HEAVY_REQUESTS) as pool:
-        heavy = [pool.submit(chat, gateway, HEAVY, 32) for _ in range(HEAVY_REQUESTS)]
-        gateway.wait_until(lambda: waiting(gateway, "heavy") == HEAVY_REQUESTS - 2)   # both backends saturated
-        light = chat(gateway, LIGHT, 4, stream=True)
+        heavy = [pool.submit(chat, guarantee, "heavy", 32) for _ in range(HEAVY_REQUESTS)]
+        guarantee.wait_until(lambda: waiting(guarantee, "heavy") == HEAVY_REQUESTS - 2)   # both backends saturated
+        light = chat(guarantee, "light", 4, stream=True)
         assert light.status_code == 200 and light.headers["x-heterogate-backend"] == "h100-0"
-        assert waiting(gateway, "heavy") == HEAVY_REQUESTS - 2   # it went first, past theirs
+        assert waiting(guarantee, "heavy") == HEAVY_REQUESTS - 2   # it went first, past theirs
         assert [f.result().status_code for f in heavy] == [200] * HEAVY_REQUESTS
+
+
+def test_a_reserved_backend_takes_only_its_class_and_saturation_counts_without_it(reserved: Gateway) -> None:
+    assert reserved.backend("h100-0")["min_priority"] == 1 and reserved.backend("l40s-0")["min_priority"] is None
+    with ThreadPoolExecutor(BATCH_REQUESTS) as pool:
+        batch = [pool.submit(chat, reserved, "batch", 24) for _ in range(BATCH_REQUESTS)]
+        reserved.wait_until(lambda: waiting(reserved, "batch") == BATCH_REQUESTS - 1)
+        assert reserved.backend("h100-0")["in_flight"] == 0   # idle, and still not theirs
+        interactive = chat(reserved, "interactive", 4)
+        assert interactive.status_code == 200 and interactive.headers["x-heterogate-backend"] == "h100-0"
+        assert waiting(reserved, "batch") == BATCH_REQUESTS - 1 or batch[0].done()   # it went past theirs
+        done = [f.result() for f in batch]
+    assert [r.status_code for r in done] == [200] * BATCH_REQUESTS
+    assert {r.headers["x-heterogate-backend"] for r in done} == {"l40s-0"}
