@@ -17,8 +17,8 @@
 A tenant's keys are API keys: configuring one turns keys on for the /v1 routes, as gateway.auth's do.
 Limits are fixed windows: a minute (from the whole minute) and a UTC day. Leaving a limit out leaves
 it unlimited. A backend's `min_priority` (gateway.config.cluster.BackendSpec) keeps it for the
-tenants of that class and above. The schema only: the keys are read by `gateway.config.auth.KeyRing`, the limits applied
-by `gateway.pipeline.tenants`, the shares by the admission queue.
+tenants of that class and above. The schema only: the keys are read by `gateway.config.auth.KeyRing`,
+the limits applied by `gateway.pipeline.tenants`, the shares by the admission queue.
 """
 
 from __future__ import annotations
