@@ -23,6 +23,8 @@ index fed the engines' counters, as the pipeline wires them. Targets:
     hg-cache    the gateway's default: the prefix index from the prompts' text blocks
     hg-noevict  hg-cache without the price of filling a full cache (marginal_delay w_evict 0: T_evict off)
     hg-session  hg-cache, and the clients name their conversation (x-session-id)
+    hg-imagesfirst  hg-cache with its index told every image heads the prompt (the index before images
+                took their places; the engines still cache them where they are)
     hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
     hg-3shared  three hg-cache replicas behind a round-robin balancer, sharing in-flight counts and their
                 prefix indexes through the real Redis (--redis-url; gateway.replicas.shared_state, refreshed
@@ -45,6 +47,8 @@ Workloads (each request's prompt is the chat rendered as the gateway renders it,
                 image tokens as prefix blocks named by the image's content hash, as the gateway's index does
                 (at its place: the image heads the user's message); only the language pool is replayed (no
                 encoders)
+    imagechat   repeatimage's images and questions after a tenant's system prompt (--tenants, 1,000-2,500
+                tokens): system prompt, then the image, then the question, as a chat puts them
 
 Load (--loads, by default per workload: DEFAULT_LOADS) is a multiple of the cache-blind capacity: each
 engine alone saturated in emulated time with the workload's requests and no cache (as
@@ -118,14 +122,14 @@ from loadtest.sim.peers import cache_aware_pick  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
 TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-noevict", "hg-cache", "hg-session", "hg-oracle", "hg-3shared",
-           "hg-3alone")
+           "hg-3alone", "hg-imagesfirst")
 DEFAULT_TARGETS = TARGETS[:8]   # the replica targets need Redis: named on the command line
 REPLICAS, REFRESH_S = 3, 0.05
-WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage")
+WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage", "imagechat")
 # Loads (times the cache-blind capacity) by default: shared prefixes carry more than the blind capacity, so
 # the multiturn and hot-prefix runs go past it; the no-sharing run is the mixed-tier benchmark's 0.9x and 1.0x.
 DEFAULT_LOADS = {"multiturn": [1.0, 1.5, 2.0], "nosharing": [0.9, 1.0], "hotprefix": [2.0, 2.5, 3.0],
-                 "repeatimage": [1.0, 1.5, 2.0]}
+                 "repeatimage": [1.0, 1.5, 2.0], "imagechat": [1.0, 1.5, 2.0]}
 HOT_SHARE, THINK_MEAN_S, DEFAULT_TENANTS = 0.8, 3.0, 32
 IMAGE_POOL, IMAGE_TOKENS, IMAGE_ZIPF, COMMON_QUESTIONS, COMMON_SHARE = 200, 576, 1.1, 8, 0.6
 IMAGE_PLACE = len(b"user: ")   # the image heads the user's message, before its question
@@ -206,16 +210,17 @@ def conversations(workload: str, n: int, rate: float, seed: int, tenant_prompts:
             turns = [(text(rng, user_tokens(rng), f"{tag}-q{k}"), output_tokens(rng)) for k in range(count)]
             out.append(Conversation(tag, t, rng.choice(tenant_prompts), turns,
                                     [rng.expovariate(1 / THINK_MEAN_S) for _ in turns]))
-        elif workload == "repeatimage":
+        elif workload in ("repeatimage", "imagechat"):
+            system = rng.choice(tenant_prompts) if workload == "imagechat" else ""
             picture = rng.choices(range(IMAGE_POOL), cum_weights=_IMAGE_WEIGHTS)[0]
             if rng.random() < COMMON_SHARE:
                 q = rng.randrange(COMMON_QUESTIONS)
                 question = text(random.Random(q), 40, f"common-question-{q}")
             else:
                 question = text(rng, user_tokens(rng), tag)
-            out.append(Conversation(tag, t, "", [(question, output_tokens(rng))], [0.0],
-                                    images=((content_digest(f"image-{picture}".encode()), IMAGE_TOKENS,
-                                             IMAGE_PLACE),)))
+            place = len(render([("system", system), ("user", "")]).encode()) if system else IMAGE_PLACE
+            out.append(Conversation(tag, t, system, [(question, output_tokens(rng))], [0.0],
+                                    images=((content_digest(f"image-{picture}".encode()), IMAGE_TOKENS, place),)))
         elif workload == "hotprefix" and rng.random() < HOT_SHARE:
             question = text(rng, user_tokens(rng), tag)
             out.append(Conversation(tag, t, hot, [(question, output_tokens(rng))], [0.0]))
@@ -289,7 +294,8 @@ class SglangCacheAware(Router):
 
 class CacheAware(Gateway):
     """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
-    index (`mode` "index", "session") or the engines' exact caches (`mode` "oracle"), or neither ("blind")."""
+    index (`mode` "index", "session", "imagesfirst": images hashed as heading the prompt) or the engines'
+    exact caches (`mode` "oracle"), or neither ("blind")."""
 
     def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher],
                  params: dict[str, Any] | None = None) -> None:
@@ -297,7 +303,7 @@ class CacheAware(Gateway):
         self.mode, self.engines = mode, engines
         config = PrefixCacheConfig()
         self.index = PrefixIndex(config.block_tokens, config.max_blocks_per_backend) if mode in (
-            "index", "session") else None
+            "index", "session", "imagesfirst") else None
         if self.index is not None:
             for entry in self.table.entries():
                 self.index.add_backend(entry.id, self.table.kv_capacity(entry)[1] // self.model.kv_bytes_per_token)
@@ -308,7 +314,10 @@ class CacheAware(Gateway):
         query = None
         if self.index is not None:
             session = r.conversation.id if self.mode == "session" else ""
-            blocks = self.index.hashes(r.prompt, (), r.tokens, r.conversation.images)
+            images = r.conversation.images
+            if self.mode == "imagesfirst":
+                images = tuple((digest, tokens, 0) for digest, tokens, _ in images)
+            blocks = self.index.hashes(r.prompt, (), r.tokens, images)
             query = self.index.lookup(blocks, session, r.tokens)
             cached, reuse = dict(query.cached), query.reuse
         elif self.mode == "oracle":
@@ -405,7 +414,8 @@ def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: d
         return Proxy(rates)
     if target == "hg-noevict":
         return CacheAware("index", clock, engines, {"w_evict": 0.0})
-    mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle"}[target]
+    mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle",
+            "hg-imagesfirst": "imagesfirst"}[target]
     return CacheAware(mode, clock, engines)
 
 
