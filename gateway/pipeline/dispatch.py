@@ -715,6 +715,21 @@ class Pipeline:
     def _silent(backend_id: str, reason: str) -> BackendTimeout:
         return BackendTimeout(f"backend {backend_id}: {reason}", backend_id=backend_id)
 
+    def _pid(self, backend_id: str) -> int:
+        """The engine process the backend last reported (0: none yet, or gone from the table)."""
+        entry = self.table.get(backend_id)
+        return entry.reported.pid if entry is not None else 0
+
+    def _encoder_hits(self, images: list[tuple[int, int]]) -> dict[str, int]:
+        """Per encoder, the image tokens of `images` its embedding cache is predicted to hold, after
+        forgetting the encoders that restarted since they were sent them (an empty cache)."""
+        encoders = self.encoders
+        assert encoders is not None
+        hits = encoders.cached(images)
+        if hits and any([encoders.observe(encoder, self._pid(encoder)) for encoder in hits]):
+            hits = encoders.cached(images)
+        return hits
+
     async def _encode(
         self, job: GenerationJob, key: str, language: BackendSnapshot, deliver_to: str, record: RequestRecord
     ) -> tuple[str, engine_pb2.EncodeReply]:
@@ -734,7 +749,7 @@ class Pipeline:
                                                       record.trace)
         profile, images = job.profile(), [(i.digest, i.tokens) for i in job.images]
         if self.encoders is not None:
-            profile = replace(profile, cached_image_tokens=self.encoders.cached(images))
+            profile = replace(profile, cached_image_tokens=self._encoder_hits(images))
         last_error: BackendFailure | None = None
         while len(record.vision_backends) < self.settings.max_attempts:
             now = self.clock()
@@ -750,7 +765,7 @@ class Pipeline:
                 break
             record.vision_backends.append(vision_id)
             if self.encoders is not None:
-                self.encoders.record(images, vision_id)
+                self.encoders.record(images, vision_id, self._pid(vision_id))
             self.breakers.on_dispatch(vision_id)
             try:
                 reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline,

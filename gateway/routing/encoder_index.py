@@ -13,10 +13,15 @@ Cost: O(images of the request + encoders holding them) a lookup, O(images) a rec
 Replicas (`share`, with `--redis-url`): each replica publishes which encoder it sent which images
 to and applies the others' (gateway.replicas.shared_state, the prefix stream, every refresh).
 
-Limits: a prediction, not the engine's own list: an engine configured with a smaller cache, or
-restarted, misses where the index predicts a hit (the engine reports its hits, `embedding_cache_hits`
-in /admin/backends, but the index does not learn from them yet); replicas learn each other's images a
-refresh late; an encoder removed from the fleet keeps its entries until its LRU would evict them.
+A restarted engine has an empty cache: the index keeps the process id each encoder reported when it
+was sent images (`record`, `observe`), and forgets an encoder's images once it reports another one
+(checked for the encoders predicted to hold a request's images, before the prediction is used).
+
+Limits: a prediction, not the engine's own list: an engine configured with a smaller cache misses
+where the index predicts a hit (the engine reports its hits, `embedding_cache_hits` in
+/admin/backends, but the index does not learn its size from them); a restart is seen once the new
+process has reported (a heartbeat); replicas learn each other's images a refresh late; an encoder
+removed from the fleet keeps its entries until its LRU would evict them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class EncoderIndex:
         self._lru: dict[str, BlockLru] = {}
         self._holders: dict[int, set[str]] = {}   # digest -> encoders whose LRU holds it
         self._sent: deque[Sent] | None = None      # this process's records not yet shared (`share`)
+        self._pids: dict[str, int] = {}            # encoder -> the engine process its entries were sent to
 
     def share(self, max_pending: int) -> None:
         """Replicas share which encoder got which image: from now on each record is kept for the next
@@ -60,8 +66,27 @@ class EncoderIndex:
                 out[encoder] = out.get(encoder, 0) + tokens
         return out
 
-    def record(self, images: Sequence[ImageRef], encoder: str) -> None:
-        """These images were sent to `encoder` to encode: it holds them next."""
+    def observe(self, encoder: str, pid: int) -> bool:
+        """`encoder`'s engine reports process `pid` (0: unknown). Another process than the one its images
+        went to: it restarted with an empty cache, and its entries are forgotten (True)."""
+        if not pid:
+            return False
+        known = self._pids.get(encoder)
+        self._pids[encoder] = pid
+        if known is None or known == pid:
+            return False
+        lru = self._lru.pop(encoder, None)
+        for digest in lru.resize(0) if lru is not None else ():
+            held = self._holders[digest]
+            held.discard(encoder)
+            if not held:
+                del self._holders[digest]
+        return lru is not None
+
+    def record(self, images: Sequence[ImageRef], encoder: str, pid: int = 0) -> None:
+        """These images were sent to `encoder` to encode (its engine process `pid`, 0: unknown): it holds
+        them next."""
+        self.observe(encoder, pid)
         digests = [digest for digest, _ in images]
         self.peer_sent(encoder, digests)
         if self._sent is not None:

@@ -15,6 +15,8 @@ of each encoder's backlog, never on a clock.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +28,7 @@ import pytest
 from testkit.harness import (
     Gateway,
     data_url,
+    engine_pid,
     image_bytes,
     image_part,
     run_gateway,
@@ -99,3 +102,20 @@ def test_a_repeated_image_goes_to_the_encoder_that_holds_it_unless_it_is_overloa
         second = busy(gw, pool, VISION_B, picture, *(image(200 + k) for k in range(5)))
         assert ask(gw, picture) == VISION_A
         assert second.result() == VISION_B
+
+
+def test_an_encoder_that_restarted_is_not_credited_with_the_images_it_held(gw: Gateway) -> None:
+    """A restarted vision engine has an empty embedding cache: once its new process reports, the gateway
+    forgets which images it held, and a repeated image is a miss there like anywhere (a tie: the first)."""
+    wait_all_healthy(gw)
+    picture = image(2)
+    with ThreadPoolExecutor(1) as pool:
+        first = busy(gw, pool, VISION_A, *(image(300 + k) for k in range(6)))
+        assert ask(gw, picture) == VISION_B   # the first encoder busy: the picture goes to the second
+        assert first.result() == VISION_A
+    assert ask(gw, picture) == VISION_B       # both idle: back where its embedding is
+    old = engine_pid(gw, VISION_B)
+    os.kill(old, signal.SIGKILL)
+    gw.wait_until(lambda: gw.backend(VISION_B)["healthy"] and gw.backend(VISION_B)["pid"] not in (None, old),
+                  timeout=60)
+    assert ask(gw, picture) == VISION_A       # no hit predicted on the restarted one: a tie, the first

@@ -66,3 +66,17 @@ def test_the_index_is_bounded_per_encoder_and_forgets_least_recent_first() -> No
     index.record([(content_digest(b"new"), 100)], "a")
     assert index.cached(images[2:]) == {"a": 200}
     assert index.cached([(content_digest(b"never"), 100)]) == {}
+
+
+def test_an_encoder_that_restarted_is_forgotten_once_it_reports_another_process() -> None:
+    index = EncoderIndex()
+    index.record([CAT], "a", pid=100)
+    index.record([CAT, DOG], "b")                     # its process not known yet
+    assert not index.observe("a", 100) and not index.observe("a", 0)   # the same process, or none said
+    assert index.cached([CAT]) == {"a": 576, "b": 576}
+    assert index.observe("a", 101)                    # a new process: an empty embedding cache
+    assert index.cached([CAT, DOG]) == {"b": 1152} and index.held("a") == 0
+    assert not index.observe("b", 7) and index.held("b") == 2   # the first process heard of: the baseline
+    assert index.observe("b", 8) and index.cached([CAT]) == {}
+    index.record([DOG], "a", pid=101)                 # sent again: held again
+    assert index.cached([DOG]) == {"a": 576}
