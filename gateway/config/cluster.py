@@ -373,11 +373,12 @@ class ClusterConfig:
             if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and runs.profile.hf_config is None:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {runs.catalog!r} has no "
                                   "Hugging Face config in the catalog (hf_config); it runs on simulated engines only")
-        classes = [raw.gateway.tenants.default.priority, *(t.priority for t in raw.gateway.tenants.teams.values())]
+        tenants = raw.gateway.tenants
+        highest = max([tenants.default.priority, *(t.priority for t in tenants.teams.values())])
         for i, b in enumerate(raw.backends):
-            if b.min_priority is not None and b.min_priority > max(classes):
+            if b.min_priority is not None and b.min_priority > highest:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).min_priority: {b.min_priority} is above every "
-                                  f"tenant's priority class (the highest is {max(classes)}): nothing would be "
+                                  f"tenant's priority class (the highest is {highest}): nothing would be "
                                   "routed to it")
         simulated_vision = [b.id for b in raw.backends if b.role == "vision" and isinstance(b.launch, LaunchSpec)
                             and b.launch.executor == "simulated"]
