@@ -11,7 +11,9 @@ continuous batcher in emulated time:
   batch has fewer than `max_num_seqs` sequences (no preemption);
 - a step decodes one token for every running sequence and spends what is left of the token budget
   (`max_batched_tokens`) on chunked prefill, oldest first; the step that ends a prompt's prefill
-  yields its first token;
+  yields its first token; or, for a tier with `prefill_first` (vLLM v0-like, the engine family's
+  other scheduler, loadtest/sim/family.py), a step prefills whole admitted prompts (oldest first, up to
+  the budget, at least one) while every running sequence waits, and decodes only when none is left;
 - step time = base + per_seq · decoding + kv_read · context tokens + prefill · prefill tokens;
 - with `--prefix-caching` (vLLM's automatic prefix caching, on by default in vLLM): a prompt's leading
   blocks still in the cache (held by running sequences, or cached in free KV blocks, evicted least
@@ -70,6 +72,7 @@ class TierSpeed:
     kv_tokens: int
     max_num_seqs: int = 256
     max_batched_tokens: int = 512
+    prefill_first: bool = False   # vLLM v0-like: whole prompts in a step of their own while decodes wait
 
     @property
     def num_blocks(self) -> int:
@@ -143,9 +146,11 @@ class Batcher:
         if not self.running:
             return None
         t = self.tier
+        context = sum(s.prefilled + s.generated for s in self.running)
+        if t.prefill_first:
+            return self._prefill_first_plan(context)
         decoded = [s for s in self.running if s.prefilled >= s.prompt]
         budget = t.max_batched_tokens - len(decoded)
-        context = sum(s.prefilled + s.generated for s in self.running)
         first, prefill = [], 0
         for s in self.running:
             if s.prefilled < s.prompt and budget > 0:
@@ -157,6 +162,25 @@ class Batcher:
                     first.append(s)
         duration = t.step_base_s + t.per_seq_s * len(decoded) + t.kv_read_s * context + t.prefill_s_per_token * prefill
         return StepPlan(duration, first, decoded)
+
+    def _prefill_first_plan(self, context: int) -> StepPlan:
+        """Prefill-first: the prompts not yet prefilled, whole, oldest first up to the token budget (at
+        least one), with no decode in the step; a decode step for every running sequence when none is."""
+        t = self.tier
+        first, prefill = [], 0
+        for s in self.running:
+            need = s.prompt - s.prefilled
+            if need <= 0:
+                continue
+            if first and prefill + need > t.max_batched_tokens:
+                break
+            s.prefilled = s.prompt
+            first.append(s)
+            prefill += need
+        if first:
+            return StepPlan(t.step_base_s + t.kv_read_s * context + t.prefill_s_per_token * prefill, first, [])
+        decoded = list(self.running)
+        return StepPlan(t.step_base_s + t.per_seq_s * len(decoded) + t.kv_read_s * context, [], decoded)
 
     def apply(self, plan: StepPlan) -> list[Seq]:
         """Hand out the step's tokens; returns the sequences that finished (their KV freed)."""

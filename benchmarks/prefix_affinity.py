@@ -82,7 +82,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq  # noqa: E402
+from benchmarks.emulated_engine import BLOCK_SIZE, MAX_MODEL_LEN, TIERS, Batcher, Seq, TierSpeed  # noqa: E402
 from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from benchmarks.mixed_workload import lengths, prompt_text, queue_rate  # noqa: E402
 from benchmarks.routing_replay import (  # noqa: E402
@@ -119,6 +119,8 @@ from gateway.routing.prefix_index import PrefixIndex  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
 from loadtest.sim.peers import cache_aware_pick  # noqa: E402
 
+Cluster = Sequence[tuple[str, TierSpeed]]   # (backend id, its engine's tier), registered in this order
+MIXED_TIER: Cluster = tuple((eid, TIERS[tier]) for eid, tier in CLUSTER)
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
 TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-noevict", "hg-cache", "hg-session", "hg-oracle", "hg-3shared",
@@ -299,7 +301,7 @@ class CacheAware(Gateway):
 
     def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher],
                  params: dict[str, Any] | None = None) -> None:
-        super().__init__("marginal_delay", params or {}, clock)
+        super().__init__("marginal_delay", params or {}, clock, [(eid, b.tier.name) for eid, b in engines.items()])
         self.mode, self.engines = mode, engines
         config = PrefixCacheConfig()
         self.index = PrefixIndex(config.block_tokens, config.max_blocks_per_backend) if mode in (
@@ -535,8 +537,9 @@ def largest_share(engines: Iterable[str], rates: dict[str, float]) -> float:
     return max(counts[e] / total / (rates[e] / capacity) for e in rates) if total else 0.0
 
 
-def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> dict[str, Any]:
-    tiers = dict(CLUSTER)
+def score(outcomes: list[Outcome], rates: dict[str, float], router: Router, cluster: Cluster) -> dict[str, Any]:
+    tiers = {eid: tier.name for eid, tier in cluster}
+    true_prefill = {eid: tier.prefill_s_per_token for eid, tier in cluster}
     n = len(outcomes)
     good = sum(1 for o in outcomes if o.ttft <= TTFT_SLO_S and o.itl <= ITL_SLO_S)
     ttft = [o.ttft for o in outcomes]
@@ -552,7 +555,7 @@ def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> d
     if isinstance(router, CacheAware):   # p̂ against the engine's true prefill rate, per engine
         entries = {e.id: e for e in router.table.entries()}
         row["learned_prefill_over_true"] = {
-            eid: entries[eid].speed.prefill.value / TIERS[tiers[eid]].prefill_s_per_token for eid in rates}
+            eid: entries[eid].speed.prefill.value / true_prefill[eid] for eid in rates}
     if isinstance(router, CacheAware) and router.index is not None:
         described = [router.index.describe(eid) for eid in rates]
         queries = sum(d["predicted_query_tokens"] for d in described)
@@ -564,14 +567,15 @@ def score(outcomes: list[Outcome], rates: dict[str, float], router: Router) -> d
 
 def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[float] | None, sessions: int,
         requests: int, warmup: int, n_tenants: int, interval_s: float, log: Callable[[str], None] = print,
-        redis_url: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        redis_url: str = "", cluster: Cluster = MIXED_TIER) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every target on `cluster` (the mixed-tier benchmark's by default) for each workload, seed and load."""
     rows: list[dict[str, Any]] = []
     capacities: dict[str, Any] = {}
     for workload in workloads:
         for seed in seeds:
             prompts = tenants(seed, n_tenants)
             sizes = request_sizes(workload, 99 + seed, prompts)
-            rates = {eid: queue_rate(TIERS[tier], sizes) for eid, tier in CLUSTER}
+            rates = {eid: queue_rate(tier, sizes) for eid, tier in cluster}
             turns = len(sizes) / 300
             capacities[f"{workload}/{seed}"] = {"requests_per_s": sum(rates.values()), "turns": turns}
             count = sessions if workload == "multiturn" else requests
@@ -579,7 +583,7 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
                 session_rate = load * sum(rates.values()) / turns
                 for target in targets:
                     clock = Clock()
-                    engines = {eid: Batcher(TIERS[tier], cache=EnginePrefixCache(BLOCK_SIZE)) for eid, tier in CLUSTER}
+                    engines = {eid: Batcher(tier, cache=EnginePrefixCache(BLOCK_SIZE)) for eid, tier in cluster}
                     router = make_router(target, clock, engines, rates, redis_url)
                     try:
                         if warmup:
@@ -587,7 +591,7 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
                                                                  7 + seed, prompts), clock, interval_s, seed)
                             clock.now += 5.0
                         convs = conversations(workload, count, session_rate, 1000 * seed + 1, prompts)
-                        row = score(serve(router, engines, convs, clock, interval_s, 2 * seed), rates, router)
+                        row = score(serve(router, engines, convs, clock, interval_s, 2 * seed), rates, router, cluster)
                     finally:
                         if isinstance(router, Replicas):
                             router.close()

@@ -28,7 +28,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,15 +114,17 @@ class Proxy(Router):
 class Gateway(Router):
     """The gateway's state table and a policy, on the replay's clock."""
 
-    def __init__(self, policy: str, params: dict[str, Any], clock: Clock) -> None:
+    def __init__(self, policy: str, params: dict[str, Any], clock: Clock,
+                 cluster: Sequence[tuple[str, str]] = CLUSTER) -> None:
+        """`cluster`: (backend id, catalog GPU) of each engine, registered in that order."""
         catalog = load_catalog()
         self.model = catalog.model(MODEL)
         self.table = StateTable(self.model, 0.2, clock=clock)
         self.policy = build_policy(policy, params)
         self.clock = clock
         self.seq = 0
-        for eid, tier in CLUSTER:
-            self.table.register(eid, "language", catalog.gpu(tier), address=eid, managed=False, external=True)
+        for eid, gpu in cluster:
+            self.table.register(eid, "language", catalog.gpu(gpu), address=eid, managed=False, external=True)
 
     def route(self, r: Request) -> tuple[str, Any]:
         profile = RequestProfile(str(id(r)), r.prompt_tokens, r.max_tokens)
