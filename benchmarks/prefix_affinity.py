@@ -26,6 +26,9 @@ index fed the engines' counters, as the pipeline wires them. Targets:
     hg-imagesfirst  hg-cache with its index told every image heads the prompt (the index before images
                 took their places; the engines still cache them where they are)
     hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
+    hg-default  hg-cache behind the gateway's overload queue with its defaults (gateway.overload, on by
+                default): the gateway as it runs by default. A request it refuses (429) is a miss, and a
+                refused turn ends its conversation
     hg-3shared  three hg-cache replicas behind a round-robin balancer, sharing in-flight counts and their
                 prefix indexes through the real Redis (--redis-url; gateway.replicas.shared_state, refreshed
                 every 50 ms of virtual time, the spreading layer on, as `--redis-url` runs them)
@@ -108,24 +111,25 @@ from benchmarks.routing_replay import (  # noqa: E402
 from common.catalog import load_catalog  # noqa: E402
 from common.prefix_blocks import EnginePrefixCache, content_digest, prompt_blocks  # noqa: E402
 from gateway.config.cluster import PrefixCacheConfig  # noqa: E402
-from gateway.config.sections import RedisConfig  # noqa: E402
+from gateway.config.sections import OverloadConfig, RedisConfig  # noqa: E402
 from gateway.daemon import GC_THRESHOLDS  # noqa: E402
 from gateway.replicas.shared_state import SharedState, connect  # noqa: E402
 from gateway.routing.backend_entry import Reported  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import RequestProfile  # noqa: E402
 from gateway.routing.policies.spreading import Spreading  # noqa: E402
-from gateway.routing.prefix_index import PrefixIndex  # noqa: E402
+from gateway.routing.prefix_index import PrefixIndex, PrefixQuery  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
+from loadtest.sim.gate import SimGate  # noqa: E402
 from loadtest.sim.peers import cache_aware_pick  # noqa: E402
 
 Cluster = Sequence[tuple[str, TierSpeed]]   # (backend id, its engine's tier), registered in this order
 MIXED_TIER: Cluster = tuple((eid, TIERS[tier]) for eid, tier in CLUSTER)
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
-TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-noevict", "hg-cache", "hg-session", "hg-oracle", "hg-3shared",
-           "hg-3alone", "hg-imagesfirst")
-DEFAULT_TARGETS = TARGETS[:8]   # the replica targets need Redis: named on the command line
+TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-noevict", "hg-cache", "hg-session", "hg-oracle", "hg-default",
+           "hg-3shared", "hg-3alone", "hg-imagesfirst")
+DEFAULT_TARGETS = TARGETS[:9]   # the replica targets need Redis: named on the command line
 REPLICAS, REFRESH_S = 3, 0.05
 WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage", "imagechat")
 # Loads (times the cache-blind capacity) by default: shared prefixes carry more than the blind capacity, so
@@ -257,6 +261,7 @@ class Request:
     tokens: int
     max_tokens: int
     hashes: list[int]
+    arrived: float = 0.0
 
 
 class RoundRobin(Router):
@@ -297,12 +302,21 @@ class SglangCacheAware(Router):
 class CacheAware(Gateway):
     """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
     index (`mode` "index", "session", "imagesfirst": images hashed as heading the prompt) or the engines'
-    exact caches (`mode` "oracle"), or neither ("blind")."""
+    exact caches (`mode` "oracle"), or neither ("blind"). With `overload`, behind the gateway's overload
+    queue (gateway.pipeline.overload, driven on the virtual clock by loadtest/sim/gate.py as the
+    simulator drives it): `route` returns None for a request it holds or refuses; `released` and
+    `refused` collect what it let go or refused since the replay last took them."""
 
     def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher],
-                 params: dict[str, Any] | None = None) -> None:
+                 params: dict[str, Any] | None = None, overload: OverloadConfig | None = None) -> None:
         super().__init__("marginal_delay", params or {}, clock, [(eid, b.tier.name) for eid, b in engines.items()])
         self.mode, self.engines = mode, engines
+        self.gate = None if overload is None else SimGate(
+            overload, lambda now: self.table.candidates(LANGUAGE, now), self._let_go, self._refuse)
+        self.held: dict[int, tuple[Request, PrefixQuery | None]] = {}
+        self.ids = itertools.count()
+        self.released: list[tuple[Request, str, Any]] = []
+        self.refused: list[Request] = []
         config = PrefixCacheConfig()
         self.index = PrefixIndex(config.block_tokens, config.max_blocks_per_backend) if mode in (
             "index", "session", "imagesfirst") else None
@@ -310,7 +324,37 @@ class CacheAware(Gateway):
             for entry in self.table.entries():
                 self.index.add_backend(entry.id, self.table.kv_capacity(entry)[1] // self.model.kv_bytes_per_token)
 
-    def route(self, r: Request) -> tuple[str, Any]:
+    def route(self, r: Request) -> tuple[str, Any] | None:
+        profile, query = self._profile(r)
+        if self.gate is None:
+            return self._place(r, profile, query)
+        i = next(self.ids)
+        self.held[i] = (r, query)
+        if not self.gate.arrive(i, profile, self.clock.now):
+            return None
+        del self.held[i]
+        return self._place(r, profile, query)
+
+    def engine_event(self, completed: int) -> None:
+        if self.gate is not None:
+            self.gate.engine_event(self.clock.now, completed)
+
+    def next_due(self) -> float | None:
+        return self.gate.next_due() if self.gate is not None and self.gate.held else None
+
+    def release(self) -> None:
+        if self.gate is not None and self.gate.held:
+            self.gate.release(self.clock.now)
+
+    def _let_go(self, i: int, profile: RequestProfile, now: float) -> None:
+        r, query = self.held.pop(i)
+        self.released.append((r, *self._place(r, profile, query)))
+
+    def _refuse(self, i: int) -> None:
+        self.refused.append(self.held.pop(i)[0])
+
+    def _profile(self, r: Request) -> tuple[RequestProfile, PrefixQuery | None]:
+        """The request as the policy reads it, and the index's view of its prompt (None without an index)."""
         cached: dict[str, int] = {}
         reuse: Mapping[str, float] = {}
         query = None
@@ -327,10 +371,19 @@ class CacheAware(Gateway):
                 assert b.cache is not None
                 if hit := b.cache.match(r.hashes, r.tokens):
                     cached[eid] = hit
-        profile = RequestProfile(r.conversation.id, r.tokens, r.max_tokens, cached_tokens=cached, evicted_reuse=reuse)
+        return RequestProfile(r.conversation.id, r.tokens, r.max_tokens, cached_tokens=cached,
+                              evicted_reuse=reuse), query
+
+    def _place(self, r: Request, profile: RequestProfile, query: PrefixQuery | None) -> tuple[str, Any]:
+        """Choose (among the backends that take it, behind the overload queue), record, lease."""
         now = self.clock.now
         candidates = self.table.candidates(LANGUAGE, now).fitting(r.tokens + r.max_tokens)
-        backend = self.policy.choose(profile, candidates, now).backend
+        if self.gate is None:
+            backend = self.policy.choose(profile, candidates, now).backend
+        else:
+            backend = self.gate.route(lambda within: self.policy.choose(profile, within, now), candidates,
+                                      profile).backend
+        cached = profile.cached_tokens
         if self.index is not None and query is not None:
             entry = self.table.get(backend.id)
             assert entry is not None
@@ -416,6 +469,8 @@ def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: d
         return Proxy(rates)
     if target == "hg-noevict":
         return CacheAware("index", clock, engines, {"w_evict": 0.0})
+    if target == "hg-default":
+        return CacheAware("index", clock, engines, overload=OverloadConfig())
     mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle",
             "hg-imagesfirst": "imagesfirst"}[target]
     return CacheAware(mode, clock, engines)
@@ -470,6 +525,29 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
         if plan is not None:
             push(clock.now + plan.duration_s, "step", (eid, plan))
 
+    def place(r: Request, eid: str, handle: Any) -> None:
+        out = Outcome(eid, r.tokens, r.max_tokens, r.arrived)
+        outcomes.append(out)
+        seq = Seq(r.tokens, r.max_tokens, r.arrived, hashes=r.hashes)
+        handles[id(seq)] = (handle, out, r.conversation)
+        engines[eid].waiting.append(seq)
+        if not busy[eid]:
+            step(eid)
+
+    gated = router if isinstance(router, CacheAware) and router.gate is not None else None
+
+    def settle() -> int:
+        """Place what the overload queue let go; a refused turn is a miss and ends its conversation.
+        Returns the conversations that ended."""
+        if gated is None:
+            return 0
+        released, gated.released = gated.released, []
+        for r, eid, handle in released:
+            place(r, eid, handle)
+        refused, gated.refused = gated.refused, []
+        outcomes.extend(Outcome("", r.tokens, r.max_tokens, r.arrived) for r in refused)
+        return len(refused)
+
     for c in convs:
         push(start + c.start_s, "arrive", c)
     reporting = [eid for eid in engines]
@@ -478,6 +556,12 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
         push(start + interval_s * (k + 1) / len(reporting), "report", eid)
     open_conversations = len(convs)
     while open_conversations:
+        due = gated.next_due() if gated is not None else None
+        if gated is not None and due is not None and due < events[0].at:   # a held request's start deadline
+            clock.now = max(clock.now, due)
+            gated.release()
+            open_conversations -= settle()
+            continue
         ev = heapq.heappop(events)
         clock.now = ev.at
         if ev.kind == "arrive":
@@ -486,15 +570,11 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
             tokens, max_tokens = c.tokens(), c.turns[c.sent][1]
             prompt = render(messages)
             hashes = prompt_blocks(prompt, (), tokens, c.images, block_tokens=BLOCK_SIZE)
-            r = Request(c, prompt, tokens, max_tokens, hashes)
-            eid, handle = router.route(r)
-            out = Outcome(eid, tokens, max_tokens, clock.now)
-            outcomes.append(out)
-            seq = Seq(tokens, max_tokens, clock.now, hashes=r.hashes)
-            handles[id(seq)] = (handle, out, c)
-            engines[eid].waiting.append(seq)
-            if not busy[eid]:
-                step(eid)
+            r = Request(c, prompt, tokens, max_tokens, hashes, clock.now)
+            routed = router.route(r)
+            if routed is not None:
+                place(r, *routed)
+            open_conversations -= settle()
         elif ev.kind == "step":
             eid, plan = ev.what
             done = engines[eid].apply(plan)
@@ -518,9 +598,15 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
                 else:
                     open_conversations -= 1
             step(eid)
+            if gated is not None:
+                gated.engine_event(len(done))
+                open_conversations -= settle()
         else:
             router.report(ev.what, engines[ev.what])
             push(clock.now + interval_s, "report", ev.what)
+            if gated is not None:   # the live gateway re-checks the held requests every heartbeat interval
+                gated.release()
+                open_conversations -= settle()
     return outcomes
 
 
@@ -541,17 +627,19 @@ def score(outcomes: list[Outcome], rates: dict[str, float], router: Router, clus
     tiers = {eid: tier.name for eid, tier in cluster}
     true_prefill = {eid: tier.prefill_s_per_token for eid, tier in cluster}
     n = len(outcomes)
-    good = sum(1 for o in outcomes if o.ttft <= TTFT_SLO_S and o.itl <= ITL_SLO_S)
-    ttft = [o.ttft for o in outcomes]
+    good = sum(1 for o in outcomes if o.ttft <= TTFT_SLO_S and o.itl <= ITL_SLO_S)   # a refusal's TTFT is NaN
+    served = [o for o in outcomes if o.engine]
+    ttft = [o.ttft for o in served]
     shares: dict[str, float] = {}
-    for o in outcomes:
-        shares[tiers[o.engine]] = shares.get(tiers[o.engine], 0.0) + 1 / n
-    prompt = sum(o.prompt for o in outcomes)
-    cached = sum(o.cached for o in outcomes)
+    for o in served:
+        shares[tiers[o.engine]] = shares.get(tiers[o.engine], 0.0) + 1 / len(served)
+    prompt = sum(o.prompt for o in served)
+    cached = sum(o.cached for o in served)
     row = {"requests": n, "goodput": good / n, "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
            "ttft_p99_s": percentile(ttft, 0.99), "hit_rate": cached / prompt,
-           "prefilled_per_request": (prompt - cached) / n, "tier_shares": shares,
-           "max_engine_over_capacity_share": largest_share((o.engine for o in outcomes), rates)}
+           "prefilled_per_request": (prompt - cached) / len(served), "tier_shares": shares,
+           "max_engine_over_capacity_share": largest_share((o.engine for o in served), rates),
+           "refused": n - len(served)}
     if isinstance(router, CacheAware):   # p̂ against the engine's true prefill rate, per engine
         entries = {e.id: e for e in router.table.entries()}
         row["learned_prefill_over_true"] = {

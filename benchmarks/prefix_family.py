@@ -19,10 +19,14 @@ out of all tuning, of the cache-aware settings too (no setting was chosen on any
 reported apart.
 
 Per workload and load (x the member's cache-blind capacity, as in prefix_affinity.py), each target's
-goodput (TTFT <= 2 s and mean inter-token time <= 100 ms), mean over seeds per member; the tables
-give hg-cache's margin over cwlor, sglang-ca and hg-blind (points) with the median and worst member
-of each group, its hit rate against hg-oracle's, and its TTFT p90 over sglang-ca's; then every
-target's goodput per member. Every run's row goes to the results file.
+goodput (TTFT <= 2 s and mean inter-token time <= 100 ms; a request the overload queue refuses is a
+miss), mean over seeds per member. The summary gives, with the median and worst member of each group,
+the margins of the cache-aware policy alone (hg-cache) over cwlor, sglang-ca, the cache-blind policy
+and the oracle, and of the gateway as it runs by default (hg-default: hg-cache behind the overload
+queue) over cwlor and sglang-ca, in points; the share of requests hg-default refused; hg-cache's hit
+rate against hg-oracle's, its TTFT p90 over sglang-ca's and its busiest engine's request share over
+that engine's capacity share. Then every target's goodput per member. Every run's row goes to the
+results file.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from benchmarks.gateway_overhead import git_state, save_report  # noqa: E402
 from loadtest.sim.family import Member, family  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_family.json"
-TARGETS = ("cwlor", "sglang-ca", "hg-blind", "hg-cache", "hg-oracle")
+TARGETS = ("cwlor", "sglang-ca", "hg-blind", "hg-cache", "hg-default", "hg-oracle")
 WORKLOADS = ("multiturn", "hotprefix", "nosharing")
 DEFAULT_LOADS = {"multiturn": [1.5, 2.0, 2.5], "hotprefix": [2.0, 3.0], "nosharing": [0.9, 1.0]}
 Cell = tuple[str, str, int]   # member, workload, seed
@@ -111,37 +115,50 @@ def _mean(xs: Iterable[float]) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def _summary_row(figure: Callable[[str, str], float], ms: list[Member], targets: list[str]) -> str:
-    """One group's cells: hg-cache's margins (median / worst member), hit rates, TTFT p90 ratio, busiest engine."""
+# The summary's margins: (gateway target, what it is compared with), where both ran.
+MARGINS = (("hg-cache", "cwlor"), ("hg-cache", "sglang-ca"), ("hg-cache", "hg-blind"), ("hg-cache", "hg-oracle"),
+           ("hg-default", "cwlor"), ("hg-default", "sglang-ca"))
+
+
+def _summary_row(figure: Callable[[str, str, str], float], ms: list[Member], targets: list[str]) -> str:
+    """One group's cells: the margins (median / worst member), hg-default's refusals, hit rates, hg-cache's
+    TTFT p90 over sglang-ca's, its busiest engine."""
     def per_member(target: str, key: str) -> list[float]:
         return [figure(m.name, target, key) for m in ms] if target in targets else []
 
-    cache = per_member("hg-cache", "goodput")
     cells = []
-    for t in targets:
-        if t != "hg-cache":
-            margins = [100 * (c - o) for c, o in zip(cache, per_member(t, "goodput"), strict=True)]
+    for mine, other in MARGINS:
+        if mine in targets and other in targets:
+            margins = [100 * (a - b) for a, b in zip(per_member(mine, "goodput"), per_member(other, "goodput"),
+                                                      strict=True)]
             cells.append(f"{statistics.median(margins):+.1f} / {min(margins):+.1f}")
+    refused = [100 * r / n for r, n in zip(per_member("hg-default", "refused"), per_member("hg-default", "requests"),
+                                            strict=True)]
+    if refused:
+        cells.append(f"{statistics.mean(refused):.1f}% / {max(refused):.1f}%")
     oracle = per_member("hg-oracle", "hit_rate")
-    hits = f"{statistics.median(per_member('hg-cache', 'hit_rate')):.1%} / {statistics.median(oracle):.1%}" if (
-        oracle) else ""
+    if oracle:
+        cells.append(f"{statistics.median(per_member('hg-cache', 'hit_rate')):.1%} / {statistics.median(oracle):.1%}")
     sglang = per_member("sglang-ca", "ttft_p90_s")
-    ratios = [c / max(1e-9, s) for c, s in zip(per_member("hg-cache", "ttft_p90_s"), sglang, strict=True)] if (
-        sglang) else []
-    p90 = f"{statistics.median(ratios):.2f}x" if ratios else ""
+    if sglang:
+        ratios = [c / max(1e-9, s) for c, s in zip(per_member("hg-cache", "ttft_p90_s"), sglang, strict=True)]
+        cells.append(f"{statistics.median(ratios):.2f}x")
     busiest = per_member("hg-cache", "max_engine_over_capacity_share")
-    return " | ".join(cells) + f" | {hits} | {p90} | {statistics.median(busiest):.2f} / {max(busiest):.2f} |"
+    cells.append(f"{statistics.median(busiest):.2f} / {max(busiest):.2f}")
+    return " | ".join(cells) + " |"
 
 
 def tables(rows: list[dict[str, Any]], members: list[Member], targets: list[str]) -> str:
     """The margin summary per workload and load (tuned and held-out apart), then goodput per member."""
     groups = (("tuned", [m for m in members if not m.held_out]), ("held out", [m for m in members if m.held_out]))
     cases = list(dict.fromkeys((r["workload"], r["load"]) for r in rows))
-    out = ["Goodput of hg-cache minus each other target's (points; mean over seeds per member), median / worst member",
-           "", "| workload | load | members | " + " | ".join(f"− {t}" for t in targets if t != "hg-cache")
-           + " | hit rate hg-cache / hg-oracle, median | TTFT p90 hg-cache / sglang-ca, median "
-           "| hg-cache's busiest engine / its capacity share, median / worst |",
-           "|---|---:|---|" + "---:|" * (len(targets) - 1) + "---:|---:|---:|"]
+    heads = [f"{mine} − {other}" for mine, other in MARGINS if mine in targets and other in targets]
+    heads += ["refused by hg-default, mean / most"] if "hg-default" in targets else []
+    heads += ["hit rate hg-cache / hg-oracle, median"] if "hg-oracle" in targets else []
+    heads += ["TTFT p90 hg-cache / sglang-ca, median"] if "sglang-ca" in targets else []
+    heads += ["hg-cache's busiest engine / its capacity share, median / most"]
+    out = ["Goodput margins (points; each member's mean over seeds), median / worst member", "",
+           "| workload | load | members | " + " | ".join(heads) + " |", "|---|---:|---|" + "---:|" * len(heads)]
     per_case: dict[tuple[str, float], Callable[[str, str, str], float]] = {}
     for workload, load in cases:
         runs = [r for r in rows if (r["workload"], r["load"]) == (workload, load)]
@@ -180,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--loads", nargs="*", default=[], metavar="WORKLOAD=L1,L2",
                    help=f"loads per workload, x the cache-blind capacity (default: {DEFAULT_LOADS})")
-    p.add_argument("--targets", nargs="+", choices=prefix_affinity.TARGETS[:8], default=list(TARGETS))
+    p.add_argument("--targets", nargs="+", choices=prefix_affinity.TARGETS[:9], default=list(TARGETS))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--sessions", type=int, default=300, help="multiturn: conversations per scored run")
     p.add_argument("--requests", type=int, default=1500, help="hotprefix, nosharing: requests per scored run")

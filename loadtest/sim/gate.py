@@ -4,8 +4,8 @@ The queue's decisions are the live gateway's (`gateway.pipeline.overload.Overloa
 the order of release); this adapter only says when they are asked, as the live pipeline asks them: on
 each arrival, after each engine event (a first token or a completion moves the predictions; the live
 gate is notified of both), and at a held request's start deadline when nothing else happens before it.
-A refused request is marked rejected in the run's `Recorder`; a released one is dispatched by the
-simulation's own `dispatch`.
+A refused request goes to the simulation's `on_refused` (which marks it rejected in its record); a
+released one is dispatched by the simulation's own `dispatch`.
 """
 
 from __future__ import annotations
@@ -17,20 +17,18 @@ from gateway.pipeline.overload import OverloadQueue
 from gateway.requests.errors import Overloaded
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
-from loadtest.sim.engines import Recorder
 
 
 class SimGate:
     def __init__(
-        self, config: OverloadConfig, rec: Recorder,
+        self, config: OverloadConfig,
         candidates: Callable[[float], Iterable[BackendSnapshot]],
         dispatch: Callable[[int, RequestProfile, float], None],
-        on_refused: Callable[[int], None] = lambda i: None,
+        on_refused: Callable[[int], None],
     ) -> None:
         """`candidates(now)`: the language candidates a decision would read now; `dispatch(i, profile,
-        now)`: route request i (released); `on_refused(i)`: what the simulation forgets of a refused one."""
+        now)`: route request i (released); `on_refused(i)`: request i was refused (429)."""
         self.queue: OverloadQueue[int] = OverloadQueue(config)
-        self._rec = rec
         self._candidates = candidates
         self._dispatch = dispatch
         self._on_refused = on_refused
@@ -78,5 +76,4 @@ class SimGate:
             self._dispatch(head.item, head.profile, now)
 
     def _refuse(self, i: int) -> None:
-        self._rec.rejected[i] = True
         self._on_refused(i)

@@ -115,7 +115,7 @@ class VlmSimulation:
         self.tie = itertools.count()
         self.bytes_moved = 0
         self.gate = None if overload is None else SimGate(
-            overload, rec, lambda now: self._pools(now)[0], self._route)
+            overload, lambda now: self._pools(now)[0], self._route, self._refused)
 
     def run(self) -> None:
         lengths = self.trace.lengths
@@ -168,6 +168,9 @@ class VlmSimulation:
         vision = table.candidates(VISION_ROLES, now)
         language = table.candidates(LANGUAGE_ROLES, now)
         return language.extended(stealers(vision, table.language_backlog(), self.spec.steal_threshold)), vision
+
+    def _refused(self, i: int) -> None:
+        self.rec.rejected[i] = True
 
     def _route(self, i: int, profile: RequestProfile, now: float) -> None:
         lengths = self.trace.lengths

@@ -132,9 +132,12 @@ def simulate(trace: Trace, engines: list[Engine], policy: Policy, rec: Recorder,
         if t is not None:
             heapq.heappush(heap, (t, k))
 
+    def refused(i: int) -> None:
+        rec.rejected[i] = True
+        queries.pop(i, None)
+
     gate = None if overload is None else SimGate(
-        overload, rec, lambda now: gateway.refresh(now).candidates(LANGUAGE_ROLES, now), dispatch,
-        on_refused=lambda i: queries.pop(i, None))
+        overload, lambda now: gateway.refresh(now).candidates(LANGUAGE_ROLES, now), dispatch, refused)
 
     def fire() -> None:
         now, k = heapq.heappop(heap)
