@@ -218,6 +218,7 @@ class Engine:
             msg.vision_backlog = self.vision.backlog_tokens
             msg.images_encoded = self.vision.images_encoded
             msg.embedding_cache_hits = self.vision.embedding_cache_hits
+            msg.embedding_cache_images = self.vision.cache_images
             msg.embedding_bytes_sent = self.vision.embedding_bytes_sent
         return msg
 

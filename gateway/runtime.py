@@ -126,6 +126,7 @@ class Runtime:
                 "vision_backlog": snap.vision_backlog,
                 "images_encoded": e.reported.images_encoded,
                 "embedding_cache_hits": e.reported.embedding_cache_hits,
+                "embedding_cache_images": e.reported.embedding_cache_images,
                 "embedding_bytes_sent": e.reported.embedding_bytes_sent,
                 "steal": e.steal,
                 "min_priority": e.min_priority,   # kept for tenants of this class or higher (None: anyone's)

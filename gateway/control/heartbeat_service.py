@@ -44,6 +44,7 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         prefix_cache_queries=msg.prefix_cache_queries,
         prefix_cache_hits=msg.prefix_cache_hits,
         embedding_cache_hits=msg.embedding_cache_hits,
+        embedding_cache_images=msg.embedding_cache_images if msg.HasField("embedding_cache_images") else None,
     )
 
 

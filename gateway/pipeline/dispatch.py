@@ -715,18 +715,20 @@ class Pipeline:
     def _silent(backend_id: str, reason: str) -> BackendTimeout:
         return BackendTimeout(f"backend {backend_id}: {reason}", backend_id=backend_id)
 
-    def _pid(self, backend_id: str) -> int:
-        """The engine process the backend last reported (0: none yet, or gone from the table)."""
+    def _encoder(self, backend_id: str) -> tuple[int, int | None]:
+        """The engine process the vision backend last reported and the size it reported for its
+        embedding cache ((0, None): none yet, or gone from the table)."""
         entry = self.table.get(backend_id)
-        return entry.reported.pid if entry is not None else 0
+        return (entry.reported.pid, entry.reported.embedding_cache_images) if entry is not None else (0, None)
 
     def _encoder_hits(self, images: list[tuple[int, int]]) -> dict[str, int]:
         """Per encoder, the image tokens of `images` its embedding cache is predicted to hold, after
-        forgetting the encoders that restarted since they were sent them (an empty cache)."""
+        forgetting the encoders that restarted since they were sent them (an empty cache) and the
+        entries past the cache size each reports."""
         encoders = self.encoders
         assert encoders is not None
         hits = encoders.cached(images)
-        if hits and any([encoders.observe(encoder, self._pid(encoder)) for encoder in hits]):
+        if hits and any([encoders.observe(encoder, *self._encoder(encoder)) for encoder in hits]):
             hits = encoders.cached(images)
         return hits
 
@@ -765,7 +767,7 @@ class Pipeline:
                 break
             record.vision_backends.append(vision_id)
             if self.encoders is not None:
-                self.encoders.record(images, vision_id, self._pid(vision_id))
+                self.encoders.record(images, vision_id, *self._encoder(vision_id))
             self.breakers.on_dispatch(vision_id)
             try:
                 reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline,

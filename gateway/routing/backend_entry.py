@@ -44,6 +44,7 @@ class Reported:
     prefix_cache_queries: int = 0             # cumulative prompt tokens (vLLM's counter); 0: not reported
     prefix_cache_hits: int = 0                # of them, found in the engine's prefix cache
     embedding_cache_hits: int = 0             # vision: images found in the engine's embedding cache
+    embedding_cache_images: int | None = None  # vision: embeddings its cache keeps at most; None: not said
 
 
 class PeerLoad(NamedTuple):

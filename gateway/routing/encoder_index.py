@@ -4,8 +4,10 @@ A vision engine keeps the embeddings of the images it encoded last, keyed by the
 (`backends.vision_executor`), and does not encode them again. The gateway remembers, per encoder,
 the content digests (`ImageInput.digest`) of the images it sent there, in an LRU of at most
 `images_per_encoder` (`gateway.routing.prefix_cache.images_per_encoder`, the engines' default
-`--embedding-cache-images`), and predicts a hit where an image's digest is still in an encoder's
-LRU. `encode_cost` prices a predicted hit as no encode on that encoder, so a repeated image goes back
+`--embedding-cache-images`), or of the size the engine reports for its cache where that is smaller
+(`embedding_cache_images` in its heartbeats; 0: it keeps none, and no hit is predicted there), and
+predicts a hit where an image's digest is still in an encoder's LRU. `encode_cost` prices a
+predicted hit as no encode on that encoder, so a repeated image goes back
 to the encoder that holds it unless its queue costs more than encoding the image elsewhere.
 
 Cost: O(images of the request + encoders holding them) a lookup, O(images) a record. Memory: at most
@@ -15,13 +17,15 @@ to and applies the others' (gateway.replicas.shared_state, the prefix stream, ev
 
 A restarted engine has an empty cache: the index keeps the process id each encoder reported when it
 was sent images (`record`, `observe`), and forgets an encoder's images once it reports another one
-(checked for the encoders predicted to hold a request's images, before the prediction is used).
+(checked for the encoders predicted to hold a request's images, before the prediction is used, and at
+each record, which also applies the cache size the engine reports).
 
-Limits: a prediction, not the engine's own list: an engine configured with a smaller cache misses
-where the index predicts a hit (the engine reports its hits, `embedding_cache_hits` in
-/admin/backends, but the index does not learn its size from them); a restart is seen once the new
-process has reported (a heartbeat); replicas learn each other's images a refresh late; an encoder
-removed from the fleet keeps its entries until its LRU would evict them.
+Limits: a prediction, not the engine's own list: the LRU's order is the order images were sent in,
+and an engine that evicts otherwise, or an engine that does not report its cache size and keeps fewer
+than `images_per_encoder`, misses where the index predicts a hit (its hits are reported,
+`embedding_cache_hits` in /admin/backends, but not compared with the prediction); a restart or a new
+size is seen once the engine has reported it (a heartbeat); replicas learn each other's images a
+refresh late; an encoder removed from the fleet keeps its entries until its LRU would evict them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class EncoderIndex:
         self._holders: dict[int, set[str]] = {}   # digest -> encoders whose LRU holds it
         self._sent: deque[Sent] | None = None      # this process's records not yet shared (`share`)
         self._pids: dict[str, int] = {}            # encoder -> the engine process its entries were sent to
+        self._sizes: dict[str, int] = {}           # encoder -> its LRU's size, its engine's cache being smaller
 
     def share(self, max_pending: int) -> None:
         """Replicas share which encoder got which image: from now on each record is kept for the next
@@ -66,27 +71,41 @@ class EncoderIndex:
                 out[encoder] = out.get(encoder, 0) + tokens
         return out
 
-    def observe(self, encoder: str, pid: int) -> bool:
-        """`encoder`'s engine reports process `pid` (0: unknown). Another process than the one its images
-        went to: it restarted with an empty cache, and its entries are forgotten (True)."""
+    def observe(self, encoder: str, pid: int, cache_images: int | None = None) -> bool:
+        """`encoder`'s engine reports process `pid` (0: unknown) and a cache of at most `cache_images`
+        embeddings (None: not said). Another process than the one its images went to: it restarted with
+        an empty cache, and its entries are forgotten. A cache smaller than `images_per_encoder`: its
+        LRU keeps that many, its least recent entries forgotten. True when any entry was forgotten."""
+        forgot = False
+        if cache_images is not None:
+            size = min(cache_images, self.images_per_encoder)
+            if self._sizes.get(encoder, self.images_per_encoder) != size:
+                self._sizes[encoder] = size
+                lru = self._lru.get(encoder)
+                forgot = lru is not None and self._forget(encoder, lru.resize(size))
         if not pid:
-            return False
+            return forgot
         known = self._pids.get(encoder)
         self._pids[encoder] = pid
         if known is None or known == pid:
-            return False
+            return forgot
         lru = self._lru.pop(encoder, None)
-        for digest in lru.resize(0) if lru is not None else ():
-            held = self._holders[digest]
+        return self._forget(encoder, lru.resize(0) if lru is not None else []) or forgot
+
+    def _forget(self, encoder: str, digests: Sequence[int]) -> bool:
+        """`encoder` no longer holds `digests`. True when there were any."""
+        holders = self._holders
+        for digest in digests:
+            held = holders[digest]
             held.discard(encoder)
             if not held:
-                del self._holders[digest]
-        return lru is not None
+                del holders[digest]
+        return bool(digests)
 
-    def record(self, images: Sequence[ImageRef], encoder: str, pid: int = 0) -> None:
-        """These images were sent to `encoder` to encode (its engine process `pid`, 0: unknown): it holds
-        them next."""
-        self.observe(encoder, pid)
+    def record(self, images: Sequence[ImageRef], encoder: str, pid: int = 0, cache_images: int | None = None) -> None:
+        """These images were sent to `encoder` to encode (its engine process `pid`, 0: unknown, and the
+        size it reports for its cache, None: not said): it holds them next."""
+        self.observe(encoder, pid, cache_images)
         digests = [digest for digest, _ in images]
         self.peer_sent(encoder, digests)
         if self._sent is not None:
@@ -96,16 +115,12 @@ class EncoderIndex:
         """`encoder` got these images (from this replica, or another one)."""
         lru = self._lru.get(encoder)
         if lru is None:
-            lru = self._lru[encoder] = BlockLru(self.images_per_encoder)
+            lru = self._lru[encoder] = BlockLru(self._sizes.get(encoder, self.images_per_encoder))
         added, evicted = lru.touch(digests)
         holders = self._holders
         for digest in added:
             holders.setdefault(digest, set()).add(encoder)
-        for digest in evicted:
-            held = holders[digest]
-            held.discard(encoder)
-            if not held:
-                del holders[digest]
+        self._forget(encoder, evicted)
 
     def held(self, encoder: str) -> int:
         """Images the index counts as cached on `encoder`."""

@@ -43,9 +43,8 @@ VISION_A, VISION_B = "rtx4090-a", "rtx4090-b"
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp: Path = tmp_path_factory.mktemp("image-affinity")
+def start(tmp: Path, b_args: list[str]) -> Iterator[Gateway]:
+    """The cluster above; `b_args`: the second encoder's extra engine arguments."""
     vision_launch = {"time_scale": 500, "vision_batch_timeout_ms": 0.01}
     config = write_config(tmp, {
         "model": MODEL,
@@ -54,11 +53,22 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "backends": [
             {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {}},
             {"id": VISION_A, "role": "vision", "gpu": "RTX-4090", "launch": vision_launch},
-            {"id": VISION_B, "role": "vision", "gpu": "RTX-4090", "launch": vision_launch},
+            {"id": VISION_B, "role": "vision", "gpu": "RTX-4090", "launch": {**vision_launch, "extra_args": b_args}},
         ],
     })
     with run_gateway(config) as g:
         yield g
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    yield from start(tmp_path_factory.mktemp("image-affinity"), [])
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The second encoder keeps one embedding (`--embedding-cache-images 1`), the gateway's index 256."""
+    yield from start(tmp_path_factory.mktemp("image-affinity-small"), ["--embedding-cache-images", "1"])
 
 
 def image(seed: int) -> dict[str, Any]:
@@ -119,3 +129,20 @@ def test_an_encoder_that_restarted_is_not_credited_with_the_images_it_held(gw: G
     gw.wait_until(lambda: gw.backend(VISION_B)["healthy"] and gw.backend(VISION_B)["pid"] not in (None, old),
                   timeout=60)
     assert ask(gw, picture) == VISION_A       # no hit predicted on the restarted one: a tie, the first
+
+
+def test_an_encoder_with_a_smaller_cache_is_credited_with_only_what_it_keeps(small: Gateway) -> None:
+    """The engine reports the size of its embedding cache; the gateway's index keeps no more than that
+    for it, so an image its engine has since dropped is no longer sent back there as a hit."""
+    wait_all_healthy(small)
+    assert small.backend(VISION_B)["embedding_cache_images"] == 1
+    assert small.backend(VISION_A)["embedding_cache_images"] == 256
+    picture, other = image(3), image(4)
+    with ThreadPoolExecutor(1) as pool:
+        for k, sent in enumerate((picture, other)):   # each while the first encoder is busy: to the second
+            first = busy(small, pool, VISION_A, *(image(400 + 10 * k + j) for j in range(6)))
+            assert ask(small, sent) == VISION_B
+            assert first.result() == VISION_A
+    # The second engine keeps only `other` now: the picture is a miss everywhere, a tie, the first.
+    # (With the index's 256 a hit was predicted there, and the engine encoded it again.)
+    assert ask(small, picture) == VISION_A

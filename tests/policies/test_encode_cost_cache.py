@@ -80,3 +80,18 @@ def test_an_encoder_that_restarted_is_forgotten_once_it_reports_another_process(
     assert index.observe("b", 8) and index.cached([CAT]) == {}
     index.record([DOG], "a", pid=101)                 # sent again: held again
     assert index.cached([DOG]) == {"a": 576}
+
+
+def test_an_encoder_that_reports_a_smaller_cache_is_predicted_to_hold_only_that_many() -> None:
+    index = EncoderIndex(images_per_encoder=4)
+    images = [(content_digest(bytes([k])), 100) for k in range(4)]
+    index.record(images, "a")
+    index.record(images, "b")
+    assert index.observe("a", 0, cache_images=2)     # its engine keeps two: the two least recent go
+    assert index.held("a") == 2 and index.cached(images) == {"a": 200, "b": 400}
+    assert not index.observe("a", 0, cache_images=2) and not index.observe("a", 0)   # nothing new said
+    index.record(images[:1], "a", cache_images=2)     # later records stay within its size
+    assert index.held("a") == 2
+    assert not index.observe("b", 0, cache_images=64) and index.held("b") == 4   # larger: the configured bound
+    index.record(images[:1], "c", cache_images=0)     # it keeps no embeddings: no hit is ever predicted
+    assert index.held("c") == 0 and "c" not in index.cached(images[:1])
