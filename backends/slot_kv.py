@@ -81,12 +81,16 @@ class DecoderRunner:
         return embeds
 
     @torch.inference_mode()
-    def prefill(self, slot: int, embeds: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds: [n, hidden]; rope: [3, n] M-RoPE positions or None → logits [vocab] of the next token."""
-        n = embeds.shape[0]
-        pos = torch.arange(n, device=self.device)[None]
-        position_ids = pos if rope is None else rope.to(self.device)[:, None, :]
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None, None]
+    def prefill(self, slot: int, embeds: torch.Tensor, rope: torch.Tensor | None = None, start: int = 0) -> (
+        torch.Tensor
+    ):
+        """embeds: [n − start, hidden], the prompt's tokens from `start` on (the slot's KV already holds the
+        first `start`: a reused prefix); rope: [3, n] M-RoPE positions of the whole prompt or None → logits
+        [vocab] of the next token."""
+        n = start + embeds.shape[0]
+        pos = torch.arange(start, n, device=self.device)[None]
+        position_ids = pos if rope is None else rope[:, start:].to(self.device)[:, None, :]
+        mask = torch.ones(n - start, n, dtype=torch.bool, device=self.device).tril(diagonal=start)[None, None]
         return self._forward(embeds[None], [slot], pos, position_ids, n, mask)[0]
 
     @torch.inference_mode()

@@ -3,7 +3,10 @@
 Per step the batcher (backends/batcher.py) admits waiting sequences while a slot is free and plans the
 step; this executor prefills each newly admitted sequence into its own slot (text embeddings with the
 image features spliced in at their placeholder spans), then decodes one token for every running sequence
-in one batched forward. Sequences join and leave between steps; the others' KV is never copied or re-padded.
+in one batched forward. Sequences join and leave between steps; the others' KV is never copied or
+re-padded. A freed slot keeps its KV, and a prompt that starts as its tokens did takes it and is
+prefilled only past the blocks they share (backends/slot_prefix.py: prefix reuse as the slot layout
+allows, reported as vLLM's prefix-cache counters).
 
 The model runs in a worker thread, so the event loop keeps serving gRPC and heartbeats during a step.
 Tokens are chosen per request (greedy, or seeded temperature + top_p), detokenised incrementally, and
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,6 +30,7 @@ from backends.detokenizer import IncrementalText
 from backends.executors import GenerateInput, InvalidInput, LoadReport, Sampling, Token
 from backends.sampling import choose, generator
 from backends.slot_kv import DecoderRunner, SlotKV
+from backends.slot_prefix import SlotPrefixes, block_keys
 from backends.token_streams import TokenStreams
 from backends.torch_models import LoadedModel
 from common import perf_model
@@ -43,7 +47,10 @@ class _Live:
     text: IncrementalText
     rope: torch.Tensor | None = None    # Qwen2-VL family: the prompt's M-RoPE positions [3, n] ...
     rope_delta: int = 0                 # ... and the offset of decode positions from cache positions
+    digests: list[int] = field(default_factory=list)   # the images' content digests, in order
+    blocks: list[bytes] = field(default_factory=list)  # the prompt's block keys (backends/slot_prefix.py)
     slot: int | None = None
+    reused: int = 0                     # prompt tokens whose KV the slot already held
     length: int = 0                     # tokens in the slot's KV
     out: list[int] = field(default_factory=list)
     admitted: float = 0.0
@@ -103,14 +110,15 @@ class TorchLanguageExecutor:
         self._streams = TokenStreams(self.batcher, on_change)
         self._on_change = on_change
         self._live: dict[Sequence, _Live] = {}
-        self._free_slots = list(range(slots - 1, -1, -1))
+        self.prefixes = SlotPrefixes(slots)
 
     @property
     def has_work(self) -> bool:
         return not self.batcher.idle
 
     def load(self) -> LoadReport:
-        return self._streams.load(self.kv.max_len)
+        return replace(self._streams.load(self.kv.max_len), prefix_cache_queries=self.prefixes.queries,
+                       prefix_cache_hits=self.prefixes.hits)
 
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         live = self._prepare(request)
@@ -148,7 +156,8 @@ class TorchLanguageExecutor:
                 raise InvalidInput(f"image {i}: {len(emb.data)} bytes are not {emb.tokens}x{emb.hidden} {emb.dtype}")
             images.append(torch.frombuffer(bytearray(emb.data), dtype=dtype).view(emb.tokens, emb.hidden))
         live = _Live(ids, list(request.image_spans), images, request.sampling, generator(request.sampling),
-                     IncrementalText(tok, request.sampling.stop))
+                     IncrementalText(tok, request.sampling.stop), digests=[d for d, _, _ in request.images])
+        live.blocks = block_keys(ids, live.spans, live.digests, len(ids))
         if self.mrope:
             if len(request.image_grids) != len(images):
                 raise InvalidInput(f"{len(images)} images need {len(images)} grids (grid_thw); got "
@@ -163,7 +172,7 @@ class TorchLanguageExecutor:
         now = time.monotonic()
         for seq in plan.prefilled:
             live = self._live[seq]
-            live.slot, live.admitted = self._free_slots.pop(), now
+            (live.slot, live.reused), live.admitted = self.prefixes.take(live.blocks, len(live.ids)), now
         work = sorted(((s, self._live[s]) for s in plan.decoded), key=lambda w: w[1].slot or 0)
         fresh = [(s, self._live[s]) for s in plan.prefilled]
         if work or fresh:
@@ -180,8 +189,8 @@ class TorchLanguageExecutor:
         with torch.inference_mode():
             for _, live in fresh:
                 assert live.slot is not None
-                embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)
-                logits = self._suppress(self.runner.prefill(live.slot, embeds, live.rope))
+                embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)[live.reused:]
+                logits = self._suppress(self.runner.prefill(live.slot, embeds, live.rope, live.reused))
                 live.images = []   # spliced into the KV: the features are no longer needed
                 live.length = len(live.ids)
                 chosen.append(choose(logits.cpu(), live.sampling, live.gen))
@@ -222,5 +231,6 @@ class TorchLanguageExecutor:
         it left the batch (finished, stopped or cancelled)."""
         for seq, live in list(self._live.items()):
             if live.slot is not None and seq not in stepping:
-                self._free_slots.append(live.slot)
+                self.prefixes.release(live.slot, block_keys(live.ids + live.out, live.spans, live.digests,
+                                                            live.length))
                 del self._live[seq]

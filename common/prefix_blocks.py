@@ -40,17 +40,6 @@ def content_digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def image_blocks(images: Sequence[tuple[int, int, int]], *, block_tokens: int = BLOCK_TOKENS) -> list[int]:
-    """The chained hashes a prompt's images stand for, given as (content digest, image tokens, place) in
-    order, when they head the chain (their places are ignored): tokens // block_tokens blocks an image
-    (at least one), each named by the image's digest and its place in it (`_image_chain`)."""
-    out: list[int] = []
-    previous = 0
-    for digest, tokens, _ in images:
-        previous = _image_chain(previous, digest, tokens, block_tokens, None, out)
-    return out
-
-
 def _image_chain(previous: int, digest: int, tokens: int, block_tokens: int, lead: object, out: list[int]) -> int:
     """Append an image's blocks to `out`, chained from `previous`; returns the last. `lead`: the text
     before it that filled no block of its own (None: none), which shares the image's first block in
@@ -62,20 +51,16 @@ def _image_chain(previous: int, digest: int, tokens: int, block_tokens: int, lea
 
 
 def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
-                 max_blocks: int | None = None, seed: int = 0, stable: bool = False) -> list[int]:
+                 max_blocks: int | None = None, stable: bool = False) -> list[int]:
     """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
-    else from `text`. At most `max_blocks` (None: all). `seed`: the hash the chain continues from (the
-    last of the prompt's `image_blocks`; 0: none). `stable`: text hashes the same in every process."""
+    else from `text`. At most `max_blocks` (None: all). `stable`: text hashes the same in every process."""
     out: list[int] = []
-    previous = seed
+    previous = 0
     if token_ids:
         count = len(token_ids) // block_tokens
         if max_blocks is not None:
             count = min(count, max_blocks)
-        ids = tuple(token_ids[:count * block_tokens])
-        for start in range(0, count * block_tokens, block_tokens):
-            previous = hash((previous, ids[start:start + block_tokens]))
-            out.append(previous)
+        _id_chain(tuple(token_ids[:count * block_tokens]), count, block_tokens, previous, out)
         return out
     data = text.encode()
     size = block_tokens * BYTES_PER_TOKEN
@@ -84,6 +69,15 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
         count = min(count, max_blocks)
     _text_chain(data, count, size, previous, stable, out)
     return out
+
+
+def _id_chain(ids: tuple[int, ...], count: int, block_tokens: int, previous: int, out: list[int]) -> int:
+    """Append the hashes of the first `count` blocks of `ids` to `out`, chained from `previous`; returns
+    the last (`previous` when none)."""
+    for start in range(0, count * block_tokens, block_tokens):
+        previous = hash((previous, ids[start:start + block_tokens]))
+        out.append(previous)
+    return previous
 
 
 def _text_chain(data: bytes, count: int, size: int, previous: int, stable: bool, out: list[int]) -> int:
@@ -105,20 +99,18 @@ def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, image
                   *, block_tokens: int = BLOCK_TOKENS, stable: bool = False) -> list[int]:
     """A prompt's chained block hashes, at most the blocks its `prompt_tokens` (text and image tokens)
     fill. `images`: (content digest, image tokens, place) in order, the place being the bytes of `text`
-    before the image (where the chat puts it). From text, each image's blocks come at its place, after
-    the full blocks of the text before it, as an engine lays out a prompt (the text's last partial
-    block shares the image's first block and names it too): a system prompt shared ahead of different
-    images is a shared prefix. From token ids, the images head the chain (`image_blocks`): their places
-    among the ids are not counted."""
+    before the image (where the chat puts it), or with `token_ids` the start of the image's run of
+    placeholder ids in them. Each image's blocks come at its place, after the full blocks of the text
+    before it, as an engine lays out a prompt (the text's last partial block shares the image's first
+    block and names it too; the image's placeholder ids are not hashed, its digest stands for them): a
+    system prompt shared ahead of different images is a shared prefix."""
     limit = prompt_tokens // block_tokens
     if limit < 1:   # it fills no block: nothing to hash
         return []
     if not images:
         return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable)
     if token_ids:
-        head = image_blocks(images, block_tokens=block_tokens)[:limit]
-        return head + block_hashes("", token_ids, block_tokens=block_tokens, max_blocks=limit - len(head),
-                                   seed=head[-1] if head else 0)
+        return _placed_id_chain(tuple(token_ids), images, block_tokens, limit)
     data = text.encode()
     size = block_tokens * BYTES_PER_TOKEN
     out: list[int] = []
@@ -135,6 +127,27 @@ def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, image
         if len(out) >= limit:
             return out[:limit]
     _text_chain(data[start:], min(limit - len(out), (len(data) - start) // size), size, previous, stable, out)
+    return out
+
+
+def _placed_id_chain(ids: tuple[int, ...], images: Sequence[tuple[int, int, int]], block_tokens: int,
+                     limit: int) -> list[int]:
+    """`prompt_blocks` from token ids: the ids before each image in full blocks, the image named by its
+    digest (with the ids of a partial block before it), the ids after its placeholder run, at most
+    `limit` blocks."""
+    out: list[int] = []
+    previous, start = 0, 0
+    for digest, tokens, place in images:
+        place = min(max(place, start), len(ids))
+        full = (place - start) // block_tokens
+        previous = _id_chain(ids[start:], full, block_tokens, previous, out)
+        start += full * block_tokens
+        previous = _image_chain(previous, digest, tokens, block_tokens, ids[start:place] or None, out)
+        start = place + tokens
+        if len(out) >= limit:
+            return out[:limit]
+    _id_chain(ids[start:], min(limit - len(out), max(0, len(ids) - start) // block_tokens), block_tokens, previous,
+              out)
     return out
 
 

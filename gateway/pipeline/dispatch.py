@@ -367,7 +367,7 @@ class Pipeline:
 
     def profile(self, job: GenerationJob, record: RequestRecord) -> RequestProfile:
         """The job's profile for the language pool, with the prompt prefix each backend is predicted to
-        hold (`gateway.routing.prefix_index`, images by their content hash at the head of the prompt);
+        hold (`gateway.routing.prefix_index`, images by their content hash at their places in the prompt);
         the index's view is kept in `record` for the dispatches."""
         profile = job.profile()
         index = self.prefixes

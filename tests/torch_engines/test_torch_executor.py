@@ -1,4 +1,5 @@
-"""The torch language executor in-process: sampling, stop strings, KV admission and accounting, no leaks."""
+"""The torch language executor in-process: sampling, stop strings, KV admission and accounting, no leaks,
+prefix reuse (the same tokens as a fresh engine computes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
+
 from backends.engine_config import EngineConfig
 from backends.executor_factory import build_executors
 from backends.executors import GenerateInput, LanguageExecutor, Sampling, Token
@@ -14,7 +17,7 @@ from backends.gpu_scheduler import GpuScheduler
 from backends.torch_executor import TorchLanguageExecutor
 from common.catalog import load_catalog
 from common.wire import engine_pb2
-from tests.torch_engines.conftest import TINY
+from tests.torch_engines.conftest import TINY, TINY_QWEN
 
 
 async def _nowhere(address: str, emb: engine_pb2.Embedding) -> None:
@@ -22,12 +25,14 @@ async def _nowhere(address: str, emb: engine_pb2.Embedding) -> None:
 
 
 @asynccontextmanager
-async def running_executor(model_dir: Path, max_batch: int = 8) -> AsyncIterator[TorchLanguageExecutor]:
+async def running_executor(model_dir: Path, max_batch: int = 8, model: str = TINY) -> (
+    AsyncIterator[TorchLanguageExecutor]
+):
     catalog = load_catalog()
-    config = EngineConfig(backend_id="t", gpu="H100", model=TINY, gateway="", executor="torch",
+    config = EngineConfig(backend_id="t", gpu="H100", model=model, gateway="", executor="torch",
                           model_path=str(model_dir), max_batch=max_batch, max_model_len=128)
     scheduler: GpuScheduler | None = None
-    language, _ = build_executors(config, catalog.model(TINY), catalog.gpu("H100"), _nowhere,
+    language, _ = build_executors(config, catalog.model(model), catalog.gpu("H100"), _nowhere,
                                   lambda: scheduler.wake() if scheduler else None)
     assert isinstance(language, TorchLanguageExecutor)
     scheduler = GpuScheduler(language, None, stealing=False)
@@ -114,4 +119,28 @@ async def test_nothing_leaks_after_many_requests_with_cancellations(tiny_model_d
         await collect(ex, request("last", "x", 1, temperature=0.0))
         load = ex.load()
     assert (load.waiting, load.running, load.kv_free_bytes) == (0, 0, load.kv_total_bytes)
-    assert sorted(ex._free_slots) == list(range(ex.kv.slots)) and not ex._live
+    assert len(ex.prefixes) == ex.kv.slots and not ex._live
+
+
+@pytest.mark.parametrize("model", [TINY, TINY_QWEN])
+async def test_a_reused_prefix_gives_the_tokens_a_fresh_engine_computes(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """A second prompt that starts as the first did takes the first's freed slot and is prefilled only past
+    their shared blocks; greedy, its tokens are those of an engine that never saw the first prompt."""
+    model_dir: Path = request.getfixturevalue("tiny_model_dir" if model == TINY else "tiny_qwen_dir")
+    shared = "the quick brown fox " * 3
+    first, second = GenerateInput("a", 0, 8, prompt=shared + "and runs", sampling=Sampling(temperature=0.0)), \
+        GenerateInput("b", 0, 8, prompt=shared + "then sleeps", sampling=Sampling(temperature=0.0))
+    async with running_executor(model_dir, max_batch=2, model=model) as ex:
+        await collect(ex, first)
+        before = ex.load()
+        reused = text(await collect(ex, second))
+        after = ex.load()
+    async with running_executor(model_dir, max_batch=2, model=model) as fresh:
+        computed = text(await collect(fresh, second))
+        cold = fresh.load()
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 32   # two blocks or more not computed again
+    assert after.prefix_cache_queries - before.prefix_cache_queries == cold.prefix_cache_queries
+    assert cold.prefix_cache_hits == 0
+    assert reused == computed

@@ -13,7 +13,6 @@ from common.prefix_blocks import (
     block_hashes,
     cached_tokens,
     content_digest,
-    image_blocks,
     prompt_blocks,
 )
 from gateway.config.cluster import PrefixCacheConfig
@@ -272,7 +271,7 @@ def test_an_image_before_the_text_is_named_by_its_content_so_a_repeated_image_wi
     prompt_tokens = 576 + 256
     with_cat = index.hashes(question, (), prompt_tokens, [(cat, 576, 0)])
     assert len(with_cat) == 576 // 64 + 256 // 64
-    assert with_cat[:9] == image_blocks([(cat, 576, 0)], block_tokens=64)
+    assert with_cat[:9] == index.hashes("", (), 576, [(cat, 576, 0)])   # the image's blocks head the chain
     index.record(index.lookup(with_cat, "", prompt_tokens), "a", 100_000)
     # the same image and text: all of it but the last token is predicted cached on "a"
     assert index.lookup(index.hashes(question, (), prompt_tokens, [(cat, 576, 0)]), "", prompt_tokens).cached == {
@@ -292,6 +291,22 @@ def test_token_ids_with_image_placeholders_differ_by_the_images_content() -> Non
     one = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"one"), 576, 0)])
     two = PrefixIndex().hashes("", ids, len(ids), [(content_digest(b"two"), 576, 0)])
     assert len(one) == len(ids) // 64 and not set(one) & set(two)
+
+
+def test_in_token_ids_a_system_prompt_ahead_of_different_images_is_a_shared_prefix() -> None:
+    """Exact prompts: each image at its span's start, its placeholder ids named by its content."""
+    system, question = list(range(1000, 1200)), list(range(2000, 2100))
+    ids = system + [7] * 576 + question                 # the image's placeholder run at 200..775
+    tokens = len(ids)
+    cat = PrefixIndex().hashes("", ids, tokens, [(content_digest(b"cat"), 576, 200)])
+    dog = PrefixIndex().hashes("", ids, tokens, [(content_digest(b"dog"), 576, 200)])
+    alone = PrefixIndex().hashes("", system, 200)
+    assert len(cat) == len(dog) == 3 + 9 + 1            # 3 full blocks of the system prompt, the image, the question
+    assert cat[:3] == dog[:3] == alone                   # the system prompt's full blocks are shared
+    assert not set(cat[3:]) & set(dog[3:])               # from the image on, they differ
+    later = PrefixIndex().hashes("", [*system, *question[:40], *[7] * 576, *question[40:]], tokens,
+                                 [(content_digest(b"cat"), 576, 240)])
+    assert later[:3] == cat[:3] and later[3] != cat[3]   # the image further on: the block before it differs
 
 
 def test_an_image_input_carries_its_content_digest() -> None:

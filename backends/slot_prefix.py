@@ -1,0 +1,110 @@
+"""Prefix reuse on slot KV: a freed slot keeps its KV, and a prompt that starts the same way takes it.
+
+vLLM shares KV blocks between sequences (paged attention). The torch engine's slot cache
+(backends/slot_kv.py) gives each sequence one contiguous slot, so it reuses a prefix as that layout
+allows: a slot freed by a finished or cancelled sequence keeps its KV until another sequence writes
+over it, and `SlotPrefixes` remembers, for each free slot, what its KV holds. A new sequence takes
+the free slot whose KV holds the longest run of its leading blocks (`BLOCK_TOKENS`, 16 tokens a block,
+and never its last prompt token, which must be computed for the first token's logits) and is
+prefilled from there; with no match, an empty slot, else the one freed longest ago, so recent
+prefixes stay longest.
+
+What it does not do: share one prefix between sequences running at once (each owns its slot: a
+prompt admitted while the slot holding its prefix is in use computes it again), keep more prefixes
+than there are free slots, or match part of a block.
+
+Keys. A block's key is a BLAKE2b digest of the previous block's key, its token ids and, for an image's
+placeholder tokens (whose ids are the same for every image), the image's content digest and their
+offsets in it. Two prompts share a block exactly when everything up to its end is the same, and the
+keys of a prefix are a prefix of the keys, so the longest match against a slot is found by bisection.
+A cryptographic hash, not Python's: a collision would hand one request another's KV (vLLM keys its
+prefix cache with SHA-256 by default since v0.10.2 for that reason). A prompt whose image comes
+without a digest is keyed only up to that image. Counters: prompt tokens admitted and, of them, reused (vLLM's
+prefix_cache_queries / prefix_cache_hits, in the heartbeats).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from hashlib import blake2b
+
+from common.prefix_blocks import BLOCK_TOKENS
+
+
+def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Sequence[int], tokens: int) -> (
+    list[bytes]
+):
+    """The chained keys of the full blocks among the first `tokens` of a prompt's token ids (then the
+    tokens it generated), whose images sit at `spans` (start, length) with these content digests, in
+    order (a span without one ends the keys at its start)."""
+    values = array("q", ids[:tokens])
+    for k, (start, length) in enumerate(spans):
+        if k >= len(digests):
+            tokens = min(tokens, start)
+            break
+        for p in range(start, min(start + length, len(values))):
+            values[p] = -1 - (p - start)   # the placeholder's offset in its image; the image's digest below
+    out: list[bytes] = []
+    previous = b""
+    for start in range(0, tokens - tokens % BLOCK_TOKENS, BLOCK_TOKENS):
+        end = start + BLOCK_TOKENS
+        h = blake2b(previous, digest_size=16)
+        h.update(values[start:end].tobytes())
+        for (first, length), digest in zip(spans, digests, strict=False):
+            if first < end and first + length > start:
+                h.update(digest.to_bytes(8, "big"))
+        previous = h.digest()
+        out.append(previous)
+    return out
+
+
+def _shared(held: list[bytes], wanted: list[bytes], limit: int) -> int:
+    """How many leading blocks `held` and `wanted` share (at most `limit`): chained keys, so the shared
+    blocks are a prefix, found by bisection."""
+    lo, hi = 0, min(limit, len(held), len(wanted))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if held[mid - 1] == wanted[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class SlotPrefixes:
+    """The free slots, each with the block keys of what its KV holds, least recently freed first."""
+
+    def __init__(self, slots: int) -> None:
+        self._free: OrderedDict[int, list[bytes]] = OrderedDict((s, []) for s in range(slots))
+        self.queries = 0   # prompt tokens admitted
+        self.hits = 0      # of them, whose KV a slot already held
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, blocks: list[bytes], prompt_tokens: int) -> tuple[int, int]:
+        """A free slot for a prompt of `prompt_tokens` whose full blocks have these keys: (slot, tokens at
+        the start of the prompt whose KV the slot already holds). At least one slot must be free."""
+        limit = (prompt_tokens - 1) // BLOCK_TOKENS
+        best, shared, empty = -1, 0, -1
+        for slot, held in self._free.items():
+            if not held:
+                if empty < 0:
+                    empty = slot
+                continue
+            n = _shared(held, blocks, limit)
+            if n > shared:
+                best, shared = slot, n
+        if best < 0:
+            best = empty if empty >= 0 else next(iter(self._free))
+        del self._free[best]
+        reused = shared * BLOCK_TOKENS
+        self.queries += prompt_tokens
+        self.hits += reused
+        return best, reused
+
+    def release(self, slot: int, blocks: list[bytes]) -> None:
+        """`slot` is free again, its KV holding the tokens these block keys name (the most recent)."""
+        self._free[slot] = blocks
