@@ -1,0 +1,54 @@
+"""Prefix reuse through the gateway on real (tiny, random-weight) torch engines.
+
+Two torch language engines behind the default policy with cache-aware routing. A second request that
+shares a long prefix with the first goes back to the engine that served the first (the gateway's index
+predicts the hit, both being idle), which takes the freed slot holding that prefix and prefills only the
+rest: its answer is still the monolithic model's `generate()`, and the engine reports the reused tokens
+as prefix-cache hits, which the gateway shows against its own prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testkit.harness import Gateway, run_gateway, write_config
+from tests.torch_engines.conftest import TINY
+from tests.torch_engines.reference import Reference
+from tests.torch_engines.split_client import ask_on, launch
+
+BACKENDS = ("lang-a", "lang-b")
+SHARED = "You answer questions about the refund policy, briefly and politely, citing the rule. " * 2
+
+
+@pytest.fixture(scope="module")
+def gw(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    cfg = write_config(tmp_path_factory.mktemp("torch-prefix"), {
+        "model": TINY,
+        "gateway": {"heartbeat_interval_ms": 100},
+        "backends": [{"id": b, "role": "language", "gpu": "H100", "launch": launch(tiny_model_dir)}
+                     for b in BACKENDS],
+    })
+    with run_gateway(cfg, timeout=180) as g:
+        yield g
+
+
+def test_a_shared_prefix_goes_back_to_its_engine_which_reuses_it_exactly(gw: Gateway, tiny_model_dir: Path) -> None:
+    reference = Reference(tiny_model_dir)
+    first, home = ask_on(gw, TINY, SHARED + "What is the window?", [], 6)
+    assert first == reference.generate(SHARED + "What is the window?", [], 6)
+    second, backend = ask_on(gw, TINY, SHARED + "And for gifts?", [], 6)
+    assert backend == home                       # both idle: the predicted hit decides
+    assert second == reference.generate(SHARED + "And for gifts?", [], 6)   # computed from the reused KV
+    assert second[1] > 160                       # a prompt of that many tokens, most of them reused
+
+    def reported() -> dict[str, int]:
+        return gw.backend(home)["prefix_cache"]  # type: ignore[no-any-return]
+
+    gw.wait_until(lambda: reported()["reported_hit_tokens"] >= 128)
+    cache = reported()
+    assert cache["source"] == "engine" and cache["predicted_hit_tokens"] >= 128
+    other = next(b for b in BACKENDS if b != home)
+    assert gw.backend(other)["prefix_cache"]["reported_hit_tokens"] == 0
