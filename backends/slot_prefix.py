@@ -14,13 +14,20 @@ prompt admitted while the slot holding its prefix is in use computes it again), 
 than there are free slots, or match part of a block.
 
 Keys. A block's key is a BLAKE2b digest of the previous block's key, its token ids and, for an image's
-placeholder tokens (whose ids are the same for every image), the image's content digest and their
-offsets in it. Two prompts share a block exactly when everything up to its end is the same, and the
-keys of a prefix are a prefix of the keys, so the longest match against a slot is found by bisection.
-A cryptographic hash, not Python's: a collision would hand one request another's KV (vLLM keys its
-prefix cache with SHA-256 by default since v0.10.2 for that reason). A prompt whose image comes
-without a digest is keyed only up to that image. Counters: prompt tokens admitted and, of them, reused (vLLM's
-prefix_cache_queries / prefix_cache_hits, in the heartbeats).
+placeholder tokens (whose ids are the same for every image), the image's key and their offsets in it.
+An image's key is a BLAKE2b digest of the gateway's content digest of its file (64 bits), its
+embedding's shape, dtype and grid, and the first and last 64 KiB of the embedding itself: two images
+whose files collide on the 64-bit digest (2^32 tries to find) still differ in their embeddings. Two
+prompts share a block exactly when everything up to its end is the same, and the keys of a prefix are
+a prefix of the keys, so the longest match against a slot is found by bisection. A cryptographic hash,
+not Python's: a collision would hand one request another's KV (vLLM keys its prefix cache with SHA-256
+by default since v0.10.2 for that reason). Counters: prompt tokens admitted and, of them, reused
+(vLLM's prefix_cache_queries / prefix_cache_hits, in the heartbeats).
+
+Not guarded: timing. A prompt whose prefix another request left in a free slot gets its first token
+sooner, so a client can tell whether someone sent that prefix lately (vLLM's per-request `cache_salt`
+answers that; there is none here): a cluster shared by tenants who must not learn of each other's
+prompts should not share engines.
 """
 
 from __future__ import annotations
@@ -30,15 +37,30 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
 
+from backends.executors import GenerateInput
 from common.prefix_blocks import BLOCK_TOKENS
 
+SAMPLE = 1 << 16   # bytes of an embedding's start and end in its image's key
 
-def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Sequence[int], tokens: int) -> (
+
+def image_key(request: GenerateInput, k: int) -> bytes:
+    """The key of the request's k-th image (see the module docstring)."""
+    emb = request.embeddings[k]
+    h = blake2b(digest_size=16)
+    digest = request.images[k][0] if k < len(request.images) else 0
+    grid = request.image_grids[k] if k < len(request.image_grids) else ()
+    h.update(f"{digest}:{emb.tokens}x{emb.hidden}:{emb.dtype}:{grid}:{len(emb.data)}".encode())
+    h.update(emb.data[:SAMPLE])
+    h.update(emb.data[-SAMPLE:])
+    return h.digest()
+
+
+def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Sequence[bytes], tokens: int) -> (
     list[bytes]
 ):
     """The chained keys of the full blocks among the first `tokens` of a prompt's token ids (then the
-    tokens it generated), whose images sit at `spans` (start, length) with these content digests, in
-    order (a span without one ends the keys at its start)."""
+    tokens it generated), whose images sit at `spans` (start, length, in order and apart) with these
+    keys (a span without one ends the keys at its start)."""
     values = array("q", ids[:tokens])
     for k, (start, length) in enumerate(spans):
         if k >= len(digests):
@@ -54,7 +76,7 @@ def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Se
         h.update(values[start:end].tobytes())
         for (first, length), digest in zip(spans, digests, strict=False):
             if first < end and first + length > start:
-                h.update(digest.to_bytes(8, "big"))
+                h.update(digest)
         previous = h.digest()
         out.append(previous)
     return out

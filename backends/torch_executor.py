@@ -30,7 +30,7 @@ from backends.detokenizer import IncrementalText
 from backends.executors import GenerateInput, InvalidInput, LoadReport, Sampling, Token
 from backends.sampling import choose, generator
 from backends.slot_kv import DecoderRunner, SlotKV
-from backends.slot_prefix import SlotPrefixes, block_keys
+from backends.slot_prefix import SlotPrefixes, block_keys, image_key
 from backends.token_streams import TokenStreams
 from backends.torch_models import LoadedModel
 from common import perf_model
@@ -47,7 +47,7 @@ class _Live:
     text: IncrementalText
     rope: torch.Tensor | None = None    # Qwen2-VL family: the prompt's M-RoPE positions [3, n] ...
     rope_delta: int = 0                 # ... and the offset of decode positions from cache positions
-    digests: list[int] = field(default_factory=list)   # the images' content digests, in order
+    digests: list[bytes] = field(default_factory=list)   # the images' keys (backends/slot_prefix.image_key)
     blocks: list[bytes] = field(default_factory=list)  # the prompt's block keys (backends/slot_prefix.py)
     slot: int | None = None
     reused: int = 0                     # prompt tokens whose KV the slot already held
@@ -145,18 +145,23 @@ class TorchLanguageExecutor:
         if len(request.image_spans) != len(request.embeddings):
             raise InvalidInput(f"{len(request.image_spans)} image spans for {len(request.embeddings)} embeddings")
         images = []
+        end = 0
         for i, ((start, length), emb) in enumerate(zip(request.image_spans, request.embeddings, strict=True)):
             if emb.tokens != length or emb.hidden != self.hidden or start + length > len(ids):
                 raise InvalidInput(
                     f"image {i}: embedding of {emb.tokens}x{emb.hidden} does not fit the span ({start}, {length}) "
                     f"of a {len(ids)}-token prompt on a model of hidden size {self.hidden}"
                 )
+            if start < end:
+                raise InvalidInput(f"image {i}: its span ({start}, {length}) is before or inside the previous one's")
+            end = start + length
             dtype = getattr(torch, emb.dtype, None)
             if not isinstance(dtype, torch.dtype) or len(emb.data) != emb.tokens * emb.hidden * dtype.itemsize:
                 raise InvalidInput(f"image {i}: {len(emb.data)} bytes are not {emb.tokens}x{emb.hidden} {emb.dtype}")
             images.append(torch.frombuffer(bytearray(emb.data), dtype=dtype).view(emb.tokens, emb.hidden))
         live = _Live(ids, list(request.image_spans), images, request.sampling, generator(request.sampling),
-                     IncrementalText(tok, request.sampling.stop), digests=[d for d, _, _ in request.images])
+                     IncrementalText(tok, request.sampling.stop))
+        live.digests = [image_key(request, k) for k in range(len(images))]
         live.blocks = block_keys(ids, live.spans, live.digests, len(ids))
         if self.mrope:
             if len(request.image_grids) != len(images):

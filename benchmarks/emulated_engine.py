@@ -177,8 +177,9 @@ class Batcher:
             s.prefilled = s.prompt
             first.append(s)
             prefill += need
-        if first:
-            return StepPlan(t.step_base_s + t.kv_read_s * context + t.prefill_s_per_token * prefill, first, [])
+        if first:   # the KV attended is the new prompts' (as loadtest/sim/family.py has it): the decodes wait
+            attended = sum(s.prompt for s in first)
+            return StepPlan(t.step_base_s + t.kv_read_s * attended + t.prefill_s_per_token * prefill, first, [])
         decoded = list(self.running)
         return StepPlan(t.step_base_s + t.per_seq_s * len(decoded) + t.kv_read_s * context, [], decoded)
 

@@ -27,8 +27,8 @@ index fed the engines' counters, as the pipeline wires them. Targets:
                 took their places; the engines still cache them where they are)
     hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
     hg-default  hg-cache behind the gateway's overload queue with its defaults (gateway.overload, on by
-                default): the gateway as it runs by default. A request it refuses (429) is a miss, and a
-                refused turn ends its conversation
+                default): the gateway as it runs by default. A request it refuses (429) is a miss; a
+                refused turn ends its conversation, and its later turns count as misses too
     hg-3shared  three hg-cache replicas behind a round-robin balancer, sharing in-flight counts and their
                 prefix indexes through the real Redis (--redis-url; gateway.replicas.shared_state, refreshed
                 every 50 ms of virtual time, the spreading layer on, as `--redis-url` runs them)
@@ -537,15 +537,17 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
     gated = router if isinstance(router, CacheAware) and router.gate is not None else None
 
     def settle() -> int:
-        """Place what the overload queue let go; a refused turn is a miss and ends its conversation.
-        Returns the conversations that ended."""
+        """Place what the overload queue let go. A refused turn ends its conversation: it and every later
+        turn of it count as misses (`Outcome` with no engine). Returns the conversations that ended."""
         if gated is None:
             return 0
         released, gated.released = gated.released, []
         for r, eid, handle in released:
             place(r, eid, handle)
         refused, gated.refused = gated.refused, []
-        outcomes.extend(Outcome("", r.tokens, r.max_tokens, r.arrived) for r in refused)
+        for r in refused:
+            c = r.conversation
+            outcomes.extend(Outcome("", r.tokens, r.max_tokens, r.arrived) for _ in range(len(c.turns) - c.sent))
         return len(refused)
 
     for c in convs:
@@ -572,9 +574,9 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
             hashes = prompt_blocks(prompt, (), tokens, c.images, block_tokens=BLOCK_SIZE)
             r = Request(c, prompt, tokens, max_tokens, hashes, clock.now)
             routed = router.route(r)
+            open_conversations -= settle()   # first those its arrival let go, which were held before it
             if routed is not None:
                 place(r, *routed)
-            open_conversations -= settle()
         elif ev.kind == "step":
             eid, plan = ev.what
             done = engines[eid].apply(plan)

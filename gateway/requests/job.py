@@ -80,8 +80,9 @@ class GenerationJob:
     def placed_images(self) -> list[tuple[int, int, int]]:
         """Each image as the prefix index and the engines' caches lay it out: (content digest, tokens,
         bytes of the prompt before it; with token ids, the start of its span in them)."""
-        if self.token_ids and len(self.image_spans) == len(self.images):
-            places: tuple[int, ...] = tuple(start for start, _ in self.image_spans)
+        if self.token_ids:   # exact prompts: where each image's placeholder run starts (none known: first)
+            places: tuple[int, ...] = (tuple(start for start, _ in self.image_spans)
+                                       if len(self.image_spans) == len(self.images) else (0,) * len(self.images))
         else:
             places = self.image_places or (0,) * len(self.images)
         return [(i.digest, i.tokens, p) for i, p in zip(self.images, places, strict=True)]

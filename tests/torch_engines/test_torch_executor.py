@@ -144,3 +144,19 @@ async def test_a_reused_prefix_gives_the_tokens_a_fresh_engine_computes(
     assert after.prefix_cache_queries - before.prefix_cache_queries == cold.prefix_cache_queries
     assert cold.prefix_cache_hits == 0
     assert reused == computed
+
+
+async def test_a_next_turn_reuses_the_kv_of_the_answer_too(tiny_model_dir: Path) -> None:
+    """The slot keeps the KV of the tokens it generated: a next turn that resends the answer finds it (the
+    byte-level tokenizer of the random model gives the answer's text back as the ids generated)."""
+    turn = "x" * 44                                   # 44 prompt tokens, 2 full blocks
+    async with running_executor(tiny_model_dir, max_batch=1) as ex:
+        answer = text(await collect(ex, request("a", turn, 8, temperature=0.0)))   # the slot holds 44 + 7 tokens
+        before = ex.load().prefix_cache_hits
+        second = text(await collect(ex, request("b", turn + answer + " and then?", 6, temperature=0.0)))
+        reused = ex.load().prefix_cache_hits - before
+    async with running_executor(tiny_model_dir, max_batch=1) as fresh:
+        computed = text(await collect(fresh, request("b", turn + answer + " and then?", 6, temperature=0.0)))
+    assert len(answer) == 8
+    assert reused == 48                               # 3 blocks: into the answer's tokens
+    assert second == computed

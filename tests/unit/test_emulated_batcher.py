@@ -26,13 +26,15 @@ def test_prefill_first_prefills_whole_prompts_while_decodes_wait() -> None:
     b.waiting.append(a)
     plan = b.plan()
     assert plan is not None and plan.first == [a] and plan.decoded == []
-    assert plan.duration_s == pytest.approx(tier.step_base_s + 100 * tier.prefill_s_per_token)
+    assert plan.duration_s == pytest.approx(tier.step_base_s + 100 * (tier.prefill_s_per_token + tier.kv_read_s))
     b.apply(plan)
     long, short = Seq(800, 5, 0.0), Seq(300, 5, 0.0)
     b.waiting.extend((long, short))
 
     plan = b.plan()   # the running request waits; the two prompts pass the budget together: one step each
     assert plan is not None and plan.first == [long] and plan.decoded == [] and long.prefilled == 800
+    # the step reads the new prompt's KV, not the waiting request's (as the engine family's model has it)
+    assert plan.duration_s == pytest.approx(tier.step_base_s + 800 * (tier.prefill_s_per_token + tier.kv_read_s))
     b.apply(plan)
     plan = b.plan()
     assert plan is not None and plan.first == [short] and plan.decoded == []

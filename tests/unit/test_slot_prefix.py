@@ -23,10 +23,10 @@ def test_keys_are_chained_full_blocks_and_a_prefix_keeps_its_keys() -> None:
 
 def test_an_image_is_keyed_by_its_content_not_its_placeholder_ids() -> None:
     ids = IDS[:16] + [9] * 32 + IDS[48:]          # one image's 32 placeholder tokens at 16..47
-    cat, dog = block_keys(ids, [(16, 32)], [11], 64), block_keys(ids, [(16, 32)], [22], 64)
+    cat, dog = block_keys(ids, [(16, 32)], [b"cat"], 64), block_keys(ids, [(16, 32)], [b"dog"], 64)
     assert cat[0] == dog[0]                       # the text before the image is shared
     assert not set(cat[1:]) & set(dog[1:])        # the image's blocks and those after it are not
-    assert block_keys(ids, [(16, 32)], [11], 64) == cat
+    assert block_keys(ids, [(16, 32)], [b"cat"], 64) == cat
     assert block_keys(ids, [(16, 32)], [], 64) == cat[:1]   # no digest: keyed only up to the image
     assert block_keys(ids, [], [], 64)[1:] != cat[1:]
 
