@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from backends.engine_config import EngineConfig
 from backends.executor_factory import build_executors
@@ -160,3 +161,34 @@ async def test_a_next_turn_reuses_the_kv_of_the_answer_too(tiny_model_dir: Path)
     assert len(answer) == 8
     assert reused == 48                               # 3 blocks: into the answer's tokens
     assert second == computed
+
+
+def image_prompt(ex: TorchLanguageExecutor, rid: str, feats: bytes, tail: list[int]) -> GenerateInput:
+    """20 text ids, an image of 24 placeholder tokens with these features, then `tail`."""
+    ids = [*range(40, 60), *[5] * 24, *tail]
+    emb = engine_pb2.Embedding(tokens=24, hidden=ex.hidden, dtype="float32", data=feats)
+    return GenerateInput(rid, 0, 6, token_ids=ids, image_spans=[(20, 24)], embeddings=[emb],
+                         images=[(7, 24, 20)], sampling=Sampling(temperature=0.0))
+
+
+async def test_an_image_is_reused_only_where_its_embedding_is_the_same(tiny_model_dir: Path) -> None:
+    """The image's placeholder ids are the same for every image: its key is its content. The same image
+    is reused past it; another image under the same gateway digest (a collision) only up to it."""
+    gen = torch.Generator().manual_seed(3)
+    cat, dog = (torch.randn(24, 64, generator=gen).numpy().tobytes() for _ in range(2))
+    tail, other = [*range(70, 90)], [*range(70, 80), *range(95, 105)]
+    async with running_executor(tiny_model_dir, max_batch=1) as ex:
+        assert ex.hidden == 64
+        await collect(ex, image_prompt(ex, "a", cat, tail))
+        hits = ex.load().prefix_cache_hits
+        same = text(await collect(ex, image_prompt(ex, "b", cat, other)))
+        past_image = ex.load().prefix_cache_hits - hits
+        hits = ex.load().prefix_cache_hits
+        different = text(await collect(ex, image_prompt(ex, "c", dog, other)))
+        before_image = ex.load().prefix_cache_hits - hits
+    async with running_executor(tiny_model_dir, max_batch=1) as fresh:
+        assert same == text(await collect(fresh, image_prompt(fresh, "b", cat, other)))
+    async with running_executor(tiny_model_dir, max_batch=1) as fresh:
+        assert different == text(await collect(fresh, image_prompt(fresh, "c", dog, other)))
+    assert past_image == 48      # 20 + 24 + 10 shared tokens: 3 full blocks
+    assert before_image == 16    # the text before the image: 1 block
