@@ -55,12 +55,12 @@ def image_key(request: GenerateInput, k: int) -> bytes:
     return h.digest()
 
 
-def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Sequence[bytes], tokens: int) -> (
-    list[bytes]
-):
+def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Sequence[bytes], tokens: int,
+               known: Sequence[bytes] = ()) -> list[bytes]:
     """The chained keys of the full blocks among the first `tokens` of a prompt's token ids (then the
     tokens it generated), whose images sit at `spans` (start, length, in order and apart) with these
-    keys (a span without one ends the keys at its start)."""
+    keys (a span without one ends the keys at its start). `known`: the keys of a prefix of these
+    tokens already worked out (the prompt's, when its slot is freed): kept, and hashing goes on after them."""
     values = array("q", ids[:tokens])
     for k, (start, length) in enumerate(spans):
         if k >= len(digests):
@@ -68,9 +68,9 @@ def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Se
             break
         for p in range(start, min(start + length, len(values))):
             values[p] = -1 - (p - start)   # the placeholder's offset in its image; the image's digest below
-    out: list[bytes] = []
-    previous = b""
-    for start in range(0, tokens - tokens % BLOCK_TOKENS, BLOCK_TOKENS):
+    out = list(known[:tokens // BLOCK_TOKENS])
+    previous = out[-1] if out else b""
+    for start in range(len(out) * BLOCK_TOKENS, tokens - tokens % BLOCK_TOKENS, BLOCK_TOKENS):
         end = start + BLOCK_TOKENS
         h = blake2b(previous, digest_size=16)
         h.update(values[start:end].tobytes())

@@ -237,5 +237,5 @@ class TorchLanguageExecutor:
         for seq, live in list(self._live.items()):
             if live.slot is not None and seq not in stepping:
                 self.prefixes.release(live.slot, block_keys(live.ids + live.out, live.spans, live.digests,
-                                                            live.length))
+                                                            live.length, live.blocks))
                 del self._live[seq]

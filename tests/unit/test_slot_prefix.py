@@ -53,3 +53,10 @@ def test_with_no_match_an_empty_slot_then_the_one_freed_longest_ago() -> None:
     other = block_keys([5] * 32, [], [], 32)
     assert slots.take(other, 32) == (1, 0)        # b's slot, freed longest ago, is written over
     assert slots.take(a, 32) == (0, 16)           # a's prefix was kept
+
+
+def test_keys_go_on_from_those_already_worked_out() -> None:
+    ids = [*IDS, *range(300, 340)]                # a prompt of 64 tokens, then 40 generated
+    prompt = block_keys(IDS, [], [], 64)
+    assert block_keys(ids, [], [], 100, prompt) == block_keys(ids, [], [], 100)
+    assert block_keys(ids, [], [], 40, prompt) == prompt[:2]   # fewer tokens than the known keys cover
