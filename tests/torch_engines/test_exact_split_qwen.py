@@ -1,7 +1,7 @@
 """Qwen2.5-VL through the split: dynamic image token counts, grids and 3-D M-RoPE positions on the language
 engine, and the answer is still token for token the monolithic model's `generate()`.
 
-The tiny random weights are sharpened for this test (the decoder's weight matrices ×6): as initialised they
+The tiny random weights are sharpened (`sharp_qwen_dir`, tests/torch_engines/conftest.py): as initialised they
 are so flat that greedy decoding answers the same with 1-D or 3-D positions, and a positions bug would pass.
 """
 
@@ -12,30 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
-from backends.torch_models import save_random_model
-from common.catalog import load_catalog
 from testkit.harness import Gateway, run_gateway, write_config
 from tests.torch_engines.conftest import TINY_QWEN
 from tests.torch_engines.reference import Reference
 from tests.torch_engines.split_client import ask_on, images, launch
-
-
-@pytest.fixture(scope="module")
-def sharp_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The random-weight tiny Qwen2.5-VL with its decoder's embeddings and projections ×6 (the vision tower as
-    it is): attention then depends enough on positions that 1-D and 3-D positions answer differently."""
-    out = tmp_path_factory.mktemp("sharp-qwen")
-    save_random_model(load_catalog().model(TINY_QWEN), out, seed=0)
-    weights = load_file(str(out / "model.safetensors"))
-    decoder = [n for n in weights if n.startswith("model.") and not n.startswith("model.visual.")
-               and n.endswith(("proj.weight", "embed_tokens.weight"))]
-    assert len(decoder) == 1 + 7 * 2          # the embeddings, and 7 projections in each of the 2 layers
-    for name in decoder:
-        weights[name] = weights[name] * 6
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 @pytest.fixture(scope="module")

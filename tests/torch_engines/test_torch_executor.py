@@ -171,6 +171,16 @@ def image_prompt(ex: TorchLanguageExecutor, rid: str, feats: bytes, tail: list[i
                          images=[(7, 24, 20)], sampling=Sampling(temperature=0.0))
 
 
+def qwen_image_prompt(ex: TorchLanguageExecutor, rid: str, feats: bytes, tail: list[int]) -> GenerateInput:
+    """Qwen2.5-VL: 24 text ids, an image of grid (1, 8, 8) (16 tokens after the 2x2 merge, the model's image
+    token as placeholder) with these features, then `tail`: 3-D positions that restart after the image."""
+    image_token = ex.loaded.model.config.image_token_id
+    ids = [*range(40, 64), *[image_token] * 16, *tail]
+    emb = engine_pb2.Embedding(tokens=16, hidden=ex.hidden, dtype="float32", data=feats)
+    return GenerateInput(rid, 0, 6, token_ids=ids, image_spans=[(24, 16)], image_grids=[(1, 8, 8)],
+                         embeddings=[emb], images=[(7, 16, 24)], sampling=Sampling(temperature=0.0))
+
+
 async def test_an_image_is_reused_only_where_its_embedding_is_the_same(tiny_model_dir: Path) -> None:
     """The image's placeholder ids are the same for every image: its key is its content. The same image
     is reused past it; another image under the same gateway digest (a collision) only up to it."""
@@ -192,3 +202,28 @@ async def test_an_image_is_reused_only_where_its_embedding_is_the_same(tiny_mode
         assert different == text(await collect(fresh, image_prompt(fresh, "c", dog, other)))
     assert past_image == 48      # 20 + 24 + 10 shared tokens: 3 full blocks
     assert before_image == 16    # the text before the image: 1 block
+
+
+async def test_a_qwen_image_is_reused_with_its_3d_positions(sharp_qwen_dir: Path) -> None:
+    """Qwen2.5-VL's positions past an image are not the token's index (M-RoPE: the image takes h/2 x w/2
+    positions, the text after it goes on from the largest): a prompt that reuses a slot past the same image
+    is prefilled from there with its own 3-D positions and answers as a fresh engine does; another image
+    under the same gateway digest is reused only up to it. Sharpened weights (the conftest): with the
+    tiny model as initialised, wrong positions would give the same greedy tokens."""
+    gen = torch.Generator().manual_seed(5)
+    cat, dog = (torch.randn(16, 64, generator=gen).mul(3).numpy().tobytes() for _ in range(2))
+    tail, other = [*range(70, 90)], [*range(70, 80), *range(95, 115)]
+    answers, fresh_answers, hits = [], [], []
+    async with running_executor(sharp_qwen_dir, max_batch=1, model=TINY_QWEN) as ex:
+        assert ex.hidden == 64 and ex.mrope
+        await collect(ex, qwen_image_prompt(ex, "a", cat, tail))
+        for rid, feats in (("b", cat), ("c", dog)):
+            before = ex.load().prefix_cache_hits
+            answers.append(text(await collect(ex, qwen_image_prompt(ex, rid, feats, other))))
+            hits.append(ex.load().prefix_cache_hits - before)
+    for rid, feats in (("b", cat), ("c", dog)):
+        async with running_executor(sharp_qwen_dir, max_batch=1, model=TINY_QWEN) as fresh:
+            fresh_answers.append(text(await collect(fresh, qwen_image_prompt(fresh, rid, feats, other))))
+    assert hits == [48, 16]     # 24 + 16 + 10 shared tokens: 3 full blocks; another image: the text before it
+    assert answers == fresh_answers
+    assert answers[0] != answers[1]
