@@ -54,6 +54,11 @@ class SlotKV:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
 
+    def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
+        """The KV of the first `tokens` positions of slot `source` into slot `slot` (a shared prefix)."""
+        for cache in (self.k, self.v):
+            cache[:, slot, :, :tokens] = cache[:, source, :, :tokens]
+
 
 class DecoderRunner:
     """Prefill one sequence into its slot, or decode one token for a batch of slots (no grad, blocking)."""

@@ -1,17 +1,21 @@
-"""Prefix reuse on slot KV: a freed slot keeps its KV, and a prompt that starts the same way takes it.
+"""Prefix reuse on slot KV: a prompt that starts as another did reuses its KV instead of computing it.
 
 vLLM shares KV blocks between sequences (paged attention). The torch engine's slot cache
 (backends/slot_kv.py) gives each sequence one contiguous slot, so it reuses a prefix as that layout
-allows: a slot freed by a finished or cancelled sequence keeps its KV until another sequence writes
-over it, and `SlotPrefixes` remembers, for each free slot, what its KV holds. A new sequence takes
-the free slot whose KV holds the longest run of its leading blocks (`BLOCK_TOKENS`, 16 tokens a block,
-and never its last prompt token, which must be computed for the first token's logits) and is
-prefilled from there; with no match, an empty slot, else the one freed longest ago, so recent
-prefixes stay longest.
+allows. A slot freed by a finished or cancelled sequence keeps its KV until another sequence writes
+over it, and `SlotPrefixes` remembers what every slot's KV holds: for a free slot, the tokens of the
+sequence that left it; for a slot in use, its sequence's prompt (decoding writes past it). A new
+sequence takes the free slot whose KV holds the longest run of its leading blocks (`BLOCK_TOKENS`, 16
+tokens a block, and never its last prompt token, which must be computed for the first token's logits);
+with no match, an empty slot, else the one freed longest ago, so recent prefixes stay longest. Where a
+slot in use holds a longer run than any free one, that run's KV is copied into the slot taken
+(`Take.source`; `SlotKV.copy_prefix`), so sequences running at once share a system prompt:
+a copy of the KV reads and writes 2 x layers x its bytes once, where computing it again runs the whole
+model over those tokens. The copy is made in the step's order: a source admitted in the same step is
+prefilled before the copy reads it.
 
-What it does not do: share one prefix between sequences running at once (each owns its slot: a
-prompt admitted while the slot holding its prefix is in use computes it again), keep more prefixes
-than there are free slots, or match part of a block.
+What it does not do: hold one copy of a shared prefix (each slot holds its own, so a slot's KV is still
+sized for a whole sequence), keep more prefixes than there are slots, or match part of a block.
 
 Keys. A block's key is a BLAKE2b digest of the previous block's key, its token ids and, for an image's
 placeholder tokens (whose ids are the same for every image), the image's key and their offsets in it.
@@ -35,6 +39,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from hashlib import blake2b
 
 from backends.executors import GenerateInput
@@ -95,20 +100,33 @@ def _shared(held: list[bytes], wanted: list[bytes], limit: int) -> int:
     return lo
 
 
+@dataclass(frozen=True, slots=True)
+class Take:
+    """A slot taken for a prompt: its KV holds the prompt's first `reused` tokens once the first `copied`
+    of them are copied from slot `source` (copied 0: nothing to copy, source -1)."""
+
+    slot: int
+    reused: int
+    source: int = -1
+    copied: int = 0
+
+
 class SlotPrefixes:
-    """The free slots, each with the block keys of what its KV holds, least recently freed first."""
+    """What every slot's KV holds, as block keys: the free slots least recently freed first, and the
+    slots in use (their sequence's prompt)."""
 
     def __init__(self, slots: int) -> None:
         self._free: OrderedDict[int, list[bytes]] = OrderedDict((s, []) for s in range(slots))
+        self._busy: dict[int, list[bytes]] = {}
         self.queries = 0   # prompt tokens admitted
-        self.hits = 0      # of them, whose KV a slot already held
+        self.hits = 0      # of them, whose KV a slot already held (copied ones too)
 
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, blocks: list[bytes], prompt_tokens: int) -> tuple[int, int]:
-        """A free slot for a prompt of `prompt_tokens` whose full blocks have these keys: (slot, tokens at
-        the start of the prompt whose KV the slot already holds). At least one slot must be free."""
+    def take(self, blocks: list[bytes], prompt_tokens: int) -> Take:
+        """A free slot for a prompt of `prompt_tokens` whose full blocks have these keys, and what of the
+        prompt's KV it holds or is to copy. At least one slot must be free."""
         limit = (prompt_tokens - 1) // BLOCK_TOKENS
         best, shared, empty = -1, 0, -1
         for slot, held in self._free.items():
@@ -119,14 +137,23 @@ class SlotPrefixes:
             n = _shared(held, blocks, limit)
             if n > shared:
                 best, shared = slot, n
-        if best < 0:
+        source, longest = -1, shared
+        for slot, held in self._busy.items():
+            if (n := _shared(held, blocks, limit)) > longest:
+                source, longest = slot, n
+        if source >= 0 or best < 0:   # the run is copied (or there is none): keep the free slot's prefix
             best = empty if empty >= 0 else next(iter(self._free))
+            shared = _shared(self._free[best], blocks, limit)
         del self._free[best]
-        reused = shared * BLOCK_TOKENS
+        self._busy[best] = blocks
+        reused = max(shared, longest) * BLOCK_TOKENS
         self.queries += prompt_tokens
         self.hits += reused
-        return best, reused
+        if longest > shared:
+            return Take(best, reused, source, reused)
+        return Take(best, reused)
 
     def release(self, slot: int, blocks: list[bytes]) -> None:
         """`slot` is free again, its KV holding the tokens these block keys name (the most recent)."""
+        self._busy.pop(slot, None)
         self._free[slot] = blocks

@@ -30,7 +30,7 @@ from backends.detokenizer import IncrementalText
 from backends.executors import GenerateInput, InvalidInput, LoadReport, Sampling, Token
 from backends.sampling import choose, generator
 from backends.slot_kv import DecoderRunner, SlotKV
-from backends.slot_prefix import SlotPrefixes, block_keys, image_key
+from backends.slot_prefix import SlotPrefixes, Take, block_keys, image_key
 from backends.token_streams import TokenStreams
 from backends.torch_models import LoadedModel
 from common import perf_model
@@ -49,8 +49,7 @@ class _Live:
     rope_delta: int = 0                 # ... and the offset of decode positions from cache positions
     digests: list[bytes] = field(default_factory=list)   # the images' keys (backends/slot_prefix.image_key)
     blocks: list[bytes] = field(default_factory=list)  # the prompt's block keys (backends/slot_prefix.py)
-    slot: int | None = None
-    reused: int = 0                     # prompt tokens whose KV the slot already held
+    take: Take | None = None            # its slot, and the prompt tokens whose KV it holds or copies
     length: int = 0                     # tokens in the slot's KV
     out: list[int] = field(default_factory=list)
     admitted: float = 0.0
@@ -132,7 +131,7 @@ class TorchLanguageExecutor:
             async for token in self._streams.stream(seq):
                 yield token
         finally:
-            if live.slot is None:   # never admitted (refused, or cancelled while waiting): nothing to free
+            if live.take is None:   # never admitted (refused, or cancelled while waiting): nothing to free
                 self._live.pop(seq, None)
 
     def _prepare(self, request: GenerateInput) -> _Live:
@@ -177,8 +176,8 @@ class TorchLanguageExecutor:
         now = time.monotonic()
         for seq in plan.prefilled:
             live = self._live[seq]
-            (live.slot, live.reused), live.admitted = self.prefixes.take(live.blocks, len(live.ids)), now
-        work = sorted(((s, self._live[s]) for s in plan.decoded), key=lambda w: w[1].slot or 0)
+            live.take, live.admitted = self.prefixes.take(live.blocks, len(live.ids)), now
+        work = sorted(((s, self._live[s]) for s in plan.decoded), key=lambda w: w[1].take.slot if w[1].take else 0)
         fresh = [(s, self._live[s]) for s in plan.prefilled]
         if work or fresh:
             chosen = await asyncio.to_thread(self._compute, fresh, work)
@@ -193,16 +192,19 @@ class TorchLanguageExecutor:
         chosen: list[int] = []
         with torch.inference_mode():
             for _, live in fresh:
-                assert live.slot is not None
-                embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)[live.reused:]
-                logits = self._suppress(self.runner.prefill(live.slot, embeds, live.rope, live.reused))
+                take = live.take
+                assert take is not None
+                if take.copied:   # a shared prefix in another slot (one prefilled before this, if this step's)
+                    self.kv.copy_prefix(take.source, take.slot, take.copied)
+                embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)[take.reused:]
+                logits = self._suppress(self.runner.prefill(take.slot, embeds, live.rope, take.reused))
                 live.images = []   # spliced into the KV: the features are no longer needed
                 live.length = len(live.ids)
                 chosen.append(choose(logits.cpu(), live.sampling, live.gen))
             if work:
                 deltas = [lv.rope_delta for _, lv in work] if self.mrope else None
                 logits = self._suppress(self.runner.decode(
-                    [lv.slot for _, lv in work], [lv.length for _, lv in work],  # type: ignore[misc]
+                    [lv.take.slot for _, lv in work], [lv.length for _, lv in work],  # type: ignore[union-attr]
                     [lv.out[-1] for _, lv in work], deltas)).cpu()
                 for row, (_, live) in zip(logits, work, strict=True):
                     live.length += 1
@@ -235,7 +237,7 @@ class TorchLanguageExecutor:
         """Free the slot of every sequence outside `stepping` (the sequences that run, or will run, a step):
         it left the batch (finished, stopped or cancelled)."""
         for seq, live in list(self._live.items()):
-            if live.slot is not None and seq not in stepping:
-                self.prefixes.release(live.slot, block_keys(live.ids + live.out, live.spans, live.digests,
+            if live.take is not None and seq not in stepping:
+                self.prefixes.release(live.take.slot, block_keys(live.ids + live.out, live.spans, live.digests,
                                                             live.length, live.blocks))
                 del self._live[seq]

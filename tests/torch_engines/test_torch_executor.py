@@ -147,6 +147,33 @@ async def test_a_reused_prefix_gives_the_tokens_a_fresh_engine_computes(
     assert reused == computed
 
 
+@pytest.mark.parametrize("model", [TINY, TINY_QWEN])
+async def test_sequences_running_at_once_share_a_prefix_by_copy(model: str, request: pytest.FixtureRequest) -> None:
+    """A prompt admitted while another that starts the same way runs (admitted in an earlier step, or
+    prefilled just before it in the same step) copies the shared blocks' KV from that one's slot: every
+    answer, the running ones' too, is a fresh engine's, and the copied tokens count as hits."""
+    model_dir: Path = request.getfixturevalue("tiny_model_dir" if model == TINY else "tiny_qwen_dir")
+    fox, dog = "the quick brown fox " * 3, "a lazy dog sat on a mat " * 3
+    prompts = {"a": (fox + "and runs", 24), "b": (fox + "then sleeps", 8),
+               "c": (dog + "and barks", 8), "d": (dog + "or sleeps", 8)}
+    greedy = {rid: GenerateInput(rid, 0, n, prompt=p, sampling=Sampling(temperature=0.0))
+              for rid, (p, n) in prompts.items()}
+    async with running_executor(model_dir, max_batch=3, model=model) as ex:
+        running = ex.generate(greedy["a"])
+        head = [await anext(running)]                           # a is in its slot, decoding
+        later = text(await collect(ex, greedy["b"]))             # admitted in a later step than a
+        copied_later = ex.load().prefix_cache_hits
+        rest = [t async for t in running]
+        assert len(rest) == 23                                   # a still ran while b was prefilled
+        same_step = await asyncio.gather(collect(ex, greedy["c"]), collect(ex, greedy["d"]))
+        copied_same_step = ex.load().prefix_cache_hits - copied_later
+    answers = {"a": text(head + rest), "b": later, "c": text(same_step[0]), "d": text(same_step[1])}
+    for rid, answer in answers.items():
+        async with running_executor(model_dir, max_batch=3, model=model) as fresh:
+            assert answer == text(await collect(fresh, greedy[rid])), rid
+    assert copied_later >= 32 and copied_same_step >= 32   # no free slot held either prefix
+
+
 async def test_a_next_turn_reuses_the_kv_of_the_answer_too(tiny_model_dir: Path) -> None:
     """The slot keeps the KV of the tokens it generated: a next turn that resends the answer finds it (the
     byte-level tokenizer of the random model gives the answer's text back as the ids generated)."""

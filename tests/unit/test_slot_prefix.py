@@ -6,7 +6,7 @@ them); a wrong choice of slot throws away a reusable prefix or overwrites the mo
 
 from __future__ import annotations
 
-from backends.slot_prefix import SlotPrefixes, block_keys
+from backends.slot_prefix import SlotPrefixes, Take, block_keys
 
 IDS = list(range(100, 164))   # 64 tokens: four blocks
 
@@ -34,25 +34,39 @@ def test_an_image_is_keyed_by_its_content_not_its_placeholder_ids() -> None:
 def test_a_prompt_takes_the_free_slot_holding_its_longest_prefix() -> None:
     slots = SlotPrefixes(3)
     keys = block_keys(IDS, [], [], 64)
-    assert slots.take(keys, 64) == (0, 0)         # nothing cached: an empty slot
-    assert slots.take(keys, 64) == (1, 0)
-    slots.release(0, keys[:2])                    # slot 0 holds two blocks, slot 1 all four
-    slots.release(1, keys)
-    assert slots.take(keys, 64) == (1, 48)        # the longest match, short of the prompt's last token
+    assert slots.take(keys, 64) == Take(0, 0)     # nothing cached: an empty slot
+    assert slots.take(keys[:1] + [b"y"] * 3, 64) == Take(1, 16, source=0, copied=16)   # slot 0's first block
+    slots.release(0, keys[:2])                    # slot 0 holds two blocks, slot 1 one of them
+    slots.release(1, keys[:1])
+    assert slots.take(keys, 64) == Take(0, 32)    # the longest match: no copy
     assert (slots.queries, slots.hits) == (192, 48)
-    assert slots.take(keys[:1] + [b"x"] * 3, 64) == (0, 16)   # one block in common with slot 0
-    assert len(slots) == 1 and slots.take([], 10) == (2, 0)
+    assert slots.take(keys[:1] + [b"x"] * 3, 64) == Take(1, 16)   # one block in common with slot 1
+    assert len(slots) == 1 and slots.take([], 10) == Take(2, 0)
+
+
+def test_a_prompt_copies_a_longer_prefix_from_a_slot_in_use() -> None:
+    """Sequences running at once share a prefix: the run is copied into a free slot, never the last prompt
+    token's block; a free slot's own shorter prefix is kept for another prompt (an empty slot taken first)."""
+    slots = SlotPrefixes(3)
+    keys = block_keys(IDS, [], [], 64)
+    assert slots.take(keys, 64) == Take(0, 0)
+    slots.release(0, keys[:1])
+    assert slots.take(keys, 64) == Take(0, 16)    # slot 0 back in use, its prompt all four blocks
+    assert slots.take(keys, 64) == Take(1, 48, source=0, copied=48)
+    slots.release(1, keys)
+    assert slots.take(block_keys(IDS[:40], [], [], 40), 40) == Take(1, 32)   # a free slot's match: no copy
+    assert (slots.queries, slots.hits) == (232, 96)
 
 
 def test_with_no_match_an_empty_slot_then_the_one_freed_longest_ago() -> None:
     slots = SlotPrefixes(2)
     a, b = block_keys(IDS, [], [], 32), block_keys(IDS[::-1], [], [], 32)
-    assert [slots.take(a, 32)[0], slots.take(b, 32)[0]] == [0, 1]
+    assert [slots.take(a, 32).slot, slots.take(b, 32).slot] == [0, 1]
     slots.release(1, b)
     slots.release(0, a)                           # freed last: the most recent prefix
     other = block_keys([5] * 32, [], [], 32)
-    assert slots.take(other, 32) == (1, 0)        # b's slot, freed longest ago, is written over
-    assert slots.take(a, 32) == (0, 16)           # a's prefix was kept
+    assert slots.take(other, 32) == Take(1, 0)    # b's slot, freed longest ago, is written over
+    assert slots.take(a, 32) == Take(0, 16)       # a's prefix was kept
 
 
 def test_keys_go_on_from_those_already_worked_out() -> None:
