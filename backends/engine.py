@@ -55,7 +55,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Session(
         self, request_iterator: AsyncIterator[engine_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> None:
-        await EngineSession(self._engine.generate).serve(context)
+        await EngineSession(self._engine.generate).serve(context, self._engine.stopping)
 
     async def Encode(
         self, request: engine_pb2.EncodeRequest, context: grpc.aio.ServicerContext
@@ -132,6 +132,7 @@ class Engine:
         self.model, self.gpu = model, gpu
         self.embeddings = EmbeddingStore()
         self.sender = EmbeddingSender()
+        self.stopping = asyncio.Event()   # set when it stops serving: its sessions end
         self.language, self.vision = build_executors(config, model, gpu, self.sender.deliver, self._changed)
         self.scheduler = GpuScheduler(self.language, self.vision, stealing=config.role == "vision")
         self.address = ""
@@ -244,6 +245,7 @@ class Engine:
         await stop.wait()
         for t in tasks:
             t.cancel()
+        self.stopping.set()
         await server.stop(grace=1.0)
         await self.sender.close()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -57,11 +58,13 @@ class EngineSession:
         self._ready = asyncio.Event()
         self._closing = False   # the gateway closed its side and every request is done
 
-    async def serve(self, context: grpc.aio.ServicerContext) -> None:
-        """Until the gateway closes its side (then the requests in flight finish) or the call ends."""
+    async def serve(self, context: grpc.aio.ServicerContext, stopping: asyncio.Event | None = None) -> None:
+        """Until the gateway closes its side or the engine is `stopping` (then the requests in flight
+        finish), or the call ends. A stopping engine ends its sessions itself, within the gRPC server's
+        grace: cancelled past it, a session would be logged as an error with a traceback."""
         writer = asyncio.create_task(self._write(context))
         try:
-            while (message := await context.read()) is not grpc.aio.EOF:
+            while (message := await self._read(context, stopping)) is not grpc.aio.EOF:
                 for request in message.start:
                     self._tasks[request.tag] = asyncio.create_task(self._run(request))
                 for tag in message.cancel:
@@ -77,6 +80,21 @@ class EngineSession:
             writer.cancel()
             for task in self._tasks.values():
                 task.cancel()
+
+    @staticmethod
+    async def _read(context: grpc.aio.ServicerContext, stopping: asyncio.Event | None) -> Any:
+        """The next message (a SessionRequest), or EOF at the stream's end or once the engine is stopping."""
+        if stopping is None:
+            return await context.read()
+        reading, stopped = asyncio.ensure_future(context.read()), asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait((reading, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if reading.done():
+            return reading.result()
+        reading.cancel()
+        return grpc.aio.EOF
 
     async def _run(self, request: engine_pb2.GenerateRequest) -> None:
         tag = request.tag

@@ -39,9 +39,12 @@ class Runtime:
     upstreams: dict[str, Upstream] = field(default_factory=dict)   # kind: openai backends, read by the clients' factory
     # where the backends' reports go: this process's table (the Redis store once it joins replicas)
     signals: SignalStore = field(init=False)
+    # the fleet has had a vision backend (the last one may be removed at runtime: gateway/control/fleet.py)
+    had_encoders: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.signals = LocalSignals(self.table, self.clients.ensure)
+        self.had_encoders = has_encoders(self.config)
 
     async def close(self) -> None:
         await self.clients.close()
@@ -61,7 +64,7 @@ class Runtime:
         language = self.table.servable(LANGUAGE_ROLES)
         out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
         degraded = []
-        if needs_vision_pool(self.config):
+        if needs_vision_pool(self.config, self.had_encoders):
             vision = self.table.servable(VISION_ROLES)
             out["healthy_vision_backends"] = vision
             if vision == 0:
@@ -144,12 +147,17 @@ class Runtime:
         return out
 
 
-def needs_vision_pool(config: ClusterConfig) -> bool:
-    """Image requests are served (the model takes images and the cluster has encoders), and some language
-    backend depends on a separate encoder for them."""
+def has_encoders(config: ClusterConfig) -> bool:
+    return any(s.role == "vision" for s in config.raw.backends)
+
+
+def needs_vision_pool(config: ClusterConfig, had_encoders: bool | None = None) -> bool:
+    """Image requests are served (the model takes images and the cluster has encoders, or had them
+    before the fleet changed at runtime: `had_encoders`), and some language backend depends on a separate
+    encoder for them."""
     backends = config.raw.backends
     return (any(m.profile.vision is not None for m in config.models.models.values())
-            and any(s.role == "vision" for s in backends)
+            and (has_encoders(config) if had_encoders is None else had_encoders)
             and any((s.kind == "engine" and s.role == "language") or s.image_embeds for s in backends))
 
 

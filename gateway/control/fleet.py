@@ -10,15 +10,18 @@ fleet stays as it was):
   its launcher under the running supervisor.
 - **drain**: the backend stops being a routing candidate at once (`StateTable.drain`); the requests
   it holds finish (it stays healthy for them), for at most `gateway.drain_timeout_s`; then a managed
-  backend's engine is stopped. A drained backend stays listed (`draining: true`) until removed.
+  backend's engine is stopped. A drained backend stays listed (`draining: true`) until removed, or
+  until a reload finds it in the file. A drain that would leave no backend serving language work is
+  refused, as such a removal is.
 - **remove**: drain, then the backend leaves the table, its client and its watcher are closed. A
   removal that would leave no backend taking language work is refused.
 
 The admin routes (`POST /admin/backends`, `POST /admin/backends/{id}/drain`, `DELETE
 /admin/backends/{id}`, gateway/doors/routes.py) call `add`, `drain` and `remove`; SIGHUP calls
 `reload`, which reads the backends file again and applies the difference between its `backends:` and
-the running fleet (a changed entry is removed, drained, then added again). Only `backends:` is
-reloaded: the gateway's settings are read at start-up.
+the running fleet (a changed entry is removed, drained, then added again; a drained one still in the
+file is taken out and added again, so it serves once more). Only `backends:` is reloaded: the
+gateway's settings are read at start-up.
 
 With replicas (`--redis-url`) each replica holds the fleet in its own table and the shared counts are
 laid out per backend at start-up, so changes at runtime are refused there (restart the replicas with
@@ -41,7 +44,7 @@ from gateway.control.launchers import LaunchContext, Launcher, free_port, manage
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import UpstreamMonitor
 from gateway.requests.errors import InvalidRequest, RequestError
-from gateway.runtime import Runtime, register_backend, upstream_of
+from gateway.runtime import Runtime, has_encoders, register_backend, upstream_of
 
 log = structlog.get_logger("fleet")
 
@@ -113,17 +116,28 @@ class Fleet:
         return spec.id
 
     def drain(self, backend_id: str) -> None:
-        """No new requests for the backend from now on; its own finish, then a managed one is stopped."""
+        """No new requests for the backend from now on; its own finish, then a managed one is stopped.
+        Refused where no backend taking language work would be left serving (the gateway could serve
+        nothing); one model of several may be left without (it is named degraded in /ready)."""
         self._allowed()
         self._known(backend_id)
-        self._drain_task(backend_id)
+        if backend_id not in self._drains:
+            leaving = {backend_id, *self._drains, *self._removals}
+            if not any(b.role != "vision" for b in self.config.raw.backends if b.id not in leaving):
+                raise InvalidRequest(f"draining {backend_id!r} would leave no backend serving language work "
+                                     "(role language or both): the gateway could serve nothing",
+                                     code="invalid_backend")
+            self._drain_task(backend_id)
 
     def remove(self, backend_id: str) -> None:
         """Drain the backend, then take it out of the fleet (in the background)."""
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._removals:
-            self._validated([b for b in self.config.raw.backends if b.id != backend_id and b.id not in self._removals])
+            leaving = {backend_id, *self._removals}
+            if backend_id not in self._drains:   # it serves now: the fleet left must serve without the drained ones
+                leaving.update(self._drains)
+            self._validated([b for b in self.config.raw.backends if b.id not in leaving])
             self._start_removal(backend_id)
 
     def reload_soon(self) -> None:
@@ -148,8 +162,12 @@ class Fleet:
         specs = {b.id: b for b in target.raw.backends}
         gone = [i for i in running if i not in specs]
         changed = [i for i in running if i in specs and specs[i] != running[i]]
+        # drained (not being removed) and still in the file: out and in again, serving as the file says
+        restored = [i for i in running if i in specs and i not in changed and i in self._drains
+                    and i not in self._removals]
         new = [i for i in specs if i not in running]
-        log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed)
+        log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed, restored=restored)
+        changed += restored
         leaving = {backend_id: self._removals.get(backend_id) or self._start_removal(backend_id)
                    for backend_id in (*gone, *changed)}
         for backend_id in new:
@@ -224,6 +242,7 @@ class Fleet:
 
     def _set_backends(self, backends: list[BackendSpec]) -> None:
         self.config = self._runtime.config = self._validated(backends)
+        self._runtime.had_encoders = self._runtime.had_encoders or has_encoders(self.config)
 
     def _drain_task(self, backend_id: str) -> asyncio.Task[None]:
         task = self._drains.get(backend_id)

@@ -83,6 +83,9 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
         assert {backend for _, backend in outcomes} >= {"h100-0", "l40s-9"}
         # after the drain every request goes to the added engine
         assert {chat(gw, f"after-{i}").headers["x-heterogate-backend"] for i in range(5)} == {"l40s-9"}
+        last_serving = admin(gw, "POST", "/l40s-9/drain")     # would leave no language backend serving
+        assert last_serving.status_code == 400 and "language" in last_serving.json()["error"]["message"]
+        assert gw.backend("l40s-9")["draining"] is False
 
         before = gw.backends()
         refused = {
@@ -112,17 +115,24 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
         last = admin(gw, "DELETE", "/l40s-9")
         assert last.status_code == 400 and "language" in last.json()["error"]["message"]
         assert chat(gw, "still").status_code == 200
+        # the stopped engines ended the gateway's session streams themselves: no error, no traceback
+        assert "Exception not handled" not in gw.log_path.read_text()
 
 
 def test_sighup_applies_the_files_backends_and_refuses_an_invalid_file(tmp_path: Path) -> None:
-    path = cluster(tmp_path, engine("h100-0"), engine("a100-0", "A100-80GB"))
-    with run_gateway(path) as gw:
+    """Also: with its last encoder gone /ready says the vision pool is degraded, and a drained backend still
+    in the file serves again after a reload."""
+    path = cluster(tmp_path, engine("h100-0"), engine("a100-0", "A100-80GB"), engine("l4-v", "L4", "vision"))
+    with run_gateway(path, healthy=3) as gw:
+        assert "degraded" not in httpx.get(f"{gw.url}/ready", timeout=5).json()
         data = yaml.safe_load(path.read_text())
         data["backends"] = [engine("a100-0", "A100-80GB"), engine("l40s-0", "L40S")]
         path.write_text(yaml.safe_dump(data))
         gw.process.send_signal(signal.SIGHUP)
         gw.wait_until(lambda: ids(gw) == ["a100-0", "l40s-0"] and gw.backend("l40s-0")["healthy"], timeout=60)
         assert chat(gw, "reloaded").status_code == 200
+        assert httpx.get(f"{gw.url}/ready", timeout=5).json() == {
+            "ready": True, "healthy_language_backends": 2, "healthy_vision_backends": 0, "degraded": ["vision"]}
 
         data["backends"].append(engine("x-0", "NO-SUCH-GPU"))
         path.write_text(yaml.safe_dump(data))
@@ -131,3 +141,13 @@ def test_sighup_applies_the_files_backends_and_refuses_an_invalid_file(tmp_path:
         assert "NO-SUCH-GPU" in gw.log_tail(50)
         assert ids(gw) == ["a100-0", "l40s-0"]
         assert chat(gw, "unchanged").status_code == 200
+
+        assert admin(gw, "POST", "/a100-0/drain").status_code == 202
+        gw.wait_until(lambda: gw.backend("a100-0")["state"] == "stopped", timeout=30)
+        data["backends"].pop()                                 # the valid file again
+        path.write_text(yaml.safe_dump(data))
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: not gw.backend("a100-0")["draining"] and gw.backend("a100-0")["healthy"], timeout=60)
+        assert ids(gw) == ["l40s-0", "a100-0"] or ids(gw) == ["a100-0", "l40s-0"]
+        served = {chat(gw, f"restored-{i}").headers["x-heterogate-backend"] for i in range(12)}
+        assert "a100-0" in served
