@@ -67,7 +67,7 @@ class EngineClient:
     ) -> AsyncIterator[engine_pb2.GenerateChunk]:
         """Stream chunks over the engine's Session. Failures before the first chunk are retryable;
         closing early cancels the request on the engine."""
-        check_engine_can_honour(job.body, exact=bool(job.token_ids))
+        check_engine_can_honour(job.body, exact=bool(job.token_ids), chat=job.kind == "chat")
         request = engine_pb2.GenerateRequest(
             request_id=job.request_id, prompt=job.prompt, prompt_tokens=job.prompt_tokens,
             image_tokens=job.image_tokens, max_tokens=job.max_tokens, temperature=job.temperature,

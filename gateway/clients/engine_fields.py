@@ -1,10 +1,11 @@
 """What the gateway's own engines (`kind: engine`, simulated or torch) can honour of an OpenAI request.
 
 Engines take a prompt, `max_tokens`, `temperature`, `top_p` and `stop`, and give one choice. A request
-that asks for anything else (tools, logprobs, a response format, `n` > 1, a seed, penalties, vendor
-fields, tool calls in its messages) would get an answer that silently ignores it: an engine refuses
-it with a 400 that names the fields instead. A field sent with a value that asks nothing (null,
-false, 0, empty, `n: 1`, `tool_choice: "none"`, `response_format: {"type": "text"}`) is no request.
+that asks for anything else (tools, logprobs, a response format, `n` > 1, a seed, penalties, `echo`,
+vendor fields, tool calls in its messages, a `prompt` beside a chat request's messages) would get an
+answer that silently ignores it: an engine refuses it with a 400 that names the fields instead. A
+field sent with a value that asks nothing (null, false, 0, empty, `n: 1`, `tool_choice: "none"`,
+`response_format: {"type": "text"}`) is no request.
 `kind: openai` backends get every field (`gateway.clients.openai_upstream`). Torch engines also honour `seed`:
 a request the gateway tokenised for them (an exact request) may carry one.
 """
@@ -17,7 +18,7 @@ from gateway.requests.errors import InvalidRequest
 
 HONOURED = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
-    "stream", "stream_options", "user", "echo",
+    "stream", "stream_options", "user",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _NO_REQUEST: dict[str, Any] = {"n": 1, "tool_choice": "none", "response_format": {"type": "text"}}
@@ -30,9 +31,11 @@ def _asks_nothing(key: str, value: Any) -> bool:
 EXACT_HONOURED = HONOURED | {"seed"}
 
 
-def refused_fields(body: dict[str, Any], *, exact: bool = False) -> list[str]:
-    """The fields of `body` an engine cannot honour, as dotted paths (`messages.2.tool_calls`)."""
-    honoured = EXACT_HONOURED if exact else HONOURED
+def refused_fields(body: dict[str, Any], *, exact: bool = False, chat: bool = True) -> list[str]:
+    """The fields of `body` (a chat request's, else a completion's) an engine cannot honour, as dotted
+    paths (`messages.2.tool_calls`). A chat request's `prompt` and a completion's `messages` are read by
+    neither."""
+    honoured = (EXACT_HONOURED if exact else HONOURED) - ({"prompt"} if chat else {"messages"})
     refused = [k for k, v in body.items() if k not in honoured and not _asks_nothing(k, v)]
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -42,8 +45,8 @@ def refused_fields(body: dict[str, Any], *, exact: bool = False) -> list[str]:
     return refused
 
 
-def check_engine_can_honour(body: dict[str, Any], *, exact: bool = False) -> None:
-    refused = refused_fields(body, exact=exact)
+def check_engine_can_honour(body: dict[str, Any], *, exact: bool = False, chat: bool = True) -> None:
+    refused = refused_fields(body, exact=exact, chat=chat)
     if refused:
         raise InvalidRequest(
             f"this gateway's engines cannot honour {', '.join(refused)}; "

@@ -21,7 +21,7 @@ from pathlib import Path
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
 from gateway.config.tenants import TenantsConfig
-from gateway.requests.errors import Unauthorized
+from gateway.requests.errors import Forbidden, Unauthorized
 from gateway.requests.job import DEFAULT_TENANT
 
 
@@ -98,7 +98,8 @@ class KeyRing:
 
     def check(self, authorization: str | None, *, admin: bool) -> str:
         """The tenant of the header's key (`default` for a key of no tenant, and with keys off); raise
-        Unauthorized unless it carries a valid key (an admin key when `admin`)."""
+        Unauthorized unless it carries a valid key, and Forbidden for a valid key that is not an admin
+        key when `admin`."""
         if not self.enabled:
             return DEFAULT_TENANT
         scheme, _, token = (authorization or "").partition(" ")
@@ -109,11 +110,19 @@ class KeyRing:
         for key in self.admin if admin else self.user + self.admin:
             match |= hmac.compare_digest(candidate, key)   # no early exit: the time does not tell which key
         tenant = DEFAULT_TENANT
-        if not admin:
-            for key, name in zip(self.tenant_keys, self.tenant_of, strict=True):
-                hit = hmac.compare_digest(candidate, key)
-                match |= hit
-                tenant = name if hit else tenant
+        if admin:
+            if not match:   # a valid key of a user or tenant may not: 403; no valid key: 401
+                user = False
+                for key in self.user + self.tenant_keys:
+                    user |= hmac.compare_digest(candidate, key)
+                if user:
+                    raise Forbidden("this route needs an admin API key; the key sent is a user's")
+                raise Unauthorized("admin API key required")
+            return tenant
+        for key, name in zip(self.tenant_keys, self.tenant_of, strict=True):
+            hit = hmac.compare_digest(candidate, key)
+            match |= hit
+            tenant = name if hit else tenant
         if not match:
-            raise Unauthorized("admin API key required" if admin else "invalid API key")
+            raise Unauthorized("invalid API key")
         return tenant

@@ -35,7 +35,7 @@ from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError
 from gateway.requests.job import DEFAULT_TENANT, GenerationJob
 from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
-from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
 from gateway.runtime import Runtime
 
 S = TypeVar("S", ChatCompletionRequest, CompletionRequest)
@@ -60,9 +60,7 @@ def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
     try:
         return model.model_validate(data), data
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequest(f"{where}: {err['msg']}", param=where or None) from None
+        raise body_error(exc) from None
 
 
 def client_timeout(raw: str | None) -> float | None:
@@ -134,7 +132,7 @@ class CompletionsDoor:
         else:
             req, body = parse(CompletionRequest, raw)
             job = self._jobs.completion(req, body, rid, timeout_s)
-        return job, req.stream, bool(req.stream_options and req.stream_options.include_usage)
+        return job, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
 
     async def _complete(self, exchange: Exchange, kind: Kind, job: GenerationJob, record: RequestRecord) -> None:
         dispatch, chunks = await self._runtime.pipeline.complete(job, record)

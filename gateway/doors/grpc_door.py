@@ -24,7 +24,7 @@ from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, RequestError, grpc_code_name
 from gateway.requests.images import FORMATS
 from gateway.requests.job import GenerationJob
-from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
 from gateway.runtime import Runtime
 
 _SNIFF = {b"\x89PNG": "PNG", b"\xff\xd8\xff": "JPEG", b"RIFF": "WEBP"}
@@ -77,8 +77,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             else:
                 job = await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            raise InvalidRequest(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+            raise body_error(exc) from None
         return replace(job, tenant=tenant)
 
     async def Generate(

@@ -243,6 +243,8 @@ class Dispatch:
             completed = chunk.usage.completion_tokens or chunk.index + 1
         except BaseException as exc:   # GeneratorExit (closed early) included: the dispatch still ends
             error = exc
+            if isinstance(exc, BackendFailure) and self._pipeline.deadline_passed(record, self.loop_deadline):
+                raise self._pipeline._deadline_error(record, exc) from None   # the client's deadline, not the backend
             raise
         finally:
             await self.close(completed, error)

@@ -7,6 +7,7 @@
         │   └── PayloadTooLarge      413  body over max_body_bytes
         ├── ModelNotFound            404  unknown model
         ├── Unauthorized             401
+        ├── Forbidden                403  a valid key without the right (a user key on an admin route)
         ├── Overloaded               429  admission or overload queue full, or no start in time (Retry-After)
         ├── RateLimited              429  a tenant over its limit (Retry-After; OpenAI's type requests/tokens)
         ├── LimiterUnavailable       503  a tenant's limits cannot be checked (Redis away, fail-closed)
@@ -64,6 +65,14 @@ class Unauthorized(RequestError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(RequestError):
+    """A valid key that may not do this (a user or tenant key on an admin route)."""
+
+    status = 403
+    type = "permission_error"
+    code = "admin_key_required"
 
 
 class Overloaded(RequestError):
@@ -128,8 +137,9 @@ class DeadlineExceeded(RequestError):
 
 # HTTP status of a RequestError → the gRPC status code the gRPC door answers with.
 GRPC_CODES = {
-    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT",
-    429: "RESOURCE_EXHAUSTED", 502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+    413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 502: "UNAVAILABLE", 503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
 }
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.requests.errors import InvalidRequest
 from gateway.requests.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
 
 
@@ -55,7 +56,7 @@ class _Sampling(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=None, ge=1)   # bounded by limits.max_choices
-    stream: bool = False
+    stream: bool | None = False   # null: not streamed (OpenAI accepts it)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None   # honoured by torch engines (see gateway.clients.engine_fields)
@@ -78,6 +79,28 @@ class CompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def body_error(exc: ValidationError) -> InvalidRequest:
+    """A 400 naming the field a body got wrong, as a client wrote it. A field that takes several shapes
+    (`content`: a string or a list of parts) fails once per shape; the error that got furthest into the
+    body is the one the client meant (a malformed part, not "should be a string"), and where none got
+    further the shapes are listed. pydantic's labels of the shapes (`str`, `list[...]`, a part's tag
+    before its own field) are left out of the path."""
+    errors = exc.errors()
+    depth = max(len(e["loc"]) for e in errors)
+    deepest = [e for e in errors if len(e["loc"]) == depth]
+    path: list[str] = []
+    for part in (str(p) for p in deepest[0]["loc"]):
+        if not (part in _SHAPES or "[" in part or (path and part == path[-1])):
+            path.append(part)
+    where = ".".join(path)
+    messages = list(dict.fromkeys(e["msg"] for e in deepest))
+    message = messages[0] + "".join(", or " + m.removeprefix("Input should be ") for m in messages[1:])
+    return InvalidRequest(f"{where}: {message}" if where else message, param=where or None)
+
+
+_SHAPES = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
 
 
 def message_text(message: ChatMessage) -> str:

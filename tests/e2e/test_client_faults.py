@@ -111,6 +111,7 @@ def test_a_deadline_after_tokens_flowed_logs_the_tokens(gw: Gateway) -> None:
         assert resp.status_code == 200
         payloads = list(sse_payloads(resp.iter_lines()))
     assert payloads[-1] == "[DONE]" and "error" in orjson.loads(payloads[-2]), payloads[-3:]
+    assert orjson.loads(payloads[-2])["error"]["code"] == "deadline_exceeded"   # the client's, not the backend's
     tokens = sum(1 for p in payloads[:-2] if orjson.loads(p)["choices"][0]["delta"].get("content"))
     line = request_line(gw, rid)
     assert line["status"] == 504 and tokens >= 1

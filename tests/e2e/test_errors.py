@@ -171,6 +171,29 @@ def test_wrong_types_are_400_naming_the_field(limits_gw: Gateway, path: str, bod
     assert err["param"] is not None and err["param"].split(".")[0] == param, err
 
 
+@pytest.mark.parametrize(("content", "param", "words"), [
+    ([{"type": "image_url", "image_url": {}}], "messages.0.content.0.image_url.url", "Field required"),
+    ([{"type": "text"}], "messages.0.content.0.text", "Field required"),
+    ([{"type": "audio"}], "messages.0.content.0", "'audio'"),
+    (5, "messages.0.content", "a valid string, or a valid list"),
+], ids=["image-part-without-url", "text-part-without-text", "unknown-part", "neither-shape"])
+def test_a_malformed_content_part_is_named(limits_gw: Gateway, content: Any, param: str, words: str) -> None:
+    """The error is the part's own, not that `content` should have been a string."""
+    err = assert_openai_error(post(limits_gw, CHAT, json=chat(content)), 400, type_="invalid_request_error",
+                              param=param)
+    assert words in err["message"], err
+
+
+def test_null_stream_is_not_streamed_and_echo_an_engine_cannot_do_is_400(limits_gw: Gateway) -> None:
+    r = post(limits_gw, CHAT, json=chat(stream=None, max_tokens=2))
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    err = assert_openai_error(post(limits_gw, COMPLETIONS, json=completion(echo=True, max_tokens=2)), 400,
+                              param="echo")
+    assert "cannot honour echo" in err["message"]
+    assert post(limits_gw, COMPLETIONS, json=completion(echo=False, max_tokens=2)).status_code == 200
+    assert_openai_error(post(limits_gw, CHAT, json=chat(prompt="ignored?", max_tokens=2)), 400, param="prompt")
+
+
 def test_empty_messages_is_400(limits_gw: Gateway) -> None:
     r = post(limits_gw, CHAT, json={"model": MODEL, "messages": []})
     assert_openai_error(r, 400, type_="invalid_request_error", param="messages")

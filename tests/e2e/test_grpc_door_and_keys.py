@@ -53,7 +53,8 @@ def test_http_keys(gateway: Gateway) -> None:
 def test_admin_endpoints_need_the_admin_key(gateway: Gateway) -> None:
     for path in ("/admin/backends", "/metrics"):
         assert httpx.get(gateway.url + path).status_code == 401
-        assert httpx.get(gateway.url + path, headers={"authorization": f"Bearer {USER}"}).status_code == 401
+        as_user = httpx.get(gateway.url + path, headers={"authorization": f"Bearer {USER}"})
+        assert as_user.status_code == 403 and as_user.json()["error"]["type"] == "permission_error"
         assert httpx.get(gateway.url + path, headers={"authorization": f"Bearer {ADMIN}"}).status_code == 200
     assert httpx.get(gateway.url + "/health").status_code == 200
 

@@ -7,7 +7,7 @@ import pytest
 from common.errors import ConfigError
 from gateway.config.auth import AuthConfig, KeyRing
 from gateway.control.control_auth import ControlAuth
-from gateway.requests.errors import Unauthorized
+from gateway.requests.errors import Forbidden, Unauthorized
 
 
 def ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> KeyRing:
@@ -31,8 +31,10 @@ def test_user_and_admin_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     keys.check("Bearer user-key-2", admin=False)
     keys.check("Bearer admin-key", admin=False)
     keys.check("Bearer admin-key", admin=True)
-    with pytest.raises(Unauthorized, match="admin"):
+    with pytest.raises(Forbidden, match="admin"):   # a valid key, not an admin's
         keys.check("Bearer user-key-1", admin=True)
+    with pytest.raises(Unauthorized, match="admin"):
+        keys.check("Bearer no-such-key", admin=True)
 
 
 def test_missing_key_sources_stop_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

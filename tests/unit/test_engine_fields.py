@@ -12,9 +12,17 @@ def test_plain_requests_and_fields_that_ask_nothing_pass() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi", "name": "ann"}], "max_tokens": 4,
             "temperature": 0.2, "top_p": 0.9, "stop": ["\n"], "user": "u-1", "n": 1, "logprobs": False,
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0,
-            "seed": None, "stream_options": {"include_usage": True}}
+            "seed": None, "stream_options": {"include_usage": True}, "echo": False}
     assert refused_fields(body) == []
     check_engine_can_honour(body)
+    assert refused_fields({"model": "m", "prompt": "hi", "echo": False, "stream": None}, chat=False) == []
+
+
+def test_what_the_other_endpoint_reads_and_echo_are_refused() -> None:
+    """A chat request's `prompt` and a completion's `messages` would be ignored; `echo: true` is not done."""
+    assert refused_fields({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "x"}) == ["prompt"]
+    assert refused_fields({"model": "m", "prompt": "hi", "messages": [{"role": "user", "content": "x"}],
+                           "echo": True}, chat=False) == ["messages", "echo"]
 
 
 def test_fields_an_engine_cannot_honour_are_named() -> None:

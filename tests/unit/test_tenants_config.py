@@ -16,7 +16,7 @@ from common.errors import ConfigError
 from gateway.config.auth import AuthConfig, KeyRing
 from gateway.config.cluster import load_cluster
 from gateway.config.tenants import TenantsConfig
-from gateway.requests.errors import Unauthorized
+from gateway.requests.errors import Forbidden, Unauthorized
 from testkit.harness import ROOT, write_config
 
 
@@ -45,7 +45,7 @@ def test_keys_name_their_tenant_and_others_are_default(tmp_path: Path, monkeypat
     assert ring.check("Bearer sk-plain", admin=False) == "default"
     with pytest.raises(Unauthorized):
         ring.check("Bearer sk-other", admin=False)
-    with pytest.raises(Unauthorized, match="admin"):   # a tenant's key is no admin key
+    with pytest.raises(Forbidden, match="admin"):   # a tenant's key is no admin key
         ring.check("Bearer sk-search-1", admin=True)
 
 
