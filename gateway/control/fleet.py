@@ -203,8 +203,8 @@ class Fleet:
         raw = self.config.raw.model_copy(update={"backends": list(backends)})
         try:
             config = ClusterConfig(self.config.path, raw, self.config.catalog)
-        except ConfigError as exc:
-            raise InvalidRequest(str(exc), code="invalid_backend") from None
+        except ConfigError as exc:   # the words start-up would use, less the file's name (the change is not in it)
+            raise InvalidRequest(str(exc).removeprefix(f"{self.config.path}: "), code="invalid_backend") from None
         if config.torch_weights is not None and config.torch_weights != self._weights:
             raise InvalidRequest("torch engines with other weights than the running ones (model_path / seed) need "
                                  "a restart: the gateway tokenises for the weights it started with",
