@@ -128,6 +128,8 @@ class JobBuilder:
         copied: its readers copy what they change; the upstream client sets `stream` itself)."""
         if req.n is not None and req.n > self._limits.max_choices:
             raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
+        if req.stream_options is not None and not req.stream:   # as OpenAI and vLLM answer
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         return body
 
     def _exact(self, served: ServedModel) -> ExactPrompts | None:

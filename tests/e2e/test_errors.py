@@ -184,7 +184,7 @@ def test_a_malformed_content_part_is_named(limits_gw: Gateway, content: Any, par
     assert words in err["message"], err
 
 
-def test_null_stream_is_not_streamed_and_echo_an_engine_cannot_do_is_400(limits_gw: Gateway) -> None:
+def test_null_stream_is_not_streamed_and_what_is_not_done_is_400(limits_gw: Gateway) -> None:
     r = post(limits_gw, CHAT, json=chat(stream=None, max_tokens=2))
     assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
     err = assert_openai_error(post(limits_gw, COMPLETIONS, json=completion(echo=True, max_tokens=2)), 400,
@@ -192,6 +192,8 @@ def test_null_stream_is_not_streamed_and_echo_an_engine_cannot_do_is_400(limits_
     assert "cannot honour echo" in err["message"]
     assert post(limits_gw, COMPLETIONS, json=completion(echo=False, max_tokens=2)).status_code == 200
     assert_openai_error(post(limits_gw, CHAT, json=chat(prompt="ignored?", max_tokens=2)), 400, param="prompt")
+    assert_openai_error(post(limits_gw, CHAT, json=chat(stream_options={"include_usage": True}, max_tokens=2)), 400,
+                        param="stream_options")
 
 
 def test_empty_messages_is_400(limits_gw: Gateway) -> None:
