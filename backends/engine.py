@@ -243,10 +243,11 @@ class Engine:
             watches.append(_exit_when_unheard(stop, self.heartbeats.connected, self.config.orphan_timeout_s))
         tasks = [asyncio.create_task(c) for c in (self.scheduler.run(), self.heartbeats.run(), *watches)]
         await stop.wait()
-        for t in tasks:
+        for t in tasks[1:]:
             t.cancel()
-        self.stopping.set()
+        self.stopping.set()   # the sessions end what they run and return (the scheduler still steps meanwhile)
         await server.stop(grace=1.0)
+        tasks[0].cancel()
         await self.sender.close()
 
 

@@ -57,44 +57,59 @@ class EngineSession:
         self._ends: list[engine_pb2.SessionEnd] = []
         self._ready = asyncio.Event()
         self._closing = False   # the gateway closed its side and every request is done
+        self._stopping = False  # the engine stops: the session ends what it runs and returns
 
     async def serve(self, context: grpc.aio.ServicerContext, stopping: asyncio.Event | None = None) -> None:
-        """Until the gateway closes its side or the engine is `stopping` (then the requests in flight
-        finish), or the call ends. A stopping engine ends its sessions itself, within the gRPC server's
-        grace: cancelled past it, a session would be logged as an error with a traceback."""
+        """Until the gateway closes its side (then the requests in flight finish) or the call ends; or
+        until the engine is `stopping`: then each request in flight ends with UNAVAILABLE (the gateway
+        retries one that has sent no token elsewhere) and the session returns, before the gRPC server's
+        grace runs out (cancelled by the server, a session is logged as an error with a traceback)."""
+        this = asyncio.current_task()
+        assert this is not None
         writer = asyncio.create_task(self._write(context))
+        watcher = asyncio.create_task(self._stop_on(stopping, this)) if stopping is not None else None
         try:
-            while (message := await self._read(context, stopping)) is not grpc.aio.EOF:
-                for request in message.start:
-                    self._tasks[request.tag] = asyncio.create_task(self._run(request))
-                for tag in message.cancel:
-                    task = self._tasks.pop(tag, None)
-                    if task is not None:
-                        task.cancel()
-            while self._tasks:
-                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            try:
+                await self._serve(context)
+            except asyncio.CancelledError:
+                if not self._stopping or this.uncancel() > 0:   # the call ended, or the gateway's loop went
+                    raise
+                await self._end_all(grpc.StatusCode.UNAVAILABLE, "the engine is stopping")
+            if watcher is not None:   # from here the session only writes what is left
+                watcher.cancel()
             self._closing = True
             self._ready.set()
             await writer   # writes what is left, then returns
         finally:
             writer.cancel()
+            if watcher is not None:
+                watcher.cancel()
             for task in self._tasks.values():
                 task.cancel()
 
-    @staticmethod
-    async def _read(context: grpc.aio.ServicerContext, stopping: asyncio.Event | None) -> Any:
-        """The next message (a SessionRequest), or EOF at the stream's end or once the engine is stopping."""
-        if stopping is None:
-            return await context.read()
-        reading, stopped = asyncio.ensure_future(context.read()), asyncio.ensure_future(stopping.wait())
-        try:
-            await asyncio.wait((reading, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if reading.done():
-            return reading.result()
-        reading.cancel()
-        return grpc.aio.EOF
+    async def _serve(self, context: grpc.aio.ServicerContext) -> None:
+        while (message := await context.read()) is not grpc.aio.EOF:
+            for request in message.start:
+                self._tasks[request.tag] = asyncio.create_task(self._run(request))
+            for tag in message.cancel:
+                task = self._tasks.pop(tag, None)
+                if task is not None:
+                    task.cancel()
+        while self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _stop_on(self, stopping: asyncio.Event, session: asyncio.Task[Any]) -> None:
+        await stopping.wait()
+        self._stopping = True
+        session.cancel()
+
+    async def _end_all(self, code: grpc.StatusCode, detail: str) -> None:
+        """End every request in flight with this status (their sequences cancelled in the executor)."""
+        tasks = dict(self._tasks)
+        for tag, task in tasks.items():
+            task.cancel()
+            self._end(tag, code, detail)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _run(self, request: engine_pb2.GenerateRequest) -> None:
         tag = request.tag

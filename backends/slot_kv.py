@@ -54,10 +54,10 @@ class SlotKV:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
 
-    def copy_prefix(self, source: int, slot: int, tokens: int) -> None:
-        """The KV of the first `tokens` positions of slot `source` into slot `slot` (a shared prefix)."""
+    def copy_prefix(self, source: int, slot: int, start: int, end: int) -> None:
+        """The KV of positions [start, end) of slot `source` into slot `slot` (part of a shared prefix)."""
         for cache in (self.k, self.v):
-            cache[:, slot, :, :tokens] = cache[:, source, :, :tokens]
+            cache[:, slot, :, start:end] = cache[:, source, :, start:end]
 
 
 class DecoderRunner:

@@ -28,10 +28,10 @@ not Python's: a collision would hand one request another's KV (vLLM keys its pre
 by default since v0.10.2 for that reason). Counters: prompt tokens admitted and, of them, reused
 (vLLM's prefix_cache_queries / prefix_cache_hits, in the heartbeats).
 
-Not guarded: timing. A prompt whose prefix another request left in a free slot gets its first token
-sooner, so a client can tell whether someone sent that prefix lately (vLLM's per-request `cache_salt`
-answers that; there is none here): a cluster shared by tenants who must not learn of each other's
-prompts should not share engines.
+Not guarded: timing. A prompt whose prefix another request left in a free slot, or is running with,
+gets its first token sooner, so a client can tell whether someone sent that prefix lately (vLLM's
+per-request `cache_salt` answers that; there is none here): a cluster shared by tenants who must not
+learn of each other's prompts should not share engines.
 """
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ def _shared(held: list[bytes], wanted: list[bytes], limit: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Take:
-    """A slot taken for a prompt: its KV holds the prompt's first `reused` tokens once the first `copied`
-    of them are copied from slot `source` (copied 0: nothing to copy, source -1)."""
+    """A slot taken for a prompt: its KV holds the prompt's first `reused` tokens once those from
+    `copy_from` on are copied from slot `source` (source -1: nothing to copy)."""
 
     slot: int
     reused: int
     source: int = -1
-    copied: int = 0
+    copy_from: int = 0
 
 
 class SlotPrefixes:
@@ -149,8 +149,8 @@ class SlotPrefixes:
         reused = max(shared, longest) * BLOCK_TOKENS
         self.queries += prompt_tokens
         self.hits += reused
-        if longest > shared:
-            return Take(best, reused, source, reused)
+        if longest > shared:   # the slot taken holds the first `shared` blocks already
+            return Take(best, reused, source, shared * BLOCK_TOKENS)
         return Take(best, reused)
 
     def release(self, slot: int, blocks: list[bytes]) -> None:

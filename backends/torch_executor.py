@@ -3,10 +3,11 @@
 Per step the batcher (backends/batcher.py) admits waiting sequences while a slot is free and plans the
 step; this executor prefills each newly admitted sequence into its own slot (text embeddings with the
 image features spliced in at their placeholder spans), then decodes one token for every running sequence
-in one batched forward. Sequences join and leave between steps; the others' KV is never copied or
+in one batched forward. Sequences join and leave between steps; the running ones' KV is never moved or
 re-padded. A freed slot keeps its KV, and a prompt that starts as its tokens did takes it and is
-prefilled only past the blocks they share (backends/slot_prefix.py: prefix reuse as the slot layout
-allows, reported as vLLM's prefix-cache counters).
+prefilled only past the blocks they share; a prompt that shares more with a running sequence copies
+that run's KV into its own slot (backends/slot_prefix.py: prefix reuse as the slot layout allows,
+reported as vLLM's prefix-cache counters).
 
 The model runs in a worker thread, so the event loop keeps serving gRPC and heartbeats during a step.
 Tokens are chosen per request (greedy, or seeded temperature + top_p), detokenised incrementally, and
@@ -194,8 +195,8 @@ class TorchLanguageExecutor:
             for _, live in fresh:
                 take = live.take
                 assert take is not None
-                if take.copied:   # a shared prefix in another slot (one prefilled before this, if this step's)
-                    self.kv.copy_prefix(take.source, take.slot, take.copied)
+                if take.source >= 0:   # a shared prefix in a slot in use (prefilled before this, if this step's)
+                    self.kv.copy_prefix(take.source, take.slot, take.copy_from, take.reused)
                 embeds = self.runner.embed_prompt(live.ids, live.spans, live.images)[take.reused:]
                 logits = self._suppress(self.runner.prefill(take.slot, embeds, live.rope, take.reused))
                 live.images = []   # spliced into the KV: the features are no longer needed

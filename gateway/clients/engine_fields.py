@@ -38,7 +38,7 @@ def refused_fields(body: dict[str, Any], *, exact: bool = False, chat: bool = Tr
     honoured = (EXACT_HONOURED if exact else HONOURED) - ({"prompt"} if chat else {"messages"})
     refused = [k for k, v in body.items() if k not in honoured and not _asks_nothing(k, v)]
     messages = body.get("messages")
-    if isinstance(messages, list):
+    if chat and isinstance(messages, list):
         for i, message in enumerate(messages):
             if isinstance(message, dict):
                 refused += [f"messages.{i}.{k}" for k, v in message.items() if k not in MESSAGE_FIELDS and v]

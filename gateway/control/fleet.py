@@ -134,10 +134,9 @@ class Fleet:
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._removals:
-            leaving = {backend_id, *self._removals}
-            if backend_id not in self._drains:   # it serves now: the fleet left must serve without the drained ones
-                leaving.update(self._drains)
-            self._validated([b for b in self.config.raw.backends if b.id not in leaving])
+            # the fleet left must be valid without the backends that serve nothing new (drained or leaving)
+            self._validated([b for b in self.config.raw.backends
+                             if b.id != backend_id and b.id not in self._drains and b.id not in self._removals])
             self._start_removal(backend_id)
 
     def reload_soon(self) -> None:

@@ -22,7 +22,8 @@ from gateway.doors.route_table import Reply, RouteTable, json_reply
 from gateway.requests.errors import InvalidRequest
 from gateway.runtime import Runtime
 
-Authorize = Callable[..., None]   # (request, *, admin): raises Unauthorized
+# (request, *, admin): raises Unauthorized (no valid key) or Forbidden (a valid key, not an admin's)
+Authorize = Callable[..., None]
 
 
 def add_fleet_routes(table: RouteTable, runtime: Runtime, fleet: Fleet, authorize: Authorize) -> None:

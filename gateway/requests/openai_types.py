@@ -88,16 +88,19 @@ def body_error(exc: ValidationError) -> InvalidRequest:
     further the shapes are listed. pydantic's labels of the shapes (`str`, `list[...]`, a part's tag
     before its own field) are left out of the path."""
     errors = exc.errors()
-    depth = max(len(e["loc"]) for e in errors)
-    deepest = [e for e in errors if len(e["loc"]) == depth]
-    path: list[str] = []
-    for part in (str(p) for p in deepest[0]["loc"]):
-        if not (part in _SHAPES or "[" in part or (path and part == path[-1])):
-            path.append(part)
-    where = ".".join(path)
-    messages = list(dict.fromkeys(e["msg"] for e in deepest))
+    deepest = max(errors, key=lambda e: len(e["loc"]))
+    where = _client_path(deepest["loc"])
+    messages = list(dict.fromkeys(e["msg"] for e in errors if _client_path(e["loc"]) == where))
     message = messages[0] + "".join(", or " + m.removeprefix("Input should be ") for m in messages[1:])
     return InvalidRequest(f"{where}: {message}" if where else message, param=where or None)
+
+
+def _client_path(loc: tuple[int | str, ...]) -> str:
+    path: list[str] = []
+    for part in (str(p) for p in loc):
+        if not (part in _SHAPES or "[" in part or (path and part == path[-1])):
+            path.append(part)
+    return ".".join(path)
 
 
 _SHAPES = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})

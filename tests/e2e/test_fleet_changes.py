@@ -151,3 +151,22 @@ def test_sighup_applies_the_files_backends_and_refuses_an_invalid_file(tmp_path:
         assert ids(gw) == ["l40s-0", "a100-0"] or ids(gw) == ["a100-0", "l40s-0"]
         served = {chat(gw, f"restored-{i}").headers["x-heterogate-backend"] for i in range(12)}
         assert "a100-0" in served
+
+
+def test_an_engine_stopped_with_requests_in_flight_ends_them_and_they_restart(tmp_path: Path) -> None:
+    """A drain that runs out of time stops the engine with requests still on it: its session ends each with
+    UNAVAILABLE (no error logged by the gRPC server), and a request that wants one answer starts over on
+    another backend."""
+    config = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "drain_timeout_s": 1},
+                                     "backends": [{**engine("h100-0"), "launch": {"time_scale": 5.0}},
+                                                  engine("a100-0", "A100-80GB")]})   # h100-0's answers take seconds
+    with run_gateway(config) as gw:
+        load = Load(gw, clients=6)
+        gw.wait_until(lambda: gw.backend("h100-0")["in_flight"] > 0, timeout=20)
+        assert admin(gw, "POST", "/h100-0/drain").status_code == 202
+        gw.wait_until(lambda: gw.backend("h100-0")["state"] == "stopped", timeout=30)
+        outcomes = load.stop()
+        log = gw.log_path.read_text()
+    assert outcomes and all(status == 200 for status, _ in outcomes), outcomes
+    assert "the engine is stopping" in log and "restarting_after_midstream_failure" in log
+    assert "Exception not handled" not in log

@@ -15,6 +15,7 @@ from backends.engine_config import EngineConfig
 from backends.executor_factory import build_executors
 from backends.executors import GenerateInput, LanguageExecutor, Sampling, Token
 from backends.gpu_scheduler import GpuScheduler
+from backends.slot_prefix import Take
 from backends.torch_executor import TorchLanguageExecutor
 from common.catalog import load_catalog
 from common.wire import engine_pb2
@@ -50,6 +51,10 @@ def request(rid: str, prompt: str, max_tokens: int, **sampling: object) -> Gener
 
 async def collect(executor: LanguageExecutor, req: GenerateInput) -> list[Token]:
     return [t async for t in executor.generate(req)]
+
+
+async def collect_from(stream: AsyncIterator[Token]) -> list[Token]:
+    return [t async for t in stream]
 
 
 def text(tokens: list[Token]) -> str:
@@ -159,19 +164,23 @@ async def test_sequences_running_at_once_share_a_prefix_by_copy(model: str, requ
     greedy = {rid: GenerateInput(rid, 0, n, prompt=p, sampling=Sampling(temperature=0.0))
               for rid, (p, n) in prompts.items()}
     async with running_executor(model_dir, max_batch=3, model=model) as ex:
+        takes: list[Take] = []
+        take = ex.prefixes.take
+        ex.prefixes.take = lambda blocks, tokens: takes.append(t := take(blocks, tokens)) or t  # type: ignore[method-assign]
         running = ex.generate(greedy["a"])
         head = [await anext(running)]                           # a is in its slot, decoding
         later = text(await collect(ex, greedy["b"]))             # admitted in a later step than a
-        copied_later = ex.load().prefix_cache_hits
         rest = [t async for t in running]
         assert len(rest) == 23                                   # a still ran while b was prefilled
-        same_step = await asyncio.gather(collect(ex, greedy["c"]), collect(ex, greedy["d"]))
-        copied_same_step = ex.load().prefix_cache_hits - copied_later
+        c, d = ex.generate(greedy["c"]), ex.generate(greedy["d"])
+        same_step = await asyncio.gather(collect_from(c), collect_from(d))   # queued before the next step
     answers = {"a": text(head + rest), "b": later, "c": text(same_step[0]), "d": text(same_step[1])}
     for rid, answer in answers.items():
         async with running_executor(model_dir, max_batch=3, model=model) as fresh:
             assert answer == text(await collect(fresh, greedy[rid])), rid
-    assert copied_later >= 32 and copied_same_step >= 32   # no free slot held either prefix
+    a, b, c_take, d_take = takes
+    assert b.source == a.slot and b.reused >= 32 and c_take.source < 0   # no free slot held either prefix
+    assert d_take.source == c_take.slot and d_take.reused >= 32
 
 
 async def test_a_next_turn_reuses_the_kv_of_the_answer_too(tiny_model_dir: Path) -> None:

@@ -35,7 +35,7 @@ def test_a_prompt_takes_the_free_slot_holding_its_longest_prefix() -> None:
     slots = SlotPrefixes(3)
     keys = block_keys(IDS, [], [], 64)
     assert slots.take(keys, 64) == Take(0, 0)     # nothing cached: an empty slot
-    assert slots.take(keys[:1] + [b"y"] * 3, 64) == Take(1, 16, source=0, copied=16)   # slot 0's first block
+    assert slots.take(keys[:1] + [b"y"] * 3, 64) == Take(1, 16, source=0, copy_from=0)   # slot 0's first block
     slots.release(0, keys[:2])                    # slot 0 holds two blocks, slot 1 one of them
     slots.release(1, keys[:1])
     assert slots.take(keys, 64) == Take(0, 32)    # the longest match: no copy
@@ -52,10 +52,19 @@ def test_a_prompt_copies_a_longer_prefix_from_a_slot_in_use() -> None:
     assert slots.take(keys, 64) == Take(0, 0)
     slots.release(0, keys[:1])
     assert slots.take(keys, 64) == Take(0, 16)    # slot 0 back in use, its prompt all four blocks
-    assert slots.take(keys, 64) == Take(1, 48, source=0, copied=48)
+    assert slots.take(keys, 64) == Take(1, 48, source=0, copy_from=0)
     slots.release(1, keys)
     assert slots.take(block_keys(IDS[:40], [], [], 40), 40) == Take(1, 32)   # a free slot's match: no copy
     assert (slots.queries, slots.hits) == (232, 96)
+
+
+def test_a_copy_skips_the_blocks_the_slot_taken_holds() -> None:
+    slots = SlotPrefixes(2)
+    keys = block_keys(IDS, [], [], 64)
+    assert slots.take(keys, 64) == Take(0, 0)
+    assert slots.take(keys[:1] + [b"x"] * 3, 64) == Take(1, 16, source=0, copy_from=0)
+    slots.release(1, keys[:1])                    # no empty slot left: slot 1 (its first block) is taken
+    assert slots.take(keys, 64) == Take(1, 48, source=0, copy_from=16)
 
 
 def test_with_no_match_an_empty_slot_then_the_one_freed_longest_ago() -> None:
