@@ -121,7 +121,7 @@ def generate_input(
         prompt=request.prompt, token_ids=list(request.token_ids),
         image_spans=[(s.start, s.length) for s in request.image_spans], embeddings=embeddings, sampling=sampling,
         image_grids=[(g[0], g[1], g[2]) for g in (s.grid_thw for s in request.image_spans) if len(g) == 3],
-        images=[(k.digest, k.tokens, k.place) for k in request.image_keys],
+        images=[(k.digest, k.tokens, k.place) for k in request.image_keys], cache_salt=request.cache_salt,
     )
 
 

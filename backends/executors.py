@@ -50,6 +50,7 @@ class GenerateInput:
     embeddings: list[engine_pb2.Embedding] = field(default_factory=list)
     sampling: Sampling = Sampling()
     images: list[tuple[int, int, int]] = field(default_factory=list)   # (content digest, tokens, place) per image
+    cache_salt: str = ""               # its KV is shared only with prompts of the same salt ("" none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from backends.batcher import ContinuousBatcher, Sequence
 from backends.executors import GenerateInput, LoadReport, Token
 from backends.token_streams import TokenStreams
 from common.catalog import GpuProfile, ModelProfile
-from common.prefix_blocks import EnginePrefixCache, prompt_blocks
+from common.prefix_blocks import EnginePrefixCache, prompt_blocks, salt_seed
 
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
@@ -61,7 +61,7 @@ class SimulatedExecutor:
         cache = self.batcher.prefix_cache
         if cache is not None:
             seq.blocks = prompt_blocks(request.prompt, request.token_ids, prompt_tokens, request.images,
-                                       block_tokens=cache.block_tokens)
+                                       block_tokens=cache.block_tokens, salt=salt_seed(request.cache_salt))
         return self._streams.stream(seq)
 
     @property

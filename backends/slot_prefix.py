@@ -28,10 +28,10 @@ not Python's: a collision would hand one request another's KV (vLLM keys its pre
 by default since v0.10.2 for that reason). Counters: prompt tokens admitted and, of them, reused
 (vLLM's prefix_cache_queries / prefix_cache_hits, in the heartbeats).
 
-Not guarded: timing. A prompt whose prefix another request left in a free slot, or is running with,
-gets its first token sooner, so a client can tell whether someone sent that prefix lately (vLLM's
-per-request `cache_salt` answers that; there is none here): a cluster shared by tenants who must not
-learn of each other's prompts should not share engines.
+Timing. A prompt whose prefix another request left in a free slot, or is running with, gets its first
+token sooner, so a client could tell whether someone sent that prefix lately. A request's cache salt
+(vLLM's `cache_salt`; the gateway sets one per tenant with `tenants.isolate_prefix_cache`) starts its
+chain of keys: prompts of different salts share no block.
 """
 
 from __future__ import annotations
@@ -61,11 +61,13 @@ def image_key(request: GenerateInput, k: int) -> bytes:
 
 
 def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Sequence[bytes], tokens: int,
-               known: Sequence[bytes] = ()) -> list[bytes]:
+               known: Sequence[bytes] = (), salt: str = "") -> list[bytes]:
     """The chained keys of the full blocks among the first `tokens` of a prompt's token ids (then the
     tokens it generated), whose images sit at `spans` (start, length, in order and apart) with these
     keys (a span without one ends the keys at its start). `known`: the keys of a prefix of these
-    tokens already worked out (the prompt's, when its slot is freed): kept, and hashing goes on after them."""
+    tokens already worked out (the prompt's, when its slot is freed): kept, and hashing goes on after them.
+    `salt`: the request's cache salt; the chain starts from its digest, so prompts of different salts
+    share no block."""
     values = array("q", ids[:tokens])
     for k, (start, length) in enumerate(spans):
         if k >= len(digests):
@@ -74,7 +76,7 @@ def block_keys(ids: Sequence[int], spans: Sequence[tuple[int, int]], digests: Se
         for p in range(start, min(start + length, len(values))):
             values[p] = -1 - (p - start)   # the placeholder's offset in its image; the image's digest below
     out = list(known[:tokens // BLOCK_TOKENS])
-    previous = out[-1] if out else b""
+    previous = out[-1] if out else blake2b(salt.encode(), digest_size=16).digest() if salt else b""
     for start in range(len(out) * BLOCK_TOKENS, tokens - tokens % BLOCK_TOKENS, BLOCK_TOKENS):
         end = start + BLOCK_TOKENS
         h = blake2b(previous, digest_size=16)

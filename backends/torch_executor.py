@@ -50,6 +50,7 @@ class _Live:
     rope_delta: int = 0                 # ... and the offset of decode positions from cache positions
     digests: list[bytes] = field(default_factory=list)   # the images' keys (backends/slot_prefix.image_key)
     blocks: list[bytes] = field(default_factory=list)  # the prompt's block keys (backends/slot_prefix.py)
+    salt: str = ""                      # its cache salt: the keys' chain starts from it
     take: Take | None = None            # its slot, and the prompt tokens whose KV it holds or copies
     length: int = 0                     # tokens in the slot's KV
     out: list[int] = field(default_factory=list)
@@ -162,7 +163,8 @@ class TorchLanguageExecutor:
         live = _Live(ids, list(request.image_spans), images, request.sampling, generator(request.sampling),
                      IncrementalText(tok, request.sampling.stop))
         live.digests = [image_key(request, k) for k in range(len(images))]
-        live.blocks = block_keys(ids, live.spans, live.digests, len(ids))
+        live.salt = request.cache_salt
+        live.blocks = block_keys(ids, live.spans, live.digests, len(ids), salt=live.salt)
         if self.mrope:
             if len(request.image_grids) != len(images):
                 raise InvalidInput(f"{len(images)} images need {len(images)} grids (grid_thw); got "
@@ -240,5 +242,5 @@ class TorchLanguageExecutor:
         for seq, live in list(self._live.items()):
             if live.take is not None and seq not in stepping:
                 self.prefixes.release(live.take.slot, block_keys(live.ids + live.out, live.spans, live.digests,
-                                                            live.length, live.blocks))
+                                                            live.length, live.blocks, live.salt))
                 del self._live[seq]

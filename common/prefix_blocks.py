@@ -51,11 +51,12 @@ def _image_chain(previous: int, digest: int, tokens: int, block_tokens: int, lea
 
 
 def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens: int = BLOCK_TOKENS,
-                 max_blocks: int | None = None, stable: bool = False) -> list[int]:
+                 max_blocks: int | None = None, stable: bool = False, salt: int = 0) -> list[int]:
     """The chained hashes of the prompt's full blocks, first block first: from `token_ids` when given,
-    else from `text`. At most `max_blocks` (None: all). `stable`: text hashes the same in every process."""
+    else from `text`. At most `max_blocks` (None: all). `stable`: text hashes the same in every process.
+    `salt` (`salt_seed`): the chain starts from it, so prompts of different salts share no block."""
     out: list[int] = []
-    previous = 0
+    previous = salt
     if token_ids:
         count = len(token_ids) // block_tokens
         if max_blocks is not None:
@@ -96,25 +97,25 @@ def _text_chain(data: bytes, count: int, size: int, previous: int, stable: bool,
 
 
 def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int, int]] = (),
-                  *, block_tokens: int = BLOCK_TOKENS, stable: bool = False) -> list[int]:
+                  *, block_tokens: int = BLOCK_TOKENS, stable: bool = False, salt: int = 0) -> list[int]:
     """A prompt's chained block hashes, at most the blocks its `prompt_tokens` (text and image tokens)
     fill. `images`: (content digest, image tokens, place) in order, the place being the bytes of `text`
     before the image (where the chat puts it), or with `token_ids` the start of the image's run of
     placeholder ids in them. Each image's blocks come at its place, after the full blocks of the text
     before it, as an engine lays out a prompt (the text's last partial block shares the image's first
     block and names it too; the image's placeholder ids are not hashed, its digest stands for them): a
-    system prompt shared ahead of different images is a shared prefix."""
+    system prompt shared ahead of different images is a shared prefix. `salt`: as `block_hashes`."""
     limit = prompt_tokens // block_tokens
     if limit < 1:   # it fills no block: nothing to hash
         return []
     if not images:
-        return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable)
+        return block_hashes(text, token_ids, block_tokens=block_tokens, max_blocks=limit, stable=stable, salt=salt)
     if token_ids:
-        return _placed_id_chain(tuple(token_ids), images, block_tokens, limit)
+        return _placed_id_chain(tuple(token_ids), images, block_tokens, limit, salt)
     data = text.encode()
     size = block_tokens * BYTES_PER_TOKEN
     out: list[int] = []
-    previous, start = 0, 0
+    previous, start = salt, 0
     for digest, tokens, place in images:
         place = min(max(place, start), len(data))
         full = (place - start) // size
@@ -131,12 +132,12 @@ def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, image
 
 
 def _placed_id_chain(ids: tuple[int, ...], images: Sequence[tuple[int, int, int]], block_tokens: int,
-                     limit: int) -> list[int]:
+                     limit: int, salt: int) -> list[int]:
     """`prompt_blocks` from token ids: the ids before each image in full blocks, the image named by its
     digest (with the ids of a partial block before it), the ids after its placeholder run, at most
     `limit` blocks."""
     out: list[int] = []
-    previous, start = 0, 0
+    previous, start = salt, 0
     for digest, tokens, place in images:
         place = min(max(place, start), len(ids))
         full = (place - start) // block_tokens
@@ -149,6 +150,12 @@ def _placed_id_chain(ids: tuple[int, ...], images: Sequence[tuple[int, int, int]
     _id_chain(ids[start:], min(limit - len(out), max(0, len(ids) - start) // block_tokens), block_tokens, previous,
               out)
     return out
+
+
+def salt_seed(salt: str) -> int:
+    """Where a prompt's chain of blocks starts for a cache salt (vLLM's `cache_salt`): 0 for none, else
+    a content digest of it (the same in every process). Requests of different salts share no block."""
+    return content_digest(salt.encode()) if salt else 0
 
 
 def cached_tokens(hit_tokens: int, prompt_tokens: int) -> int:

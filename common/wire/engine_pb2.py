@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x65ngine.proto\x12\x14heterogate.engine.v1\"\xbe\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x17\n\x0f\x65mbedding_count\x18\x07 \x01(\r\x12\x1c\n\x14\x65mbedding_timeout_ms\x18\x08 \x01(\r\x12\x13\n\x0bhandoff_key\x18\t \x01(\t\x12\r\n\x05whole\x18\n \x01(\x08\x12\x32\n\nimage_keys\x18\x0b \x03(\x0b\x32\x1e.heterogate.engine.v1.ImageKey\x12\x11\n\ttoken_ids\x18\x14 \x03(\r\x12\x34\n\x0bimage_spans\x18\x15 \x03(\x0b\x32\x1f.heterogate.engine.v1.ImageSpan\x12\r\n\x05top_p\x18\x16 \x01(\x02\x12\x11\n\x04seed\x18\x17 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x18 \x03(\t\x12\x0b\n\x03tag\x18\x1e \x01(\x04\x12\x13\n\x0btraceparent\x18\x1f \x01(\tB\x07\n\x05_seed\"V\n\x0eSessionRequest\x12\x34\n\x05start\x18\x01 \x03(\x0b\x32%.heterogate.engine.v1.GenerateRequest\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"s\n\x0cSessionReply\x12\x33\n\x06\x63hunks\x18\x01 \x03(\x0b\x32#.heterogate.engine.v1.GenerateChunk\x12.\n\x04\x65nds\x18\x02 \x03(\x0b\x32 .heterogate.engine.v1.SessionEnd\"7\n\nSessionEnd\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"<\n\tImageSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa5\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.heterogate.engine.v1.Usage\x12\x18\n\x10\x65mbedding_wait_s\x18\x05 \x01(\x01\x12\r\n\x05relay\x18\x06 \x01(\x0c\x12\x0b\n\x03tag\x18\x07 \x01(\x04\"D\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"9\n\x08ImageKey\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05place\x18\x03 \x01(\r\"\x95\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06images\x18\x02 \x03(\x0b\x32\x1b.heterogate.engine.v1.Image\x12\x12\n\ndeliver_to\x18\x03 \x01(\t\x12\x1a\n\x12image_index_offset\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\xad\x01\n\x0b\x45ncodeReply\x12\x14\n\x0cimage_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x65mbedding_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x65ncode_s\x18\x03 \x01(\x01\x12\x11\n\tdeliver_s\x18\x04 \x01(\x01\x12\x33\n\nembeddings\x18\x05 \x03(\x0b\x32\x1f.heterogate.engine.v1.Embedding\x12\x15\n\rimages_cached\x18\x06 \x01(\r\"q\n\tEmbedding\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0e\n\x06hidden\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\" \n\x0c\x44\x65liverReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x32\xe6\x02\n\x06\x45ngine\x12X\n\x08Generate\x12%.heterogate.engine.v1.GenerateRequest\x1a#.heterogate.engine.v1.GenerateChunk0\x01\x12W\n\x07Session\x12$.heterogate.engine.v1.SessionRequest\x1a\".heterogate.engine.v1.SessionReply(\x01\x30\x01\x12P\n\x06\x45ncode\x12#.heterogate.engine.v1.EncodeRequest\x1a!.heterogate.engine.v1.EncodeReply\x12W\n\x10\x44\x65liverEmbedding\x12\x1f.heterogate.engine.v1.Embedding\x1a\".heterogate.engine.v1.DeliverReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x65ngine.proto\x12\x14heterogate.engine.v1\"\xd2\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\x17\n\x0f\x65mbedding_count\x18\x07 \x01(\r\x12\x1c\n\x14\x65mbedding_timeout_ms\x18\x08 \x01(\r\x12\x13\n\x0bhandoff_key\x18\t \x01(\t\x12\r\n\x05whole\x18\n \x01(\x08\x12\x32\n\nimage_keys\x18\x0b \x03(\x0b\x32\x1e.heterogate.engine.v1.ImageKey\x12\x11\n\ttoken_ids\x18\x14 \x03(\r\x12\x34\n\x0bimage_spans\x18\x15 \x03(\x0b\x32\x1f.heterogate.engine.v1.ImageSpan\x12\r\n\x05top_p\x18\x16 \x01(\x02\x12\x11\n\x04seed\x18\x17 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x18 \x03(\t\x12\x12\n\ncache_salt\x18\x19 \x01(\t\x12\x0b\n\x03tag\x18\x1e \x01(\x04\x12\x13\n\x0btraceparent\x18\x1f \x01(\tB\x07\n\x05_seed\"V\n\x0eSessionRequest\x12\x34\n\x05start\x18\x01 \x03(\x0b\x32%.heterogate.engine.v1.GenerateRequest\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"s\n\x0cSessionReply\x12\x33\n\x06\x63hunks\x18\x01 \x03(\x0b\x32#.heterogate.engine.v1.GenerateChunk\x12.\n\x04\x65nds\x18\x02 \x03(\x0b\x32 .heterogate.engine.v1.SessionEnd\"7\n\nSessionEnd\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"<\n\tImageSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa5\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05usage\x18\x04 \x01(\x0b\x32\x1b.heterogate.engine.v1.Usage\x12\x18\n\x10\x65mbedding_wait_s\x18\x05 \x01(\x01\x12\r\n\x05relay\x18\x06 \x01(\x0c\x12\x0b\n\x03tag\x18\x07 \x01(\x04\"D\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"9\n\x08ImageKey\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05place\x18\x03 \x01(\r\"\x95\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06images\x18\x02 \x03(\x0b\x32\x1b.heterogate.engine.v1.Image\x12\x12\n\ndeliver_to\x18\x03 \x01(\t\x12\x1a\n\x12image_index_offset\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\"\xad\x01\n\x0b\x45ncodeReply\x12\x14\n\x0cimage_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x65mbedding_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x65ncode_s\x18\x03 \x01(\x01\x12\x11\n\tdeliver_s\x18\x04 \x01(\x01\x12\x33\n\nembeddings\x18\x05 \x03(\x0b\x32\x1f.heterogate.engine.v1.Embedding\x12\x15\n\rimages_cached\x18\x06 \x01(\r\"q\n\tEmbedding\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bimage_index\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0e\n\x06hidden\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\" \n\x0c\x44\x65liverReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x32\xe6\x02\n\x06\x45ngine\x12X\n\x08Generate\x12%.heterogate.engine.v1.GenerateRequest\x1a#.heterogate.engine.v1.GenerateChunk0\x01\x12W\n\x07Session\x12$.heterogate.engine.v1.SessionRequest\x1a\".heterogate.engine.v1.SessionReply(\x01\x30\x01\x12P\n\x06\x45ncode\x12#.heterogate.engine.v1.EncodeRequest\x1a!.heterogate.engine.v1.EncodeReply\x12W\n\x10\x44\x65liverEmbedding\x12\x1f.heterogate.engine.v1.Embedding\x1a\".heterogate.engine.v1.DeliverReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=39
-  _globals['_GENERATEREQUEST']._serialized_end=485
-  _globals['_SESSIONREQUEST']._serialized_start=487
-  _globals['_SESSIONREQUEST']._serialized_end=573
-  _globals['_SESSIONREPLY']._serialized_start=575
-  _globals['_SESSIONREPLY']._serialized_end=690
-  _globals['_SESSIONEND']._serialized_start=692
-  _globals['_SESSIONEND']._serialized_end=747
-  _globals['_IMAGESPAN']._serialized_start=749
-  _globals['_IMAGESPAN']._serialized_end=809
-  _globals['_USAGE']._serialized_start=811
-  _globals['_USAGE']._serialized_end=868
-  _globals['_GENERATECHUNK']._serialized_start=871
-  _globals['_GENERATECHUNK']._serialized_end=1036
-  _globals['_IMAGE']._serialized_start=1038
-  _globals['_IMAGE']._serialized_end=1106
-  _globals['_IMAGEKEY']._serialized_start=1108
-  _globals['_IMAGEKEY']._serialized_end=1165
-  _globals['_ENCODEREQUEST']._serialized_start=1168
-  _globals['_ENCODEREQUEST']._serialized_end=1317
-  _globals['_ENCODEREPLY']._serialized_start=1320
-  _globals['_ENCODEREPLY']._serialized_end=1493
-  _globals['_EMBEDDING']._serialized_start=1495
-  _globals['_EMBEDDING']._serialized_end=1608
-  _globals['_DELIVERREPLY']._serialized_start=1610
-  _globals['_DELIVERREPLY']._serialized_end=1642
-  _globals['_ENGINE']._serialized_start=1645
-  _globals['_ENGINE']._serialized_end=2003
+  _globals['_GENERATEREQUEST']._serialized_end=505
+  _globals['_SESSIONREQUEST']._serialized_start=507
+  _globals['_SESSIONREQUEST']._serialized_end=593
+  _globals['_SESSIONREPLY']._serialized_start=595
+  _globals['_SESSIONREPLY']._serialized_end=710
+  _globals['_SESSIONEND']._serialized_start=712
+  _globals['_SESSIONEND']._serialized_end=767
+  _globals['_IMAGESPAN']._serialized_start=769
+  _globals['_IMAGESPAN']._serialized_end=829
+  _globals['_USAGE']._serialized_start=831
+  _globals['_USAGE']._serialized_end=888
+  _globals['_GENERATECHUNK']._serialized_start=891
+  _globals['_GENERATECHUNK']._serialized_end=1056
+  _globals['_IMAGE']._serialized_start=1058
+  _globals['_IMAGE']._serialized_end=1126
+  _globals['_IMAGEKEY']._serialized_start=1128
+  _globals['_IMAGEKEY']._serialized_end=1185
+  _globals['_ENCODEREQUEST']._serialized_start=1188
+  _globals['_ENCODEREQUEST']._serialized_end=1337
+  _globals['_ENCODEREPLY']._serialized_start=1340
+  _globals['_ENCODEREPLY']._serialized_end=1513
+  _globals['_EMBEDDING']._serialized_start=1515
+  _globals['_EMBEDDING']._serialized_end=1628
+  _globals['_DELIVERREPLY']._serialized_start=1630
+  _globals['_DELIVERREPLY']._serialized_end=1662
+  _globals['_ENGINE']._serialized_start=1665
+  _globals['_ENGINE']._serialized_end=2023
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "image_keys", "token_ids", "image_spans", "top_p", "seed", "stop", "tag", "traceparent")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "image_tokens", "max_tokens", "temperature", "embedding_count", "embedding_timeout_ms", "handoff_key", "whole", "image_keys", "token_ids", "image_spans", "top_p", "seed", "stop", "cache_salt", "tag", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -42,9 +43,10 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
+    cache_salt: str
     tag: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., image_keys: _Optional[_Iterable[_Union[ImageKey, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., tag: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., embedding_count: _Optional[int] = ..., embedding_timeout_ms: _Optional[int] = ..., handoff_key: _Optional[str] = ..., whole: _Optional[bool] = ..., image_keys: _Optional[_Iterable[_Union[ImageKey, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., tag: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("start", "cancel")

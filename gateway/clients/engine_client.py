@@ -77,7 +77,7 @@ class EngineClient:
             image_spans=[engine_pb2.ImageSpan(start=a, length=n, grid_thw=g) for (a, n), g in
                          zip(job.image_spans, job.image_grids or [()] * len(job.image_spans), strict=True)],
             top_p=job.top_p,
-            seed=job.seed, stop=job.stop, traceparent=job.traceparent,
+            seed=job.seed, stop=job.stop, traceparent=job.traceparent, cache_salt=job.cache_salt,
         )
         tag, inbox = self._stream.start(request, first_token_timeout_s, timeout_s)
         try:

@@ -18,7 +18,7 @@ from gateway.requests.errors import InvalidRequest
 
 HONOURED = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
-    "stream", "stream_options", "user",
+    "stream", "stream_options", "user", "cache_salt",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _NO_REQUEST: dict[str, Any] = {"n": 1, "tool_choice": "none", "response_format": {"type": "text"}}

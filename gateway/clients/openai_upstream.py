@@ -129,6 +129,8 @@ class OpenAIUpstreamClient:
         if not job.whole:
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         body.pop("max_completion_tokens", None)
+        if job.cache_salt and body.get("cache_salt") != job.cache_salt:   # the tenant's (tenants.isolate_prefix_cache)
+            body["cache_salt"] = job.cache_salt
         return body
 
     def _renamed(self, job: GenerationJob) -> bool:

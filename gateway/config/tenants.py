@@ -61,6 +61,10 @@ class TenantsConfig(StrictModel):
     # Redis unreachable (`--redis-url` given): `open` admits without counting (logged, counted in
     # heterogate_tenant_limiter_errors), `closed` answers 503 until Redis answers again.
     on_redis_error: Literal["open", "closed"] = "open"
+    # Each tenant's prompts hit only its own cached prefixes: every request gets a prefix-cache salt
+    # naming its tenant (vLLM's `cache_salt`, with the client's own after it), so no tenant can time
+    # whether another sent a prompt lately. Hits across tenants are given up.
+    isolate_prefix_cache: bool = False
 
     @field_validator("teams")
     @classmethod

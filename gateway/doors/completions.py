@@ -33,7 +33,7 @@ from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.dispatch import Dispatch
 from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError
-from gateway.requests.job import DEFAULT_TENANT, GenerationJob
+from gateway.requests.job import GenerationJob
 from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
 from gateway.runtime import Runtime
@@ -106,10 +106,10 @@ class CompletionsDoor:
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")
             tenant = self._runtime.keys.check(headers.get("authorization"), admin=False)
             timeout_s = client_timeout(headers.get("x-request-timeout"))
-            job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s)
+            job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s, tenant)
             session = headers.get("x-session-id")   # names the conversation, over the body's `user`
-            if session or tenant != DEFAULT_TENANT:
-                job = replace(job, session=session or job.session, tenant=tenant)
+            if session:
+                job = replace(job, session=session)
             if stream:
                 await self._stream(exchange, kind, job, include_usage, record)
             else:
@@ -124,14 +124,16 @@ class CompletionsDoor:
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             self._requests.finish(record, 499)   # not an error of anyone's (nginx's 499); nobody reads a reply
 
-    async def _job(self, kind: Kind, raw: bytes, rid: str, timeout_s: float | None) -> tuple[GenerationJob, bool, bool]:
+    async def _job(self, kind: Kind, raw: bytes, rid: str, timeout_s: float | None, tenant: str) -> (
+        tuple[GenerationJob, bool, bool]
+    ):
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req, body = parse(ChatCompletionRequest, raw)
-            job = await self._jobs.chat(req, body, rid, timeout_s)
+            job = await self._jobs.chat(req, body, rid, timeout_s, tenant)
         else:
             req, body = parse(CompletionRequest, raw)
-            job = self._jobs.completion(req, body, rid, timeout_s)
+            job = self._jobs.completion(req, body, rid, timeout_s, tenant)
         return job, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
 
     async def _complete(self, exchange: Exchange, kind: Kind, job: GenerationJob, record: RequestRecord) -> None:

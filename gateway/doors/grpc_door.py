@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -73,12 +72,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         body = _openai_body(request)
         try:
             if "prompt" in body:
-                job = self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining)
-            else:
-                job = await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining)
+                return self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining, tenant)
+            return await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining, tenant)
         except ValidationError as exc:
             raise body_error(exc) from None
-        return replace(job, tenant=tenant)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

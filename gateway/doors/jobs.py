@@ -12,7 +12,7 @@ from gateway.config.models import ServedModel
 from gateway.requests.errors import InvalidRequest, ModelNotFound
 from gateway.requests.exact_prompt import ExactPrompts
 from gateway.requests.images import ImageInput, load_image
-from gateway.requests.job import GenerationJob
+from gateway.requests.job import DEFAULT_TENANT, GenerationJob
 from gateway.requests.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,8 +72,8 @@ class JobBuilder:
         return asked if asked is not None else min(self._limits.default_max_tokens, room)
 
     async def chat(self, req: ChatCompletionRequest, body: dict[str, Any], request_id: str,
-                   timeout_s: float | None) -> GenerationJob:
-        """`body`: the client's body that `req` was validated from."""
+                   timeout_s: float | None, tenant: str = DEFAULT_TENANT) -> GenerationJob:
+        """`body`: the client's body that `req` was validated from; `tenant`: whose request it is."""
         if len(req.messages) > self._limits.max_messages:
             raise InvalidRequest(
                 f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
@@ -96,10 +96,11 @@ class JobBuilder:
                              token_ids=ids, image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "",
-                             model=served.name, image_places=image_places(req.messages) if parts else ())
+                             model=served.name, image_places=image_places(req.messages) if parts else (),
+                             tenant=tenant, cache_salt=self._salt(req, tenant))
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
-                   timeout_s: float | None) -> GenerationJob:
+                   timeout_s: float | None, tenant: str = DEFAULT_TENANT) -> GenerationJob:
         served = self.check_model(req.model)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -121,7 +122,8 @@ class JobBuilder:
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
                              token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(),
-                             session=req.user or "", model=served.name)
+                             session=req.user or "", model=served.name, tenant=tenant,
+                             cache_salt=self._salt(req, tenant))
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
         """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not
@@ -131,6 +133,14 @@ class JobBuilder:
         if req.stream_options is not None and not req.stream:   # as OpenAI and vLLM answer
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         return body
+
+    def _salt(self, req: ChatCompletionRequest | CompletionRequest, tenant: str) -> str:
+        """The request's prefix-cache salt: the client's, after its tenant's name when tenants are
+        isolated (a client cannot name another tenant's salt: its own name always comes first)."""
+        salt = req.cache_salt or ""
+        if self._config.settings.tenants.isolate_prefix_cache:
+            return f"tenant:{tenant}" + (f":{salt}" if salt else "")
+        return salt
 
     def _exact(self, served: ServedModel) -> ExactPrompts | None:
         """The exact tokenizer, for the model the torch engines run."""

@@ -377,7 +377,7 @@ class Pipeline:
             return profile
         tokens = profile.input_tokens
         blocks = record.prefix.blocks if record.prefix is not None else index.hashes(
-            job.prompt, job.token_ids, tokens, job.placed_images() if job.images else ())
+            job.prompt, job.token_ids, tokens, job.placed_images() if job.images else (), job.cache_salt)
         record.prefix = query = index.lookup(blocks, job.session, tokens)
         if not query.cached and not query.reuse:
             return profile

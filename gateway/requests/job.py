@@ -52,6 +52,9 @@ class GenerationJob:
     session: str = ""
     # Whose request it is (gateway.config.tenants): its limits, its share of admission, its usage.
     tenant: str = DEFAULT_TENANT
+    # Its prefix-cache salt ("" none): the client's `cache_salt`, after its tenant's name where
+    # tenants.isolate_prefix_cache is on. Engines and the prefix index share KV only within a salt.
+    cache_salt: str = ""
     # The model it asked for, by its served name (an alias resolved): its pool (gateway/config/models.py);
     # None: every backend (a cluster of one model built without names, as in the simulator)
     model: str | None = None

@@ -61,6 +61,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     seed: int | None = None   # honoured by torch engines (see gateway.clients.engine_fields)
     user: str | None = None   # the end user or session: routed to where its prefix is cached
+    cache_salt: str | None = Field(default=None, min_length=1)   # vLLM's: prefix-cache hits only within a salt
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 

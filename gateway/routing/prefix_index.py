@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, session_key
+from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, salt_seed, session_key
 
 INDEX_BLOCK_TOKENS = 64       # tokens a block of the index stands for (gateway.routing.prefix_cache.block_tokens)
 DECAY = 0.98                  # weight of the window per engine reading that moved the counters
@@ -198,13 +198,14 @@ class PrefixIndex:
         return min(self.max_blocks, max(0, capacity_tokens) // self.block_tokens)
 
     def hashes(self, prompt: str, token_ids: Sequence[int], prompt_tokens: int,
-               images: Sequence[tuple[int, int, int]] = ()) -> list[int]:
+               images: Sequence[tuple[int, int, int]] = (), salt: str = "") -> list[int]:
         """The prompt's block hashes (token ids where given), at most the blocks its tokens fill;
         `images` (content digest, tokens, bytes of the prompt before it) take their places in the chain
         (`common.prefix_blocks.prompt_blocks`), so a repeated image with the same text is a hit, another
-        image is not, and the text before an image is a prefix of its own."""
+        image is not, and the text before an image is a prefix of its own. `salt`: the request's cache
+        salt, as the engines key it (`common.prefix_blocks.salt_seed`): no hit across salts."""
         return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens,
-                             stable=self.stable)
+                             stable=self.stable, salt=salt_seed(salt))
 
     def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int) -> PrefixQuery:
         """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,

@@ -206,3 +206,51 @@ def test_a_system_prompt_ahead_of_different_images_is_a_shared_prefix(monolithic
     # the engine's of 16 (64 bytes); the rest of the last one goes with the image
     assert predicted == (8 + 8000) // 256 * 64
     assert reported == (8 + 8000) // 64 * 16
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """Two tenants whose prefixes are kept apart (tenants.isolate_prefix_cache), one engine."""
+    tmp = tmp_path_factory.mktemp("isolated")
+    for name in ("alpha", "beta", "admin"):
+        (tmp / f"{name}.keys").write_text(f"sk-{name}\n")
+    (tmp / "cluster.token").write_text("cluster-secret\n")
+    config = write_config(tmp, {
+        "model": MODEL,
+        "gateway": {"heartbeat_interval_ms": 100,
+                    "auth": {"admin_keys_file": str(tmp / "admin.keys"),
+                             "cluster_token_file": str(tmp / "cluster.token")},
+                    "tenants": {"isolate_prefix_cache": True, "teams": {
+                        "alpha": {"api_keys_file": str(tmp / "alpha.keys")},
+                        "beta": {"api_keys_file": str(tmp / "beta.keys")}}}},
+        "backends": [{"id": "a100-a", "role": "language", "gpu": "A100-80GB", "launch": {}}]})
+    with run_gateway(config, admin_key="sk-admin") as gateway:
+        yield gateway
+
+
+def test_isolated_tenants_share_no_cached_prefix(isolated: Gateway) -> None:
+    """The same system prompt is a hit for the tenant that sent it before, on the engine and in the index,
+    and no hit for another tenant (whose first token then takes what a cold prompt takes); the other
+    tenant's second request hits its own."""
+    system = {"role": "system", "content": system_prompt("shared")}
+
+    def ask(tenant: str, question: str) -> tuple[int, int]:
+        before = counts()
+        key = {"authorization": f"Bearer sk-{tenant}"}
+        chat(isolated, [system, {"role": "user", "content": question}], headers=key)
+        isolated.wait_until(lambda: counts()[2] > before[2])   # the engine reported this request's query
+        after = counts()
+        return after[0] - before[0], after[1] - before[1]
+
+    def counts() -> tuple[int, int, int]:
+        cache = isolated.backend("a100-a")["prefix_cache"]
+        return cache["predicted_hit_tokens"], cache["reported_hit_tokens"], cache["reported_query_tokens"]
+
+    chat(isolated, [{"role": "user", "content": "hello"}], headers={"authorization": "Bearer sk-alpha"})
+    time.sleep(0.35)   # a few heartbeats: the index's baseline of the engine's counters
+    assert ask("alpha", "What is the refund window?") == (0, 0)
+    alpha_again = ask("alpha", "And the exchange window?")
+    beta_first = ask("beta", "What is the refund window?")
+    beta_again = ask("beta", "And the exchange window?")
+    assert min(alpha_again) > 1000 and min(beta_again) > 1000   # ~2,000 tokens of system prompt
+    assert beta_first == (0, 0)

@@ -155,3 +155,36 @@ def test_the_gateways_engines_refuse_fields_they_cannot_honour(demo_gateway: Gat
         assert name in error["message"]
     plain = {"model": MODEL, "messages": MESSAGES[:2], "max_tokens": 4, "n": 1, "logprobs": False}
     assert httpx.post(f"{demo_gateway.url}/v1/chat/completions", json=plain, timeout=30).status_code == 200
+
+
+def test_an_isolated_tenants_salt_reaches_the_upstream(tmp_path: Path) -> None:
+    """With tenants.isolate_prefix_cache the upstream gets the tenant's cache salt (vLLM's `cache_salt`),
+    the client's own after it; nothing else of the body changes."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = spawn("tests.fake_openai_server", "--port", str(port))
+    for name, secret in (("alpha", "sk-alpha"), ("admin", "sk-admin"), ("cluster", "cluster-secret")):
+        (tmp_path / f"{name}.keys").write_text(f"{secret}\n")
+    config = write_config(tmp_path, {
+        "model": MODEL, "gateway": {
+            "heartbeat_interval_ms": 100,
+            "auth": {"admin_keys_file": str(tmp_path / "admin.keys"),
+                     "cluster_token_file": str(tmp_path / "cluster.keys")},
+            "tenants": {"isolate_prefix_cache": True,
+                        "teams": {"alpha": {"api_keys_file": str(tmp_path / "alpha.keys")}}}},
+        "backends": [{"id": "recorder", "kind": "openai", "gpu": "H100", "address": url}],
+    })
+    try:
+        with run_gateway(config, healthy=0, timeout=60, admin_key="sk-admin") as gw:
+            for salt, sent in ((None, "tenant:alpha"), ("mine", "tenant:alpha:mine")):
+                body = {"model": MODEL, "messages": MESSAGES[:2], "max_tokens": 3}
+                if salt:
+                    body["cache_salt"] = salt
+                resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30,
+                                  headers={"authorization": "Bearer sk-alpha"})
+                assert resp.status_code == 200, resp.text
+                got, _ = recorded(url)
+                assert got.pop("cache_salt") == sent
+                assert got["messages"] == MESSAGES[:2] and got["model"] == MODEL
+    finally:
+        stop(engine)

@@ -183,6 +183,20 @@ async def test_sequences_running_at_once_share_a_prefix_by_copy(model: str, requ
     assert d_take.source == c_take.slot and d_take.reused >= 32
 
 
+async def test_a_cache_salt_keeps_prefixes_apart(tiny_model_dir: Path) -> None:
+    """The same prompt under another cache salt reuses nothing (its first token takes the time a fresh
+    engine's does), under the same salt it reuses the freed slot's blocks."""
+    prompt = "the quick brown fox " * 3 + "and runs"
+    async with running_executor(tiny_model_dir, max_batch=2) as ex:
+        hits = []
+        for rid, salt in (("a", "tenant:a"), ("b", "tenant:b"), ("c", "tenant:a")):
+            before = ex.load().prefix_cache_hits
+            await collect(ex, GenerateInput(rid, 0, 4, prompt=prompt, sampling=Sampling(temperature=0.0),
+                                            cache_salt=salt))
+            hits.append(ex.load().prefix_cache_hits - before)
+    assert hits[:2] == [0, 0] and hits[2] >= 32
+
+
 async def test_a_next_turn_reuses_the_kv_of_the_answer_too(tiny_model_dir: Path) -> None:
     """The slot keeps the KV of the tokens it generated: a next turn that resends the answer finds it (the
     byte-level tokenizer of the random model gives the answer's text back as the ids generated)."""

@@ -14,7 +14,7 @@ from backends.executors import GenerateInput
 from backends.sim_executor import SimulatedExecutor
 from common import perf_model
 from common.metric_tables import parse
-from common.prefix_blocks import EnginePrefixCache, block_hashes, content_digest
+from common.prefix_blocks import EnginePrefixCache, block_hashes, content_digest, prompt_blocks, salt_seed
 from tests.snapshots import catalog
 
 MODEL, GPU = catalog().model("llava-1.5-7b"), catalog().gpu("A100-80GB")
@@ -119,6 +119,29 @@ def test_the_executor_reports_vllm_counters_in_its_load() -> None:
 
     queries, hits = asyncio.run(main())
     assert (queries, hits) == (2 * (len(SYSTEM) + 8) // 4, 30 * 16)
+
+
+def test_prompts_share_blocks_only_within_a_cache_salt() -> None:
+    """vLLM's `cache_salt`: the same prompt under another salt is no hit, under the same one it is; the
+    gateway's index names the blocks as the engine does (no salt: the unsalted chain)."""
+    assert block_hashes(SYSTEM, salt=salt_seed("tenant:a")) != block_hashes(SYSTEM, salt=salt_seed("tenant:b"))
+    assert block_hashes(SYSTEM, salt=salt_seed("")) == block_hashes(SYSTEM)
+    assert prompt_blocks(SYSTEM, (), 480, salt=salt_seed("x")) == block_hashes(SYSTEM, max_blocks=30,
+                                                                                salt=salt_seed("x"))
+
+    async def main() -> list[int]:
+        executor = SimulatedExecutor(MODEL, GPU, perf_model.kv_capacity_bytes(MODEL, GPU), time_scale=0.0)
+        hits = []
+        async with stepping(executor):
+            for name, salt in (("a", "tenant:a"), ("b", "tenant:b"), ("c", "tenant:a"), ("d", "")):
+                before = executor.load().prefix_cache_hits
+                request = GenerateInput(name, len(SYSTEM) // 4 + 2, 2, prompt=SYSTEM + f"q {name}", cache_salt=salt)
+                async for _ in executor.generate(request):
+                    pass
+                hits.append(executor.load().prefix_cache_hits - before)
+        return hits
+
+    assert asyncio.run(main()) == [0, 0, 30 * 16, 0]
 
 
 def test_the_executor_caches_image_tokens_by_the_images_content() -> None:

@@ -78,6 +78,13 @@ def test_with_no_match_an_empty_slot_then_the_one_freed_longest_ago() -> None:
     assert slots.take(a, 32) == Take(0, 16)       # a's prefix was kept
 
 
+def test_a_cache_salt_starts_a_chain_of_its_own() -> None:
+    plain, a, b = (block_keys(IDS, [], [], 64, salt=salt) for salt in ("", "tenant:a", "tenant:b"))
+    assert plain == block_keys(IDS, [], [], 64)
+    assert not set(a) & set(b) and not set(a) & set(plain)
+    assert block_keys([*IDS, *range(300, 340)], [], [], 100, a, "tenant:a")[:4] == a   # resumed under its salt
+
+
 def test_keys_go_on_from_those_already_worked_out() -> None:
     ids = [*IDS, *range(300, 340)]                # a prompt of 64 tokens, then 40 generated
     prompt = block_keys(IDS, [], [], 64)
