@@ -40,7 +40,7 @@ from gateway.control.heartbeat_service import ControlService
 from gateway.control.launchers import LaunchContext, build_launchers, managed_address, managed_ports
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
-from gateway.doors.grpc_door import add_front_door
+from gateway.doors.grpc_door import InferenceService, add_front_door
 from gateway.doors.routes import create_server
 from gateway.doors.tls import GrpcTls, http_ssl_context, load_grpc_tls
 from gateway.replicas.leadership import Supervision
@@ -83,7 +83,7 @@ def bind_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 async def start_control(
     runtime: Runtime, host: str, port: int, auth: ControlAuth | None = None, tls: GrpcTls | None = None,
     reuse_port: bool = False, front_door: bool = True,
-) -> tuple[grpc.aio.Server, int]:
+) -> tuple[grpc.aio.Server, int, InferenceService | None]:
     # The gRPC door's request cap is the HTTP door's body cap (gRPC's own default is 4 MiB).
     # No SO_REUSEPORT (but for --workers): with it, a second gateway would bind the same port and take
     # half the heartbeats.
@@ -93,8 +93,7 @@ async def start_control(
                                       ("grpc.so_reuseport", int(reuse_port)), *keepalive().server_options()])
     service = ControlService(runtime.signals, auth=auth)
     control_pb2_grpc.add_ControlServicer_to_server(service, server)
-    if front_door:
-        await add_front_door(server, runtime)
+    door = await add_front_door(server, runtime) if front_door else None
     address = f"{host}:{port}"
     try:
         bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
@@ -104,7 +103,7 @@ async def start_control(
         await server.stop(None)
         raise PortUnavailable(f"cannot bind the control gRPC port {host}:{port}: address in use or not allowed")
     await server.start()
-    return server, bound
+    return server, bound, door
 
 
 def local_control_host(grpc_host: str) -> str:
@@ -128,7 +127,7 @@ async def start_engines_port(
     (the engines then heartbeat to their leader only, and stop with it as a single gateway's do)."""
     try:
         port = await replication.engines_port(host)
-        server, _ = await start_control(runtime, host, port, auth, tls, reuse_port=True, front_door=False)
+        server, _, _ = await start_control(runtime, host, port, auth, tls, reuse_port=True, front_door=False)
     except (RedisError, OSError, TimeoutError, PortUnavailable) as exc:
         log.warning("engines_port_unavailable", error=str(exc) or repr(exc),
                     detail="managed engines heartbeat to their leader only and stop when it dies")
@@ -192,7 +191,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             structlog.contextvars.bind_contextvars(replica=replication.replica_id)
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
-            control, grpc_port = await start_control(
+            control, grpc_port, grpc_door = await start_control(
                 runtime, options.grpc_host, options.grpc_port, auth, grpc_tls, options.reuse_port)
         except BaseException:
             http_socket.close()
@@ -262,7 +261,8 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         stop.set()
         if autoscaling is not None:
             await autoscaling
-        await server.stop(config.settings.drain_timeout_s)
+        drain_s = config.settings.drain_timeout_s   # both doors' requests finish, or are told why not
+        await asyncio.gather(server.stop(drain_s), grpc_door.drain(drain_s) if grpc_door else asyncio.sleep(0))
         await fleet.close()
         await monitor
         # The engines' streams close from this side before the engines are stopped: an engine that

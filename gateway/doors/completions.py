@@ -32,7 +32,7 @@ from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.dispatch import Dispatch
 from gateway.pipeline.request_log import RequestLog, RequestRecord
-from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError
+from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError, ShuttingDown
 from gateway.requests.job import GenerationJob
 from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
@@ -119,6 +119,12 @@ class CompletionsDoor:
             exchange.respond(exc.status, error_headers(exc, rid) + allow, error_json(exc))
             self._requests.finish(record, exc.status, error=exc.message)
         except asyncio.CancelledError:
+            if exchange.cut and not exchange.started:   # the gateway stops: the client is told
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                cut = ShuttingDown("the gateway is shutting down and its drain time ran out; retry")
+                exchange.respond(cut.status, error_headers(cut, rid), error_json(cut))
+                self._requests.finish(record, cut.status, error=cut.message)
+                return
             if not exchange.gone:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
@@ -172,10 +178,15 @@ class CompletionsDoor:
             status, error = exc.status, exc.message
             tail = error_event(client_view(exc)) + DONE
         except asyncio.CancelledError:
-            if not exchange.gone:
-                raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            status = 499   # mid-stream: the request log keeps its backend and latency
+            if exchange.cut and not exchange.gone:   # the gateway stops: the stream ends with the reason
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                cut = ShuttingDown("the gateway is shutting down and its drain time ran out")
+                status, error, tail = cut.status, cut.message, error_event(cut) + DONE
+            else:
+                if not exchange.gone:
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                status = 499   # mid-stream: the request log keeps its backend and latency
         finally:
             if tail is not None:   # the client first, the log line after
                 exchange.end_stream(tail)

@@ -6,6 +6,7 @@ so validation, limits and routing are identical; errors become gRPC status codes
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
 from gateway.doors.client_errors import client_message
 from gateway.doors.jobs import JobBuilder
 from gateway.pipeline.request_log import RequestLog, RequestRecord
-from gateway.requests.errors import InvalidRequest, RequestError, grpc_code_name
+from gateway.requests.errors import InvalidRequest, RequestError, ShuttingDown, grpc_code_name
 from gateway.requests.images import FORMATS
 from gateway.requests.job import GenerationJob
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
@@ -40,7 +41,9 @@ def _openai_body(request: inference_pb2.GenerateRequest) -> dict[str, Any]:
         body["max_tokens"] = request.max_tokens
     if request.has_temperature:
         body["temperature"] = request.temperature
-    if request.prompt and not request.messages:
+    if request.prompt and request.messages:
+        raise InvalidRequest("send messages (a chat) or prompt (a completion), not both", param="prompt")
+    if request.prompt:
         body["prompt"] = request.prompt
         return body
     messages = []
@@ -60,6 +63,20 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._runtime = runtime
         self._jobs = JobBuilder(runtime)
         self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
+        self._calls: set[asyncio.Task[Any]] = set()   # the Generate calls under way
+        self._stopping: ShuttingDown | None = None     # set when the gateway stops: why calls are refused or cut
+
+    async def drain(self, drain_s: float) -> None:
+        """The gateway stops: new calls are refused, those under way finish for up to `drain_s`, then
+        each left ends with UNAVAILABLE naming the shutdown (not a backend's failure)."""
+        self._stopping = ShuttingDown("the gateway is shutting down; retry")
+        if self._calls:
+            await asyncio.wait(list(self._calls), timeout=drain_s)
+        self._stopping = ShuttingDown("the gateway is shutting down and its drain time ran out")
+        calls = list(self._calls)
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def _job(
         self, request: inference_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
@@ -83,7 +100,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         record = RequestRecord(request.request_id or uuid.uuid4().hex, "grpc")
         record.traceparent = dict(context.invocation_metadata() or ()).get("traceparent")   # W3C trace context
         status, error, usage = 499, None, None   # closed early: the client went away
+        this = asyncio.current_task()
+        assert this is not None
+        self._calls.add(this)
         try:
+            if self._stopping is not None:
+                raise self._stopping
             job = await self._job(request, record.request_id, context)
             dispatch = await self._runtime.pipeline.start(job, record)
             first = True
@@ -102,15 +124,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except RequestError as exc:
             status, error = exc.status, exc.message
             await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), client_message(exc))
+        except asyncio.CancelledError:
+            if self._stopping is None or this.uncancel() > 0:   # the client went away
+                raise
+            status, error = self._stopping.status, self._stopping.message   # cut by `drain`
+            await context.abort(grpc.StatusCode.UNAVAILABLE, error)
         finally:
+            self._calls.discard(this)
             self._requests.finish(record, status, error=error,
                                   prompt_tokens=usage.prompt_tokens if usage else 0,
                                   completion_tokens=usage.completion_tokens if usage else 0)
 
 
-async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> None:
-    """Inference + health (overall and per service) + reflection on the gateway's gRPC server."""
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceService(runtime), server)
+async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> InferenceService:
+    """Inference + health (overall and per service) + reflection on the gateway's gRPC server; returns
+    the inference service (the daemon drains it when it stops)."""
+    door = InferenceService(runtime)
+    inference_pb2_grpc.add_InferenceServicer_to_server(door, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -118,3 +148,4 @@ async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> None:
     for name in ("", inference):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([inference, control, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return door

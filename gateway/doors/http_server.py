@@ -126,10 +126,12 @@ class Exchange:
     pieces, chunked (`drain` waits while the client reads slower than the gateway writes). The head of
     a streamed response goes out with its first piece: one write fewer, and the first piece follows
     the head at once anyway. `gone` turns true when the client disconnected before the response was
-    complete: the handler is cancelled then.
+    complete: the handler is cancelled then. `cut` turns true when the gateway stops and its drain time
+    ran out with the response incomplete: the handler is cancelled, and ends the response itself (a 503,
+    or an error event on a stream) before the connection is dropped.
     """
 
-    __slots__ = ("_chunked", "_conn", "_head", "_head_only", "_http_11", "done", "gone", "started")
+    __slots__ = ("_chunked", "_conn", "_head", "_head_only", "_http_11", "cut", "done", "gone", "started")
 
     def __init__(self, conn: _Connection, head_only: bool, http_11: bool) -> None:
         self._conn = conn
@@ -137,7 +139,7 @@ class Exchange:
         self._http_11 = http_11
         self._chunked = False
         self._head = b""
-        self.started = self.done = self.gone = False
+        self.started = self.done = self.gone = self.cut = False
 
     def respond(self, status: int, headers: Headers, body: bytes, content_type: bytes = _JSON) -> None:
         self.started = self.done = True
@@ -471,6 +473,14 @@ class _Connection(asyncio.Protocol):
     def idle(self) -> bool:
         return self._task is None and not self._pending
 
+    def cut(self) -> None:
+        """The gateway stops: the request under way is cancelled, its handler told why (`Exchange.cut`)."""
+        exchange = self._exchange
+        self.keep_alive = False
+        if exchange is not None and not exchange.done and self._task is not None:
+            exchange.cut = True
+            self._task.cancel()
+
     def abort(self) -> None:
         if self._transport is not None:
             self._transport.abort()
@@ -508,21 +518,18 @@ class HttpServer:
         if _TRIM is not None:
             _TRIM(0)
 
-    async def stop(self, drain_s: float) -> None:
-        """Stops accepting, lets requests in flight finish for up to `drain_s`, then closes the rest."""
+    async def stop(self, drain_s: float, cut_s: float = 1.0) -> None:
+        """Stops accepting, lets requests in flight finish for up to `drain_s`, then cuts those still
+        under way (`_Connection.cut`: each handler ends its response) and, `cut_s` later, drops every
+        connection left."""
         self.draining = True
         if self._server is not None:
             self._server.close()
-        deadline = time.monotonic() + drain_s
-        while True:
+        await self._close_idle(time.monotonic() + drain_s)
+        if self.connections:
             for conn in list(self.connections):
-                if conn.idle():
-                    conn.close()
-                else:
-                    conn.keep_alive = False
-            if not self.connections or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.05)
+                conn.cut()
+            await self._close_idle(time.monotonic() + cut_s)
         for conn in list(self.connections):
             conn.abort()
         if self._trim is not None:
@@ -530,3 +537,15 @@ class HttpServer:
             self._trim = None
         if self._server is not None:
             await self._server.wait_closed()
+
+    async def _close_idle(self, deadline: float) -> None:
+        """Close each connection once it is idle, until none is left or the deadline."""
+        while True:
+            for conn in list(self.connections):
+                if conn.idle():
+                    conn.close()
+                else:
+                    conn.keep_alive = False
+            if not self.connections or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.05)

@@ -12,6 +12,7 @@
         ├── RateLimited              429  a tenant over its limit (Retry-After; OpenAI's type requests/tokens)
         ├── LimiterUnavailable       503  a tenant's limits cannot be checked (Redis away, fail-closed)
         ├── NoBackendAvailable       503  no healthy backend for the pool (Retry-After)
+        ├── ShuttingDown             503  still under way when the gateway's drain time ran out
         ├── BackendFailure           502  the engine failed; `retryable` while no token was sent
         │   └── BackendTimeout       504
         └── DeadlineExceeded         504  the request's own deadline passed (retries included)
@@ -110,6 +111,15 @@ class NoBackendAvailable(RequestError):
     status = 503
     type = "service_unavailable"
     code = "no_backend_available"
+    retry_after_s = 1.0
+
+
+class ShuttingDown(RequestError):
+    """The gateway stops and its drain time is over: a request still under way is ended with this."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "gateway_shutting_down"
     retry_after_s = 1.0
 
 

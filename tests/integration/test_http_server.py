@@ -472,12 +472,15 @@ async def test_a_bad_request_pipelined_behind_good_ones(bad: bytes, status: int)
 
 
 class Hang:
-    """A handler that waits until it is cancelled, recording whether the client was gone by then."""
+    """A handler that waits until it is cancelled, recording whether the client was gone by then, or the
+    gateway cut it (`answer_cut`: it then answers 503 itself, as the completion routes do)."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer_cut: bool = False) -> None:
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.gone_when_cancelled: list[bool] = []
+        self.cut_when_cancelled: list[bool] = []
+        self.answer_cut = answer_cut
 
     async def __call__(self, request: Request, exchange: Exchange) -> None:
         self.started.set()
@@ -485,8 +488,13 @@ class Hang:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
             self.gone_when_cancelled.append(exchange.gone)
+            self.cut_when_cancelled.append(exchange.cut)
             self.cancelled.set()
-            raise
+            if not (self.answer_cut and exchange.cut):
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            exchange.respond(503, [], b"shutting down", b"text/plain")
+            return
         exchange.respond(200, [], b"too late", b"text/plain")
 
 
@@ -951,8 +959,11 @@ async def test_stop_lets_requests_in_flight_finish_and_closes_the_rest() -> None
         await busy.close()
 
 
-async def test_stop_cancels_a_handler_still_running_at_the_deadline() -> None:
-    stuck = Hang()
+@pytest.mark.parametrize("answers", [False, True])
+async def test_stop_cuts_a_handler_still_running_at_the_deadline(answers: bool) -> None:
+    """At the deadline the handler is cancelled as cut (the client is not gone): one that answers then is
+    heard (a 503) before the connection closes; one that does not, the connection is dropped."""
+    stuck = Hang(answer_cut=answers)
     async with serve({"/stuck": stuck}) as s:
         conn = await Conn.open(s.port)
         conn.send(get("/stuck"))
@@ -960,11 +971,14 @@ async def test_stop_cancels_a_handler_still_running_at_the_deadline() -> None:
             await stuck.started.wait()
         t0 = time.monotonic()
         async with asyncio.timeout(IO_S):
-            await s.server.stop(0.3)
+            await s.server.stop(0.3, cut_s=0.3)
             await stuck.cancelled.wait()
         assert 0.25 <= time.monotonic() - t0 < 4.0
-        assert stuck.gone_when_cancelled == [True]
-        assert await conn.closed()   # no response: the connection is cut
+        assert (stuck.gone_when_cancelled, stuck.cut_when_cancelled) == ([False], [True])
+        if answers:
+            answer = await conn.response()
+            assert (answer.status, answer.body) == (503, b"shutting down")
+        assert await conn.closed()
         await conn.close()
 
 
