@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from common import __version__
 from common.errors import ConfigError
@@ -35,9 +36,9 @@ def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | Non
                    help="backends.yaml, or the name of a cluster the package ships: "
                         f"{', '.join(shipped_clusters())} (default: backends, the embedded demo cluster)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     p.add_argument("--grpc-host", default="127.0.0.1", help="control gRPC listen address (backends heartbeat here)")
-    p.add_argument("--grpc-port", type=int, default=50061, help="control gRPC port (0 = any free port)")
+    p.add_argument("--grpc-port", type=port_number, default=50061, help="control gRPC port (0 = any free port)")
     p.add_argument("--policy", choices=sorted(REGISTRY), help="routing policy (default: the config's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--engine-log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -75,6 +76,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
+    return value
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
 def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=f"gateway {CHECK_CONFIG}",
@@ -102,11 +113,14 @@ def validate(args: argparse.Namespace) -> Validated:
     there means the gateway starts. Exit status 2 with the ConfigError (which names the file and
     setting) on stderr: no traceback for a configuration mistake."""
     from gateway.config.cluster import load_cluster
-    from gateway.daemon import ServeOptions, check_startup
+    from gateway.daemon import ServeOptions, check_startup, redacted
 
     try:
         config = load_cluster(args.backends)
         redis_url = args.redis_url or config.settings.redis.url
+        if redis_url is not None and urlsplit(redis_url).scheme not in REDIS_SCHEMES:
+            raise ConfigError(f"--redis-url (or gateway.redis.url): {redacted(redis_url)!r} is no Redis URL: it "
+                              "starts with redis://, rediss:// or unix://")
         check_workers(args.workers, redis_url, args.port, args.grpc_port)
         options = ServeOptions(
             host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from common.event_loop import run
     from common.logs import configure_logging
-    from gateway.daemon import PortUnavailable, serve
+    from gateway.daemon import CannotStart, serve
     from gateway.replicas.workers import run_workers
 
     args = parse_args(argv)
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         run(serve(checked.config, checked.options, checked.checks))
-    except PortUnavailable as exc:   # nothing was launched: the ports are bound first
+    except CannotStart as exc:   # nothing was launched: the ports are bound and Redis reached first
         print(f"gateway: cannot start: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 

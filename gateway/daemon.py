@@ -20,6 +20,7 @@ import ssl
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import httpx
@@ -69,8 +70,20 @@ class ServeOptions:
     reuse_port: bool = False         # SO_REUSEPORT on both doors (`--workers`)
 
 
-class PortUnavailable(HeteroGateError):
+class CannotStart(HeteroGateError):
+    """Start-up stops before any engine is launched: the gateway exits with this message."""
+
+
+class PortUnavailable(CannotStart):
     """A port the gateway must listen on cannot be bound (taken, or not allowed)."""
+
+
+class RedisUnreachable(CannotStart):
+    """`--redis-url` given and Redis does not answer at start-up: a replica that cannot reach it could
+    never lead or launch the engines, and would serve nothing while looking alive."""
+
+
+REDIS_START_WAIT_S = 10.0   # how long start-up tries to reach Redis (it may be starting beside the gateway)
 
 
 def bind_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -135,6 +148,16 @@ async def start_engines_port(
     return server, f"{host}:{port}"
 
 
+def redacted(url: str) -> str:
+    """A URL without the password in it (a Redis URL may carry one), for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def managed_ids(config: ClusterConfig) -> list[str]:
     """The backends the gateway launches (`launch:`)."""
     return [s.id for s in config.raw.backends if s.launch is not None]
@@ -189,6 +212,12 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         replication = join(runtime, options.redis_url, auth.identities) if options.redis_url else None
         if replication is not None:   # on every line this process logs from now on, each request's included
             structlog.contextvars.bind_contextvars(replica=replication.replica_id)
+            try:
+                await replication.reachable(REDIS_START_WAIT_S)
+            except (RedisError, OSError, TimeoutError) as exc:
+                await replication.close()
+                raise RedisUnreachable(f"cannot reach Redis at {redacted(options.redis_url or '')} within "
+                                       f"{REDIS_START_WAIT_S:g} s: {str(exc) or repr(exc)}") from None
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
             control, grpc_port, grpc_door = await start_control(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tomllib
@@ -79,3 +80,29 @@ def test_check_config_requires_a_file() -> None:
     result = gateway("check-config")
     assert result.returncode == 2
     assert "file" in result.stderr
+
+
+@pytest.mark.parametrize(("option", "words"), [
+    (("--port", "99999"), "a port is 0 to 65535"),
+    (("--grpc-port", "70000"), "a port is 0 to 65535"),
+    (("--redis-url", "notaurl"), "is no Redis URL"),
+])
+def test_check_config_and_start_up_refuse_bad_options(option: tuple[str, str], words: str) -> None:
+    """What start-up refuses, check-config refuses too, both with exit 2 and no traceback."""
+    for args in (("check-config", "configs/backends.yaml", *option), ("--backends", "configs/backends.yaml", *option)):
+        result = gateway(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_replica_that_cannot_reach_redis_exits_naming_it_and_launches_nothing() -> None:
+    """Nothing listens on the port: start-up tries for a while, then exits 1 with the URL (its password
+    hidden); no engine was started (`gateway` checks that nothing of its process group outlives it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # closed again: a port where nothing listens
+    result = gateway("--backends", "configs/backends.yaml", "--port", "0", "--grpc-port", "0",
+                     "--redis-url", f"redis://ops:hunter2@127.0.0.1:{port}/0")
+    assert result.returncode == 1, result.stderr
+    assert f"cannot reach Redis at redis://ops:***@127.0.0.1:{port}/0" in result.stderr
+    assert "hunter2" not in result.stderr and "Traceback" not in result.stderr

@@ -18,6 +18,7 @@ import socket
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway.control.engine_identities import EngineIdentities
 from gateway.control.launchers import free_port
@@ -40,6 +41,21 @@ class Replication:
     shared: SharedState
     lease: LeaderLease
     runtime: Runtime
+
+    async def reachable(self, wait_s: float, retry_s: float = 0.5) -> None:
+        """Redis answers within `wait_s`, else the last error (a replica that cannot reach it at start-up
+        could never lead or launch, and would serve nothing)."""
+        timeout_s = self.runtime.config.settings.redis.timeout_ms / 1000
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            try:
+                await asyncio.wait_for(self.redis.ping(), timeout_s)
+                return
+            except (RedisError, OSError, TimeoutError):
+                if loop.time() + retry_s >= deadline:
+                    raise
+            await asyncio.sleep(retry_s)
 
     async def engines_port(self, host: str) -> int:
         """The port on this host where every replica takes the managed engines' heartbeats (each binds
