@@ -1,4 +1,4 @@
-"""A self-signed certificate for 127.0.0.1 / localhost, made at test time (never checked in)."""
+"""A self-signed certificate (for 127.0.0.1 / localhost unless told otherwise), made at test time (never checked in)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 
-def self_signed(directory: Path, name: str = "gateway") -> tuple[Path, Path]:
-    """Write `name`.crt and `name`.key (EC P-256, one day) under `directory`; return their paths."""
+def self_signed(directory: Path, name: str = "gateway", dns: str = "localhost", ip: str | None = "127.0.0.1") -> (
+    tuple[Path, Path]
+):
+    """Write `name`.crt and `name`.key (EC P-256, one day, naming `dns` and `ip`) under `directory`;
+    return their paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
@@ -25,7 +28,7 @@ def self_signed(directory: Path, name: str = "gateway") -> tuple[Path, Path]:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.DNSName(dns), *([x509.IPAddress(ipaddress.ip_address(ip))] if ip else []),
         ]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import yaml
 
 from common.control_credentials import ControlCredentials
 from common.wire import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -164,3 +165,18 @@ def test_missing_secrets_stop_start_up(tmp_path: Path, change: dict[str, Any], a
         "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}}],
     })
     assert named in start_up_error(tmp_path, config, *args)
+
+
+def test_an_engine_that_cannot_reach_the_control_port_says_why(tmp_path: Path) -> None:
+    """A certificate that does not name the address the engines dial: the engines never connect, and each
+    logs a warning with gRPC's reason once it has been unreachable a few seconds (it was only a debug line)."""
+    cert, key = self_signed(tmp_path, dns="foo.example", ip=None)
+    config = cluster_config(tmp_path, cert, key)
+    settings = yaml.safe_load(config.read_text())
+    del settings["gateway"]["tls"]["http"]   # the HTTP door in plain text: only the control port's name is wrong
+    config.write_text(yaml.safe_dump(settings))
+    with run_gateway(config, admin_key=ADMIN, healthy=0, env={"HG_TEST_CLUSTER_TOKEN": TOKEN}) as gw:
+        warned = gw.wait_until(lambda: [line for line in gw.log_path.read_text().splitlines()
+                                        if '"gateway_unreachable"' in line and '"warning"' in line], timeout=40)
+        assert all(b["state"] == "starting" for b in gw.backends())
+    assert "UNAVAILABLE" in warned[0] and "127.0.0.1" in warned[0]
