@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gateway",
                                 description="HeteroGate: the front door of a heterogeneous GPU cluster",
                                 epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits; "
-                                       f"`gateway {PLAN} --help`: which GPUs in which roles for a workload")
+                                       f"`gateway {PLAN} --help`: which GPUs in which roles for a workload; "
+                                       f"`gateway {DEMO_UPSTREAM} --help`: a mock OpenAI-compatible engine to "
+                                       "try the gateway in front of")
     p.add_argument("--version", action="version", version=f"heterogate {__version__}")
     from gateway.config.cluster import DEFAULT_BACKENDS
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
@@ -95,9 +96,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise body_error(exc) from None
 
     async def Generate(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.GenerateRequest | None, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateReply]:
-        record = RequestRecord(request.request_id or uuid.uuid4().hex, "grpc")
+        """`request` None: bytes that are no GenerateRequest (`_decoded`): INVALID_ARGUMENT."""
+        record = RequestRecord((request.request_id if request else "") or uuid.uuid4().hex, "grpc")
         record.traceparent = dict(context.invocation_metadata() or ()).get("traceparent")   # W3C trace context
         status, error, usage = 499, None, None   # closed early: the client went away
         this = asyncio.current_task()
@@ -106,6 +108,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:
             if self._stopping is not None:
                 raise self._stopping
+            if request is None:
+                raise InvalidRequest("the request is not a GenerateRequest message (heterogate.inference.v1)")
             job = await self._job(request, record.request_id, context)
             dispatch = await self._runtime.pipeline.start(job, record)
             first = True
@@ -136,11 +140,26 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                   completion_tokens=usage.completion_tokens if usage else 0)
 
 
+def _decoded(raw: bytes) -> inference_pb2.GenerateRequest | None:
+    try:
+        request: inference_pb2.GenerateRequest = inference_pb2.GenerateRequest.FromString(raw)
+    except DecodeError:
+        return None
+    return request
+
+
 async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> InferenceService:
     """Inference + health (overall and per service) + reflection on the gateway's gRPC server; returns
     the inference service (the daemon drains it when it stops)."""
     door = InferenceService(runtime)
-    inference_pb2_grpc.add_InferenceServicer_to_server(door, server)
+    # As inference_pb2_grpc.add_InferenceServicer_to_server registers it, but with a decoder that hands
+    # the servicer None for bytes that are no message: a 400's INVALID_ARGUMENT, not UNKNOWN and a traceback.
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        door.Generate, request_deserializer=_decoded,
+        response_serializer=inference_pb2.GenerateReply.SerializeToString)}
+    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

@@ -164,6 +164,25 @@ def test_two_authorization_entries_on_the_grpc_door(gw: Gateway) -> None:
     assert err.code() != grpc.StatusCode.INVALID_ARGUMENT and err.code() != grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_bytes_that_are_no_message_and_a_prompt_beside_messages_are_invalid_argument(gw: Gateway) -> None:
+    """Not UNKNOWN with a traceback in the gateway's log: INVALID_ARGUMENT naming what is wrong."""
+    async def generate(raw: bytes) -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+            call = channel.unary_stream("/heterogate.inference.v1.Inference/Generate")(
+                raw, metadata=(("authorization", f"Bearer {KEY}"),), timeout=IO_S)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in call]
+            return info.value
+
+    err = asyncio.run(generate(b"\xff\xff\xff\x00garbage"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateRequest" in (err.details() or "")
+    both = inference_pb2.GenerateRequest(model="llava-1.5-7b", prompt="hi", max_tokens=2,
+                                         messages=[inference_pb2.Message(role="user", text="hi")])
+    err = asyncio.run(generate(both.SerializeToString()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in (err.details() or "")
+    assert "Traceback" not in gw.log_path.read_text()
+
+
 # -- a backend that cannot be reached ---------------------------------------------------------------
 
 GRPC_TEXTS = ("AioRpcError", "ailed to connect", "Cancelling", "ipv4:", "127.0.0.1", "StatusCode", "errno")
