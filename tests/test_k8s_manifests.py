@@ -5,6 +5,7 @@ exact arguments and environment (its Secret's token included) pass every check s
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -132,13 +133,18 @@ def on_loopback(args: list[str]) -> list[str]:
 
 
 def test_the_pods_gateway_process_starts(tmp_path: Path) -> None:
-    """The gateway itself with the pod's options and environment, its doors on loopback: it starts
-    (the engines' hosts and the Redis Service do not resolve here), answers its liveness probe, and its
+    """The gateway itself with the pod's options and environment, its doors on loopback and this machine's
+    Redis standing in for the Redis Service (under a key prefix of its own; a replica that cannot reach
+    Redis exits): it starts (the engines' hosts do not resolve here), answers its liveness probe, and its
     readiness probe says 503: no upstream answers."""
     args, container, _ = pod_command(tmp_path)
     ref = next(e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == ENV_CLUSTER_TOKEN)
     env = container_env(container, {ref["name"]: {ref["key"]: "a-token-from-the-secret"}})
     backends = Path(args[args.index("--backends") + 1])
+    config = yaml.safe_load(backends.read_text())
+    assert config["gateway"]["redis"]["url"] == "redis://heterogate-redis:6379/0"
+    config["gateway"]["redis"] |= {"url": "redis://127.0.0.1:6379/0", "key_prefix": f"hg-test-k8s:{uuid.uuid4().hex}:"}
+    backends.write_text(yaml.safe_dump(config))
     with run_gateway(backends, *on_loopback(args[1:]), healthy=0, env=env, timeout=60) as gw:
         liveness = container["livenessProbe"]["httpGet"]["path"]
         assert httpx.get(f"{gw.url}{liveness}", timeout=5).status_code == 200
