@@ -32,6 +32,7 @@ from common.errors import HeteroGateError
 from common.grpc_keepalive import keepalive
 from common.wire import control_pb2_grpc
 from gateway.config.auth import KeyRing
+from gateway.config.autoscaling import POOL_ROLES
 from gateway.config.cluster import ClusterConfig, LaunchSpec
 from gateway.control.adoption import find_adoptable
 from gateway.control.autoscaler import Autoscaler
@@ -193,7 +194,26 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
         warnings.append(f"the HTTP door listens on {options.host}, beyond loopback, with no API keys: whoever "
                         "reaches it may send requests and read /admin and /metrics (gateway.auth.api_keys_file "
                         "or api_keys_env turns keys on)")
+    warnings += autoscaling_warnings(config)
     return StartupChecks(grpc_tls, ssl_context, auth, tuple(warnings))
+
+
+def autoscaling_warnings(config: ClusterConfig) -> list[str]:
+    """Pools a managing scaler can never bring to their `max` (each new engine takes a GPU of the pool's
+    inventory), or that start above it (it removes only the engines it added): valid, but likely not what
+    was meant; `gateway check-config` prints them."""
+    scaling = config.settings.autoscaling
+    out = []
+    for pool, bounds in scaling.scaled().items() if scaling.mode == "manage" else ():
+        now = sum(1 for b in config.raw.backends if b.role in POOL_ROLES[pool])
+        reachable = now + len(bounds.gpus)
+        if reachable < bounds.max:
+            out.append(f"gateway.autoscaling.pools.{pool}: max is {bounds.max}, but {now} engine(s) now and "
+                       f"{len(bounds.gpus)} GPU(s) in its `gpus:` inventory make at most {reachable}")
+        if now > bounds.max:
+            out.append(f"gateway.autoscaling.pools.{pool}: {now} engines at start-up, above max {bounds.max}: "
+                       "the scaler removes only engines it added, so the pool stays above max")
+    return out
 
 
 async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChecks | None = None) -> None:

@@ -17,6 +17,7 @@ from common.errors import ConfigError
 from gateway.config.autoscaling import AutoscalingConfig, Pool
 from gateway.config.cluster import load_cluster
 from gateway.control.autoscaler import PoolDemand, Scaler, pool_demand, pressure
+from gateway.daemon import autoscaling_warnings
 from gateway.routing.policies.first_token import predicted_ttft_s
 from gateway.routing.state_table import Reported, StateTable
 from testkit.harness import write_config
@@ -282,3 +283,19 @@ def test_manage_mode_is_checked_against_the_backends_file(tmp_path: Path) -> Non
         load({"max": 2}, [language, {**encoder, "launch": None, "address": "127.0.0.1:9"}])
     with pytest.raises(ConfigError, match=r"template 'h100-0'"):
         load({"max": 2, "template": "h100-0"}, [language, encoder])
+
+
+def test_pools_a_scaler_cannot_bring_to_max_are_warned_about(tmp_path: Path) -> None:
+    """Valid, but likely a slip: start-up and check-config say so (gateway/daemon.py)."""
+    def warnings(vision: dict[str, Any], encoders: int) -> list[str]:
+        backends = [{"id": "h100-0", "gpu": "H100", "launch": {}},
+                    *({"id": f"l4-{k}", "role": "vision", "gpu": "L4", "launch": {}} for k in range(encoders))]
+        return autoscaling_warnings(load_cluster(write_config(tmp_path, {
+            "model": "llava-1.5-7b", "backends": backends,
+            "gateway": {"autoscaling": {"mode": "manage", "pools": {"vision": vision}}}})))
+
+    assert warnings({"max": 3, "gpus": ["L4", "L4"]}, 1) == []
+    assert warnings({"max": 3, "gpus": []}, 1) == [
+        "gateway.autoscaling.pools.vision: max is 3, but 1 engine(s) now and 0 GPU(s) in its `gpus:` inventory "
+        "make at most 1"]
+    assert "above max 1" in warnings({"max": 1, "gpus": ["L4"]}, 2)[0]
