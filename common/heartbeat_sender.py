@@ -28,7 +28,7 @@ from common.control_credentials import ControlCredentials
 from common.wire import control_pb2, control_pb2_grpc
 
 log = structlog.get_logger("heartbeat_sender")
-WARN_UNREACHABLE_S = 5.0   # a gateway unreachable this long is logged as a warning (with gRPC's reason), each time
+WARN_UNREACHABLE_S = 5.0   # a gateway unreachable this long is logged as a warning (gRPC's reason), then as often
 _REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 # After a poke, wait this long for more changes before sending (coalescing window).
@@ -68,7 +68,8 @@ class HeartbeatSender:
         if not self.addresses:
             raise ValueError("no gateway control address given")
         backoff = 0.05
-        unreachable_since: float | None = None   # the streak of failed connects, warned about once
+        unreachable_since: float | None = None   # when the streak of failed connects began
+        warned_at: float | None = None            # its last warning
         metadata = self._credentials.metadata()
         async with contextlib.AsyncExitStack() as stack:
             channels = [await stack.enter_async_context(self._credentials.channel(a)) for a in self.addresses]
@@ -78,7 +79,7 @@ class HeartbeatSender:
                         self._messages(), metadata=metadata)
                     async for ack in call:
                         self.connected.set()
-                        backoff, unreachable_since = 0.05, None
+                        backoff, unreachable_since, warned_at = 0.05, None, None
                         if ack.heartbeat_interval_ms:
                             self.interval_s = ack.heartbeat_interval_ms / 1000
                 except grpc.aio.AioRpcError as exc:
@@ -87,11 +88,12 @@ class HeartbeatSender:
                     else:   # a gateway restarting is normal; one unreachable for long (a TLS name, a port) is not
                         now = time.monotonic()
                         unreachable_since = unreachable_since or now
-                        level = log.warning if now - unreachable_since >= WARN_UNREACHABLE_S else log.debug
-                        level("gateway_unreachable", address=self.addresses[self.current], code=exc.code().name,
-                              detail=exc.details(), for_s=round(now - unreachable_since, 1))
-                        if level is log.warning:
-                            unreachable_since = now   # the next warning after as long again
+                        warn = now - (warned_at or unreachable_since) >= WARN_UNREACHABLE_S
+                        (log.warning if warn else log.debug)(
+                            "gateway_unreachable", address=self.addresses[self.current], code=exc.code().name,
+                            detail=exc.details(), for_s=round(now - unreachable_since, 1))
+                        if warn:
+                            warned_at = now   # the next warning after as long again
                 self.connected.clear()
                 self.current = (self.current + 1) % len(self.addresses)
                 if self.current == 0:   # every address tried once: back off before the next round

@@ -11,7 +11,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from common import __version__
 from common.errors import ConfigError
@@ -85,7 +84,18 @@ def port_number(text: str) -> int:
     return value
 
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+def check_redis_url(url: str) -> None:
+    """ConfigError unless redis-py reads `url` as start-up will (scheme, host, port); no connection is made."""
+    from redis.asyncio import Redis
+
+    from gateway.daemon import redacted
+
+    try:
+        Redis.from_url(url)   # a client object only: it connects on its first command
+    except ValueError as exc:
+        raise ConfigError(f"--redis-url (or gateway.redis.url): {redacted(url)!r} is no Redis URL redis-py reads "
+                          f"({exc}); it looks like redis://[user:password@]host:port/db, rediss://... or "
+                          "unix:///path") from None
 
 
 def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
@@ -115,14 +125,13 @@ def validate(args: argparse.Namespace) -> Validated:
     there means the gateway starts. Exit status 2 with the ConfigError (which names the file and
     setting) on stderr: no traceback for a configuration mistake."""
     from gateway.config.cluster import load_cluster
-    from gateway.daemon import ServeOptions, check_startup, redacted
+    from gateway.daemon import ServeOptions, check_startup
 
     try:
         config = load_cluster(args.backends)
         redis_url = args.redis_url or config.settings.redis.url
-        if redis_url is not None and urlsplit(redis_url).scheme not in REDIS_SCHEMES:
-            raise ConfigError(f"--redis-url (or gateway.redis.url): {redacted(redis_url)!r} is no Redis URL: it "
-                              "starts with redis://, rediss:// or unix://")
+        if redis_url is not None:
+            check_redis_url(redis_url)
         check_workers(args.workers, redis_url, args.port, args.grpc_port)
         options = ServeOptions(
             host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,

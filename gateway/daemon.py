@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import signal
 import socket
 import ssl
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import httpx
@@ -150,13 +150,14 @@ async def start_engines_port(
 
 
 def redacted(url: str) -> str:
-    """A URL without the password in it (a Redis URL may carry one), for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """A URL without the password in it (a Redis URL may carry one, in its user part or as a `password`
+    query parameter), for messages and logs; the rest as written, whatever the URL (it never raises)."""
+    url = _USER_PASSWORD.sub(r"\1***@", url, count=1)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+_USER_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:?#]*:)[^/@?#]*@", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def managed_ids(config: ClusterConfig) -> list[str]:
@@ -235,7 +236,6 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             try:
                 await replication.reachable(REDIS_START_WAIT_S)
             except (RedisError, OSError, TimeoutError) as exc:
-                await replication.close()
                 raise RedisUnreachable(f"cannot reach Redis at {redacted(options.redis_url or '')} within "
                                        f"{REDIS_START_WAIT_S:g} s: {str(exc) or repr(exc)}") from None
         http_socket = bind_http(options.host, options.port, options.reuse_port)
@@ -246,6 +246,8 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             http_socket.close()
             raise
     except BaseException:
+        if replication is not None:
+            await replication.close()
         await runtime.close()
         raise
     control_address = f"{local_control_host(options.grpc_host)}:{grpc_port}"

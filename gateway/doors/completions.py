@@ -119,7 +119,7 @@ class CompletionsDoor:
             exchange.respond(exc.status, error_headers(exc, rid) + allow, error_json(exc))
             self._requests.finish(record, exc.status, error=exc.message)
         except asyncio.CancelledError:
-            if exchange.cut and not exchange.started:   # the gateway stops: the client is told
+            if exchange.cut and not exchange.started and not exchange.gone:   # the gateway stops: the client is told
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 cut = ShuttingDown("the gateway is shutting down and its drain time ran out; retry")
                 exchange.respond(cut.status, error_headers(cut, rid), error_json(cut))

@@ -65,19 +65,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._jobs = JobBuilder(runtime)
         self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name)
         self._calls: set[asyncio.Task[Any]] = set()   # the Generate calls under way
-        self._stopping: ShuttingDown | None = None     # set when the gateway stops: why calls are refused or cut
+        self._cut: set[asyncio.Task[Any]] = set()     # those `drain` cancelled (not their clients)
+        self._stopping: str | None = None             # set when the gateway stops: why calls are refused or cut
 
-    async def drain(self, drain_s: float) -> None:
+    async def drain(self, drain_s: float, cut_s: float = 1.0) -> None:
         """The gateway stops: new calls are refused, those under way finish for up to `drain_s`, then
-        each left ends with UNAVAILABLE naming the shutdown (not a backend's failure)."""
-        self._stopping = ShuttingDown("the gateway is shutting down; retry")
+        each left ends with UNAVAILABLE naming the shutdown (not a backend's failure), waited for at most
+        `cut_s` more."""
+        self._stopping = "the gateway is shutting down; retry"
         if self._calls:
             await asyncio.wait(list(self._calls), timeout=drain_s)
-        self._stopping = ShuttingDown("the gateway is shutting down and its drain time ran out")
+        self._stopping = "the gateway is shutting down and its drain time ran out"
         calls = list(self._calls)
         for task in calls:
+            self._cut.add(task)
             task.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
+        if calls:
+            await asyncio.wait(calls, timeout=cut_s)
 
     async def _job(
         self, request: inference_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
@@ -107,7 +111,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._calls.add(this)
         try:
             if self._stopping is not None:
-                raise self._stopping
+                raise ShuttingDown(self._stopping)
             if request is None:
                 raise InvalidRequest("the request is not a GenerateRequest message (heterogate.inference.v1)")
             job = await self._job(request, record.request_id, context)
@@ -129,12 +133,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             status, error = exc.status, exc.message
             await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), client_message(exc))
         except asyncio.CancelledError:
-            if self._stopping is None or this.uncancel() > 0:   # the client went away
+            if this not in self._cut or this.uncancel() > 0:   # the client went away
                 raise
-            status, error = self._stopping.status, self._stopping.message   # cut by `drain`
+            cut = ShuttingDown(self._stopping or "the gateway is shutting down")   # cut by `drain`
+            status, error = cut.status, cut.message
             await context.abort(grpc.StatusCode.UNAVAILABLE, error)
         finally:
             self._calls.discard(this)
+            self._cut.discard(this)
             self._requests.finish(record, status, error=error,
                                   prompt_tokens=usage.prompt_tokens if usage else 0,
                                   completion_tokens=usage.completion_tokens if usage else 0)

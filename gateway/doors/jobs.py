@@ -12,7 +12,7 @@ from gateway.config.models import ServedModel
 from gateway.requests.errors import InvalidRequest, ModelNotFound
 from gateway.requests.exact_prompt import ExactPrompts
 from gateway.requests.images import ImageInput, load_image
-from gateway.requests.job import DEFAULT_TENANT, GenerationJob
+from gateway.requests.job import GenerationJob
 from gateway.requests.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,7 +72,7 @@ class JobBuilder:
         return asked if asked is not None else min(self._limits.default_max_tokens, room)
 
     async def chat(self, req: ChatCompletionRequest, body: dict[str, Any], request_id: str,
-                   timeout_s: float | None, tenant: str = DEFAULT_TENANT) -> GenerationJob:
+                   timeout_s: float | None, tenant: str) -> GenerationJob:
         """`body`: the client's body that `req` was validated from; `tenant`: whose request it is."""
         if len(req.messages) > self._limits.max_messages:
             raise InvalidRequest(
@@ -100,7 +100,7 @@ class JobBuilder:
                              tenant=tenant, cache_salt=self._salt(req, tenant))
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
-                   timeout_s: float | None, tenant: str = DEFAULT_TENANT) -> GenerationJob:
+                   timeout_s: float | None, tenant: str) -> GenerationJob:
         served = self.check_model(req.model)
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:

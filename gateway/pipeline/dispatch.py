@@ -378,7 +378,9 @@ class Pipeline:
         tokens = profile.input_tokens
         blocks = record.prefix.blocks if record.prefix is not None else index.hashes(
             job.prompt, job.token_ids, tokens, job.placed_images() if job.images else (), job.cache_salt)
-        record.prefix = query = index.lookup(blocks, job.session, tokens)
+        # a session named under a cache salt is its own (one tenant's "alice" is not another's)
+        session = f"{job.cache_salt}\x00{job.session}" if job.session and job.cache_salt else job.session
+        record.prefix = query = index.lookup(blocks, session, tokens)
         if not query.cached and not query.reuse:
             return profile
         return replace(profile, cached_tokens=query.cached, evicted_reuse=query.reuse)

@@ -230,13 +230,13 @@ def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 def test_isolated_tenants_share_no_cached_prefix(isolated: Gateway) -> None:
     """The same system prompt is a hit for the tenant that sent it before, on the engine and in the index,
-    and no hit for another tenant (whose first token then takes what a cold prompt takes); the other
+    and no hit for another tenant, neither by its blocks nor by the session name both use; the other
     tenant's second request hits its own."""
     system = {"role": "system", "content": system_prompt("shared")}
 
     def ask(tenant: str, question: str) -> tuple[int, int]:
         before = counts()
-        key = {"authorization": f"Bearer sk-{tenant}"}
+        key = {"authorization": f"Bearer sk-{tenant}", "x-session-id": "support-chat"}   # one name, two tenants
         chat(isolated, [system, {"role": "user", "content": question}], headers=key)
         isolated.wait_until(lambda: counts()[2] > before[2])   # the engine reported this request's query
         after = counts()
