@@ -67,12 +67,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._calls: set[asyncio.Task[Any]] = set()   # the Generate calls under way
         self._cut: set[asyncio.Task[Any]] = set()     # those `drain` cancelled (not their clients)
         self._stopping: str | None = None             # set when the gateway stops: why calls are refused or cut
+        self.health: health.aio.HealthServicer | None = None   # set NOT_SERVING when the drain starts
 
     async def drain(self, drain_s: float, cut_s: float = 1.0) -> None:
         """The gateway stops: new calls are refused, those under way finish for up to `drain_s`, then
         each left ends with UNAVAILABLE naming the shutdown (not a backend's failure), waited for at most
         `cut_s` more."""
         self._stopping = "the gateway is shutting down; retry"
+        if self.health is not None:   # health checks say so at once: balancers stop sending here
+            await self.health.enter_graceful_shutdown()
         if self._calls:
             await asyncio.wait(list(self._calls), timeout=drain_s)
         self._stopping = "the gateway is shutting down and its drain time ran out"
@@ -166,7 +169,7 @@ async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> Inference
     service = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = door.health = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     control = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name

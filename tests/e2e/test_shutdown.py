@@ -14,6 +14,7 @@ import grpc
 import httpx
 import orjson
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire import inference_pb2, inference_pb2_grpc
 from testkit.harness import Gateway, run_gateway, sse_payloads, write_config
@@ -84,10 +85,22 @@ def stop(gw: Gateway) -> int:
     return gw.process.wait(timeout=60)
 
 
+def grpc_health(gw: Gateway) -> int:
+    async def check() -> int:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return int(reply.status)
+    return asyncio.run(check())
+
+
 def test_requests_under_way_finish_within_the_drain(tmp_path: Path) -> None:
+    """... and the gRPC health service says NOT_SERVING from the drain's start, so balancers stop sending."""
     with run_gateway(cluster(tmp_path, drain_s=30)) as gw:
         clients = Clients(gw, max_tokens=8, grpc_tokens=30)   # the gRPC stream outlasts the HTTP requests
-        assert stop(gw) == 0
+        assert grpc_health(gw) == health_pb2.HealthCheckResponse.SERVING
+        gw.process.send_signal(signal.SIGTERM)
+        gw.wait_until(lambda: grpc_health(gw) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
+        assert gw.process.wait(timeout=60) == 0
         results = clients.join()
     assert results["http_stream"][-1] == "[DONE]"
     assert orjson.loads(results["http_stream"][-2])["choices"][0]["finish_reason"] == "length"
