@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from backends.executors import EncodedImage, VisionEncoder
 from backends.scheduling import ready_in, take_batch
-from common.prefix_blocks import content_digest
+from common.prefix_blocks import content_digest, salted_digest
 from common.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
@@ -105,10 +105,11 @@ class VisionExecutor:
             return
         tokens = sum(j.tokens for j in batch)
         images = [img for job in batch for img in job.request.images]
+        salts = [job.request.cache_salt for job in batch for _ in job.request.images]
         start = time.monotonic()
         failure: Exception | None = None
         try:
-            encoded, hits = await self._encode_uncached(images)
+            encoded, hits = await self._encode_uncached(images, salts)
         except Exception as exc:   # a bad image or a broken encoder fails this batch's requests, not the engine
             encoded, hits, failure = [], [], exc
         encode_s = time.monotonic() - start
@@ -125,14 +126,16 @@ class VisionExecutor:
             self._delivering.add(task)
             task.add_done_callback(self._delivering.discard)
 
-    async def _encode_uncached(self, images: list[engine_pb2.Image]) -> tuple[list[EncodedImage], list[bool]]:
+    async def _encode_uncached(self, images: list[engine_pb2.Image], salts: list[str]) -> (
+        tuple[list[EncodedImage], list[bool]]
+    ):
         """The batch's embeddings in order, and which the encoder did not make (found in the cache, or
         the same image as an earlier one of the batch); the encoder runs on the distinct images the
         cache does not hold (not at all when it holds every one)."""
         if not self.cache_images:
             return (await self.encoder.encode_batch(images))[0], [False] * len(images)
         cache = self._cache
-        keys = [content_digest(img.data) for img in images]
+        keys = [salted_digest(content_digest(img.data), salt) for img, salt in zip(images, salts, strict=True)]
         held = {key: cache[key] for key in keys if key in cache}
         missing: dict[int, engine_pb2.Image] = {}
         hits = []   # per image: not run through the encoder (cached, or the same as an earlier one of the batch)

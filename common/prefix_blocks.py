@@ -152,6 +152,12 @@ def _placed_id_chain(ids: tuple[int, ...], images: Sequence[tuple[int, int, int]
     return out
 
 
+def salted_digest(digest: int, salt: str) -> int:
+    """An image's content digest under a cache salt ("" none: the digest itself): the gateway's indexes
+    and the vision engines' embedding caches key an image so, and share nothing across salts."""
+    return content_digest(salt.encode() + b"\0" + digest.to_bytes(8, "big")) if salt else digest
+
+
 def salt_seed(salt: str) -> int:
     """Where a prompt's chain of blocks starts for a cache salt (vLLM's `cache_salt`): 0 for none, else
     a content digest of it (the same in every process). Requests of different salts share no block."""

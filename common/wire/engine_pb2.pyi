@@ -133,18 +133,20 @@ class ImageKey(_message.Message):
     def __init__(self, digest: _Optional[int] = ..., tokens: _Optional[int] = ..., place: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "deliver_to", "image_index_offset", "traceparent")
+    __slots__ = ("request_id", "images", "deliver_to", "image_index_offset", "traceparent", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     DELIVER_TO_FIELD_NUMBER: _ClassVar[int]
     IMAGE_INDEX_OFFSET_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     deliver_to: str
     image_index_offset: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., deliver_to: _Optional[str] = ..., image_index_offset: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., deliver_to: _Optional[str] = ..., image_index_offset: _Optional[int] = ..., traceparent: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
     __slots__ = ("image_tokens", "embedding_bytes", "encode_s", "deliver_s", "embeddings", "images_cached")

@@ -79,8 +79,9 @@ class JobBuilder:
                 f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
             )
         served = self.check_model(req.model)
+        salt = self._salt(req, tenant)
         parts = image_parts(req.messages)
-        images = await self._images(parts, served) if parts else ()   # text only: no coroutine to run
+        images = await self._images(parts, served, salt) if parts else ()   # text only: no coroutine to run
         prompt, tokens = render_chat(req.messages)
         exact = self._exact(served)
         ids: tuple[int, ...] = ()
@@ -97,7 +98,7 @@ class JobBuilder:
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "",
                              model=served.name, image_places=image_places(req.messages) if parts else (),
-                             tenant=tenant, cache_salt=self._salt(req, tenant))
+                             tenant=tenant, cache_salt=salt)
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None, tenant: str) -> GenerationJob:
@@ -146,7 +147,9 @@ class JobBuilder:
         """The exact tokenizer, for the model the torch engines run."""
         return self._runtime.exact_prompts if served is self._config.torch_model else None
 
-    async def _images(self, parts: list[tuple[int, int, ImagePart]], served: ServedModel) -> tuple[ImageInput, ...]:
+    async def _images(self, parts: list[tuple[int, int, ImagePart]], served: ServedModel, salt: str) -> (
+        tuple[ImageInput, ...]
+    ):
         model = served.profile
         if model.vision is None:
             raise InvalidRequest(f"model {served.name!r} does not accept images", param="messages")
@@ -156,5 +159,5 @@ class JobBuilder:
                                  param="messages")
         fetcher = self._runtime.fetcher
         return tuple(await asyncio.gather(*(
-            load_image(p.image_url.url, f"messages.{i}.content.{j}", limits, model, fetcher) for i, j, p in parts
+            load_image(p.image_url.url, f"messages.{i}.content.{j}", limits, model, fetcher, salt) for i, j, p in parts
         )))

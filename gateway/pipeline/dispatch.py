@@ -747,7 +747,7 @@ class Pipeline:
         request = engine_pb2.EncodeRequest(
             request_id=key, deliver_to=deliver_to,
             images=[engine_pb2.Image(data=i.data, width=i.width, height=i.height, tokens=i.tokens)
-                    for i in job.images],
+                    for i in job.images], cache_salt=job.cache_salt,
         )
         own = self.clients.engine(language.id)
         if language.role == "both" and own is not None:   # monolithic: this GPU encodes its own images

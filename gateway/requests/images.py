@@ -24,7 +24,7 @@ import httpx
 from PIL import Image, UnidentifiedImageError
 
 from common.catalog import ModelProfile
-from common.prefix_blocks import content_digest
+from common.prefix_blocks import content_digest, salted_digest
 from common.yaml_files import StrictModel
 from gateway.requests.errors import InvalidRequest
 
@@ -48,15 +48,16 @@ class ImageInput:
     height: int
     format: str
     tokens: int
-    # The content hash (common.prefix_blocks.content_digest): the same image is the same digest in
-    # every request, which is how the prefix index and the encoders' index recognise a repeated image.
+    salt: str = ""   # the request's cache salt: the same image under another salt is another image
+    # The content hash (common.prefix_blocks.content_digest, salted): the same image is the same digest
+    # in every request of a salt, which is how the prefix index and the encoders' index recognise it.
     digest: int = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", content_digest(self.data))
+        object.__setattr__(self, "digest", salted_digest(content_digest(self.data), self.salt))
 
 
-def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile) -> ImageInput:
+def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, salt: str = "") -> ImageInput:
     """Validate one image file and count its vision tokens; errors name `where` (the content part)."""
     if len(data) > limits.max_image_bytes:
         raise InvalidRequest(f"{where}: image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param=where)
@@ -80,7 +81,7 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile) -
         raise InvalidRequest(
             f"{where}: image is {width}x{height} pixels; the limit is {limits.max_image_pixels} pixels", param=where
         )
-    return ImageInput(data, width, height, fmt, model.image_tokens(width, height))
+    return ImageInput(data, width, height, fmt, model.image_tokens(width, height), salt)
 
 
 def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
@@ -134,10 +135,9 @@ async def fetch(url: str, where: str, limits: ImageLimits, client: httpx.AsyncCl
     return b"".join(chunks)
 
 
-async def load_image(url: str, where: str, limits: ImageLimits, model: ModelProfile, client: httpx.AsyncClient) -> (
-    ImageInput
-):
+async def load_image(url: str, where: str, limits: ImageLimits, model: ModelProfile, client: httpx.AsyncClient,
+                     salt: str = "") -> ImageInput:
     data = decode_data_url(url, where, limits) if url.startswith("data:") else await fetch(url, where, limits, client)
     if len(data) > INLINE_INSPECT_BYTES:   # verify() reads the whole file: keep big ones off the loop
-        return await asyncio.to_thread(inspect, data, where, limits, model)
-    return inspect(data, where, limits, model)
+        return await asyncio.to_thread(inspect, data, where, limits, model, salt)
+    return inspect(data, where, limits, model, salt)

@@ -223,9 +223,30 @@ def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                     "tenants": {"isolate_prefix_cache": True, "teams": {
                         "alpha": {"api_keys_file": str(tmp / "alpha.keys")},
                         "beta": {"api_keys_file": str(tmp / "beta.keys")}}}},
-        "backends": [{"id": "a100-a", "role": "language", "gpu": "A100-80GB", "launch": {}}]})
+        "backends": [{"id": "a100-a", "role": "language", "gpu": "A100-80GB", "launch": {}},
+                     {"id": "l4-v", "role": "vision", "gpu": "L4", "launch": {}}]})
     with run_gateway(config, admin_key="sk-admin") as gateway:
         yield gateway
+
+
+def test_isolated_tenants_share_no_cached_image_embedding(isolated: Gateway) -> None:
+    """The vision engine's embedding cache keys an image under its request's salt: the tenant that sent it
+    before finds it cached, another tenant's same image is encoded again."""
+    picture = image_part(data_url(image_bytes("PNG", (48, 48), noise=True, seed=11)))
+
+    def send(tenant: str) -> tuple[int, int]:
+        before = isolated.backend("l4-v")
+        chat(isolated, [{"role": "user", "content": [picture, text_part("What is it?")]}],
+             headers={"authorization": f"Bearer sk-{tenant}"})
+        isolated.wait_until(lambda: isolated.backend("l4-v")["images_encoded"] + isolated.backend("l4-v")[
+            "embedding_cache_hits"] > before["images_encoded"] + before["embedding_cache_hits"])
+        after = isolated.backend("l4-v")
+        return (after["images_encoded"] - before["images_encoded"],
+                after["embedding_cache_hits"] - before["embedding_cache_hits"])
+
+    assert send("alpha") == (1, 0)
+    assert send("alpha") == (0, 1)
+    assert send("beta") == (1, 0)
 
 
 def test_isolated_tenants_share_no_cached_prefix(isolated: Gateway) -> None:

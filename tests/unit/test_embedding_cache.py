@@ -69,3 +69,18 @@ async def test_no_cache_encodes_every_image() -> None:
     await encode(vision, b"a")
     await encode(vision, b"a")
     assert encoder.encoded == [b"a", b"a"] and (vision.embedding_cache_hits, vision.images_encoded) == (0, 2)
+
+
+async def test_an_image_is_cached_only_under_its_requests_cache_salt() -> None:
+    """Tenants kept apart (tenants.isolate_prefix_cache) share no embedding: the same image under another
+    salt is encoded again, under the same salt it is a hit."""
+    encoder = CountingEncoder()
+    vision = VisionExecutor(encoder, lambda _to, _emb: asyncio.sleep(0), cache_images=4)
+    cached = []
+    for n, salt in enumerate(("tenant:a", "tenant:b", "tenant:a", "")):
+        call = asyncio.ensure_future(vision.encode(engine_pb2.EncodeRequest(
+            request_id=f"r{n}", images=[image(b"cat")], cache_salt=salt)))
+        await asyncio.sleep(0)
+        await vision.run_batch()
+        cached.append((await call).images_cached)
+    assert cached == [0, 0, 1, 0] and encoder.encoded == [b"cat"] * 3

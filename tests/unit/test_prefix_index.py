@@ -14,6 +14,7 @@ from common.prefix_blocks import (
     cached_tokens,
     content_digest,
     prompt_blocks,
+    salted_digest,
 )
 from gateway.config.cluster import PrefixCacheConfig
 from gateway.requests.images import ImageInput
@@ -312,6 +313,8 @@ def test_in_token_ids_a_system_prompt_ahead_of_different_images_is_a_shared_pref
 def test_an_image_input_carries_its_content_digest() -> None:
     a, b = ImageInput(b"png-a", 32, 32, "PNG", 576), ImageInput(b"png-b", 32, 32, "PNG", 576)
     assert a.digest == content_digest(b"png-a") == ImageInput(b"png-a", 64, 64, "PNG", 10).digest != b.digest
+    salted = ImageInput(b"png-a", 32, 32, "PNG", 576, "tenant:x")
+    assert salted.digest == salted_digest(a.digest, "tenant:x") not in (a.digest, b.digest)
 
 
 def test_evicted_blocks_asked_for_again_make_a_full_backend_costly_to_fill() -> None:
