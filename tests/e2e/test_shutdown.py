@@ -103,9 +103,10 @@ def test_requests_under_way_finish_within_the_drain(tmp_path: Path) -> None:
         assert gw.process.wait(timeout=60) == 0
         results = clients.join()
     assert results["http_stream"][-1] == "[DONE]"
-    assert orjson.loads(results["http_stream"][-2])["choices"][0]["finish_reason"] == "length"
+    # finished (a simulated engine stops some answers before max_tokens: "stop"), not cut
+    assert orjson.loads(results["http_stream"][-2])["choices"][0]["finish_reason"] in ("stop", "length")
     assert results["http_whole"].status_code == 200
-    assert "grpc_error" not in results and results["grpc_stream"][-1].finish_reason == "length"
+    assert "grpc_error" not in results and results["grpc_stream"][-1].finish_reason in ("stop", "length")
 
 
 @pytest.mark.timeout(120)

@@ -37,7 +37,8 @@ def guarded_engine(tmp: Path) -> Iterator[tuple[int, int]]:
             stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
-        while not (children := Path(f"/proc/{guard.pid}/task/{guard.pid}/children").read_text().split()):
+        while not (children := Path(f"/proc/{guard.pid}/task/{guard.pid}/children").read_text().split()) or \
+                b"backends.engine" not in Path(f"/proc/{children[0]}/cmdline").read_bytes():   # forked, not yet exec'd
             assert time.monotonic() < deadline, "the guard started no engine"
             time.sleep(0.05)
         yield guard.pid, int(children[0])
