@@ -19,6 +19,7 @@ from common.errors import ConfigError
 # each function below imports what it needs.
 if TYPE_CHECKING:
     from gateway.config.cluster import ClusterConfig
+    from gateway.config.sections import RedisConfig
     from gateway.daemon import ServeOptions, StartupChecks
 
 CHECK_CONFIG = "check-config"
@@ -84,14 +85,12 @@ def port_number(text: str) -> int:
     return value
 
 
-def check_redis_url(url: str) -> None:
-    """ConfigError unless redis-py reads `url` as start-up will (scheme, host, port); no connection is made."""
-    from redis.asyncio import Redis
-
-    from gateway.daemon import redacted
+def check_redis_url(config: RedisConfig, url: str) -> None:
+    """ConfigError unless start-up's client takes `url` (scheme, host, port); no connection is made."""
+    from gateway.replicas.shared_state import connect, redacted
 
     try:
-        Redis.from_url(url)   # a client object only: it connects on its first command
+        connect(config, url)   # a client object only: it connects on its first command
     except ValueError as exc:
         raise ConfigError(f"--redis-url (or gateway.redis.url): {redacted(url)!r} is no Redis URL redis-py reads "
                           f"({exc}); it looks like redis://[user:password@]host:port/db, rediss://... or "
@@ -131,7 +130,7 @@ def validate(args: argparse.Namespace) -> Validated:
         config = load_cluster(args.backends)
         redis_url = args.redis_url or config.settings.redis.url
         if redis_url is not None:
-            check_redis_url(redis_url)
+            check_redis_url(config.settings.redis, redis_url)
         check_workers(args.workers, redis_url, args.port, args.grpc_port)
         options = ServeOptions(
             host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import re
 import signal
 import socket
 import ssl
@@ -47,6 +46,7 @@ from gateway.doors.routes import create_server
 from gateway.doors.tls import GrpcTls, http_ssl_context, load_grpc_tls
 from gateway.replicas.leadership import Supervision
 from gateway.replicas.replica import Replication, join
+from gateway.replicas.shared_state import redacted
 from gateway.replicas.workers import reuse_port_socket
 from gateway.runtime import Runtime, build_runtime
 
@@ -147,17 +147,6 @@ async def start_engines_port(
                     detail="managed engines heartbeat to their leader only and stop when it dies")
         return None
     return server, f"{host}:{port}"
-
-
-def redacted(url: str) -> str:
-    """A URL without the password in it (a Redis URL may carry one, in its user part or as a `password`
-    query parameter), for messages and logs; the rest as written, whatever the URL (it never raises)."""
-    url = _USER_PASSWORD.sub(r"\1***@", url, count=1)
-    return _QUERY_PASSWORD.sub(r"\1***", url)
-
-
-_USER_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:?#]*:)[^/@?#]*@", re.IGNORECASE)
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def managed_ids(config: ClusterConfig) -> list[str]:

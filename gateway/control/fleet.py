@@ -38,6 +38,7 @@ import structlog
 from pydantic import ValidationError
 
 from common.errors import ConfigError
+from gateway.config.autoscaling import POOL_ROLES
 from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec, load_cluster
 from gateway.control.engine_identities import EngineIdentities
 from gateway.control.launchers import LaunchContext, Launcher, free_port, managed_address
@@ -123,7 +124,7 @@ class Fleet:
         self._known(backend_id)
         if backend_id not in self._drains:
             leaving = {backend_id, *self._drains, *self._removals}
-            if not any(b.role != "vision" for b in self.config.raw.backends if b.id not in leaving):
+            if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
                 raise InvalidRequest(f"draining {backend_id!r} would leave no backend serving language work "
                                      "(role language or both): the gateway could serve nothing",
                                      code="invalid_backend")

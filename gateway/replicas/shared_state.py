@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +84,17 @@ def connect(config: RedisConfig, url: str) -> Redis:
         url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0), health_check_interval=0,
     )
+
+
+def redacted(url: str) -> str:
+    """A URL without the password in it (a Redis URL may carry one, in its user part or as a `password`
+    query parameter), for messages and logs; the rest as written, whatever the URL (it never raises)."""
+    url = _USER_PASSWORD.sub(r"\1***@", url, count=1)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+_USER_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:?#]*:)[^/@?#]*@", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def encode_heartbeat(address: str | None, reported: Reported) -> str:
