@@ -29,13 +29,17 @@ def _asks_nothing(key: str, value: Any) -> bool:
 
 
 EXACT_HONOURED = HONOURED | {"seed"}
+# (exact, chat) -> the fields honoured, built once: a chat request's `prompt` and a completion's
+# `messages` are read by neither
+_HONOURED_BY = {(exact, chat): (EXACT_HONOURED if exact else HONOURED) - {"prompt" if chat else "messages"}
+                for exact in (False, True) for chat in (False, True)}
 
 
 def refused_fields(body: dict[str, Any], *, exact: bool = False, chat: bool = True) -> list[str]:
     """The fields of `body` (a chat request's, else a completion's) an engine cannot honour, as dotted
     paths (`messages.2.tool_calls`). A chat request's `prompt` and a completion's `messages` are read by
     neither."""
-    honoured = (EXACT_HONOURED if exact else HONOURED) - ({"prompt"} if chat else {"messages"})
+    honoured = _HONOURED_BY[exact, chat]
     refused = [k for k, v in body.items() if k not in honoured and not _asks_nothing(k, v)]
     messages = body.get("messages")
     if chat and isinstance(messages, list):
