@@ -182,8 +182,9 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
     warnings = []
     if not keys.enabled and not is_loopback(options.host):
         warnings.append(f"the HTTP door listens on {options.host}, beyond loopback, with no API keys: whoever "
-                        "reaches it may send requests and read /admin and /metrics (gateway.auth.api_keys_file "
-                        "or api_keys_env turns keys on)")
+                        "reaches it may send requests, read /admin and /metrics, and add, drain and remove backends "
+                        "(gateway.auth.api_keys_file or api_keys_env turns keys on, admin_keys_file or "
+                        "admin_keys_env guards the admin routes)")
     warnings += autoscaling_warnings(config)
     return StartupChecks(grpc_tls, ssl_context, auth, tuple(warnings))
 

@@ -6,6 +6,7 @@ import os
 import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, field_validator, model_validator
 
@@ -159,6 +160,27 @@ class ProbeSpec(StrictModel):
         return address + (self.path or (launch.ready_path if launch is not None else "/v1/models"))
 
 
+def check_address(address: str, kind: str) -> None:
+    """ValueError unless `address` is what the backend's client dials: an engine's gRPC `host:port`
+    (`[v6]:port`; or a `unix:` socket), a kind: openai base URL `http(s)://host[:port][/path]`."""
+    if kind == "openai":
+        parts = urlsplit(address)
+        try:
+            port = parts.port   # ValueError when not a number in 0-65535
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or port == -1:
+            raise ValueError(f"address {address!r}: kind: openai needs a base URL, e.g. http://10.0.0.5:8000")
+        return
+    if address.startswith("unix:"):
+        return
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or "/" in host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"address {address!r}: an engine's address is host:port, e.g. 10.0.0.5:7000")
+
+
 class BackendSpec(StrictModel):
     id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     kind: Literal["engine", "openai"] = "engine"   # engine: our gRPC engine; openai: vLLM/SGLang/... over HTTP
@@ -195,6 +217,8 @@ class BackendSpec(StrictModel):
     def _managed_or_external(self) -> BackendSpec:
         if self.launch is None and self.address is None:
             raise ValueError("an entry needs `launch` (managed) or `address` (external)")
+        if self.address is not None:
+            check_address(self.address, self.kind)
         if self.steal and self.role != "vision":
             raise ValueError("`steal` applies to vision backends only")
         if isinstance(self.model, list) and not self.model:

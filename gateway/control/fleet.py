@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from common.errors import ConfigError
 from gateway.config.autoscaling import POOL_ROLES
-from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec, load_cluster
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, load_cluster
 from gateway.control.engine_identities import EngineIdentities
 from gateway.control.launchers import LaunchContext, Launcher, free_port, managed_address
 from gateway.control.supervisor import Supervisor
@@ -229,7 +229,7 @@ class Fleet:
             index.add_backend(spec.id, runtime.table.kv_capacity(entry)[1]
                               // config.model_of(spec.id).profile.kv_bytes_per_token)
         self._monitor.watch(config, spec, address if port is not None else None)
-        if isinstance(spec.launch, LaunchSpec):
+        if spec.launch is not None:   # every engine the gateway launches, as at start-up (managed_ids)
             self._identities.draw(spec.id)
         launcher = self._launch.launcher(config, spec, port)
         if launcher is not None:

@@ -7,6 +7,10 @@
 Drains and removals go on in the background: /admin/backends shows `draining: true`, then `state:
 stopped` (managed), and no entry once removed. A refused change answers 400 (invalid entry), 404
 (unknown id) or 409 (id in use, removal under way, replicas), in the OpenAI error shape.
+
+An entry with `launch.command` (a `kind: openai` engine the gateway starts) runs that command on this
+host: the API takes one only from an admin key, so a gateway with no admin keys refuses it with 403
+(the file and SIGHUP still add it), where every other change is open to whoever reaches the port.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import orjson
 from gateway.control.fleet import Fleet
 from gateway.doors.http_server import Request
 from gateway.doors.route_table import Reply, RouteTable, json_reply
-from gateway.requests.errors import InvalidRequest
+from gateway.requests.errors import Forbidden, InvalidRequest
 from gateway.runtime import Runtime
 
 # (request, *, admin): raises Unauthorized (no valid key) or Forbidden (a valid key, not an admin's)
@@ -36,6 +40,11 @@ def add_fleet_routes(table: RouteTable, runtime: Runtime, fleet: Fleet, authoriz
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"the body is not JSON: {exc}", code="invalid_backend") from None
+        if not runtime.keys.admin and isinstance(body, dict) and isinstance(launch := body.get("launch"), dict) \
+                and "command" in launch:
+            raise Forbidden("an entry with launch.command runs that command on the gateway's host: adding one "
+                            "through the API needs an admin key (gateway.auth.admin_keys_file or admin_keys_env); "
+                            "without one, add it to the backends file and send SIGHUP")
         return json_reply(described(fleet.add(body)), 201)
 
     async def drain_backend(request: Request, backend_id: str) -> Reply:

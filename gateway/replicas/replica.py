@@ -59,15 +59,8 @@ class Replication:
 
     async def engines_port(self, host: str) -> int:
         """The port on this host where every replica takes the managed engines' heartbeats (each binds
-        it with SO_REUSEPORT, gateway/daemon.py): the first replica to ask picks a free one and keeps it
-        under `P engines_port`, the others read it."""
-        key = self.runtime.config.settings.redis.key_prefix + "engines_port"
-        timeout_s = self.runtime.config.settings.redis.timeout_ms / 1000
-        await asyncio.wait_for(self.redis.set(key, free_port(host), nx=True), timeout_s)
-        port = await asyncio.wait_for(self.redis.get(key), timeout_s)
-        if port is None:   # deleted in between: another replica's next start picks one again
-            raise OSError(f"{key} vanished from Redis")
-        return int(port)
+        it with SO_REUSEPORT, gateway/daemon.py), agreed through Redis (`SharedState.engines_port`)."""
+        return await self.shared.engines_port(lambda: free_port(host))
 
     async def close(self) -> None:
         await self.redis.aclose()

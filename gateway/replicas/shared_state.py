@@ -164,6 +164,7 @@ class SharedState:
         self._peers: list[str] = []
         self._gone: list[str] = []           # members whose counts key has expired
         self._down_since: float | None = None
+        self._kept: dict[str, str] = {}      # keys set again (NX) at every refresh: a restarted Redis gets them back
         self._hold_until = 0.0
         self.up = False
         self.errors = 0
@@ -182,6 +183,21 @@ class SharedState:
             self._held.discard(backend_id)
         return entry
 
+    async def engines_port(self, pick: Callable[[], int]) -> int:
+        """The port where every replica on this host takes the managed engines' heartbeats: the first
+        replica to ask stores `pick()` under `P engines_port`, the others read it. Each replica then sets
+        it again (if absent) at every refresh: a Redis restarted without its data gets the port back from
+        the running replicas before a new one could pick another, whose engines' heartbeats the running
+        ones would then not hear."""
+        key = self._config.key_prefix + "engines_port"
+        timeout_s = self._config.timeout_ms / 1000
+        await asyncio.wait_for(self._redis.set(key, pick(), nx=True), timeout_s)
+        port = await asyncio.wait_for(self._redis.get(key), timeout_s)
+        if port is None:   # deleted in between: another replica's next start picks one again
+            raise OSError(f"{key} vanished from Redis")
+        self._kept[key] = str(port)
+        return int(port)
+
     async def refresh(self) -> None:
         """One round trip: publish own counts and new heartbeats; read peers' counts and heartbeats."""
         table = self.table
@@ -195,6 +211,8 @@ class SharedState:
         pipe.hset(own_key, mapping=counts)   # type: ignore[arg-type]
         pipe.pexpire(own_key, self._config.replica_ttl_ms)
         pipe.sadd(self.members_key, self.replica_id)
+        for key, kept in self._kept.items():
+            pipe.set(key, kept, nx=True)
         if self._gone:
             pipe.srem(self.members_key, *self._gone)
         dirty, self._dirty = self._dirty, set()

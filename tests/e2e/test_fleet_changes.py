@@ -5,6 +5,7 @@ refused whole with the fleet untouched, and SIGHUP applies the file's `backends:
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,14 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
             "openai vision": ({"id": "x-4", "kind": "openai", "role": "vision", "gpu": "H100",
                                "address": "http://127.0.0.1:9"}, 400, "language"),
             "not an object": ([1, 2], 400, "JSON object"),
+            "a command to run, with no admin key": ({"id": "x-5", "kind": "openai", "gpu": "L40S",
+                                                      "launch": {"command": "true {port}"}}, 403, "admin key"),
         }
         for why, (body, status, words) in refused.items():
             r = admin(gw, "POST", "", body)
             assert r.status_code == status, (why, r.text)
             assert words in r.json()["error"]["message"], (why, r.text)
-            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["type"] == ("permission_error" if status == 403 else "invalid_request_error")
         bad_json = httpx.post(f"{gw.url}/admin/backends", content=b"{", timeout=10)
         assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
         assert admin(gw, "POST", "/nope/drain").status_code == 404
@@ -117,6 +120,34 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
         assert chat(gw, "still").status_code == 200
         # the stopped engines ended the gateway's session streams themselves: no error, no traceback
         assert "Exception not handled" not in gw.log_path.read_text()
+
+
+def test_an_added_openai_engine_the_gateway_launches_starts_serves_and_is_removed(tmp_path: Path) -> None:
+    """`kind: openai` with `launch.command`, added over the API with an admin key: the command runs, the
+    backend turns healthy and serves, and one DELETE stops the engine and takes it out."""
+    (tmp_path / "admin.keys").write_text("sk-admin\n")
+    (tmp_path / "cluster.token").write_text("cluster-secret\n")
+    config = write_config(tmp_path, {"model": MODEL, "gateway": {
+        "heartbeat_interval_ms": 100, "auth": {"admin_keys_file": str(tmp_path / "admin.keys"),
+                                                "cluster_token_file": str(tmp_path / "cluster.token")}},
+        "backends": [engine("h100-0")]})
+    command = [sys.executable, "-m", "tests.fake_openai_server", "--port", "{port}", "--engine", "vllm"]
+    with run_gateway(config, admin_key="sk-admin") as gw:
+        added = admin(gw, "POST", "", {"id": "vllm-0", "kind": "openai", "gpu": "L40S",
+                                        "launch": {"command": command, "probe_interval_s": 0.1}})
+        assert added.status_code == 201, added.text
+        gw.wait_until(lambda: gw.backend("vllm-0")["state"] == "healthy", timeout=60)
+        assert admin(gw, "POST", "/h100-0/drain").status_code == 202
+        served = httpx.post(f"{gw.url}/v1/chat/completions", headers=gw.admin_headers, timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert served.status_code == 200 and served.headers["x-heterogate-backend"] == "vllm-0", served.text
+        assert admin(gw, "DELETE", "/vllm-0").status_code == 400   # the last language backend serving
+        assert admin(gw, "POST", "", engine("h100-1")).status_code == 201
+        gw.wait_until(lambda: gw.backend("h100-1")["healthy"], timeout=30)
+        assert admin(gw, "DELETE", "/vllm-0").status_code == 202
+        gw.wait_until(lambda: "vllm-0" not in ids(gw), timeout=30)
+        log = gw.log_path.read_text()
+    assert "Task exception was never retrieved" not in log and "Traceback" not in log
 
 
 def test_sighup_applies_the_files_backends_and_refuses_an_invalid_file(tmp_path: Path) -> None:

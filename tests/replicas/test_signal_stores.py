@@ -11,13 +11,14 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import grpc
 import pytest
+import redis
 
 from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.heartbeat_service import ControlService
 from gateway.routing.signals import LocalSignals, SignalStore
 from gateway.routing.state_table import StateTable
 from testkit.harness import free_port
-from tests.replicas.redis_helpers import redis_prefix, replica, table
+from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, replica, table
 
 pytestmark = pytest.mark.timeout(30)
 GPUS = {"h100-0": "H100"}
@@ -87,3 +88,18 @@ async def test_the_redis_store_hands_a_report_to_the_other_replica() -> None:
     assert entry is not None and b.is_healthy(entry)
     assert (entry.reported.seq, entry.reported.waiting, entry.address) == (9, 9, "127.0.0.1:7001")
     assert opened_b == [("h100-0", "127.0.0.1:7001")]
+
+
+async def test_the_engines_port_outlives_a_redis_that_lost_its_keys() -> None:
+    """The first replica's pick is every replica's port; when Redis loses the key (a restart without
+    persistence), the running replicas set it again at their next refresh, so a replica started after
+    that agrees on the port the engines already heartbeat to, not a port of its own."""
+    with redis_prefix("engines-port") as prefix:
+        async with replica(table(GPUS), prefix, "a") as ra, replica(table(GPUS), prefix, "b") as rb:
+            port = await ra.engines_port(lambda: 41001)
+            assert await rb.engines_port(lambda: 41002) == port == 41001
+            with redis.Redis.from_url(SYSTEM_REDIS, socket_timeout=2) as r:   # what a restarted Redis holds
+                r.delete(prefix + "engines_port")
+            await rb.refresh()
+            async with replica(table(GPUS), prefix, "c") as rc:
+                assert await rc.engines_port(lambda: 41003) == 41001
