@@ -60,7 +60,9 @@ class Runtime:
         images and some language backend relies on a separate encoder (a `both` backend or an upstream
         that reads images itself does not); without it image requests get 503 while text is served, so
         the gateway stays ready and says `"degraded": ["vision"]`: taking every replica out of its
-        load balancer for the images would stop the text too."""
+        load balancer for the images would stop the text too. So with backends kept for higher priority
+        classes (`min_priority`): where only those serve, the lowest class's requests get 503 and it is
+        named, `"priority:<class>"`."""
         language = self.table.servable(LANGUAGE_ROLES)
         out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
         degraded = []
@@ -69,6 +71,11 @@ class Runtime:
             out["healthy_vision_backends"] = vision
             if vision == 0:
                 degraded.append("vision")
+        kept = [b.min_priority for b in self.config.raw.backends if b.min_priority is not None]
+        if kept and language:   # backends kept for higher classes: a class none is open to is degraded
+            lowest = self.config.settings.tenants.classes[0]
+            if not self.table.servable(LANGUAGE_ROLES, priority=lowest):
+                degraded.append(f"priority:{lowest}")
         if len(self.config.models) > 1:   # per model: ready while any model is, the others named degraded
             per_model = {name: self.table.servable(LANGUAGE_ROLES, model=name) for name in self.config.models.models}
             out["models"] = {name: {"ready": n > 0, "healthy_language_backends": n} for name, n in per_model.items()}

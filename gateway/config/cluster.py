@@ -398,7 +398,7 @@ class ClusterConfig:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {runs.catalog!r} has no "
                                   "Hugging Face config in the catalog (hf_config); it runs on simulated engines only")
         tenants = raw.gateway.tenants
-        highest = max([tenants.default.priority, *(t.priority for t in tenants.teams.values())])
+        highest = tenants.classes[-1]
         for i, b in enumerate(raw.backends):
             if b.min_priority is not None and b.min_priority > highest:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).min_priority: {b.min_priority} is above every "

@@ -66,6 +66,11 @@ class TenantsConfig(StrictModel):
     # whether another sent a prompt lately. Hits across tenants are given up.
     isolate_prefix_cache: bool = False
 
+    @property
+    def classes(self) -> list[int]:
+        """The priority classes of the tenants, lowest first."""
+        return sorted({self.default.priority, *(t.priority for t in self.teams.values())})
+
     @field_validator("teams")
     @classmethod
     def _names_and_keys(cls, teams: dict[str, TenantSpec]) -> dict[str, TenantSpec]:

@@ -119,14 +119,21 @@ class Fleet:
     def drain(self, backend_id: str) -> None:
         """No new requests for the backend from now on; its own finish, then a managed one is stopped.
         Refused where no backend taking language work would be left serving (the gateway could serve
-        nothing); one model of several may be left without (it is named degraded in /ready)."""
+        nothing), or only backends kept for higher priority classes (the lowest class could be served
+        nowhere); one model of several may be left without (it is named degraded in /ready)."""
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._drains:
             leaving = {backend_id, *self._drains, *self._removals}
-            if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
+            left = [b for b in self.config.raw.backends if b.id not in leaving and b.role in POOL_ROLES["language"]]
+            if not left:
                 raise InvalidRequest(f"draining {backend_id!r} would leave no backend serving language work "
                                      "(role language or both): the gateway could serve nothing",
+                                     code="invalid_backend")
+            lowest = self.config.settings.tenants.classes[0]
+            if all(b.min_priority is not None and b.min_priority > lowest for b in left):
+                raise InvalidRequest(f"draining {backend_id!r} would leave only backends kept for higher priority "
+                                     f"classes (min_priority): tenants of class {lowest} could be served nowhere",
                                      code="invalid_backend")
             self._drain_task(backend_id)
 

@@ -15,15 +15,22 @@ from __future__ import annotations
 import orjson
 
 from gateway.clients.engine_client import HANDOFF_TIMEOUT
-from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, RequestError, openai_error_body
+from gateway.requests.errors import (
+    BackendDrained,
+    BackendFailure,
+    BackendTimeout,
+    DeadlineExceeded,
+    RequestError,
+    openai_error_body,
+)
 
 _LAST_ERROR = "; last error: "   # how the pipeline appends a deadline's last backend failure
 
 
 def client_message(err: RequestError) -> str:
-    """The message a client gets for `err`. Timeouts keep theirs: the gateway wrote them (the first
-    token's or the request's deadline), as it wrote every error of a request itself."""
-    if isinstance(err, BackendFailure) and not isinstance(err, BackendTimeout):
+    """The message a client gets for `err`. Timeouts and drains keep theirs: the gateway wrote them (the
+    first token's or the request's deadline, a drain's end), as it wrote every error of a request itself."""
+    if isinstance(err, BackendFailure) and not isinstance(err, BackendTimeout | BackendDrained):
         who = f"backend {err.backend_id}" if err.backend_id else "a backend"
         if err.code == HANDOFF_TIMEOUT:
             return f"{who} failed: the image embeddings did not reach the language backend in time"

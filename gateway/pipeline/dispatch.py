@@ -61,7 +61,13 @@ from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.request_log import RequestRecord
 from gateway.pipeline.tenants import Tenants
 from gateway.pipeline.tracing import AttemptTrace, RequestTrace, Tracing
-from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, NoBackendAvailable
+from gateway.requests.errors import (
+    BackendDrained,
+    BackendFailure,
+    BackendTimeout,
+    DeadlineExceeded,
+    NoBackendAvailable,
+)
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import Lease
 from gateway.routing.encoder_index import EncoderIndex
@@ -245,6 +251,10 @@ class Dispatch:
             error = exc
             if isinstance(exc, BackendFailure) and self._pipeline.deadline_passed(record, self.loop_deadline):
                 raise self._pipeline._deadline_error(record, exc) from None   # the client's deadline, not the backend
+            if isinstance(exc, BackendFailure) and self._pipeline.table.is_draining(self.backend_id):
+                raise BackendDrained(f"backend {self.backend_id} was drained and stopped before the request "
+                                     "finished (its drain's time, gateway.drain_timeout_s, ran out); send it again",
+                                     backend_id=self.backend_id, retryable=False) from exc
             raise
         finally:
             await self.close(completed, error)

@@ -134,6 +134,13 @@ class BackendFailure(RequestError):
         self.retryable = retryable
 
 
+class BackendDrained(BackendFailure):
+    """A backend drained at runtime (gateway/control/fleet.py) ended a request under way: its drain's
+    time ran out. The gateway's own words: the client is told what happened, and to send it again."""
+
+    code = "backend_drained"
+
+
 class BackendTimeout(BackendFailure):
     status = 504
     code = "backend_timeout"

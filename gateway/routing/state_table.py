@@ -60,6 +60,11 @@ from gateway.routing.policies.first_token import first_token_features
 from gateway.routing.snapshots import FixedFigures, build_snapshot, fixed_figures
 
 
+def _open_to(entry: BackendEntry, priority: int) -> bool:
+    """Takes requests of tenants of the `priority` class (not kept for higher ones, `min_priority`)."""
+    return entry.min_priority is None or priority >= entry.min_priority
+
+
 def _serves_model(entry: BackendEntry, model: str | None) -> bool:
     """Whether the entry is in `model`'s pool (None: every pool; an entry that names no model serves the
     table's only one)."""
@@ -290,14 +295,16 @@ class StateTable:
         now = self.clock() if now is None else now
         return now - entry.last_heartbeat - entry.grace_s <= self.miss_limit * self.heartbeat_interval_s
 
-    def servable(self, roles: tuple[Role, ...], now: float | None = None, model: str | None = None) -> int:
-        """How many backends with one of `roles` (serving `model`; None: any) can serve now (readiness):
-        heard from within the miss limit, or kind: openai upstreams that answer the probe though their
-        metrics are stale or absent; not draining. A stale backend kept as a candidate only to fail open
-        on, before or without an answer, is not counted."""
+    def servable(self, roles: tuple[Role, ...], now: float | None = None, model: str | None = None,
+                 priority: int | None = None) -> int:
+        """How many backends with one of `roles` (serving `model`; None: any; open to tenants of the
+        `priority` class, None: any class) can serve now (readiness): heard from within the miss limit,
+        or kind: openai upstreams that answer the probe though their metrics are stale or absent; not
+        draining. A stale backend kept as a candidate only to fail open on, before or without an
+        answer, is not counted."""
         now = self.clock() if now is None else now
         return sum(1 for e in self._entries.values() if e.role in roles and e.id not in self._draining
-                   and _serves_model(e, model) and (
+                   and _serves_model(e, model) and (priority is None or _open_to(e, priority)) and (
                        self.is_healthy(e, now) or (e.external and serves(e) and self._reachable.get(e.id) is True)))
 
     def _serves(self, entry: BackendEntry) -> bool:

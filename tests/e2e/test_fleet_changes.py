@@ -4,6 +4,7 @@ refused whole with the fleet untouched, and SIGHUP applies the file's `backends:
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -201,3 +202,24 @@ def test_an_engine_stopped_with_requests_in_flight_ends_them_and_they_restart(tm
     assert outcomes and all(status == 200 for status, _ in outcomes), outcomes
     assert "the engine is stopping" in log and "restarting_after_midstream_failure" in log
     assert "Exception not handled" not in log
+
+
+def test_a_stream_cut_by_a_drain_that_ran_out_of_time_says_so(tmp_path: Path) -> None:
+    """A streamed answer under way on a backend whose drain runs out of time ends with an error event that
+    names the drain (code backend_drained), not a backend failure, then [DONE]."""
+    config = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "drain_timeout_s": 1},
+                                     "backends": [{**engine("h100-0"), "launch": {"time_scale": 5.0}}]})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 200, "stream": True}
+    with run_gateway(config) as gw, httpx.stream(
+            "POST", f"{gw.url}/v1/chat/completions", json=body, timeout=60,
+            headers={"x-request-id": long_request_id(200)}) as resp:
+        lines = resp.iter_lines()
+        assert resp.headers["x-heterogate-backend"] == "h100-0"
+        assert next(line for line in lines if line.startswith("data: "))   # under way
+        assert admin(gw, "POST", "", engine("a100-0", "A100-80GB")).status_code == 201
+        gw.wait_until(lambda: gw.backend("a100-0")["healthy"], timeout=30)
+        assert admin(gw, "POST", "/h100-0/drain").status_code == 202
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "backend_drained" and "drained" in error["message"], error

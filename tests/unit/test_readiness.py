@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config.cluster import load_cluster
-from gateway.runtime import needs_vision_pool
+from gateway.routing.backend_entry import Reported
+from gateway.runtime import build_runtime, needs_vision_pool
 
 LANG = "{id: l0, role: language, gpu: H100, launch: {}}"
 VISION = "{id: v0, role: vision, gpu: L40S, launch: {}}"
@@ -27,3 +28,21 @@ def test_vision_pool_needed(tmp_path: Path, model: str, backends: list[str], nee
     path = tmp_path / "backends.yaml"
     path.write_text(f"model: {model}\nbackends:\n" + "".join(f"  - {b}\n" for b in backends))
     assert needs_vision_pool(load_cluster(path)) is needed
+
+
+def test_ready_names_a_priority_class_that_only_kept_backends_would_serve(tmp_path: Path) -> None:
+    """An H100 kept for class 1 and an L40S open to all: with the L40S silent the gateway still serves class
+    1, so it stays ready, and names class 0 (the default tenant's) degraded: its requests get 503."""
+    path = tmp_path / "backends.yaml"
+    (tmp_path / "team.keys").write_text("sk-team\n")
+    path.write_text(
+        "model: llava-1.5-7b\ngateway:\n  tenants:\n    teams:\n"
+        f"      team: {{priority: 1, api_keys_file: {tmp_path / 'team.keys'}}}\n"
+        "backends:\n  - {id: h100, gpu: H100, launch: {}, min_priority: 1}\n  - {id: l40s, gpu: L40S, launch: {}}\n")
+    runtime = build_runtime(load_cluster(path))
+    t = runtime.table
+    now = t.clock()
+    t.apply_heartbeat("h100", 1, "127.0.0.1:7001", Reported(seq=1), now)
+    assert runtime.readiness() == {"ready": True, "healthy_language_backends": 1, "degraded": ["priority:0"]}
+    t.apply_heartbeat("l40s", 1, "127.0.0.1:7002", Reported(seq=1), now)
+    assert runtime.readiness() == {"ready": True, "healthy_language_backends": 2}
