@@ -296,9 +296,12 @@ class PrefixCacheConfig(StrictModel):
     predicted to hold is priced as the prefill it saves there."""
 
     enabled: bool = True
-    block_tokens: PositiveInt = 64                 # tokens a block of the index stands for (4 engine blocks)
-    max_blocks_per_backend: PositiveInt = 1 << 20  # the index's bound per backend, below its KV in blocks
-    images_per_encoder: PositiveInt = 256          # image digests remembered per vision encoder (its cache)
+    # tokens a block of the index stands for (4 engine blocks); a hit is counted in whole blocks, so a
+    # block longer than most prompts would predict none
+    block_tokens: int = Field(default=64, ge=1, le=4096, strict=True)
+    # the index's bound per backend, below its KV in blocks: ~100 bytes a block, ~100 MB at the most
+    max_blocks_per_backend: int = Field(default=1 << 20, ge=1, le=1 << 20, strict=True)
+    images_per_encoder: int = Field(default=256, ge=1, le=1 << 20, strict=True)   # image digests per encoder
 
 
 class RoutingConfig(StrictModel):

@@ -2,17 +2,19 @@
 
 The door finds the tenant from the API key (`KeyRing.check`) and puts its name on the job. The
 pipeline takes a `Ticket` for it before anything waits (`Tenants.ticket`); a tenant with limits is
-charged at once (`Tenants.charge`): one request against its requests per minute, and the prompt's
-estimated tokens against its tokens per minute and per day. A limit the charge would pass refuses
-the request with 429, `Retry-After` (the end of the window) and OpenAI's error shape; nothing of a
-refused request is counted, and other tenants are not touched. When the request ends, whatever the
-outcome, `RequestLog.finish` hands the ticket its real usage (`Ticket.finish`): the difference
-between prompt + completion tokens and the estimate is charged (a refund when negative, but only
-into the window the estimate went to), and the tenant's counters are updated.
+charged at once (`Tenants.charge`): one request against its requests per minute, and the most tokens
+it can take (the prompt's estimate + `max_tokens`, as OpenAI's limits count them) against its tokens
+per minute and per day. A limit the charge would pass refuses the request with 429, `Retry-After`
+(the end of the window) and OpenAI's error shape; nothing of a refused request is counted, and other
+tenants are not touched. When the request ends, whatever the outcome, `RequestLog.finish` hands the
+ticket its real usage (`Ticket.finish`): what it did not use is refunded (only into the window it
+was charged in; a prompt longer than its estimate is charged), and the tenant's counters are
+updated. Charging the bound keeps concurrent requests from passing a limit together: charged only
+their prompts, ten requests of 300 tokens each took 1,290 tokens of a 300-token minute.
 
 Windows are fixed: the whole minute, the UTC day. A window's count resets when the next one starts,
-so a tenant may send up to twice its limit across one window boundary; the limit within any one
-window holds exactly. The counters live in a `LimitStore`: in this process (`MemoryLimitStore`) or,
+so a tenant may send up to twice its limit across one window boundary; within any one window what
+its requests use holds to the limit (a prompt's tokens beyond the gateway's estimate excepted). The counters live in a `LimitStore`: in this process (`MemoryLimitStore`) or,
 with `--redis-url`, in Redis for every replica at once (`gateway.replicas.tenant_limits`). A store
 that cannot answer raises `LimitStoreUnavailable`, and `gateway.tenants.on_redis_error` decides:
 `open` admits uncounted, `closed` answers 503.
@@ -187,8 +189,8 @@ class Tenants:
     def ticket(self, job: GenerationJob) -> Ticket:
         """The job's ticket; not charged yet (`charge`, for a tenant with limits)."""
         tenant = self.by_name.get(job.tenant) or self.by_name[DEFAULT_TENANT]
-        prompt = job.prompt_tokens + job.image_tokens
-        return Ticket(self, tenant, prompt, prompt + job.max_tokens)
+        bound = job.prompt_tokens + job.image_tokens + job.max_tokens
+        return Ticket(self, tenant, bound, bound)
 
     async def charge(self, ticket: Ticket) -> None:
         """Charge the ticket's tenant one request and its estimated tokens; RateLimited if a limit would

@@ -99,28 +99,48 @@ async def test_over_a_limit_is_openais_429_and_other_tenants_are_untouched() -> 
     assert t.rate_limited.items() == [(("a", "requests_per_minute"), 1.0)]
 
 
-async def test_tokens_are_estimated_at_admission_and_counted_from_usage_at_the_end() -> None:
+async def test_tokens_are_charged_at_their_bound_and_corrected_by_usage_at_the_end() -> None:
+    """Admission charges prompt + max_tokens (the most the request can take, as OpenAI's limits count);
+    the end refunds what it did not use."""
     clock = Clock(T0)
     t = tenants(clock, a={"tokens_per_minute": 100})
-    first = t.ticket(job("a", prompt_tokens=40))
-    await t.charge(first)   # 40 estimated
-    first.finish(200, 40, 50)   # it took 90
-    with pytest.raises(RateLimited) as err:
-        await t.charge(t.ticket(job("a", prompt_tokens=20)))   # 90 + 20 > 100
+    first = t.ticket(job("a", prompt_tokens=40, max_tokens=55))
+    await t.charge(first)   # 95 charged
+    with pytest.raises(RateLimited) as err:   # 95 + 15 > 100 while the first is under way
+        await t.charge(t.ticket(job("a", prompt_tokens=10)))
     assert err.value.type == "tokens" and err.value.retry_after_s == 40
-    second = t.ticket(job("a", prompt_tokens=10))
-    await t.charge(second)
-    second.finish(429, 0, 0)   # refused later on (queue full): its estimate is given back
+    first.finish(200, 40, 50)   # it took 90: 5 back
+    second = t.ticket(job("a", prompt_tokens=5, max_tokens=5))
+    await t.charge(second)   # 90 + 10
+    second.finish(429, 0, 0)   # refused later on (queue full): its charge is given back
     assert [u.used for u in await t.store.read("a", t.by_name["a"].limits)] == [90]
     assert t.prompt_tokens.value(("a",)) == 40 and t.completion_tokens.value(("a",)) == 50
     assert t.requests.items() == [(("a", "200"), 1.0), (("a", "429"), 1.0)]
+
+
+async def test_concurrent_requests_cannot_pass_a_token_limit_together() -> None:
+    """Ten requests of 300 tokens at once against 300 tokens a minute: one is admitted, and what the
+    admitted ones use stays within the limit."""
+    t = tenants(Clock(T0), a={"tokens_per_minute": 300})
+    admitted = []
+    for _ in range(10):
+        ticket = t.ticket(job("a", prompt_tokens=29, max_tokens=271))
+        try:
+            await t.charge(ticket)
+            admitted.append(ticket)
+        except RateLimited:
+            pass
+    assert len(admitted) == 1
+    for ticket in admitted:
+        ticket.finish(200, 29, 271)
+    assert [u.used for u in await t.store.read("a", t.by_name["a"].limits)] == [300]
 
 
 async def test_a_request_larger_than_a_token_limit_is_refused_without_retry_after() -> None:
     t = tenants(Clock(T0), a={"tokens_per_minute": 100})
     with pytest.raises(RateLimited, match="Request too large for tenant 'a' on tokens per minute: limit 100, "
                                           "requested 101") as err:
-        await t.charge(t.ticket(job("a", prompt_tokens=101)))
+        await t.charge(t.ticket(job("a", prompt_tokens=96)))   # 96 + 5
     assert err.value.retry_after_s is None
 
 
