@@ -104,9 +104,10 @@ def check(env: Mapping[str, str] = os.environ) -> list[str]:
     names = exporters(env)
     if not names:
         return names
-    protocol = next((env[p] for p in _PROTOCOLS if env.get(p)), "http/protobuf")
+    variable = next((p for p in _PROTOCOLS if env.get(p)), None)
+    protocol = env[variable] if variable else "http/protobuf"
     if "otlp" in names and protocol != "http/protobuf":
-        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r}; traces are exported over http/protobuf only")
+        raise ConfigError(f"{variable}: {protocol!r}; traces are exported over http/protobuf only")
     sampler(env)
     return names
 
