@@ -14,10 +14,11 @@ their prompts, ten requests of 300 tokens each took 1,290 tokens of a 300-token 
 
 Windows are fixed: the whole minute, the UTC day. A window's count resets when the next one starts,
 so a tenant may send up to twice its limit across one window boundary; within any one window what
-its requests use holds to the limit (a prompt's tokens beyond the gateway's estimate excepted). The counters live in a `LimitStore`: in this process (`MemoryLimitStore`) or,
-with `--redis-url`, in Redis for every replica at once (`gateway.replicas.tenant_limits`). A store
-that cannot answer raises `LimitStoreUnavailable`, and `gateway.tenants.on_redis_error` decides:
-`open` admits uncounted, `closed` answers 503.
+its requests use holds to the limit (a prompt's tokens beyond the gateway's estimate excepted). The
+counters live in a `LimitStore`: in this process (`MemoryLimitStore`) or, with `--redis-url`, in
+Redis for every replica at once (`gateway.replicas.tenant_limits`). A store that cannot answer raises
+`LimitStoreUnavailable`, and `gateway.tenants.on_redis_error` decides: `open` admits uncounted,
+`closed` answers 503.
 """
 
 from __future__ import annotations

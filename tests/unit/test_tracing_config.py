@@ -31,9 +31,9 @@ def test_the_exporters_come_from_the_environment(env: dict[str, str], expected: 
 def test_an_unknown_exporter_or_protocol_is_refused_with_its_name() -> None:
     with pytest.raises(ConfigError, match="jaeger"):
         exporters({"OTEL_TRACES_EXPORTER": "jaeger"})
-    with pytest.raises(ConfigError, match="^OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc'"):
+    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc'"):
         setup("t", "s", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
-    with pytest.raises(ConfigError, match="^OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'grpc'"):   # the one in effect
+    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'grpc'"):   # the one in effect
         setup("t", "s", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
                          "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
 
