@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from common.catalog import load_catalog
+from common.errors import ConfigError
 from gateway.config.autoscaling import AutoscalingConfig, LanguageScaling, Pool, VisionScaling
+from loadtest.planner import options
 from loadtest.planner.autoscaled import POOLS, Fleet, FleetResult, run_fleet
 from loadtest.planner.bursty import BurstyShape, BurstyTrace, bursty_trace
 from loadtest.planner.pool_sizing import Sizing, size_pools
@@ -163,7 +165,7 @@ def _yes(ok: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     defaults = BurstyShape()
     p = argparse.ArgumentParser(prog="bursty_autoscaling", description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=options.seed, nargs="+", default=[0, 1, 2])
     p.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds of arrivals")
     p.add_argument("--text-rps", type=float, default=defaults.text_rps, help="mean text-only requests/s")
     p.add_argument("--image-rps", type=float, default=defaults.image_rps, help="image requests/s between bursts")
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shape = replace(defaults, duration_s=args.duration, text_rps=args.text_rps, image_rps=args.image_rps)
         runs = [one_seed(args, shape, seed) for seed in args.seeds]
-    except (ValueError, KeyError) as exc:
+    except (ConfigError, ValueError, KeyError) as exc:
         print(f"bursty_autoscaling: {exc}", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)

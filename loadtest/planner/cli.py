@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,53 +23,39 @@ import yaml
 from common.catalog import CONFIG_DIR, ModelProfile, load_catalog
 from common.errors import ConfigError
 from gateway.routing.policies import build_policy
+from loadtest.planner.catalog_gap import catalog_gap
 from loadtest.planner.evaluate import Policies
+from loadtest.planner.options import (
+    at_least,
+    count,
+    inventory,
+    names,
+    non_negative,
+    positive,
+    seed,
+    share,
+    unwritable,
+)
+from loadtest.planner.pool import Terminated, sigterm_raises
 from loadtest.planner.search import GROUPINGS, Evaluated, Problem, SearchResult, search
 from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Split, trace_rate
-from loadtest.planner.workload import Description, WorkloadError, described_trace, log_trace, named_trace
+from loadtest.planner.workload import (
+    Description,
+    WorkloadError,
+    clipped_prompt_mean,
+    described_trace,
+    log_trace,
+    named_trace,
+)
 from loadtest.sim.workloads import Trace
 
 PROG = "gateway plan"
 DEFAULT_MODEL = "llava-1.5-7b"          # the demo cluster's model
-MIN_REQUESTS = 200
-
-
-def positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return value
-
-
-def count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
-    return value
-
-
-def share(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], not {text}")
-    return value
-
-
-def inventory(text: str) -> tuple[tuple[str, int], ...]:
-    """`H100=4,L40S=8` → (("H100", 4), ("L40S", 8))."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, n = part.partition("=")
-        if not sep or not name.strip() or not n.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"{part!r}: write GPU=COUNT, e.g. H100=4")
-        out[name.strip()] = out.get(name.strip(), 0) + int(n)
-    if not out:
-        raise argparse.ArgumentTypeError("an inventory needs at least one GPU=COUNT")
-    return tuple(out.items())
-
-
-def names(text: str) -> tuple[str, ...]:
-    return tuple(filter(None, (p.strip() for p in text.split(","))))
+MIN_REQUESTS = 200                      # a trace shorter than this says too little of a plan's attainment
+CLIP_NOTICE = 0.99                      # say so when the context clip takes the mean prompt below this share
+DESCRIPTION = ("image_share", "prompt_tokens", "output_tokens", "images_per_request")
+# what a simulator workload or a request log brings of its own: the options that describe it would be ignored
+IGNORED_WITH = {"workload": DESCRIPTION, "trace": (*DESCRIPTION, "arrivals", "duration", "seed")}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,8 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--trace", type=Path, help="the gateway's JSON request log (its `\"event\": \"request\"` lines)")
     w.add_argument("--duration", type=positive, default=30.0,
                    help="seconds of arrivals each plan is simulated for (default 30)")
-    w.add_argument("--requests", type=count, help="simulate this many requests instead of --duration's")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--requests", type=at_least(MIN_REQUESTS),
+                   help=f"simulate this many requests instead of --duration's (at least {MIN_REQUESTS})")
+    w.add_argument("--seed", type=seed, default=0)
     s = p.add_argument_group("service level")
     s.add_argument("--ttft-slo", type=positive, default=2.0, help="time to first token, seconds (default 2)")
     s.add_argument("--itl-slo", type=positive, default=0.1, help="mean inter-token time, seconds (default 0.1)")
@@ -116,7 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="simulation processes")
     r.add_argument("--top", type=count, default=8, help="plans to print")
     r.add_argument("--out", type=Path, help="write the best plan here as a backends.yaml")
-    r.add_argument("--time-scale", type=float, default=1.0, help="launch.time_scale of the written engines")
+    r.add_argument("--time-scale", type=non_negative, default=1.0, help="launch.time_scale of the written engines")
     r.add_argument("--json", type=Path, help="write the search's results here as JSON")
     args = p.parse_args(argv)
     if args.trace is None and args.rate is None:
@@ -126,9 +114,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [s for s in args.splits if s not in SPLITS]
     if bad or not args.splits:
         p.error(f"--splits: {', '.join(bad) or 'none given'}; choose from {', '.join(SPLITS)}")
-    if args.time_scale < 0:
-        p.error("--time-scale must be at least 0")
+    for source, options in IGNORED_WITH.items():
+        given = [o for o in options if getattr(args, source) is not None and getattr(args, o) != p.get_default(o)]
+        if given:
+            p.error(f"--{source} brings its own traffic, so {', '.join(_flag(o) for o in given)} would be ignored: "
+                    "give one or the other")
     return args
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def build_trace(args: argparse.Namespace, model: ModelProfile) -> Trace:
@@ -139,7 +134,12 @@ def build_trace(args: argparse.Namespace, model: ModelProfile) -> Trace:
         return named_trace(args.workload, args.rate, n, args.seed, args.arrivals)
     desc = Description(args.rate, args.image_share, args.prompt_tokens, args.output_tokens,
                        args.images_per_request, args.arrivals)
-    return described_trace(desc, model, n, args.seed)
+    trace = described_trace(desc, model, n, args.seed)
+    kept = clipped_prompt_mean(desc, model)
+    if desc.image_share < 1 and kept < CLIP_NOTICE * desc.prompt_tokens:
+        print(f"{PROG}: note: --prompt-tokens {desc.prompt_tokens:g}: text prompts are clipped to what model "
+              f"{model.name}'s context leaves beside the output, a mean of about {kept:.0f} tokens", file=sys.stderr)
+    return trace
 
 
 def build_problem(args: argparse.Namespace) -> Problem:
@@ -156,10 +156,14 @@ def build_problem(args: argparse.Namespace) -> Problem:
         build_policy(policy)
     splits: tuple[Split, ...] = tuple(s for s in SPLITS if s in args.splits)
     limits = Limits(args.budget, args.inventory, args.max_gpus, args.max_types, args.max_vision)
-    return Problem(catalog, model, build_trace(args, model), Slo(args.ttft_slo, args.itl_slo), limits, gpus,
-                   args.attainment, splits, not args.no_steal,
-                   Policies(args.policy, args.vision_policy, not args.no_overload),
-                   args.compare)
+    problem = Problem(catalog, model, build_trace(args, model), Slo(args.ttft_slo, args.itl_slo), limits, gpus,
+                      args.attainment, splits, not args.no_steal,
+                      Policies(args.policy, args.vision_policy, not args.no_overload),
+                      args.compare)
+    if not problem.images and "monolithic" not in splits:
+        raise WorkloadError("--splits E+PD: a split plan's vision pool encodes images, and no request of this "
+                            "workload carries one; only monolithic plans serve it")
+    return problem
 
 
 def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str, Any]:
@@ -188,7 +192,9 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str
     return {"model": problem.model.name, "gateway": {"routing": routing, "overload": overload}, "backends": backends}
 
 
-def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: float, command: str) -> None:
+def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: float, command: str,
+                   notes: Sequence[str] = ()) -> None:
+    """The plan as a backends.yaml, its header saying how it was made, what it predicts, and `notes`."""
     o = plan.outcome
     header = [
         f"Written by `{command}`.",
@@ -198,6 +204,7 @@ def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: fl
         f"SLO attainment {o.attainment:.1%} (TTFT <= {problem.slo.ttft_s:g} s, inter-token <= "
         f"{problem.slo.itl_s * 1000:g} ms), {o.tokens_per_s:,.0f} tokens/s.",
         "Managed simulated engines; give each its real engine (launch or address) to run it on GPUs.",
+        *notes,
     ]
     body = yaml.safe_dump(backends_config(plan.plan, problem, time_scale), sort_keys=False, width=120)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +238,10 @@ def render(result: SearchResult, problem: Problem, top: int) -> str:
         lines += ["", f"best of each group ({problem.grouping})",
                   _table(list(result.best_by_group.values()), result.target, result.best_by_group)]
     best = result.best
-    if best is None:
+    if best is None and result.left:
+        lines.append(f"the time limit ended the search before any plan was simulated ({result.left:,} plans were "
+                     "left): give a longer --time-limit")
+    elif best is None:
         lines.append("no plan fits the limits: raise the budget or the inventory, or allow more GPU types")
     elif not best.outcome.sustains(result.target):
         lines.append(f"no plan within the limits sustains {result.target:.0%} attainment; the best serves "
@@ -277,6 +287,22 @@ def as_json(result: SearchResult, problem: Problem) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    for option, path in (("--out", args.out), ("--json", args.json)):
+        if path is not None and (why := unwritable(path)):
+            print(f"{PROG}: {option}: {why}", file=sys.stderr)
+            return 2
+    try:
+        with sigterm_raises():
+            return _plan(args, " ".join([PROG, *argv]))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the search and its simulations are stopped", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"{PROG}: terminated; the search and its simulations are stopped", file=sys.stderr)
+        return 143
+
+
+def _plan(args: argparse.Namespace, command: str) -> int:
     try:
         problem = build_problem(args)
         result = search(problem, max_simulations=args.max_simulations, time_limit_s=args.time_limit,
@@ -285,11 +311,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     print(render(result, problem, args.top))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(as_json(result, problem), indent=2) + "\n")
-    if args.out is not None and result.best is not None:
-        write_backends(args.out, result.best, problem, args.time_scale, " ".join([PROG, *argv]))
-        print(f"\nwrote {args.out}: {result.best.plan.label()}, {result.best.plan.gpus} backends; "
-              f"run it with `gateway --backends {args.out}`")
+    try:
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(as_json(result, problem), indent=2) + "\n")
+        if args.out is not None and result.best is not None:
+            gpus = (g for g, _, _ in result.best.plan.pools)
+            notes = catalog_gap(gpus, problem.model, problem.catalog, load_catalog())
+            write_backends(args.out, result.best, problem, args.time_scale, command, notes)
+            print(f"\nwrote {args.out}: {result.best.plan.label()}, {result.best.plan.gpus} backends; "
+                  f"run it with `gateway --backends {args.out}`")
+            print("".join(f"note: {n}\n" for n in notes), end="")
+    except OSError as exc:
+        print(f"{PROG}: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0 if result.best is not None else 1

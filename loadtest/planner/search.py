@@ -25,7 +25,8 @@ fails, all its sub-plans go with it; if it sustains the target, every dearer pla
 the group sustains the target, plans are taken by bound, highest first. The search thus proves its plan
 the best (up to the margin and the monotony) when no candidate is left; it stops earlier at
 `max_simulations` or `time_limit_s` and then says how many plans neither rule had ruled out.
-Simulations run in parallel on a process pool, a batch of `workers` plans at a time, the groups in turn.
+Simulations run in parallel on a process pool (pool.py: its workers stop with the search, however it stops), a
+batch of `workers` plans at a time, the groups in turn.
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 
 import numpy as np
 
 from common.catalog import Catalog, ModelProfile
 from loadtest.planner.evaluate import Outcome, Policies, simulate
+from loadtest.planner.pool import worker_pool
 from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Space, Split, bounds, enumerate_space, trace_rate
 from loadtest.sim.workloads import Trace
 
@@ -209,7 +209,7 @@ def search(problem: Problem, *, max_simulations: int = 200, time_limit_s: float 
     bounded = time.perf_counter()
     evaluated: list[Evaluated] = []
     workers = workers or min(2, os.cpu_count() or 1)
-    with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+    with worker_pool(workers) as pool:
         active = list(groups.values())       # in turn, a batch each, so that a cap leaves no group unsearched
         while active and len(evaluated) < max_simulations and time.perf_counter() - started < time_limit_s:
             group = active.pop(0)

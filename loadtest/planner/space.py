@@ -295,9 +295,13 @@ def bounds(
 
 
 def trace_rate(trace: Trace) -> float:
-    """Mean arrival rate of a trace (requests/s)."""
-    span = float(trace.arrival_s[-1] - trace.arrival_s[0])
-    return (trace.n - 1) / span if span > 0 else float("inf")
+    """Mean arrival rate of a trace (requests/s). A rate needs two arrivals apart in time: an infinite one would
+    become an infinite goodput and JSON no parser reads, so a trace without is refused."""
+    span = float(trace.arrival_s[-1] - trace.arrival_s[0]) if trace.n > 1 else 0.0
+    if not span > 0:
+        raise ValueError(f"a trace of {trace.n} request(s) arriving over {span:g} s has no arrival rate: "
+                         "it needs at least 2 arriving at different times")
+    return (trace.n - 1) / span
 
 
 def _feasible_share(caps: Sequence[SlotCapacity], slots: Sequence[Slot], used: np.ndarray, has_image: np.ndarray,

@@ -77,18 +77,47 @@ def tokens_per_image(model: ModelProfile) -> int:
     return model.image_tokens(*PHOTO_SIZE)
 
 
+def output_range(desc: Description) -> tuple[int, int]:
+    """The fewest and most output tokens of a request (module docstring); the most is its max_tokens."""
+    return max(1, round(desc.output_tokens / 2)), max(2, round(desc.output_tokens * 3 / 2))
+
+
+def text_room(desc: Description, model: ModelProfile) -> int:
+    """The most prompt tokens a text request can have: the context less its max_tokens."""
+    return model.max_context - output_range(desc)[1]
+
+
+def clipped_prompt_mean(desc: Description, model: ModelProfile) -> float:
+    """The expected mean text prompt once prompts are clipped to `text_room`: E[min(X, c)] of the log-normal X,
+    e^(μ+σ²/2)·Φ((ln c - μ - σ²)/σ) + c·(1 - Φ((ln c - μ)/σ)), so that a caller can say how far below
+    the described mean the clip takes it."""
+    c, s = text_room(desc, model), PROMPT_SIGMA
+    mu = math.log(desc.prompt_tokens) - s**2 / 2
+    z = (math.log(c) - mu) / s
+
+    def phi(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    return desc.prompt_tokens * phi(z - s) + c * (1 - phi(z))
+
+
 def described_lengths(desc: Description, model: ModelProfile, n: int, seed: int) -> Lengths:
-    """n requests of the description (module docstring); prompts clipped so that every request fits the context."""
+    """n requests of the description (module docstring); prompts clipped so that every request fits the context.
+    A mean prompt that does not fit itself is refused: the clip would leave a trace of another workload."""
     rng = np.random.default_rng([seed, 0])
     per_image = tokens_per_image(model)
     if desc.image_share > 0 and not per_image:
         raise WorkloadError(f"model {model.name!r} takes no images, so the image share must be 0")
+    if desc.image_share < 1 and desc.prompt_tokens > text_room(desc, model):
+        raise WorkloadError(f"a mean prompt of {desc.prompt_tokens:g} tokens does not fit model {model.name!r}: "
+                            f"its context of {model.max_context} tokens less {output_range(desc)[1]} output "
+                            f"tokens leaves {text_room(desc, model)}")
     has_image = rng.random(n) < desc.image_share
     images = np.where(has_image, desc.images_per_request, 0).astype(np.int64)
     mu = math.log(desc.prompt_tokens) - PROMPT_SIGMA**2 / 2          # log-normal with the described mean
     prompts = np.maximum(rng.lognormal(mu, PROMPT_SIGMA, n), MIN_PROMPT_TOKENS).astype(np.int64)
     text = np.where(has_image, rng.integers(INSTRUCTION_TOKENS[0], INSTRUCTION_TOKENS[1] + 1, n), prompts)
-    low, high = max(1, round(desc.output_tokens / 2)), max(2, round(desc.output_tokens * 3 / 2))
+    low, high = output_range(desc)
     out = rng.integers(low, high + 1, n)
     max_out = np.full(n, high, dtype=np.int64)
     room = model.max_context - images * per_image - max_out

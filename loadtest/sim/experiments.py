@@ -8,6 +8,7 @@ across policies: cell (…, seed s) of every policy replays the same trace.
 from __future__ import annotations
 
 import os
+import signal
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -186,13 +187,19 @@ def _cost(spec: Spec) -> float:
     return spec.n_requests * (6.0 if spec.policy == oracle.NAME else 1.0)
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C at a terminal reaches the whole process group: the parent stops the workers, which would
+    otherwise each print a traceback of their own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_all(
     cells: list[Cell], workers: int, progress: Callable[[int, int], None] | None = None
 ) -> list[dict[str, Any]]:
     """Run every distinct spec once; returns one row per cell (labels, seed, run_id, metrics)."""
     unique = sorted({c.spec for c in cells}, key=_cost, reverse=True)
     results: dict[Spec, dict[str, Any]] = {}
-    with get_context("fork").Pool(workers) as pool:
+    with get_context("fork").Pool(workers, initializer=_ignore_interrupts) as pool:   # leaving it terminates them
         rates = _rates(unique, pool)
         jobs = [(s, rates.get(s, 0.0)) for s in unique]
         for k, (spec, out) in enumerate(pool.imap_unordered(_run_one, jobs), 1):

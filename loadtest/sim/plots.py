@@ -1,16 +1,17 @@
-"""The report's figures (matplotlib, PNG); one function per figure, both engine modes side by side."""
+"""The report's figures (matplotlib, PNG); one function per figure, both engine modes side by side.
+
+matplotlib is the `sim` extra, imported on first use: the report's command line (`--help`, its argument
+errors) works without it, and the report checks `missing()` before it runs anything.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from loadtest.sim.experiments import (
     CLUSTERS,
@@ -30,13 +31,35 @@ from loadtest.sim.modality import DEPLOYMENTS
 from loadtest.sim.simulator import MODES
 from loadtest.sim.summary import Summary
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 THR = "throughput_tok_s"
+EXTRA = "sim"           # pyproject's optional dependencies that bring matplotlib
+
+
+def missing() -> str | None:
+    """What to install to draw the figures (None: nothing)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return (f"the figures need matplotlib, the '{EXTRA}' extra: pip install 'heterogate[{EXTRA}]' "
+                f"(in a checkout: pip install -e '.[{EXTRA}]')")
+    return None
+
+
+def _pyplot() -> ModuleType:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _save(fig: Figure, out: Path, name: str) -> str:
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return name
 
 
@@ -49,7 +72,7 @@ def _grouped_bars(ax: Axes, groups: list[str], series: dict[str, tuple[list[floa
 
 
 def table2(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
         rows = [s.one("table2", mode=mode, policy=p) for p in TABLE2_POLICIES]
         ax.bar(TABLE2_POLICIES, [r[THR] for r in rows], yerr=[r[f"{THR}_std"] for r in rows], capsize=3,
@@ -61,7 +84,7 @@ def table2(s: Summary, out: Path) -> str:
 
 
 def model_size(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
         series = {}
         for p in TABLE3_POLICIES:
@@ -76,7 +99,7 @@ def model_size(s: Summary, out: Path) -> str:
 
 
 def load_sweep(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
         for p in LOAD_POLICIES:
             ax.plot(LOADS, s.values("load", THR, "load", LOADS, mode=mode, policy=p), marker="o", label=p)
@@ -86,7 +109,7 @@ def load_sweep(s: Summary, out: Path) -> str:
 
 
 def pareto(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
         for p in LOAD_POLICIES:
             ttft = s.values("load", "ttft_p95_s", "load", LOADS, mode=mode, policy=p)
@@ -98,7 +121,7 @@ def pareto(s: Summary, out: Path) -> str:
 
 
 def heterogeneity(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     names = list(CLUSTERS)
     for ax, mode in zip(axes, MODES, strict=True):
         series = {}
@@ -112,7 +135,7 @@ def heterogeneity(s: Summary, out: Path) -> str:
 
 
 def workloads(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
         series = {}
         for p in ("round_robin", "shortest_queue", "heteroserve", "batch_aware"):
@@ -125,7 +148,7 @@ def workloads(s: Summary, out: Path) -> str:
 
 
 def scaling(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4))
     for ax, mode in zip(axes, MODES, strict=True):
         for p in CORE_POLICIES:
             per_gpu = [v / n for v, n in zip(s.values("scaling", THR, "gpus", SIZES, mode=mode, policy=p), SIZES,
@@ -138,7 +161,7 @@ def scaling(s: Summary, out: Path) -> str:
 
 
 def ablations(s: Summary, out: Path) -> str:
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = _pyplot().subplots(1, 3, figsize=(14, 4))
     variants = [r["variant"] for r in s.where("ablation_heteroserve", mode="serial")]
     series = {}
     for mode in MODES:
@@ -163,7 +186,7 @@ def ablations(s: Summary, out: Path) -> str:
 
 def modality(s: Summary, out: Path) -> str:
     names = list(DEPLOYMENTS)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(12, 4))
     for ax, metric, title in ((axes[0], THR, "LLaVA-1.5-7B, COCO, saturated: tokens/s"),
                               (axes[1], "cer_tok_s_per_k_usd", "cost efficiency: tok/s per $1k hardware (CER)")):
         series = {}

@@ -109,8 +109,8 @@ def _weaker(s: Summary) -> str:
   prompt + max tokens at admission, no preemption; engine overheads are absent, so absolute tok/s are roofline
   peaks. Work stealing is simulated as the gateway implements it (route-time candidates, at most
   `stealing.max_batch` language requests held per stealer), not as the paper's pull-based half-batch episodes.
-- `loadtest` is not in pyproject's `packages.find`; the report runs from the repository root
-  (`python -m loadtest.sim.report`), as do the tests.
+- `loadtest` is in pyproject's `packages.find` (`gateway plan` runs the simulator), so an installed package
+  runs the report (`python -m loadtest.sim.report`) from any folder; the tests run from the repository root.
 """
 
 
@@ -133,19 +133,51 @@ def build_markdown(summary: Summary, rows: list[dict[str, Any]], settings: Setti
     return "\n".join(sections)
 
 
+def worker_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def _writable_folder(out: Path) -> str | None:
+    """Why the report cannot go to `out` (None: it can, and out/results now exists): checked before the
+    simulations, which take minutes, rather than after them."""
+    try:
+        (out / "results").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make {exc.filename or out}: {exc.strerror or exc}"
+    return None if os.access(out / "results", os.W_OK) else f"{out / 'results'} is not writable"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, short traces: a smoke run")
     parser.add_argument("--out", type=Path, help="where BENCHMARKS.md and results/ go (default: results/sim under "
                         "the current directory, or a temporary folder with --quick; `--out docs`: the tracked report)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=worker_count, default=os.cpu_count() or 1, help="simulation processes")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    base = QUICK if args.quick else Settings()
-    settings = Settings(base.seeds, base.n_serial, base.n_continuous, base.n_vlm, args.workers)
-    cells = all_cells(settings)
     quick_out = Path(tempfile.gettempdir()) / "heterogate-sim-quick"
     out: Path = args.out or (quick_out if args.quick else Path("results/sim"))
+    problem = plots.missing() or _writable_folder(out)
+    if problem:
+        print(f"report: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return _report(out, args.quick, args.workers)
+    except KeyboardInterrupt:
+        print("report: interrupted; the simulations are stopped", file=sys.stderr)
+        return 130
+
+
+def _report(out: Path, quick: bool, workers: int) -> int:
+    started = time.perf_counter()
+    base = QUICK if quick else Settings()
+    settings = Settings(base.seeds, base.n_serial, base.n_continuous, base.n_vlm, workers)
+    cells = all_cells(settings)
 
     def progress(done: int, total: int) -> None:
         if done % 50 == 0 or done == total:
@@ -154,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(cells, settings.workers, progress)
     summary = Summary(aggregate(rows, METRICS))
     results = out / "results"
-    results.mkdir(parents=True, exist_ok=True)
     _write_csv(results / "runs.csv", rows)
     (results / "summary.json").write_text(json.dumps(summary.rows, indent=1))
     for figure in plots.FIGURES:

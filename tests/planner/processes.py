@@ -1,0 +1,75 @@
+"""Signal a command once its worker processes exist, and see which of them outlive it (Linux /proc)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from testkit.harness import ROOT
+
+WORKERS_WITHIN_S = 90.0     # enumeration, bounds or the sweep's set-up come before the pool
+EXIT_WITHIN_S = 30.0
+GONE_WITHIN_S = 10.0
+
+
+@dataclass(frozen=True)
+class Stopped:
+    returncode: int
+    stderr: str
+    workers: list[int]          # the command's children once it had `workers` of them
+    survivors: list[int]        # those still running after it exited
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def running(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """State, parent pid, ... of /proc/PID/stat (after the command name, which may hold spaces)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def stop_with_workers(command: list[str], sig: signal.Signals, workers: int = 2,
+                      env: dict[str, str] | None = None) -> Stopped:
+    """Start `command` in a session of its own, send `sig` to it once it has `workers` children (SIGINT to its
+    whole process group, as a terminal's Ctrl-C does) and wait for it and them to go."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + WORKERS_WITHIN_S
+        while len(kids := children(proc.pid)) < workers and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(kids) >= workers, f"no {workers} workers within {WORKERS_WITHIN_S} s: {proc.poll()}"
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=EXIT_WITHIN_S)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while any(running(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return Stopped(proc.returncode, stderr, kids, [k for k in kids if running(k)])
+    finally:                    # a failed check leaves nothing behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for k in kids:
+            if running(k):
+                os.kill(k, signal.SIGKILL)
