@@ -115,6 +115,10 @@ class PrefixQuery:
     prompt_tokens: int
     cached: Mapping[str, int]
     reuse: Mapping[str, float]    # ρ_i of the backends whose cache is full (a live view: read it at once)
+    # The blocks' own prediction where a session raised `cached` (None: the same): a session predicts its
+    # last prompt's length however much of the text changed, which the engine's counters cannot confirm,
+    # so only the blocks' prediction is compared with them (keep_i).
+    by_blocks: Mapping[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -226,13 +230,15 @@ class PrefixIndex:
         else:
             if matched:
                 _credit(cached, alive, by_bit, matched * size, prompt_tokens)
-        key = None
+        key = by_blocks = None
         if session:
             key = session_key(session, stable=self.stable)
             for b in _members(holders.get(key, 0), by_bit):
                 if (hit := cached_tokens(b.lru.get(key) or 0, prompt_tokens)) > cached.get(b.id, 0):
+                    if by_blocks is None:
+                        by_blocks = dict(cached)
                     cached[b.id] = hit
-        return PrefixQuery(blocks, key, prompt_tokens, cached, self._reuse_view)
+        return PrefixQuery(blocks, key, prompt_tokens, cached, self._reuse_view, by_blocks)
 
     def record(self, query: PrefixQuery, backend_id: str, capacity_tokens: int) -> None:
         """`query`'s request was routed to `backend_id`, whose KV holds `capacity_tokens` (0: unknown,
@@ -245,7 +251,7 @@ class PrefixIndex:
             self._fit(b)
         self._touch(b, query.blocks, query.session, query.prompt_tokens)
         b.predicted_queries += query.prompt_tokens
-        b.predicted_hits += query.cached.get(backend_id, 0)
+        b.predicted_hits += (query.cached if query.by_blocks is None else query.by_blocks).get(backend_id, 0)
         if self._routed is not None:
             self._routed.append((backend_id, query.blocks, query.session, query.prompt_tokens))
 
@@ -339,7 +345,11 @@ class PrefixIndex:
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
         """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: it reports none)."""
         b = self._backends.get(backend_id)
-        if b is None or not queries or b.last == (queries, hits):
+        if b is None or b.last == (queries, hits):
+            return
+        if not queries:   # none yet (or an engine that counts none): where its first ones will count from
+            if b.last is None:
+                b.last, b.mark = (0, 0), (b.predicted_queries, b.predicted_hits)
             return
         marks = (b.predicted_queries, b.predicted_hits)
         last, b.last = b.last, (queries, hits)

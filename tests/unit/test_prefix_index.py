@@ -159,6 +159,44 @@ def test_a_session_sticks_where_its_last_request_went() -> None:
     assert index.lookup(later.blocks, "conv-2", 150).cached == {}
 
 
+def test_rewritten_turns_of_a_session_do_not_turn_the_index_off() -> None:
+    """A session predicts its last prompt's length cached even when the text changed, which the engine
+    (caching by content) does not find. Compared with its counters, such turns read as "predicted hits,
+    none found" and set keep_i to 0: no prediction there, sessions included, for good. Only the blocks'
+    prediction is compared with the engine's counters."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("b", 1_000_000)
+    index.observe("b", 0, 0)
+    queries = 0
+    for turn in range(6):   # each turn a new text of ~5,000 tokens under one session
+        words = "".join(f"{turn:02d}-{j:061d}" for j in range(300))
+        query = index.lookup(index.hashes(words, (), 5_000), "conv-1", 5_000)
+        assert query.cached == ({"b": 4_999} if turn else {})
+        index.record(query, "b", 1_000_000)
+        queries += 5_000
+        index.observe("b", queries, 0)   # the engine finds nothing of a new text
+    described = index.describe("b")
+    assert described["reported_query_tokens"] == 6 * 5_000 >= MIN_REPORTED_TOKENS
+    assert described["predicted_hit_tokens"] == 0 and described["keep"] == 1.0
+
+
+def test_counters_first_read_at_zero_count_the_first_request() -> None:
+    """The gateway reads an engine's counters before it records a request there: an engine's first
+    reading of none yet is where its counts start, so the first request's tokens are in the reported
+    figures, as they are in the predicted ones."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("a", 100_000)
+    blocks = index.hashes(text(*"abcdefghij"), (), 200)
+    index.observe("a", 0, 0)
+    index.record(index.lookup(blocks, "", 200), "a", 100_000)   # a miss: 200 tokens computed
+    index.observe("a", 200, 0)
+    index.record(index.lookup(blocks, "", 200), "a", 100_000)   # a hit: its 10 blocks
+    index.observe("a", 400, 192)
+    described = index.describe("a")
+    assert (described["reported_query_tokens"], described["reported_hit_tokens"]) == (400, 192)
+    assert (described["predicted_query_tokens"], described["predicted_hit_tokens"]) == (400, 160)
+
+
 def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() -> None:
     index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("a", 100 * 16)   # room for 100 blocks: the ten prompts below
