@@ -49,6 +49,7 @@ class EngineConfig:
     max_model_len: int | None = None   # tokens of KV per sequence slot (default: the model's max_context)
     log_level: str = "info"
     orphan_timeout_s: float | None = None   # exit once no gateway has taken the heartbeats for this long
+    catalog: str | None = None     # the catalog folder the GPU and model are looked up in (None: built-in)
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--backend-id", required=True)
     p.add_argument("--role", choices=("language", "vision", "both"), default="language")
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
+    p.add_argument("--catalog", default=None,
+                   help="catalog folder (gpus.yaml, models.yaml) of the GPU and model (default: the built-in one)")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
     p.add_argument("--gateway", required=True,
                    help="host:port of the gateway's control (gRPC) service; several, comma-separated, fail over")
@@ -94,4 +97,5 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         model_path=a.model_path,
         random_weights=a.random_weights, device=a.device, dtype=a.dtype, seed=a.seed,
         max_model_len=a.max_model_len, log_level=a.log_level, orphan_timeout_s=a.orphan_timeout_s,
+        catalog=a.catalog,
     )

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from common.catalog import CONFIG_DIR, load_catalog
 from common.errors import ConfigError
@@ -224,3 +225,20 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text("backends: [\n")
     assert config_error(broken).startswith(f"{broken}: not valid YAML")
+
+
+def test_a_file_may_name_a_catalog_of_its_own(tmp_path: Path) -> None:
+    """`catalog:` (relative to the file) replaces the built-in catalog: its GPUs resolve, the built-in
+    ones it lacks do not, and a folder that is not there is named."""
+    gpus = yaml.safe_load((CONFIG_DIR / "gpus.yaml").read_text())
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "gpus.yaml").write_text(yaml.safe_dump({"MI300X": gpus["H100"]}))
+    (own / "models.yaml").write_text((CONFIG_DIR / "models.yaml").read_text())
+    cfg = load_cluster(write(tmp_path, "catalog: own\nbackends:\n  - {id: m, gpu: MI300X, launch: {}}\n"))
+    assert cfg.gpus["m"].name == "MI300X"
+    for body, words in (("catalog: own\nbackends:\n  - {id: h, gpu: H100, launch: {}}\n", "unknown GPU 'H100'"),
+                        ("catalog: nowhere\nbackends:\n  - {id: m, gpu: H100, launch: {}}\n",
+                         "catalog: nowhere is not a folder")):
+        with pytest.raises(ConfigError, match=words):
+            load_cluster(write(tmp_path, body))

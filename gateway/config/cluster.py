@@ -346,6 +346,9 @@ class GatewaySettings(StrictModel):
 
 
 class ClusterFile(StrictModel):
+    # a catalog folder (gpus.yaml, models.yaml: the figures of GPUs and models the file names), relative to
+    # the file; default the built-in one (configs/). Managed engines are started with it too.
+    catalog: Path | None = None
     model: str
     served_model_name: str | None = Field(default=None, pattern=MODEL_NAME)
     aliases: list[str] = Field(default_factory=list)   # other names of the first model
@@ -499,5 +502,17 @@ def _resolve(path: Path, where: str, fn: Any) -> Any:
 
 
 def load_cluster(path: Path = DEFAULT_BACKENDS, catalog: Catalog | None = None) -> ClusterConfig:
+    """The file at `path`, resolved against `catalog`, else the catalog it names, else the built-in one."""
     raw: ClusterFile = yaml_files.load(path, ClusterFile)
-    return ClusterConfig(path, raw, catalog or load_catalog())
+    if catalog is None:
+        folder = catalog_dir(path, raw)
+        if folder is not None and not folder.is_dir():
+            raise ConfigError(f"{path}: catalog: {raw.catalog} is not a folder (gpus.yaml, models.yaml) "
+                              f"relative to this file ({folder})")
+        catalog = load_catalog(folder or CONFIG_DIR)
+    return ClusterConfig(path, raw, catalog)
+
+
+def catalog_dir(path: Path, raw: ClusterFile) -> Path | None:
+    """The catalog folder the file names, resolved against the file's own folder; None: the built-in one."""
+    return None if raw.catalog is None else (path.parent / raw.catalog).resolve()

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec, catalog_dir
 from gateway.routing.state_table import StateTable
 
 Probe = Callable[[str], Awaitable[bool]]   # GET url → answered 200 in time
@@ -149,6 +149,7 @@ def engine_argv(config: ClusterConfig, spec: BackendSpec, control_address: str, 
         "--backend-id", spec.id,
         "--role", spec.role,
         "--gpu", spec.gpu,
+        *(["--catalog", str(folder)] if (folder := catalog_dir(config.path, config.raw)) is not None else []),
         "--model", config.model_of(spec.id).catalog,
         "--gateway", control_address,
         "--time-scale", str(launch.time_scale),

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import yaml
 from common.catalog import CONFIG_DIR, ModelProfile, load_catalog
 from common.errors import ConfigError
 from gateway.routing.policies import build_policy
-from loadtest.planner.catalog_gap import catalog_gap
 from loadtest.planner.evaluate import Policies
 from loadtest.planner.options import (
     at_least,
@@ -166,8 +164,9 @@ def build_problem(args: argparse.Namespace) -> Problem:
     return problem
 
 
-def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str, Any]:
-    """The plan as backends.yaml content: one managed simulated engine per GPU (configs/backends.yaml's form).
+def backends_config(plan: Plan, problem: Problem, time_scale: float, catalog: Path | None = None) -> dict[str, Any]:
+    """The plan as backends.yaml content: one managed simulated engine per GPU (configs/backends.yaml's form),
+    naming `catalog` (a folder) where the plan was made with a catalog other than the built-in one.
     Engines slowed by `time_scale` take that many seconds for one of the model's, so the gateway's
     targets in seconds (the inter-token target, the overload queue's TTFT, hold bound and wait) are
     scaled by it too: the SLO the plan was sought for, in the time the gateway measures (time_scale 0,
@@ -189,12 +188,14 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float) -> dict[str
     overload = ({"ttft_slo_s": queue.ttft_slo_s * scale, "hold_above_s": queue.hold_above_s * scale,
                  "max_wait_s": queue.max_wait_s * scale}
                 if problem.policies.overload else {"enabled": False})
-    return {"model": problem.model.name, "gateway": {"routing": routing, "overload": overload}, "backends": backends}
+    named = {"catalog": str(catalog)} if catalog is not None else {}
+    return {**named, "model": problem.model.name, "gateway": {"routing": routing, "overload": overload},
+            "backends": backends}
 
 
 def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: float, command: str,
-                   notes: Sequence[str] = ()) -> None:
-    """The plan as a backends.yaml, its header saying how it was made, what it predicts, and `notes`."""
+                   catalog: Path | None = None) -> None:
+    """The plan as a backends.yaml, its header saying how it was made and what it predicts."""
     o = plan.outcome
     header = [
         f"Written by `{command}`.",
@@ -204,9 +205,8 @@ def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: fl
         f"SLO attainment {o.attainment:.1%} (TTFT <= {problem.slo.ttft_s:g} s, inter-token <= "
         f"{problem.slo.itl_s * 1000:g} ms), {o.tokens_per_s:,.0f} tokens/s.",
         "Managed simulated engines; give each its real engine (launch or address) to run it on GPUs.",
-        *notes,
     ]
-    body = yaml.safe_dump(backends_config(plan.plan, problem, time_scale), sort_keys=False, width=120)
+    body = yaml.safe_dump(backends_config(plan.plan, problem, time_scale, catalog), sort_keys=False, width=120)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"# {line}\n" for line in header) + body)
 
@@ -316,12 +316,11 @@ def _plan(args: argparse.Namespace, command: str) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(as_json(result, problem), indent=2) + "\n")
         if args.out is not None and result.best is not None:
-            gpus = (g for g, _, _ in result.best.plan.pools)
-            notes = catalog_gap(gpus, problem.model, problem.catalog, load_catalog())
-            write_backends(args.out, result.best, problem, args.time_scale, command, notes)
+            own = args.catalog.resolve()
+            write_backends(args.out, result.best, problem, args.time_scale, command,
+                           None if own == CONFIG_DIR.resolve() else own)
             print(f"\nwrote {args.out}: {result.best.plan.label()}, {result.best.plan.gpus} backends; "
                   f"run it with `gateway --backends {args.out}`")
-            print("".join(f"note: {n}\n" for n in notes), end="")
     except OSError as exc:
         print(f"{PROG}: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2
