@@ -6,8 +6,9 @@ and a tier's engines differ by configuration. Per backend, from each request it 
     prefill rate  p̂ (s / token)  sample = max(0, TTFT − ŝ) / tokens_ahead
                                    tokens_ahead = prompt tokens this router had sent there and not yet
                                    seen a first token for, the request's own included (chunked
-                                   prefill serves them in order), taken only when >= 64 tokens
-                                   and the dispatch predicted no wait for KV (W_kv = 0)
+                                   prefill serves them in order), taken only when >= 64 tokens,
+                                   the dispatch predicted no wait for KV (W_kv = 0) and no part of
+                                   the prompt cached (`StateTable.acquire`)
     decode step   ŝ (s)           sample = (last token − first token) / (completion tokens − 1)
     T̄_service     (s)             sample = prompt tokens · p̂ + (last token − first token): the
                                    request's own prefill and decode, not the time it queued

@@ -122,6 +122,7 @@ class Lease:
     prompt_tokens: int                        # to prefill: the prompt less its predicted cached prefix
     reserve_tokens: int
     tokens_ahead: int                         # prompt tokens to prefill there before this one's first token
+    #                                           (0 where its prompt was predicted cached in part: no p̂ sample)
     dispatched_s: float
     first_token_s: float | None = None
     itl_deadline: float | None = None         # in the backend's InterTokenSlack; None: a single token

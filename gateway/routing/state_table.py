@@ -227,8 +227,12 @@ class StateTable:
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         entry.snapshot = None
         # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
-        # on this request's own few tokens
-        ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
+        # on this request's own few tokens. 0 (no prefill sample) for a prompt predicted cached in part:
+        # its first token is mostly what the engine spends on any request, and where the prediction is
+        # wrong the tokens it prefilled are not these; divided by the few predicted uncached, either made
+        # a hit's sample many times the backend's prefill time (an H100 learned 14x its rate over one
+        # conversation, and new prompts went to an idle L40S)
+        ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens if not cached_tokens else 0
         speed = entry.speed
         deadline = entry.slack.add(prefilled, max_tokens, speed.prefill.value, speed.decode_floor_s,
                                    speed.stall_factor, speed.stall_per_prompt_s)
