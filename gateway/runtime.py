@@ -100,7 +100,8 @@ class Runtime:
         index = self.pipeline.prefixes
         if index is None or e.id not in index:
             return None
-        index.observe(e.id, e.reported.prefix_cache_queries, e.reported.prefix_cache_hits)
+        if e.last_heartbeat is not None:   # before its first report its counters are not the engine's
+            index.observe(e.id, e.reported.prefix_cache_queries, e.reported.prefix_cache_hits)
         return index.describe(e.id)
 
     def describe_backends(self) -> list[dict[str, Any]]:

@@ -148,7 +148,7 @@ def test_entry_needs_launch_or_address(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("address", ["not-an-address", "10.0.0.7", "10.0.0.7:99999", "10.0.0.7:0",
-                                     "http://10.0.0.7:7000", ":::", ":7000", "10.0.0.7:port"])
+                                     "http://10.0.0.7:7000", ":::", ":7000", "10.0.0.7:port", "fd00::7:7000"])
 def test_an_engines_address_is_host_and_port(tmp_path: Path, address: str) -> None:
     msg = config_error(write(tmp_path, f"backends:\n  - {{id: x, gpu: L40S, address: '{address}'}}\n"))
     assert "backends.0 (x)" in msg and "host:port" in msg and repr(address) in msg
@@ -164,11 +164,13 @@ def test_an_openai_address_is_a_base_url(tmp_path: Path, address: str) -> None:
 def test_addresses_that_dial(tmp_path: Path) -> None:
     body = ("backends:\n  - {id: a, gpu: L40S, address: 'gpu-3.internal:7000'}\n"
             "  - {id: b, gpu: L40S, address: '[fd00::7]:7000'}\n"
+            "  - {id: e, gpu: L40S, address: 'dns:///engine.svc:7000'}\n"
             "  - {id: c, kind: openai, gpu: L40S, address: 'https://vllm.internal/v1-proxy'}\n"
             "  - {id: d, kind: openai, gpu: L40S, address: 'http://[fd00::7]:8000'}\n")
     cfg = load_cluster(write(tmp_path, body), catalog())
     assert [b.address for b in cfg.raw.backends] == [
-        "gpu-3.internal:7000", "[fd00::7]:7000", "https://vllm.internal/v1-proxy", "http://[fd00::7]:8000"]
+        "gpu-3.internal:7000", "[fd00::7]:7000", "dns:///engine.svc:7000", "https://vllm.internal/v1-proxy",
+        "http://[fd00::7]:8000"]
 
 
 @pytest.mark.parametrize(

@@ -160,9 +160,13 @@ class ProbeSpec(StrictModel):
         return address + (self.path or (launch.ready_path if launch is not None else "/v1/models"))
 
 
+GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")   # gRPC's target names
+
+
 def check_address(address: str, kind: str) -> None:
     """ValueError unless `address` is what the backend's client dials: an engine's gRPC `host:port`
-    (`[v6]:port`; or a `unix:` socket), a kind: openai base URL `http(s)://host[:port][/path]`."""
+    (`[v6]:port`), or a target gRPC names by its scheme (`dns:///engine.svc:7000`, `unix:/run/e.sock`,
+    ...), taken as it is; a kind: openai base URL `http(s)://host[:port][/path]`."""
     if kind == "openai":
         parts = urlsplit(address)
         try:
@@ -172,11 +176,13 @@ def check_address(address: str, kind: str) -> None:
         if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or port == -1:
             raise ValueError(f"address {address!r}: kind: openai needs a base URL, e.g. http://10.0.0.5:8000")
         return
-    if address.startswith("unix:"):
+    if address.startswith(GRPC_SCHEMES):
         return
     host, sep, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    elif ":" in host:   # an IPv6 address takes brackets before its port
+        host = ""
     if not sep or not host or "/" in host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"address {address!r}: an engine's address is host:port, e.g. 10.0.0.5:7000")
 

@@ -125,16 +125,11 @@ class Fleet:
         self._known(backend_id)
         if backend_id not in self._drains:
             leaving = {backend_id, *self._drains, *self._removals}
-            left = [b for b in self.config.raw.backends if b.id not in leaving and b.role in POOL_ROLES["language"]]
-            if not left:
+            if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
                 raise InvalidRequest(f"draining {backend_id!r} would leave no backend serving language work "
                                      "(role language or both): the gateway could serve nothing",
                                      code="invalid_backend")
-            lowest = self.config.settings.tenants.classes[0]
-            if all(b.min_priority is not None and b.min_priority > lowest for b in left):
-                raise InvalidRequest(f"draining {backend_id!r} would leave only backends kept for higher priority "
-                                     f"classes (min_priority): tenants of class {lowest} could be served nowhere",
-                                     code="invalid_backend")
+            self._keeps_lowest_class(backend_id, "draining")
             self._drain_task(backend_id)
 
     def remove(self, backend_id: str) -> None:
@@ -142,10 +137,28 @@ class Fleet:
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._removals:
+            self._keeps_lowest_class(backend_id, "removing")
             # the fleet left must be valid without the backends that serve nothing new (drained or leaving)
             self._validated([b for b in self.config.raw.backends
                              if b.id != backend_id and b.id not in self._drains and b.id not in self._removals])
             self._start_removal(backend_id)
+
+    def _keeps_lowest_class(self, backend_id: str, change: str) -> None:
+        """InvalidRequest where taking `backend_id` out of service would leave the lowest tenant class
+        (`gateway.tenants`) no language backend open to it (not kept for higher classes, `min_priority`)
+        where it has one now. A file that serves that class nowhere (every backend kept) is the operator's."""
+        lowest = self.config.settings.tenants.classes[0]
+        out = {*self._drains, *self._removals}
+
+        def open_to(without: set[str]) -> list[bool]:   # per language backend left: open to the lowest class
+            return [b.min_priority is None or b.min_priority <= lowest for b in self.config.raw.backends
+                    if b.id not in without and b.role in POOL_ROLES["language"]]
+
+        left = open_to(out | {backend_id})   # none left at all: the language pool's own refusal says so
+        if any(open_to(out)) and left and not any(left):
+            raise InvalidRequest(f"{change} {backend_id!r} would leave only backends kept for higher priority "
+                                 f"classes (min_priority): tenants of class {lowest} could be served nowhere",
+                                 code="invalid_backend")
 
     def reload_soon(self) -> None:
         """SIGHUP: `reload` in the background."""
@@ -267,6 +280,7 @@ class Fleet:
             if loop.time() >= deadline:
                 log.warning("backend_drain_timeout", backend=backend_id, in_flight=entry.in_flight,
                             timeout_s=self._drain_timeout_s)
+                table.cut(backend_id)
                 break
             await asyncio.sleep(self._poll_s)
         if self._launchers.pop(backend_id, None) is not None and (supervisor := self._supervisor()) is not None:

@@ -251,7 +251,7 @@ class Dispatch:
             error = exc
             if isinstance(exc, BackendFailure) and self._pipeline.deadline_passed(record, self.loop_deadline):
                 raise self._pipeline._deadline_error(record, exc) from None   # the client's deadline, not the backend
-            if isinstance(exc, BackendFailure) and self._pipeline.table.is_draining(self.backend_id):
+            if isinstance(exc, BackendFailure) and self._pipeline.table.was_cut(self.backend_id):
                 raise BackendDrained(f"backend {self.backend_id} was drained and stopped before the request "
                                      "finished (its drain's time, gateway.drain_timeout_s, ran out); send it again",
                                      backend_id=self.backend_id, retryable=False) from exc
@@ -402,7 +402,7 @@ class Pipeline:
         if query is None or index is None:
             return 0
         entry = self.table.get(backend.id)
-        if entry is not None:   # the engine's latest counters first: they set keep_i
+        if entry is not None and entry.last_heartbeat is not None:   # the engine's latest counters first: keep_i
             index.observe(backend.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
         per_token = backend.kv_bytes_per_token
         index.record(query, backend.id, backend.kv_total_bytes // per_token if per_token else 0)

@@ -1,24 +1,24 @@
 """Tenants on the request path: each request's tenant, its rate limits and budget, its usage.
 
-The door finds the tenant from the API key (`KeyRing.check`) and puts its name on the job. The
-pipeline takes a `Ticket` for it before anything waits (`Tenants.ticket`); a tenant with limits is
-charged at once (`Tenants.charge`): one request against its requests per minute, and the most tokens
-it can take (the prompt's estimate + `max_tokens`, as OpenAI's limits count them) against its tokens
-per minute and per day. A limit the charge would pass refuses the request with 429, `Retry-After`
-(the end of the window) and OpenAI's error shape; nothing of a refused request is counted, and other
-tenants are not touched. When the request ends, whatever the outcome, `RequestLog.finish` hands the
-ticket its real usage (`Ticket.finish`): what it did not use is refunded (only into the window it
-was charged in; a prompt longer than its estimate is charged), and the tenant's counters are
-updated. Charging the bound keeps concurrent requests from passing a limit together: charged only
-their prompts, ten requests of 300 tokens each took 1,290 tokens of a 300-token minute.
+The door finds the tenant from the API key (`KeyRing.check`) and puts its name on the job. The pipeline
+takes a `Ticket` for it before anything waits (`Tenants.ticket`); a tenant with limits is charged at
+once (`Tenants.charge`): one request against its requests per minute, and the most tokens it can take
+(the prompt's estimate + `max_tokens`, as OpenAI's limits count them; at most the whole limit) against
+its tokens per minute and per day. A limit the charge would pass refuses the request with 429,
+`Retry-After` (the end of the window) and OpenAI's error shape; nothing of a refused request is counted, and
+other tenants are not touched. When the request ends, whatever the outcome, `RequestLog.finish` hands
+the ticket its real usage (`Ticket.finish`): what it did not use is refunded (only into the window it
+was charged in; a prompt longer than its estimate is charged), and the tenant's counters are updated.
+Charging the bound keeps concurrent requests from passing a limit together: charged only their prompts,
+ten requests of 300 tokens each took 1,290 tokens of a 300-token minute.
 
-Windows are fixed: the whole minute, the UTC day. A window's count resets when the next one starts,
-so a tenant may send up to twice its limit across one window boundary; within any one window what
-its requests use holds to the limit (a prompt's tokens beyond the gateway's estimate excepted). The
-counters live in a `LimitStore`: in this process (`MemoryLimitStore`) or, with `--redis-url`, in
-Redis for every replica at once (`gateway.replicas.tenant_limits`). A store that cannot answer raises
-`LimitStoreUnavailable`, and `gateway.tenants.on_redis_error` decides: `open` admits uncounted,
-`closed` answers 503.
+Windows are fixed: the whole minute, the UTC day. A window's count resets when the next one starts, so a
+tenant may send up to twice its limit across one window boundary; within any one window what its
+requests use holds to the limit (a prompt's tokens beyond the gateway's estimate excepted). The counters
+live in a `LimitStore`: in this process (`MemoryLimitStore`) or, with `--redis-url`, in Redis for every
+replica at once (`gateway.replicas.tenant_limits`). A store that cannot answer raises
+`LimitStoreUnavailable`, and `gateway.tenants.on_redis_error` decides: `open` admits uncounted, `closed`
+answers 503.
 """
 
 from __future__ import annotations
@@ -151,12 +151,13 @@ class Tenant:
 class Ticket:
     """One request of a tenant, from its admission to its end: what it was charged, to be corrected."""
 
-    __slots__ = ("estimate", "owner", "share", "tenant", "windows")
+    __slots__ = ("amounts", "bound", "owner", "prompt", "share", "tenant", "windows")
 
-    def __init__(self, owner: Tenants, tenant: Tenant, estimate: int, cost: int) -> None:
-        self.owner, self.tenant, self.estimate = owner, tenant, estimate
-        self.share = Share(tenant.flow, cost)
+    def __init__(self, owner: Tenants, tenant: Tenant, prompt: int, bound: int) -> None:
+        self.owner, self.tenant, self.prompt, self.bound = owner, tenant, prompt, bound
+        self.share = Share(tenant.flow, bound)
         self.windows: tuple[int, ...] = ()   # the windows its limits were charged in (none: not charged)
+        self.amounts: tuple[int, ...] = ()   # what each of its tenant's limits was charged
 
     @property
     def name(self) -> str:
@@ -190,20 +191,21 @@ class Tenants:
     def ticket(self, job: GenerationJob) -> Ticket:
         """The job's ticket; not charged yet (`charge`, for a tenant with limits)."""
         tenant = self.by_name.get(job.tenant) or self.by_name[DEFAULT_TENANT]
-        bound = job.prompt_tokens + job.image_tokens + job.max_tokens
-        return Ticket(self, tenant, bound, bound)
+        prompt = job.prompt_tokens + job.image_tokens
+        return Ticket(self, tenant, prompt, prompt + job.max_tokens)
 
     async def charge(self, ticket: Ticket) -> None:
         """Charge the ticket's tenant one request and its estimated tokens; RateLimited if a limit would
         pass (nothing charged), LimiterUnavailable if the store is away and `on_redis_error: closed`."""
         tenant = ticket.tenant
         limits = tenant.limits
-        amounts = [ticket.estimate if lim.tokens else 1 for lim in limits]
-        for lim, amount in zip(limits, amounts, strict=True):
-            if amount > lim.limit:   # no window would ever take it: no Retry-After
+        for lim in limits:
+            if lim.tokens and ticket.prompt > lim.limit:   # no window would ever take it: no Retry-After
                 self.rate_limited.inc((tenant.name, lim.reason))
                 raise RateLimited(f"Request too large for tenant {tenant.name!r} on {_WORDS[lim.reason]}: limit "
-                                  f"{lim.limit}, requested {amount}", kind="tokens", retry_after_s=None)
+                                  f"{lim.limit}, requested {ticket.prompt}", kind="tokens", retry_after_s=None)
+        # its bound, at most the whole limit: a max_tokens (or the gateway's default) above it still runs
+        amounts = [min(ticket.bound, lim.limit) if lim.tokens else 1 for lim in limits]
         try:
             charge = await self.store.charge(tenant.name, limits, amounts)
         except LimitStoreUnavailable:   # the store logs what went wrong; the client learns no address
@@ -222,7 +224,7 @@ class Tenants:
                               f"{lim.limit}, used {charge.used}, requested {amounts[charge.refused]}. Please try "
                               f"again in {wait_s} s.", kind="tokens" if lim.tokens else "requests",
                               retry_after_s=wait_s)
-        ticket.windows = charge.windows
+        ticket.windows, ticket.amounts = charge.windows, tuple(amounts)
 
     def finish(self, ticket: Ticket, status: int, prompt_tokens: int, completion_tokens: int) -> None:
         name = ticket.tenant.name
@@ -234,9 +236,9 @@ class Tenants:
         ticket.share.end(used)
         if ticket.windows:
             limits = ticket.tenant.limits
-            delta = used - ticket.estimate
-            if delta and any(lim.tokens for lim in limits):
-                self.store.adjust(name, limits, ticket.windows, [delta if lim.tokens else 0 for lim in limits])
+            deltas = [used - amount if lim.tokens else 0 for lim, amount in zip(limits, ticket.amounts, strict=True)]
+            if any(deltas):
+                self.store.adjust(name, limits, ticket.windows, deltas)
             ticket.windows = ()
 
     async def usage(self) -> list[dict[str, Any]]:

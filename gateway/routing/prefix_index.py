@@ -343,13 +343,15 @@ class PrefixIndex:
         return self._aged(self._backends[backend_id])
 
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
-        """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: it reports none)."""
+        """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: none yet, or it
+        counts none). Only an engine's own report: before one, its counters read 0 and are not its."""
         b = self._backends.get(backend_id)
         if b is None or b.last == (queries, hits):
             return
         if not queries:   # none yet (or an engine that counts none): where its first ones will count from
-            if b.last is None:
-                b.last, b.mark = (0, 0), (b.predicted_queries, b.predicted_hits)
+            if b.last is not None and b.last[0]:   # it counted before: restarted, its cache empty
+                self._emptied(b)
+            b.last, b.mark = (0, 0), (b.predicted_queries, b.predicted_hits)
             return
         marks = (b.predicted_queries, b.predicted_hits)
         last, b.last = b.last, (queries, hits)

@@ -97,6 +97,7 @@ class StateTable:
         self._reachable: dict[str, bool] = {}   # kind: openai: whether its upstream answers the probe (absent: unknown)
         self._open: dict[tuple[tuple[Role, ...], str | None], tuple[Sequence[BackendEntry], Candidates]] = {}
         self._draining: set[str] = set()   # no new requests (gateway/control/fleet.py); their leases finish
+        self._cut: set[str] = set()        # drains that ran out of time: what was still under way there is cut
         self._reserved: dict[str, int] = {}   # backends kept for a priority class and above: their min_priority
 
     # -- producers ---------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class StateTable:
                              kv_capacity_tokens=kv_capacity_tokens, models=frozenset(models), changes=self._changes,
                              min_priority=min_priority)
         self._reserved.pop(backend_id, None)
+        self._cut.discard(backend_id)
         if min_priority is not None:
             self._reserved[backend_id] = min_priority
         if report_interval_s is not None:
@@ -152,6 +154,14 @@ class StateTable:
 
     def is_draining(self, backend_id: str) -> bool:
         return backend_id in self._draining
+
+    def cut(self, backend_id: str) -> None:
+        """The backend's drain ran out of time: the requests still under way there are ended with it (kept
+        past its removal, until an entry of that id is registered again)."""
+        self._cut.add(backend_id)
+
+    def was_cut(self, backend_id: str) -> bool:
+        return backend_id in self._cut
 
     def apply_heartbeat(
         self, backend_id: str, seq: int, address: str, reported: Reported, at: float | None = None

@@ -195,6 +195,11 @@ def test_counters_first_read_at_zero_count_the_first_request() -> None:
     described = index.describe("a")
     assert (described["reported_query_tokens"], described["reported_hit_tokens"]) == (400, 192)
     assert (described["predicted_query_tokens"], described["predicted_hit_tokens"]) == (400, 160)
+    index.observe("a", 0, 0)   # restarted, and read before its first request: its cache is empty
+    assert index.lookup(blocks, "", 200).cached == {}
+    index.record(index.lookup(blocks, "", 200), "a", 100_000)
+    index.observe("a", 200, 0)   # that first request counts
+    assert index.describe("a")["reported_query_tokens"] == 600
 
 
 def test_engine_reports_shrink_what_the_index_counts_as_cached_oldest_first() -> None:
