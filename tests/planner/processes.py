@@ -45,12 +45,18 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+def _ctrl_c_default() -> None:
+    """SIGINT as a terminal leaves it: a run started in the background (CI's, `cmd &` in a script) inherits
+    it ignored, and Python then installs no KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop_with_workers(command: list[str], sig: signal.Signals, workers: int = 2,
                       env: dict[str, str] | None = None) -> Stopped:
     """Start `command` in a session of its own, send `sig` to it once it has `workers` children (SIGINT to its
     whole process group, as a terminal's Ctrl-C does) and wait for it and them to go."""
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+                            start_new_session=True, env={**os.environ, **(env or {})}, preexec_fn=_ctrl_c_default)
     kids: list[int] = []
     try:
         deadline = time.monotonic() + WORKERS_WITHIN_S
