@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-url", help="Prometheus endpoint (default: address + the engine's metrics path)")
     p.add_argument("--backend-id", required=True)
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
+    p.add_argument("--catalog", default=None,
+                   help="catalog folder (gpus.yaml, models.yaml) of the GPU and model (default: the built-in one)")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
     p.add_argument("--gateway", required=True,
                    help="host:port of the gateway's control (gRPC) service; several, comma-separated, fail over")
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per scrape otherwise
     try:
-        catalog = load_catalog()
+        catalog = load_catalog(Path(args.catalog)) if args.catalog else load_catalog()
         model, gpu = catalog.model(args.model), catalog.gpu(args.gpu)
         credentials = credentials_from_args(args)
     except ConfigError as exc:

@@ -7,8 +7,8 @@ and a tier's engines differ by configuration. Per backend, from each request it 
                                    tokens_ahead = prompt tokens this router had sent there and not yet
                                    seen a first token for, the request's own included (chunked
                                    prefill serves them in order), taken only when >= 64 tokens,
-                                   the dispatch predicted no wait for KV (W_kv = 0) and no part of
-                                   the prompt cached (`StateTable.acquire`)
+                                   the dispatch predicted no wait for KV (W_kv = 0) and at most
+                                   half the prompt cached (`StateTable.acquire`)
     decode step   ŝ (s)           sample = (last token − first token) / (completion tokens − 1)
     T̄_service     (s)             sample = prompt tokens · p̂ + (last token − first token): the
                                    request's own prefill and decode, not the time it queued

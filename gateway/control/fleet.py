@@ -280,7 +280,8 @@ class Fleet:
             if loop.time() >= deadline:
                 log.warning("backend_drain_timeout", backend=backend_id, in_flight=entry.in_flight,
                             timeout_s=self._drain_timeout_s)
-                table.cut(backend_id)
+                if backend_id in self._launchers or backend_id in self._removals:   # stopped or let go now
+                    table.cut(backend_id)
                 break
             await asyncio.sleep(self._poll_s)
         if self._launchers.pop(backend_id, None) is not None and (supervisor := self._supervisor()) is not None:

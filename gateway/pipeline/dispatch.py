@@ -490,6 +490,7 @@ class Pipeline:
         record.model = job.model or ""
         if self.tracing is not None and record.trace is None:
             record.trace = self.tracing.request(job, record.traceparent, self.clock() - record.started)
+        job = self.tenants.fitted(job)
         ticket = record.tenant = self.tenants.ticket(job)
         closed = record.closed = self.table.closed_to(ticket.tenant.policy.priority)
         if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits

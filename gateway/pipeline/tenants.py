@@ -3,14 +3,15 @@
 The door finds the tenant from the API key (`KeyRing.check`) and puts its name on the job. The pipeline
 takes a `Ticket` for it before anything waits (`Tenants.ticket`); a tenant with limits is charged at
 once (`Tenants.charge`): one request against its requests per minute, and the most tokens it can take
-(the prompt's estimate + `max_tokens`, as OpenAI's limits count them; at most the whole limit) against
-its tokens per minute and per day. A limit the charge would pass refuses the request with 429,
-`Retry-After` (the end of the window) and OpenAI's error shape; nothing of a refused request is counted, and
-other tenants are not touched. When the request ends, whatever the outcome, `RequestLog.finish` hands
-the ticket its real usage (`Ticket.finish`): what it did not use is refunded (only into the window it
-was charged in; a prompt longer than its estimate is charged), and the tenant's counters are updated.
-Charging the bound keeps concurrent requests from passing a limit together: charged only their prompts,
-ten requests of 300 tokens each took 1,290 tokens of a 300-token minute.
+(the prompt's estimate + `max_tokens`, as OpenAI's limits count them) against its tokens per minute and
+per day; a max_tokens the client left to the gateway is lowered to what the limits leave (`fitted`). A
+limit the charge would pass refuses the request with 429, `Retry-After` (the end of the window) and
+OpenAI's error shape; nothing of a refused request is counted, and other tenants are not touched. When
+the request ends, whatever the outcome, `RequestLog.finish` hands the ticket its real usage
+(`Ticket.finish`): what it did not use is refunded (only into the window it was charged in; a prompt
+longer than its estimate is charged), and the tenant's counters are updated. Charging the bound keeps
+concurrent requests from passing a limit together: charged only their prompts, ten requests of 300
+tokens each took 1,290 tokens of a 300-token minute.
 
 Windows are fixed: the whole minute, the UTC day. A window's count resets when the next one starts, so a
 tenant may send up to twice its limit across one window boundary; within any one window what its
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -188,6 +189,17 @@ class Tenants:
                                            "not answer (Redis away), by what was done: admitted or refused",
                                            ["outcome"])
 
+    def fitted(self, job: GenerationJob) -> GenerationJob:
+        """The job, its max_tokens lowered to what its tenant's token limits leave beside its prompt where
+        the client left max_tokens to the gateway: the default means "as many as fit", and charged at its
+        bound (`charge`) a default above a small limit would refuse every request of that tenant."""
+        tenant = self.by_name.get(job.tenant) or self.by_name[DEFAULT_TENANT]
+        if job.max_tokens_asked or not tenant.limits:
+            return job
+        room = min((lim.limit for lim in tenant.limits if lim.tokens), default=None)
+        fit = None if room is None else room - job.prompt_tokens - job.image_tokens
+        return job if fit is None or fit < 1 or fit >= job.max_tokens else replace(job, max_tokens=fit)
+
     def ticket(self, job: GenerationJob) -> Ticket:
         """The job's ticket; not charged yet (`charge`, for a tenant with limits)."""
         tenant = self.by_name.get(job.tenant) or self.by_name[DEFAULT_TENANT]
@@ -200,12 +212,12 @@ class Tenants:
         tenant = ticket.tenant
         limits = tenant.limits
         for lim in limits:
-            if lim.tokens and ticket.prompt > lim.limit:   # no window would ever take it: no Retry-After
+            if lim.tokens and ticket.bound > lim.limit:   # no window would ever take it: no Retry-After
                 self.rate_limited.inc((tenant.name, lim.reason))
                 raise RateLimited(f"Request too large for tenant {tenant.name!r} on {_WORDS[lim.reason]}: limit "
-                                  f"{lim.limit}, requested {ticket.prompt}", kind="tokens", retry_after_s=None)
-        # its bound, at most the whole limit: a max_tokens (or the gateway's default) above it still runs
-        amounts = [min(ticket.bound, lim.limit) if lim.tokens else 1 for lim in limits]
+                                  f"{lim.limit}, requested {ticket.bound} (prompt + max_tokens)", kind="tokens",
+                                  retry_after_s=None)
+        amounts = [ticket.bound if lim.tokens else 1 for lim in limits]
         try:
             charge = await self.store.charge(tenant.name, limits, amounts)
         except LimitStoreUnavailable:   # the store logs what went wrong; the client learns no address

@@ -122,9 +122,10 @@ class Lease:
     prompt_tokens: int                        # to prefill: the prompt less its predicted cached prefix
     reserve_tokens: int
     tokens_ahead: int                         # prompt tokens to prefill there before this one's first token
-    #                                           (0 where its prompt was predicted cached in part: no p̂ sample)
+    #                                           (0 where most of its prompt was predicted cached: no p̂ sample)
     dispatched_s: float
     first_token_s: float | None = None
     itl_deadline: float | None = None         # in the backend's InterTokenSlack; None: a single token
     first_token_features: tuple[float, ...] = ()   # the first-token model's, at dispatch (common.calibration)
     stall_mark: tuple[float, int] | None = None    # the backend's stall clock at its first token
+    entry: BackendEntry | None = None         # the entry it counts in (one of that id registered later: not it)

@@ -237,24 +237,28 @@ class StateTable:
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         entry.snapshot = None
         # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
-        # on this request's own few tokens. 0 (no prefill sample) for a prompt predicted cached in part:
-        # its first token is mostly what the engine spends on any request, and where the prediction is
-        # wrong the tokens it prefilled are not these; divided by the few predicted uncached, either made
+        # on this request's own few tokens. 0 (no prefill sample) for a prompt predicted more than half
+        # cached: its first token is mostly what the engine spends on any request, and where the prediction
+        # is wrong the tokens it prefilled are not these; divided by the few predicted uncached, either made
         # a hit's sample many times the backend's prefill time (an H100 learned 14x its rate over one
-        # conversation, and new prompts went to an idle L40S)
-        ahead = entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens if not cached_tokens else 0
+        # conversation, and new prompts went to an idle L40S). A short shared prefix (a system prompt
+        # ahead of long questions) still leaves samples, or p̂ would never leave its prior there.
+        mostly_cached = 2 * cached_tokens > prompt_tokens
+        ahead = 0 if mostly_cached else entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
         speed = entry.speed
         deadline = entry.slack.add(prefilled, max_tokens, speed.prefill.value, speed.decode_floor_s,
                                    speed.stall_factor, speed.stall_per_prompt_s)
         return Lease(backend_id, prefilled, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline,
-                     features)
+                     features, entry=entry)
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""
         if lease.first_token_s is not None:
             return
         lease.first_token_s = now = self.clock()
-        entry = self._entries[lease.backend_id]
+        entry = self._entries.get(lease.backend_id)
+        if entry is None or entry is not lease.entry:   # removed (or replaced) while it ran: nothing to count
+            return
         self._end_prefill(entry, lease)
         entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead, lease.first_token_features)
         lease.stall_mark = entry.slack.mark()
@@ -263,7 +267,9 @@ class StateTable:
     def release(self, lease: Lease, completion_tokens: int = 0) -> None:
         """End of one dispatch. `completion_tokens` > 0: it completed with its tokens streamed as they
         came, so its decode time teaches ŝ and T̄_service."""
-        entry = self._entries[lease.backend_id]
+        entry = self._entries.get(lease.backend_id)
+        if entry is None or entry is not lease.entry:   # removed (or replaced) while it ran: nothing to count
+            return
         entry.in_flight = max(0, entry.in_flight - 1)
         entry.kv_reserved_tokens = max(0, entry.kv_reserved_tokens - lease.reserve_tokens)
         entry.slack.remove(lease.itl_deadline)

@@ -134,3 +134,24 @@ def test_the_gateway_takes_its_inter_token_target_from_the_routing_config(tmp_pa
     assert build_runtime(load_cluster(write(tmp_path, body), catalog())).table.itl_target_s == 0.05
     default = "backends:\n  - {id: a, gpu: H100, launch: {}}\n"
     assert build_runtime(load_cluster(write(tmp_path, default), catalog())).table.itl_target_s == 0.1
+
+
+def test_a_lease_of_a_backend_removed_or_replaced_while_it_ran_counts_nowhere() -> None:
+    """A drain that ran out of time cuts a request whose backend is then removed (and perhaps added again,
+    a SIGHUP restore): its end must neither raise nor take a request off the new entry's counts."""
+    clock = Clock()
+    t = table(clock)
+    lease = t.acquire("b", 1000, 100)
+    t.drain("b")
+    t.cut("b")
+    t.unregister("b")
+    t.first_token(lease)
+    t.release(lease, completion_tokens=3)   # no KeyError
+    assert t.was_cut("b")
+    t.register("b", "language", catalog().gpu("L40S"), address="http://x", managed=False, external=True)
+    assert not t.was_cut("b")
+    fresh = t.acquire("b", 500, 50)
+    t.release(lease)   # the old lease again: the new entry keeps its own
+    snap = t.candidates(("language",))[0]
+    assert (snap.in_flight, snap.kv_reserved_tokens) == (1, 550)
+    t.release(fresh)

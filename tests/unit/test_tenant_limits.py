@@ -136,24 +136,31 @@ async def test_concurrent_requests_cannot_pass_a_token_limit_together() -> None:
     assert [u.used for u in await t.store.read("a", t.by_name["a"].limits)] == [300]
 
 
-async def test_a_prompt_larger_than_a_token_limit_is_refused_without_retry_after() -> None:
+async def test_a_request_larger_than_a_token_limit_is_refused_without_retry_after() -> None:
     t = tenants(Clock(T0), a={"tokens_per_minute": 100})
-    with pytest.raises(RateLimited, match="Request too large for tenant 'a' on tokens per minute: limit 100, "
-                                          "requested 101") as err:
-        await t.charge(t.ticket(job("a", prompt_tokens=101)))
+    with pytest.raises(RateLimited, match=r"Request too large for tenant 'a' on tokens per minute: limit 100, "
+                                          r"requested 101 \(prompt \+ max_tokens\)") as err:
+        await t.charge(t.ticket(job("a", prompt_tokens=96)))   # 96 + 5
     assert err.value.retry_after_s is None
 
 
-async def test_a_max_tokens_above_the_limit_is_charged_the_whole_limit() -> None:
-    """A request whose prompt fits but whose max_tokens (the gateway's default of 256, say) would pass
-    the limit runs when the window is empty, charged the whole limit, and is corrected by its usage."""
+async def test_a_max_tokens_left_to_the_gateway_is_lowered_to_what_the_limit_leaves() -> None:
+    """The gateway's default of 256 beside a 20-token prompt under 200 tokens a minute: lowered to 180, so
+    the request runs (charged at its bound, 200) and can take no more than the limit; one the client
+    asked for is left as asked (and refused: it could pass the limit by itself)."""
     t = tenants(Clock(T0), a={"tokens_per_minute": 200})
-    ticket = t.ticket(job("a", prompt_tokens=20, max_tokens=256))
+    left = GenerationJob("r", "hi", 20, 256, tenant="a", max_tokens_asked=False)
+    fitted = t.fitted(left)
+    assert fitted.max_tokens == 180
+    ticket = t.ticket(fitted)
     await t.charge(ticket)
-    with pytest.raises(RateLimited):   # the window is full while it runs
-        await t.charge(t.ticket(job("a", prompt_tokens=5, max_tokens=5)))
     ticket.finish(200, 20, 30)
     assert [u.used for u in await t.store.read("a", t.by_name["a"].limits)] == [50]
+    asked = job("a", prompt_tokens=20, max_tokens=256)
+    assert t.fitted(asked) is asked
+    with pytest.raises(RateLimited, match="Request too large"):
+        await t.charge(t.ticket(asked))
+    assert t.fitted(GenerationJob("r", "hi", 20, 256, tenant="b", max_tokens_asked=False)).max_tokens == 256
 
 
 def test_a_key_of_no_tenant_is_the_default_tenants() -> None:
