@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import structlog
 
-from common.catalog import GpuProfile, ModelProfile, load_catalog
+from common.catalog import CONFIG_DIR, GpuProfile, ModelProfile, load_catalog
 from common.control_credentials import ControlCredentials, read_secret_file
 from common.engine_scraper import AgentConfig, MetricsAgent, make_client
 from common.errors import ConfigError
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-url", help="Prometheus endpoint (default: address + the engine's metrics path)")
     p.add_argument("--backend-id", required=True)
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
-    p.add_argument("--catalog", default=None,
+    p.add_argument("--catalog", type=Path, default=CONFIG_DIR,
                    help="catalog folder (gpus.yaml, models.yaml) of the GPU and model (default: the built-in one)")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
     p.add_argument("--gateway", required=True,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per scrape otherwise
     try:
-        catalog = load_catalog(Path(args.catalog)) if args.catalog else load_catalog()
+        catalog = load_catalog(args.catalog)
         model, gpu = catalog.model(args.model), catalog.gpu(args.gpu)
         credentials = credentials_from_args(args)
     except ConfigError as exc:

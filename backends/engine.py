@@ -15,7 +15,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from pathlib import Path
 
 import grpc
 import structlog
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging(config.log_level)
     try:
-        catalog = load_catalog(Path(config.catalog)) if config.catalog else load_catalog()
+        catalog = load_catalog(config.catalog)
         engine = Engine(config, catalog.model(config.model), catalog.gpu(config.gpu))
     except ConfigError as exc:   # a bad model path or catalog entry: one clear line, no traceback
         raise SystemExit(f"heterogate-engine {config.backend_id}: {exc}") from None

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from common import perf_model
+from common.catalog import CONFIG_DIR
 
 Role = Literal["language", "vision", "both"]
 Executor = Literal["simulated", "torch"]
@@ -49,7 +51,7 @@ class EngineConfig:
     max_model_len: int | None = None   # tokens of KV per sequence slot (default: the model's max_context)
     log_level: str = "info"
     orphan_timeout_s: float | None = None   # exit once no gateway has taken the heartbeats for this long
-    catalog: str | None = None     # the catalog folder the GPU and model are looked up in (None: built-in)
+    catalog: Path = CONFIG_DIR     # the catalog folder the GPU and model are looked up in
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--backend-id", required=True)
     p.add_argument("--role", choices=("language", "vision", "both"), default="language")
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
-    p.add_argument("--catalog", default=None,
+    p.add_argument("--catalog", type=Path, default=CONFIG_DIR,
                    help="catalog folder (gpus.yaml, models.yaml) of the GPU and model (default: the built-in one)")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
     p.add_argument("--gateway", required=True,

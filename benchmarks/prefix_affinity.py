@@ -387,7 +387,7 @@ class CacheAware(Gateway):
         if self.index is not None and query is not None:
             entry = self.table.get(backend.id)
             assert entry is not None
-            self.index.observe(backend.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
+            self.index.read(entry)
             self.index.record(query, backend.id, backend.kv_total_bytes // backend.kv_bytes_per_token)
         return backend.id, self.table.acquire(backend.id, r.tokens, r.max_tokens, cached.get(backend.id, 0))
 

@@ -71,7 +71,7 @@ class Runtime:
             out["healthy_vision_backends"] = vision
             if vision == 0:
                 degraded.append("vision")
-        kept = [b.min_priority for b in self.config.raw.backends if b.min_priority is not None]
+        kept = any(b.min_priority is not None for b in self.config.raw.backends)
         if kept and language:   # backends kept for higher classes: a class none is open to is degraded
             lowest = self.config.settings.tenants.classes[0]
             if not self.table.servable(LANGUAGE_ROLES, priority=lowest):
@@ -100,8 +100,7 @@ class Runtime:
         index = self.pipeline.prefixes
         if index is None or e.id not in index:
             return None
-        if e.last_heartbeat is not None:   # before its first report its counters are not the engine's
-            index.observe(e.id, e.reported.prefix_cache_queries, e.reported.prefix_cache_hits)
+        index.read(e)
         return index.describe(e.id)
 
     def describe_backends(self) -> list[dict[str, Any]]:

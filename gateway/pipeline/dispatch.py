@@ -402,8 +402,8 @@ class Pipeline:
         if query is None or index is None:
             return 0
         entry = self.table.get(backend.id)
-        if entry is not None and entry.last_heartbeat is not None:   # the engine's latest counters first: keep_i
-            index.observe(backend.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
+        if entry is not None:   # the engine's latest counters first: they set keep_i
+            index.read(entry)
         per_token = backend.kv_bytes_per_token
         index.record(query, backend.id, backend.kv_total_bytes // per_token if per_token else 0)
         return query.cached.get(backend.id, 0)

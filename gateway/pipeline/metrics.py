@@ -174,8 +174,7 @@ class PrefixCollector(Collector):
         for e in self._table.entries():
             if e.id not in index:
                 continue
-            if e.last_heartbeat is not None:   # before its first report its counters are not the engine's
-                index.observe(e.id, e.reported.prefix_cache_queries, e.reported.prefix_cache_hits)
+            index.read(e)
             described = index.describe(e.id)
             source.add_metric([e.id, described["source"]], 1.0)
             for key, family in families.items():

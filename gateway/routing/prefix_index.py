@@ -90,6 +90,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, salt_seed, session_key
+from gateway.routing.backend_entry import BackendEntry
 
 INDEX_BLOCK_TOKENS = 64       # tokens a block of the index stands for (gateway.routing.prefix_cache.block_tokens)
 DECAY = 0.98                  # weight of the window per engine reading that moved the counters
@@ -341,6 +342,13 @@ class PrefixIndex:
         """ρ_i: of the blocks backend i evicted lately, the share later prompts asked for again, aged by
         what the cluster took in since."""
         return self._aged(self._backends[backend_id])
+
+    def read(self, entry: BackendEntry) -> None:
+        """`observe` the counters of the backend's latest report; none before its first (they read 0
+        then, and are not its engine's: a gateway started beside a running engine would count the
+        engine's whole history as its first reading)."""
+        if entry.last_heartbeat is not None:
+            self.observe(entry.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
 
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
         """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: none yet, or it
