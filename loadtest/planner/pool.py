@@ -35,7 +35,11 @@ class Terminated(BaseException):
 def sigterm_raises() -> Iterator[None]:
     """Within, SIGTERM raises `Terminated` (a command's choice, not the search's: a library call leaves the
     process's signals alone); the previous handler is back on leaving. Main thread only."""
+    owner = os.getpid()
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:        # a worker forked with this handler, stopped before its initializer ran
+            os._exit(128 + signum)
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -51,13 +55,34 @@ def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
     pool = ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_follow_parent,
                                initargs=(os.getpid(),))
     try:
-        yield pool
+        with _ctrl_c_only_here():
+            yield pool
     except BaseException:
         for process in list((pool._processes or {}).values()):   # no public way to stop work under way
             process.terminate()
         pool.shutdown(cancel_futures=True)     # prompt with no worker left; no thread of it left at exit
         raise
     pool.shutdown()
+
+
+@contextmanager
+def _ctrl_c_only_here() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in this process only: a worker forked with Python's handler ignores
+    it even before its initializer runs (a Ctrl-C in that window printed the worker's traceback)."""
+    owner = os.getpid()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() == owner:
+            raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:   # ignored (started in the background)
+        yield
+        return
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _follow_parent(parent: int) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 
 import pytest
 
+from loadtest.planner.pool import sigterm_raises, worker_pool
 from tests.planner.processes import stop_with_workers
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,3 +30,33 @@ def test_no_worker_outlives_the_command(sig: signal.Signals, status: int, said: 
     assert stopped.returncode == status
     assert stopped.stderr.startswith(said) and "Traceback" not in stopped.stderr
     assert stopped.stderr.count("\n") == (1 if said else 0)      # one line: no worker says anything
+
+
+def _fork_and_signal(sig: signal.Signals) -> int:
+    """The exit code of a child forked here that receives `sig` before anything else runs in it: 7 when
+    the signal was ignored there, 8 when it raised there."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.5)
+        except BaseException:
+            os._exit(8)
+        os._exit(7)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_worker_stopped_before_its_initializer_exits_quietly() -> None:
+    """A worker forks with the command's SIGTERM handler: it must exit as SIGTERM would, not raise in the child."""
+    with sigterm_raises():
+        assert _fork_and_signal(signal.SIGTERM) == 128 + signal.SIGTERM
+
+
+def test_a_worker_ignores_ctrl_c_before_its_initializer() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as at a terminal
+    try:
+        with worker_pool(1):
+            assert _fork_and_signal(signal.SIGINT) == 7
+    finally:
+        signal.signal(signal.SIGINT, previous)
