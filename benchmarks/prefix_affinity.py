@@ -25,7 +25,8 @@ index fed the engines' counters, as the pipeline wires them. Targets:
     hg-session  hg-cache, and the clients name their conversation (x-session-id)
     hg-imagesfirst  hg-cache with its index told every image heads the prompt (the index before images
                 took their places; the engines still cache them where they are)
-    hg-oracle   the default policy told each engine's exact cache content at routing time (a reference)
+    hg-oracle   hg-cache told each engine's exact cache content at routing time in place of the index's
+                prediction (a reference; the price of a full cache, ρ_i, still from its index)
     hg-default  hg-cache behind the gateway's overload queue with its defaults (gateway.overload, on by
                 default): the gateway as it runs by default. A request it refuses (429) is a miss; a
                 refused turn ends its conversation, and its later turns count as misses too
@@ -301,11 +302,11 @@ class SglangCacheAware(Router):
 
 class CacheAware(Gateway):
     """The gateway's table and policy (routing_replay.Gateway) and, as the pipeline wires it, the prefix
-    index (`mode` "index", "session", "imagesfirst": images hashed as heading the prompt) or the engines'
-    exact caches (`mode` "oracle"), or neither ("blind"). With `overload`, behind the gateway's overload
-    queue (gateway.pipeline.overload, driven on the virtual clock by loadtest/sim/gate.py as the
-    simulator drives it): `route` returns None for a request it holds or refuses; `released` and
-    `refused` collect what it let go or refused since the replay last took them."""
+    index (`mode` "index", "session", "imagesfirst": images hashed as heading the prompt), the engines'
+    exact caches in place of its prediction (`mode` "oracle"), or neither ("blind"). With `overload`,
+    behind the gateway's overload queue (gateway.pipeline.overload, driven on the virtual clock by
+    loadtest/sim/gate.py as the simulator drives it): `route` returns None for a request it holds or
+    refuses; `released` and `refused` collect what it let go or refused since the replay last took them."""
 
     def __init__(self, mode: str, clock: Clock, engines: dict[str, Batcher],
                  params: dict[str, Any] | None = None, overload: OverloadConfig | None = None) -> None:
@@ -319,7 +320,7 @@ class CacheAware(Gateway):
         self.refused: list[Request] = []
         config = PrefixCacheConfig()
         self.index = PrefixIndex(config.block_tokens, config.max_blocks_per_backend) if mode in (
-            "index", "session", "imagesfirst") else None
+            "index", "session", "imagesfirst", "oracle") else None
         if self.index is not None:
             for entry in self.table.entries():
                 self.index.add_backend(entry.id, self.table.kv_capacity(entry)[1] // self.model.kv_bytes_per_token)
@@ -366,7 +367,8 @@ class CacheAware(Gateway):
             blocks = self.index.hashes(r.prompt, (), r.tokens, images)
             query = self.index.lookup(blocks, session, r.tokens)
             cached, reuse = dict(query.cached), query.reuse
-        elif self.mode == "oracle":
+        if self.mode == "oracle":   # the engines' exact caches in place of the index's prediction (ρ_i its)
+            cached = {}
             for eid, b in self.engines.items():
                 assert b.cache is not None
                 if hit := b.cache.match(r.hashes, r.tokens):
