@@ -288,15 +288,26 @@ class Fleet:
             await supervisor.remove(backend_id)
         log.info("backend_drained", backend=backend_id)
 
+    def _busy(self, backend_id: str) -> bool:
+        entry = self._runtime.table.get(backend_id)
+        return entry is not None and bool(entry.in_flight or entry.vision_in_flight_tokens)
+
     def _start_removal(self, backend_id: str) -> asyncio.Task[None]:
         task = self._removals[backend_id] = asyncio.create_task(self._remove(backend_id), name=f"remove-{backend_id}")
         return task
 
     async def _remove(self, backend_id: str) -> None:
         try:
+            drained = self._drains.get(backend_id)
+            if drained is not None and drained.done() and self._busy(backend_id):
+                # an earlier drain's time ran out and left its streams running: the removal gives them a
+                # drain of their own, which cuts them (`backend_drained`) when its time runs out too
+                del self._drains[backend_id]
             await self._drain_task(backend_id)
             await self._monitor.unwatch(backend_id)
             self._runtime.table.unregister(backend_id)
+            if (index := self._runtime.pipeline.prefixes) is not None:
+                index.remove_backend(backend_id)
             self._runtime.clients.put(backend_id, None)
             self._runtime.upstreams.pop(backend_id, None)
             self._set_backends([b for b in self.config.raw.backends if b.id != backend_id])

@@ -10,7 +10,8 @@ stopped` (managed), and no entry once removed. A refused change answers 400 (inv
 
 An entry with `launch.command` (a `kind: openai` engine the gateway starts) runs that command on this
 host: the API takes one only from an admin key, so a gateway with no admin keys refuses it with 403
-(the file and SIGHUP still add it), where every other change is open to whoever reaches the port.
+(the file and SIGHUP still add it). Every other change takes an admin key too, except on a gateway with
+no keys at all (auth off), where it is open to whoever reaches the port.
 """
 
 from __future__ import annotations

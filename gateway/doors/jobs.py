@@ -98,7 +98,7 @@ class JobBuilder:
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "",
                              model=served.name, image_places=image_places(req.messages) if parts else (),
-                             tenant=tenant, cache_salt=salt)
+                             tenant=tenant, cache_salt=salt, choices=req.n or 1)
 
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None, tenant: str) -> GenerationJob:
@@ -124,7 +124,7 @@ class JobBuilder:
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
                              token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(),
                              session=req.user or "", model=served.name, tenant=tenant,
-                             cache_salt=self._salt(req, tenant))
+                             cache_salt=self._salt(req, tenant), choices=req.n or 1)
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
         """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not

@@ -811,7 +811,7 @@ class Pipeline:
         self, backend_id: str, client: EncoderClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float,
         trace: RequestTrace | None,
     ) -> engine_pb2.EncodeReply:
-        self.table.acquire_vision(backend_id, tokens)
+        encoding = self.table.acquire_vision(backend_id, tokens)
         t0 = self.clock()
         timeout_s = max(0.001, min(self.settings.handoff_timeout_s, deadline - t0))
         encode = trace.encode(backend_id, request) if trace is not None else None
@@ -822,7 +822,7 @@ class Pipeline:
                 encode.end(None, exc)
             raise
         finally:
-            self.table.release_vision(backend_id, tokens)
+            self.table.release_vision(encoding, tokens)
         if encode is not None:
             encode.end(reply, None)
         self.metrics.encode_seconds.labels(backend_id).observe(self.clock() - t0)

@@ -3,8 +3,9 @@
 The door finds the tenant from the API key (`KeyRing.check`) and puts its name on the job. The pipeline
 takes a `Ticket` for it before anything waits (`Tenants.ticket`); a tenant with limits is charged at
 once (`Tenants.charge`): one request against its requests per minute, and the most tokens it can take
-(the prompt's estimate + `max_tokens`, as OpenAI's limits count them) against its tokens per minute and
-per day; a max_tokens the client left to the gateway is lowered to what the limits leave (`fitted`). A
+(the prompt's estimate + `max_tokens` for each of its `n` choices, as OpenAI's limits count them) against
+its tokens per minute and per day; a max_tokens the client left to the gateway is lowered to what the
+limits leave (`fitted`). A
 limit the charge would pass refuses the request with 429, `Retry-After` (the end of the window) and
 OpenAI's error shape; nothing of a refused request is counted, and other tenants are not touched. When
 the request ends, whatever the outcome, `RequestLog.finish` hands the ticket its real usage
@@ -197,14 +198,14 @@ class Tenants:
         if job.max_tokens_asked or not tenant.limits:
             return job
         room = min((lim.limit for lim in tenant.limits if lim.tokens), default=None)
-        fit = None if room is None else room - job.prompt_tokens - job.image_tokens
+        fit = None if room is None else (room - job.prompt_tokens - job.image_tokens) // job.choices
         return job if fit is None or fit < 1 or fit >= job.max_tokens else replace(job, max_tokens=fit)
 
     def ticket(self, job: GenerationJob) -> Ticket:
         """The job's ticket; not charged yet (`charge`, for a tenant with limits)."""
         tenant = self.by_name.get(job.tenant) or self.by_name[DEFAULT_TENANT]
         prompt = job.prompt_tokens + job.image_tokens
-        return Ticket(self, tenant, prompt, prompt + job.max_tokens)
+        return Ticket(self, tenant, prompt, prompt + job.choices * job.max_tokens)
 
     async def charge(self, ticket: Ticket) -> None:
         """Charge the ticket's tenant one request and its estimated tokens; RateLimited if a limit would
@@ -215,7 +216,7 @@ class Tenants:
             if lim.tokens and ticket.bound > lim.limit:   # no window would ever take it: no Retry-After
                 self.rate_limited.inc((tenant.name, lim.reason))
                 raise RateLimited(f"Request too large for tenant {tenant.name!r} on {_WORDS[lim.reason]}: limit "
-                                  f"{lim.limit}, requested {ticket.bound} (prompt + max_tokens)", kind="tokens",
+                                  f"{lim.limit}, requested {ticket.bound} (prompt + n × max_tokens)", kind="tokens",
                                   retry_after_s=None)
         amounts = [ticket.bound if lim.tokens else 1 for lim in limits]
         try:

@@ -20,7 +20,11 @@ same rules as `MemoryLimitStore.adjust`).
 Redis unreachable: a charge raises `LimitStoreUnavailable` after at most `timeout_ms`, and for a
 backoff after that (0.1 s, doubling to 1 s while it stays away) charges raise at once instead of
 each waiting for a timeout; `gateway.tenants.on_redis_error` then admits them uncounted (open) or
-refuses them with 503 (closed). Adjustments that cannot be sent are dropped and logged.
+refuses them with 503 (closed). Adjustments that cannot be sent are dropped and logged (counted in
+`dropped`): not retried, as a pipeline that timed out may have run on the server, and sent again it would
+count twice. A refund dropped so leaves its window charged the request's whole bound until the window
+ends (at most a minute, or the day for tokens_per_day), as the requests admitted uncounted while Redis was
+away (`on_redis_error: open`) leave it charged less.
 """
 
 from __future__ import annotations

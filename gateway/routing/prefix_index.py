@@ -162,6 +162,7 @@ class PrefixIndex:
         self._reuse: dict[str, float] = {}   # ρ_i of the backends whose cache is full, where above 0
         self._reuse_view = MappingProxyType(self._reuse)
         self._all = 0
+        self._free_bits: list[int] = []      # bits of removed backends, for the next added
         self._placed = 0                     # blocks taken into any backend's LRU, ever (ρ_i's age)
         self._aged_at = 0                    # _placed when the listed ρ_i were last aged
         self.stable = False                  # hashes the same in every process (`share`)
@@ -192,12 +193,33 @@ class PrefixIndex:
             self._touch(b, blocks, session, prompt_tokens)
 
     def add_backend(self, backend_id: str, capacity_tokens: int) -> None:
-        bit = len(self._by_bit)
+        bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
         blocks = self._blocks(capacity_tokens)
         b = _Backend(backend_id, bit, BlockLru(blocks), blocks)
         self._backends[backend_id] = b
-        self._by_bit.append(b)
+        if bit == len(self._by_bit):
+            self._by_bit.append(b)
+        else:
+            self._by_bit[bit] = b
         self._all |= 1 << bit
+
+    def remove_backend(self, backend_id: str) -> None:
+        """The backend left the fleet: its blocks, ghosts and ρ_i are forgotten and its bit is free for
+        the next backend added (one re-added under the same id starts empty, as its new engine does)."""
+        b = self._backends.pop(backend_id, None)
+        if b is None:
+            return
+        self._drop(b, b.lru.resize(0))
+        ghosts, keep = self._ghosts, ~(1 << b.bit)
+        for block in b.ghosts:
+            if mask := ghosts.get(block, 0) & keep:
+                ghosts[block] = mask
+            else:
+                ghosts.pop(block, None)
+        b.ghosts.clear()
+        self._reuse.pop(backend_id, None)
+        self._all &= keep
+        self._free_bits.append(b.bit)
 
     def _blocks(self, capacity_tokens: int) -> int:
         return min(self.max_blocks, max(0, capacity_tokens) // self.block_tokens)

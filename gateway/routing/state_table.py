@@ -286,13 +286,17 @@ class StateTable:
         entry.prefilling = max(0, entry.prefilling - 1)
         entry.prefill_backlog_tokens = max(0, entry.prefill_backlog_tokens - lease.prompt_tokens)
 
-    def acquire_vision(self, backend_id: str, image_tokens: int) -> None:
+    def acquire_vision(self, backend_id: str, image_tokens: int) -> BackendEntry:
+        """An encode of `image_tokens` starts there; returns the entry to hand to `release_vision`."""
         entry = self._entries[backend_id]
         entry.vision_in_flight_tokens += image_tokens
         entry.snapshot = None
+        return entry
 
-    def release_vision(self, backend_id: str, image_tokens: int) -> None:
-        entry = self._entries[backend_id]
+    def release_vision(self, entry: BackendEntry, image_tokens: int) -> None:
+        """The encode `acquire_vision` counted on `entry` ended."""
+        if self._entries.get(entry.id) is not entry:   # removed (or replaced) while it ran: nothing to count
+            return
         entry.vision_in_flight_tokens = max(0, entry.vision_in_flight_tokens - image_tokens)
         entry.snapshot = None
 

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import yaml
 
-from testkit.harness import Gateway, long_request_id, run_gateway, write_config
+from testkit.harness import Gateway, free_port, long_request_id, run_gateway, write_config
+from tests.e2e.test_external_engines import spawn, stop
 
 MODEL = "llava-1.5-7b"
 
@@ -223,3 +224,37 @@ def test_a_stream_cut_by_a_drain_that_ran_out_of_time_says_so(tmp_path: Path) ->
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "backend_drained" and "drained" in error["message"], error
+
+
+def test_a_backend_removed_after_its_drain_ran_out_of_time_gets_a_drain_of_its_own(tmp_path: Path) -> None:
+    """An external backend's drain that runs out of time leaves its streams running (it is not leaving);
+    a DELETE after it gives them the drain time again and then ends them with backend_drained. It used
+    to cut them at once, as a backend failure."""
+    port = free_port()
+    upstream = spawn("tests.fake_openai_server", "--port", str(port), "--engine", "vllm", "--token-delay-ms", "100")
+    try:
+        config = write_config(tmp_path, {
+            "model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "drain_timeout_s": 1},
+            "backends": [{"id": "up-0", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}"}]})
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 300, "stream": True}
+        with run_gateway(config, healthy=0, timeout=60) as gw:   # no metrics: it counts as healthy when it answers
+            gw.wait_until(lambda: httpx.get(f"{gw.url}/ready", timeout=5).status_code == 200, timeout=30)
+            _stream_cut_by_removal(gw, body)
+    finally:
+        stop(upstream)
+
+
+def _stream_cut_by_removal(gw: Gateway, body: dict[str, Any]) -> None:
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))   # under way
+        assert admin(gw, "POST", "", engine("h100-0")).status_code == 201
+        gw.wait_until(lambda: gw.backend("h100-0")["healthy"], timeout=30)
+        assert admin(gw, "POST", "/up-0/drain").status_code == 202
+        gw.wait_until(lambda: "backend_drain_timeout" in gw.log_path.read_text(), timeout=10)
+        assert admin(gw, "DELETE", "/up-0").status_code == 202
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "backend_drained", error
+    gw.wait_until(lambda: "up-0" not in ids(gw), timeout=10)

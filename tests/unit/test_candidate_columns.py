@@ -85,9 +85,9 @@ def test_candidates_match_a_fresh_walk_after_every_change() -> None:
         elif event == 4 and leases:
             table.release(leases.pop(rng.randrange(len(leases))), rng.choice([0, rng.randint(1, 200)]))
         elif event == 5:
-            table.acquire_vision(backend, 576)
+            encoding = table.acquire_vision(backend, 576)
             if rng.random() < 0.5:
-                table.release_vision(backend, 576)
+                table.release_vision(encoding, 576)
         elif event == 6:
             clock.now += rng.choice([0.1, 0.5, 1.5, 4.0])
             if rng.random() < 0.3:   # a launched engine restarts, or is ready again

@@ -100,6 +100,30 @@ def test_lookup_counts_the_longest_routed_prefix_per_backend() -> None:
     assert index.lookup(blocks, "", 96).cached == {"a": 95, "b": 64}
 
 
+def test_a_removed_backend_is_forgotten_and_one_added_again_starts_empty() -> None:
+    """A backend removed from the fleet takes its blocks with it (no hit predicted there, its memory
+    freed); re-added under the same id it holds nothing, as its new engine's cache; its bit is reused."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    for backend in ("a", "b"):
+        index.add_backend(backend, 10_000)
+    blocks = index.hashes(text("s", "y", "s", "t", "e", "m"), (), 200)
+    index.record(index.lookup(blocks, "", 200), "a", 10_000)
+    index.record(index.lookup(blocks, "", 200), "b", 10_000)
+    only_a = index.hashes(text("o", "n", "l", "y"), (), 200)
+    index.record(index.lookup(only_a, "", 200), "a", 10_000)
+    assert index.held_blocks() == 10
+    index.remove_backend("a")
+    assert "a" not in index
+    assert index.lookup(blocks, "", 200).cached == {"b": 96}
+    assert index.held_blocks() == 6     # what only "a" held is gone
+    index.add_backend("c", 10_000)      # takes a's bit
+    index.add_backend("a", 10_000)
+    assert index.lookup(blocks, "", 200).cached == {"b": 96}
+    index.record(index.lookup(only_a, "", 200), "c", 10_000)
+    assert index.lookup(only_a, "", 200).cached == {"c": 64}
+    index.remove_backend("missing")     # nothing to do
+
+
 def test_eviction_follows_each_backends_capacity_in_blocks() -> None:
     index = PrefixIndex(BLOCK_TOKENS)
     index.add_backend("small", 4 * 16)

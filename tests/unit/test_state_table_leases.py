@@ -155,3 +155,23 @@ def test_a_lease_of_a_backend_removed_or_replaced_while_it_ran_counts_nowhere() 
     snap = t.candidates(("language",))[0]
     assert (snap.in_flight, snap.kv_reserved_tokens) == (1, 550)
     t.release(fresh)
+
+
+def test_an_encode_on_an_encoder_removed_or_replaced_while_it_ran_counts_nowhere() -> None:
+    """A drain shorter than an encode lets the encoder go while the encode runs: its end must neither
+    raise (it did: a KeyError in the dispatch's `finally`, a 500) nor lower the new entry's backlog."""
+    clock = Clock()
+    t = StateTable(catalog().model("llava-1.5-7b"), heartbeat_interval_s=0.2, clock=clock)
+    gpu = catalog().gpu("L40S")
+    t.register("enc", "vision", gpu, address="http://x", managed=False, external=True)
+    old = t.acquire_vision("enc", 576)
+    t.unregister("enc")
+    t.release_vision(old, 576)   # no KeyError
+    t.register("enc", "vision", gpu, address="http://x", managed=False, external=True)
+    t.apply_heartbeat("enc", 1, "http://x", Reported(kv_free_bytes=1 << 30, kv_total_bytes=1 << 30))
+    fresh = t.acquire_vision("enc", 1152)
+    t.release_vision(old, 576)   # the old encode again: the new entry keeps its own
+    entry = t.get("enc")
+    assert entry is not None and entry.vision_in_flight_tokens == 1152
+    t.release_vision(fresh, 1152)
+    assert entry.vision_in_flight_tokens == 0

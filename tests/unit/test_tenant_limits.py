@@ -139,7 +139,7 @@ async def test_concurrent_requests_cannot_pass_a_token_limit_together() -> None:
 async def test_a_request_larger_than_a_token_limit_is_refused_without_retry_after() -> None:
     t = tenants(Clock(T0), a={"tokens_per_minute": 100})
     with pytest.raises(RateLimited, match=r"Request too large for tenant 'a' on tokens per minute: limit 100, "
-                                          r"requested 101 \(prompt \+ max_tokens\)") as err:
+                                          r"requested 101 \(prompt \+ n × max_tokens\)") as err:
         await t.charge(t.ticket(job("a", prompt_tokens=96)))   # 96 + 5
     assert err.value.retry_after_s is None
 
@@ -161,6 +161,20 @@ async def test_a_max_tokens_left_to_the_gateway_is_lowered_to_what_the_limit_lea
     with pytest.raises(RateLimited, match="Request too large"):
         await t.charge(t.ticket(asked))
     assert t.fitted(GenerationJob("r", "hi", 20, 256, tenant="b", max_tokens_asked=False)).max_tokens == 256
+
+
+async def test_each_of_n_choices_is_charged_its_max_tokens() -> None:
+    """A kind: openai upstream makes n completions of up to max_tokens each: one request of n = 8 could take
+    8 times what its max_tokens says, so the bound charged, the refusal of a request too large and the
+    max_tokens fitted to a limit all count n."""
+    t = tenants(Clock(T0), a={"tokens_per_minute": 300})
+    with pytest.raises(RateLimited, match=r"requested 2008 \(prompt \+ n × max_tokens\)"):
+        await t.charge(t.ticket(GenerationJob("r", "hi", 8, 250, tenant="a", choices=8)))
+    left = t.fitted(GenerationJob("r", "hi", 20, 256, tenant="a", max_tokens_asked=False, choices=4))
+    assert left.max_tokens == 70           # (300 - 20) // 4
+    ticket = t.ticket(left)
+    await t.charge(ticket)
+    assert [u.used for u in await t.store.read("a", t.by_name["a"].limits)] == [300]
 
 
 def test_a_key_of_no_tenant_is_the_default_tenants() -> None:
