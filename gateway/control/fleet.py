@@ -124,24 +124,31 @@ class Fleet:
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._drains:
-            leaving = {backend_id, *self._drains, *self._removals}
-            if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
-                raise InvalidRequest(f"draining {backend_id!r} would leave no backend serving language work "
-                                     "(role language or both): the gateway could serve nothing",
-                                     code="invalid_backend")
+            self._keeps_serving(backend_id, "draining")
             self._keeps_lowest_class(backend_id, "draining")
             self._drain_task(backend_id)
 
     def remove(self, backend_id: str) -> None:
-        """Drain the backend, then take it out of the fleet (in the background)."""
+        """Drain the backend, then take it out of the fleet (in the background). Refused where the fleet
+        left would be an invalid file (a model without a backend taking language work, drained or not),
+        or on the grounds a drain is."""
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._removals:
+            self._validated([b for b in self.config.raw.backends if b.id != backend_id and b.id not in self._removals])
+            if backend_id not in self._drains:
+                self._keeps_serving(backend_id, "removing")
             self._keeps_lowest_class(backend_id, "removing")
-            # the fleet left must be valid without the backends that serve nothing new (drained or leaving)
-            self._validated([b for b in self.config.raw.backends
-                             if b.id != backend_id and b.id not in self._drains and b.id not in self._removals])
             self._start_removal(backend_id)
+
+    def _keeps_serving(self, backend_id: str, change: str) -> None:
+        """InvalidRequest where taking `backend_id` out of service would leave no backend serving language
+        work at all (the gateway could serve nothing); one model of several may be left without (it is
+        named degraded in /ready)."""
+        leaving = {backend_id, *self._drains, *self._removals}
+        if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
+            raise InvalidRequest(f"{change} {backend_id!r} would leave no backend serving language work "
+                                 "(role language or both): the gateway could serve nothing", code="invalid_backend")
 
     def _keeps_lowest_class(self, backend_id: str, change: str) -> None:
         """InvalidRequest where taking `backend_id` out of service would leave the lowest tenant class

@@ -53,6 +53,7 @@ import structlog
 
 from common.wire import engine_pb2
 from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EncoderClient, EngineClients
+from gateway.clients.engine_fields import refused_fields
 from gateway.config.tenants import TenantsConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers
@@ -455,6 +456,15 @@ class Pipeline:
                 return decision
         return None
 
+    def _unable(self, job: GenerationJob) -> tuple[str, ...]:
+        """The engines of the job's pool that cannot honour its fields where kind: openai backends beside
+        them can (else none: a pool of engines alone refuses such a request at its dispatch, with a 400 that
+        names the fields). Checked only for such a pool: the check costs a few µs a request."""
+        engines = self.table.engines_beside_upstreams(job.model)
+        if engines and refused_fields(job.body, exact=bool(job.token_ids), chat=job.kind == "chat"):
+            return engines
+        return ()
+
     def deadline(self, job: GenerationJob, record: RequestRecord) -> float:
         """The request's deadline, fixed on first use: restarts of the same request share it."""
         if record.deadline is None:
@@ -493,6 +503,9 @@ class Pipeline:
         job = self.tenants.fitted(job)
         ticket = record.tenant = self.tenants.ticket(job)
         closed = record.closed = self.table.closed_to(ticket.tenant.policy.priority)
+        record.unable = self._unable(job)
+        if record.unable:
+            closed = (*closed, *record.unable)
         if ticket.tenant.limits:   # over a limit: 429 at once, before anything waits
             await self.tenants.charge(ticket)
         deadline = self.deadline(job, record)
@@ -530,8 +543,8 @@ class Pipeline:
                 raise self._deadline_error(record, last_error)
             if self.clock() >= deadline:
                 raise self._deadline_error(record, last_error)
-            decision = decision or self.route_language(profile, [*record.failed, *record.closed], job.context_tokens,
-                                                       job.model)
+            decision = decision or self.route_language(profile, [*record.failed, *record.closed, *record.unable],
+                                                       job.context_tokens, job.model)
             if decision is None:
                 break
             backend_id = decision.backend.id
@@ -558,6 +571,7 @@ class Pipeline:
             f"no healthy language backend is available for a context of {job.context_tokens} tokens"
             + (f" of model {job.model!r}" if job.model else "")
             + (f" (kept for higher priority classes: {', '.join(record.closed)})" if record.closed else "")
+            + (f" (not the engines {', '.join(record.unable)}: they cannot honour its fields)" if record.unable else "")
             + "; retry later"
         )
 

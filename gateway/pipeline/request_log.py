@@ -52,6 +52,7 @@ class RequestRecord:
     prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
     tenant: Ticket | None = None         # its tenant's charges (from admission), settled with its usage at the end
     closed: tuple[str, ...] = ()         # backends kept for priority classes above its tenant's: never its candidates
+    unable: tuple[str, ...] = ()         # engines that cannot honour its fields, beside upstreams that can
     model: str = ""                      # the model it asked for (its served name), once validated
     traceparent: str | None = None       # the client's W3C trace context header, if it sent one
     trace: RequestTrace | None = None    # its spans, when tracing is on and it is sampled (gateway.pipeline.tracing)

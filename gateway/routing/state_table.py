@@ -99,6 +99,9 @@ class StateTable:
         self._draining: set[str] = set()   # no new requests (gateway/control/fleet.py); their leases finish
         self._cut: set[str] = set()        # drains that ran out of time: what was still under way there is cut
         self._reserved: dict[str, int] = {}   # backends kept for a priority class and above: their min_priority
+        # per model, where its backends are of both kinds: its engines (kind: engine), which honour fewer of
+        # a request's fields than its kind: openai backends (`engines_beside_upstreams`)
+        self._mixed: dict[str | None, tuple[str, ...]] = {}
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -130,6 +133,7 @@ class StateTable:
         self._pools.clear()
         self._open.clear()
         self._largest_context.clear()
+        self._mixed.clear()
         return entry
 
     def unregister(self, backend_id: str) -> None:
@@ -144,6 +148,7 @@ class StateTable:
         self._pools.clear()
         self._open.clear()
         self._largest_context.clear()
+        self._mixed.clear()
         entry.changes = None
 
     def drain(self, backend_id: str) -> None:
@@ -334,6 +339,16 @@ class StateTable:
     def _serves(self, entry: BackendEntry) -> bool:
         """May be routed to at all: a launched engine once ready, and not an upstream found unreachable."""
         return serves(entry) and self._reachable.get(entry.id) is not False
+
+    def engines_beside_upstreams(self, model: str | None = None) -> tuple[str, ...]:
+        """The engines (kind: engine) of `model`'s backends when some of them are kind: openai, else none: a
+        request with fields only an upstream honours (tools, logprobs, n > 1, ...) is kept off them."""
+        engines = self._mixed.get(model)
+        if engines is None:
+            members = [e for e in self._entries.values() if _serves_model(e, model)]
+            engines = tuple([e.id for e in members if not e.external])
+            self._mixed[model] = engines = engines if len(engines) < len(members) else ()
+        return engines
 
     def closed_to(self, priority: int) -> tuple[str, ...]:
         """The backends kept for priority classes above `priority` (`min_priority`): none of a request of

@@ -201,6 +201,16 @@ def test_empty_messages_is_400(limits_gw: Gateway) -> None:
     assert_openai_error(r, 400, type_="invalid_request_error", param="messages")
 
 
+@pytest.mark.parametrize("content", [None, []])
+def test_a_user_message_without_content_is_400_and_an_assistants_is_not(limits_gw: Gateway, content: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content},
+                {"role": "user", "content": content}]
+    assert_openai_error(post(limits_gw, CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 2}), 400,
+                        param="messages.2.content")
+    messages[2]["content"] = "and?"
+    assert post(limits_gw, CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 2}).status_code == 200
+
+
 def test_missing_messages_is_400(limits_gw: Gateway) -> None:
     r = post(limits_gw, CHAT, json={"model": MODEL})
     assert_openai_error(r, 400, type_="invalid_request_error", param="messages")

@@ -188,3 +188,33 @@ def test_an_isolated_tenants_salt_reaches_the_upstream(tmp_path: Path) -> None:
                 assert got["messages"] == MESSAGES[:2] and got["model"] == MODEL
     finally:
         stop(engine)
+
+
+def test_fields_only_an_upstream_honours_route_past_the_engines_beside_it(tmp_path: Path) -> None:
+    """A model served by the gateway's engines and a kind: openai backend: a request with a seed, logprobs
+    or several choices goes to the upstream, never to an engine that would refuse it with 400 (it did,
+    whenever the router picked the engine)."""
+    port = free_port()
+    engine = spawn("tests.fake_openai_server", "--port", str(port))
+    config = write_config(tmp_path, {
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.2}},
+                     {"id": "a100-0", "role": "language", "gpu": "A100-80GB", "launch": {"time_scale": 0.2}},
+                     {"id": "upstream", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",
+                      "scrape": {"engine": "vllm", "interval_ms": 100}}]})
+    asks = [{"seed": 7}, {"logprobs": True, "top_logprobs": 1}, {"n": 2}, {"top_k": 5}]
+    try:
+        with run_gateway(config, healthy=3, timeout=60) as gw:
+            served = []
+            for i in range(12):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4,
+                        **asks[i % len(asks)]}
+                resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+                assert resp.status_code == 200, resp.text
+                served.append(resp.headers["x-heterogate-backend"])
+            assert set(served) == {"upstream"}
+            plain = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert {httpx.post(f"{gw.url}/v1/chat/completions", json=plain, timeout=30).headers[
+                "x-heterogate-backend"] for _ in range(12)} - {"upstream"}   # the engines still serve the rest
+    finally:
+        stop(engine)

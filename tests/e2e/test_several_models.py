@@ -102,3 +102,9 @@ def test_readiness_and_metrics_are_per_model(gateway: tuple[Gateway, str]) -> No
     assert refused.status_code == 503, refused.text
     assert f"of model '{LLAMA}'" in refused.json()["error"]["message"]
     assert chat(gw, LLAVA).status_code == 200
+    # a drained backend may go while a drained one of its model stays; the model's last one may not
+    removed = httpx.delete(f"{gw.url}/admin/backends/llama-0", timeout=10)
+    assert removed.status_code == 202, removed.text
+    gw.wait_until(lambda: "llama-0" not in [b["id"] for b in gw.backends()], timeout=30)
+    last = httpx.delete(f"{gw.url}/admin/backends/up", timeout=10)
+    assert last.status_code == 400 and LLAMA in last.json()["error"]["message"], last.text

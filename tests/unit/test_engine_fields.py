@@ -15,7 +15,7 @@ def test_plain_requests_and_fields_that_ask_nothing_pass() -> None:
             "seed": None, "stream_options": {"include_usage": True}, "echo": False}
     assert refused_fields(body) == []
     check_engine_can_honour(body)
-    assert refused_fields({"model": "m", "prompt": "hi", "echo": False, "stream": None}, chat=False) == []
+    assert refused_fields({"model": "m", "prompt": "hi", "echo": False, "stream": None, "best_of": 1}, chat=False) == []
 
 
 def test_what_the_other_endpoint_reads_and_echo_are_refused() -> None:
