@@ -38,12 +38,21 @@ from typing import Any
 
 from common.catalog import load_catalog
 from common.errors import ConfigError
-from gateway.config.autoscaling import AutoscalingConfig, LanguageScaling, Pool, VisionScaling
+from gateway.config.autoscaling import (
+    MAX_DELAY_S,
+    MAX_INTERVAL_S,
+    MIN_INTERVAL_S,
+    AutoscalingConfig,
+    LanguageScaling,
+    Pool,
+    VisionScaling,
+)
 from loadtest.planner import options
 from loadtest.planner.autoscaled import POOLS, Fleet, FleetResult, run_fleet
-from loadtest.planner.bursty import BurstyShape, BurstyTrace, bursty_trace
+from loadtest.planner.bursty import MAX_DURATION_S, BurstyShape, BurstyTrace, bursty_trace
 from loadtest.planner.pool_sizing import Sizing, size_pools
 from loadtest.planner.space import Slo
+from loadtest.planner.workload import MAX_RATE_RPS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "bursty_autoscaling.json"
@@ -162,48 +171,68 @@ def _yes(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, each of a checked type (loadtest/planner/options.py) with the bounds the gateway's
+    config puts on its setting: a bad one is one line naming it (exit 2), not a pydantic report, and none
+    is accepted that the gateway would refuse."""
     defaults = BurstyShape()
     p = argparse.ArgumentParser(prog="bursty_autoscaling", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--seeds", type=options.seed, nargs="+", default=[0, 1, 2])
-    p.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds of arrivals")
-    p.add_argument("--text-rps", type=float, default=defaults.text_rps, help="mean text-only requests/s")
-    p.add_argument("--image-rps", type=float, default=defaults.image_rps, help="image requests/s between bursts")
+    p.add_argument("--duration", type=options.between(1.0, MAX_DURATION_S), default=defaults.duration_s,
+                   help="seconds of arrivals")
+    rps = options.between(0.0, MAX_RATE_RPS)
+    p.add_argument("--text-rps", type=rps, default=defaults.text_rps, help="mean text-only requests/s")
+    p.add_argument("--image-rps", type=rps, default=defaults.image_rps, help="image requests/s between bursts")
     p.add_argument("--model", default="qwen2.5-vl-7b")
     p.add_argument("--vision-gpu", default="L4")
     p.add_argument("--language-gpu", default="A100-80GB")
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds to the first token")
-    p.add_argument("--itl-slo", type=float, default=0.1, help="mean inter-token seconds of a request")
-    p.add_argument("--window", type=float, default=60.0, help="seconds per window when sizing the static pools")
-    p.add_argument("--startup", type=float, default=30.0, help="seconds from an added engine's launch to ready")
+    p.add_argument("--ttft-slo", type=options.positive, default=2.0, help="seconds to the first token")
+    p.add_argument("--itl-slo", type=options.positive, default=0.1, help="mean inter-token seconds of a request")
+    p.add_argument("--window", type=options.positive, default=60.0,
+                   help="seconds per window when sizing the static pools")
+    p.add_argument("--startup", type=options.non_negative, default=30.0,
+                   help="seconds from an added engine's launch to ready")
     gateway, vision, language = AutoscalingConfig(), VisionScaling(max=1), LanguageScaling(max=1)
-    p.add_argument("--interval", type=float, default=gateway.interval_s, help="the scaler's interval_s")
-    p.add_argument("--up-delay", type=float, default=gateway.up_delay_s, help="the scaler's up_delay_s")
-    p.add_argument("--down-delay", type=float, default=gateway.down_delay_s, help="the scaler's down_delay_s")
-    p.add_argument("--lookahead", type=float, default=gateway.lookahead_s, help="the scaler's lookahead_s")
-    p.add_argument("--max-step", type=int, default=vision.max_step, help="both pools' max_step")
-    p.add_argument("--min-vision", type=int, default=1)
-    p.add_argument("--min-language", type=int, default=1)
-    p.add_argument("--image-tokens-per-engine", type=int, default=vision.image_tokens_per_engine,
+    delay = options.between(0.0, MAX_DELAY_S)
+    p.add_argument("--interval", type=options.between(MIN_INTERVAL_S, MAX_INTERVAL_S), default=gateway.interval_s,
+                   help="the scaler's interval_s")
+    p.add_argument("--up-delay", type=delay, default=gateway.up_delay_s, help="the scaler's up_delay_s")
+    p.add_argument("--down-delay", type=delay, default=gateway.down_delay_s, help="the scaler's down_delay_s")
+    p.add_argument("--lookahead", type=delay, default=gateway.lookahead_s, help="the scaler's lookahead_s")
+    p.add_argument("--max-step", type=options.count, default=vision.max_step, help="both pools' max_step")
+    p.add_argument("--min-vision", type=options.at_least(0), default=1)
+    p.add_argument("--min-language", type=options.at_least(0), default=1)
+    p.add_argument("--image-tokens-per-engine", type=options.count, default=vision.image_tokens_per_engine,
                    help="the vision pool's high mark")
-    p.add_argument("--prefill-tokens-per-engine", type=int, default=language.prefill_tokens_per_engine,
+    p.add_argument("--prefill-tokens-per-engine", type=options.count, default=language.prefill_tokens_per_engine,
                    help="the language pool's high mark")
-    p.add_argument("--queue-per-engine", type=float, default=QUEUE_PER_ENGINE,
+    p.add_argument("--queue-per-engine", type=options.positive, default=QUEUE_PER_ENGINE,
                    help=f"the language pool's high mark (gateway default {language.queue_per_engine:g}: this "
                         "trace's 64-512-token answers keep an engine holding more than that at a fraction of "
                         "its capacity)")
-    p.add_argument("--low-mark", type=float, default=vision.low_mark, help="both pools' low_mark")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--low-mark", type=options.below_one, default=vision.low_mark, help="both pools' low_mark")
+    p.add_argument("--out", type=Path, default=RESULTS, help="the results file (default: %(default)s)")
     args = p.parse_args(argv)
+    if why := options.unwritable(args.out):   # before minutes of simulation, not after
+        p.error(f"--out: {why}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        shape = replace(defaults, duration_s=args.duration, text_rps=args.text_rps, image_rps=args.image_rps)
+        shape = replace(BurstyShape(), duration_s=args.duration, text_rps=args.text_rps, image_rps=args.image_rps)
         runs = [one_seed(args, shape, seed) for seed in args.seeds]
     except (ConfigError, ValueError, KeyError) as exc:
         print(f"bursty_autoscaling: {exc}", file=sys.stderr)
         return 2
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"settings": settings, "shape": asdict(shape), "runs": runs}, indent=1) + "\n")
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"settings": settings, "shape": asdict(shape), "runs": runs}, indent=1) + "\n")
+    except OSError as exc:   # the folder changed during the run
+        print(f"bursty_autoscaling: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"\nwritten to {args.out}")
     return 0
 

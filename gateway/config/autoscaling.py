@@ -8,6 +8,11 @@ Off by default.
   inventory) and drains and stops the ones it added, through gateway/control/fleet.py.
 - `mode: export`: it changes nothing and exports the desired engine count per pool on /metrics
   (`heterogate_pool_desired_replicas`), for an autoscaler outside (KEDA, HPA) that runs the engines.
+  A pool's `gpus` and `template` say where manage mode's new engines come from; export mode starts none,
+  so it refuses them rather than ignore them (and an unknown GPU or template in them) without a word.
+
+Every duration is finite and bounded: an infinite interval or delay would turn the scaler off without a
+word, and an interval of microseconds spins a CPU reading demand that cannot change that fast.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol, TypeVar
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
 
 Pool = Literal["language", "vision"]
+MIN_INTERVAL_S = 0.05     # demand changes no faster than heartbeats (100 ms at the least) report it
+MAX_INTERVAL_S = 60.0     # a scaler that looks less than once a minute misses whole bursts
+MAX_DELAY_S = 3600.0      # up and down delays and the lookahead; also bounds the down window's ticks (72,000)
 
 
 class PoolScaling(StrictModel):
@@ -50,8 +58,10 @@ class VisionScaling(PoolScaling):
 
 class LanguageScaling(PoolScaling):
     prefill_tokens_per_engine: PositiveInt = 16384  # high mark: prompt tokens sent, first token not seen
-    queue_per_engine: PositiveFloat = 16.0          # high mark: requests held (Q_i) or queued at admission
-    ttft_slo_s: PositiveFloat = 2.0                 # high mark: the best engine's predicted time to first token
+    # high mark: requests held (Q_i) or queued at admission
+    queue_per_engine: float = Field(default=16.0, gt=0, allow_inf_nan=False)
+    # high mark: the best engine's predicted time to first token
+    ttft_slo_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
     ttft_prompt_tokens: NonNegativeInt = 512        # ... for a prompt of this many tokens
     ttft_max_tokens: NonNegativeInt = 128           # ... and max_tokens (its KV: prompt + these)
 
@@ -63,13 +73,14 @@ class ScaledPools(StrictModel):
 
 class AutoscalingConfig(StrictModel):
     mode: Literal["off", "manage", "export"] = "off"
-    interval_s: PositiveFloat = 1.0     # demand is read and the decision made this often
+    # demand is read and the decision made this often
+    interval_s: float = Field(default=1.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S)
     # demand above the high mark this long (at a need just above the engines; a need n times them: 1/n of it)
-    up_delay_s: float = Field(default=10.0, ge=0)
-    down_delay_s: float = Field(default=60.0, ge=0)    # the window averaged before engines go
+    up_delay_s: float = Field(default=10.0, ge=0, le=MAX_DELAY_S)
+    down_delay_s: float = Field(default=60.0, ge=0, le=MAX_DELAY_S)    # the window averaged before engines go
     # a step up is sized for the need this far ahead, at the rate it grew during its high spell (about an
     # engine's start-up: what arrives while the new engines load waits for them); 0: the need as measured
-    lookahead_s: float = Field(default=30.0, ge=0)
+    lookahead_s: float = Field(default=30.0, ge=0, le=MAX_DELAY_S)
     pools: ScaledPools = ScaledPools()
 
     def scaled(self) -> dict[Pool, PoolScaling]:
@@ -85,6 +96,12 @@ class AutoscalingConfig(StrictModel):
     def _some_pool(self) -> AutoscalingConfig:
         if self.mode != "off" and not self.scaled():
             raise ValueError(f"mode {self.mode} needs at least one pool (`pools.language` or `pools.vision`)")
+        if self.mode == "export":
+            for pool, scaling in self.scaled().items():
+                given = [key for key in ("gpus", "template") if key in scaling.model_fields_set]
+                if given:
+                    raise ValueError(f"pools.{pool}: {' and '.join(given)} would be ignored: mode export starts no "
+                                     "engines (an autoscaler outside runs them); they are manage mode's")
         return self
 
 
@@ -112,18 +129,36 @@ B = TypeVar("B", bound=Entry)
 
 
 def template_of(pool: Pool, scaling: PoolScaling, backends: Sequence[B]) -> B:
-    """The backend a new engine of the pool copies: new engines
-    are managed simulated or torch engines (`kind: engine` with `launch`), of the pool's role. ConfigError
-    when there is none (removing the template at runtime is refused for the same reason)."""
-    role = "vision" if pool == "vision" else "language"
-    fits = [b for b in backends if b.kind == "engine" and b.launch is not None and b.role == role]
+    """A managed pool checked against `backends` (start-up, and every change of the fleet at runtime: removing
+    the template is refused for the same reason): its `min` within reach of the engines there and the GPUs
+    of its inventory (the scaler adds an engine only on a GPU of `gpus`, so a `min` above both is a
+    pool that can never be as large as it says), and the template, which it returns. ConfigError naming
+    the setting when either fails."""
+    engines = sum(1 for b in backends if b.role in POOL_ROLES[pool])
+    if scaling.min > engines + len(scaling.gpus):
+        raise ConfigError(f"min {scaling.min} cannot be reached: {engines} engine(s) of the pool in `backends:` "
+                          f"and {len(scaling.gpus)} GPU(s) in its `gpus:` inventory make at most "
+                          f"{engines + len(scaling.gpus)}; lower min or list more GPUs")
+    return pick_template(pool, scaling, backends)
+
+
+def pick_template(pool: Pool, scaling: PoolScaling, backends: Sequence[B]) -> B:
+    """The backend a new engine of the pool copies: a managed simulated or torch engine (`kind: engine`
+    with `launch`) of one of the pool's roles, `template:` or else the first in the file. A copy keeps its
+    template's role: a `both` engine (a monolithic plan's, `gateway plan` writes them) counts in the
+    language pool, and its copy is another monolithic engine that encodes its own images, as the plan's
+    engines do; a copy as role language would leave every image to the engines there before it.
+    ConfigError when there is none."""
+    roles = POOL_ROLES[pool]
+    fits = [b for b in backends if b.kind == "engine" and b.launch is not None and b.role in roles]
+    wanted = " or ".join(roles)
     if scaling.template is not None:
         named = next((b for b in backends if b.id == scaling.template), None)
         if named is None or named not in fits:
             raise ConfigError(f"template {scaling.template!r} is not a managed `kind: engine` backend with role "
-                             f"{role} in `backends:`")
+                             f"{wanted} in `backends:`")
         return named
     if not fits:
-        raise ConfigError(f"manage mode needs a managed `kind: engine` backend with role {role} to copy "
+        raise ConfigError(f"manage mode needs a managed `kind: engine` backend with role {wanted} to copy "
                          "(or `template:` naming one)")
     return fits[0]

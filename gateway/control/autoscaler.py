@@ -15,7 +15,8 @@ Three parts:
   during the spell, since what arrives while the new engines load waits for them. Engines on their way
   count as capacity, so while they start no other step is taken unless the need grows beyond them. One
   engine fewer when the need averaged over the last `down_delay_s` (no step settling in that time: an
-  added engine not yet healthy, a removed one still draining), spread over the engines left, is at
+  added engine not yet healthy, a removed one still draining), spread over the engines left of the
+  desired count (in export mode nothing applies the steps, so it may be above the engines there), is at
   `low_mark` or less and the need now fits on them: the load after the removal decides, so a large pool
   sheds an engine its others can cover and a spike in a calm minute counts for its share. Each step
   starts both delays again. The count stays between the pool's `min` and `max`, never above what the
@@ -55,7 +56,7 @@ from gateway.config.autoscaling import (
     Pool,
     PoolScaling,
     VisionScaling,
-    template_of,
+    pick_template,
 )
 from gateway.control.fleet import Fleet
 from gateway.requests.errors import RequestError
@@ -197,7 +198,8 @@ class Scaler:
             if min(target, ceiling) > desired:   # not a step already asked for (export mode: nothing applies it)
                 desired, reason = min(target, ceiling), why
         elif desired > floor:
-            fewer, reason = self._step_down(scaling, st, d, wanted, now, min(scaling.max_step, desired - floor))
+            fewer, reason = self._step_down(scaling, st, wanted, now, _serving_at(d, desired),
+                                            min(scaling.max_step, desired - floor))
             desired -= fewer
         if reason:
             st.restart()
@@ -236,22 +238,32 @@ class Scaler:
                   f"{capacity} serving or starting for {spell:.1f}s (pressure-seconds {st.high_load_s:.1f})")
         return d.engines + step, reason
 
-    def _step_down(self, scaling: PoolScaling, st: _PoolState, d: PoolDemand, wanted: float, now: float,
+    def _step_down(self, scaling: PoolScaling, st: _PoolState, wanted: float, now: float, serving: int,
                    most: int) -> tuple[int, str]:
         """How many engines fewer now, at most `most` (0: none), and why: after a full calm window, the
         most whose going leaves engines that carry the window's average need at the low mark or less and
-        the need now under the high mark."""
+        the need now under the high mark. `serving`: the engines serving at the desired count, which
+        the ones removed are taken from."""
         if st.calm_since is None or now - st.calm_since < self._down_delay_s or st.high_since is not None:
             return 0, ""
         mean = sum(st.calm) / len(st.calm)
         fewer = 0
-        while fewer < most and _carries(d.serving - fewer - 1, mean, wanted, scaling.low_mark):
+        while fewer < most and _carries(serving - fewer - 1, mean, wanted, scaling.low_mark):
             fewer += 1
         if not fewer:
             return 0, ""
-        left = d.serving - fewer
+        left = serving - fewer
         return fewer, (f"need {mean:.2f} engines on average over {self._down_delay_s:g}s: "
                        f"{mean / left if left else 0.0:.2f} on the {left} left, at or below {scaling.low_mark}")
+
+
+def _serving_at(d: PoolDemand, desired: int) -> int:
+    """The engines that would serve at the desired count: those serving now, less those not serving (still
+    starting, failing) kept as they are, plus or minus the difference. The desired count, not the engines
+    now, is what a step down is taken from: in export mode nothing applies the steps, so after a burst the
+    desired count stays above the engines there, and counted from those it could come down only at no
+    demand at all (never while an engine serves: its predicted first token is demand)."""
+    return max(d.serving + desired - d.engines, 0)
 
 
 def _carries(engines: int, mean: float, wanted: float, low_mark: float) -> bool:
@@ -354,7 +366,7 @@ class Autoscaler:
 
     def _add(self, fleet: Fleet, pool: Pool) -> None:
         gpu = self._free(pool)[0]
-        template = template_of(pool, self.scaler.pools[pool], fleet.config.raw.backends)
+        template = pick_template(pool, self.scaler.pools[pool], fleet.config.raw.backends)
         taken = {b.id for b in fleet.config.raw.backends}
         backend_id = next(i for n in self._numbers if (i := f"{pool}-auto-{n}") not in taken)
         fleet.add({**template.model_dump(mode="json"), "id": backend_id, "gpu": gpu})

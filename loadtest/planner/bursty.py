@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.catalog import ModelProfile
+from loadtest.planner.workload import MAX_TRACE_REQUESTS
 from loadtest.sim import workloads
 from loadtest.sim.workloads import Lengths, Trace
 
@@ -34,6 +35,7 @@ from loadtest.sim.workloads import Lengths, Trace
 IMAGE_SIZES: tuple[tuple[int, int, float], ...] = (
     (448, 448, 0.30), (640, 480, 0.30), (1024, 768, 0.20), (1280, 960, 0.12), (1920, 1080, 0.08))
 INSTRUCTION_TOKENS = (8, 48)
+MAX_DURATION_S = 604_800.0       # a week: the rates are built second by second, an array of that many seconds
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ class BurstyShape:
         if not (self.duration_s >= 1 and self.text_rps >= 0 and self.image_rps >= 0
                 and self.text_rps + self.image_rps > 0):
             raise ValueError("the trace needs a duration of at least 1 s and a positive total rate")
+        if self.duration_s > MAX_DURATION_S:
+            raise ValueError(f"the trace is built second by second: its duration is {MAX_DURATION_S:,.0f} s at "
+                             f"most, not {self.duration_s:g}")
+        nominal = (self.text_rps + self.image_rps) * self.duration_s
+        if nominal > MAX_TRACE_REQUESTS:
+            raise ValueError(f"text_rps + image_rps over the duration make {nominal:,.0f} requests (before bursts); "
+                             f"a simulated trace holds at most {MAX_TRACE_REQUESTS:,}: lower the rates or the "
+                             "duration")
         if not 0 <= self.text_swing <= 1:
             raise ValueError(f"text_swing must be in [0, 1] (the text rate stays non-negative), not {self.text_swing}")
         if not (1 <= self.burst_min_x <= self.burst_max_x and self.burst_alpha > 0 and self.images_alpha > 0):

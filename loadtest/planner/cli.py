@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from loadtest.planner.options import (
     names,
     non_negative,
     positive,
+    rate,
     seed,
     share,
     unwritable,
@@ -38,6 +40,8 @@ from loadtest.planner.pool import Terminated, sigterm_raises
 from loadtest.planner.search import GROUPINGS, Evaluated, Problem, SearchResult, search
 from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Split, trace_rate
 from loadtest.planner.workload import (
+    MAX_RATE_RPS,
+    MAX_TRACE_REQUESTS,
     Description,
     WorkloadError,
     clipped_prompt_mean,
@@ -54,12 +58,14 @@ CLIP_NOTICE = 0.99                      # say so when the context clip takes the
 DESCRIPTION = ("image_share", "prompt_tokens", "output_tokens", "images_per_request")
 # what a simulator workload or a request log brings of its own: the options that describe it would be ignored
 IGNORED_WITH = {"workload": DESCRIPTION, "trace": (*DESCRIPTION, "arrivals", "duration", "seed")}
+ID_STEM_CHARS = 48                      # a written id's GPU part; the config's ids are 64 characters at most
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
     w = p.add_argument_group("workload (a description, a simulator workload, or a gateway request log)")
-    w.add_argument("--rate", type=positive, help="arrival rate, requests/s (a request log's own rate if omitted)")
+    w.add_argument("--rate", type=rate, help=f"arrival rate, requests/s, at most {MAX_RATE_RPS:,.0f} (a request "
+                   "log's own rate if omitted)")
     w.add_argument("--image-share", type=share, default=0.0, help="share of requests with images (default 0)")
     w.add_argument("--prompt-tokens", type=positive, default=512.0, help="mean prompt tokens of a text request")
     w.add_argument("--output-tokens", type=positive, default=128.0, help="mean output tokens")
@@ -69,8 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--trace", type=Path, help="the gateway's JSON request log (its `\"event\": \"request\"` lines)")
     w.add_argument("--duration", type=positive, default=30.0,
                    help="seconds of arrivals each plan is simulated for (default 30)")
-    w.add_argument("--requests", type=at_least(MIN_REQUESTS),
-                   help=f"simulate this many requests instead of --duration's (at least {MIN_REQUESTS})")
+    w.add_argument("--requests", type=at_least(MIN_REQUESTS, MAX_TRACE_REQUESTS),
+                   help=f"simulate this many requests instead of --duration's (at least {MIN_REQUESTS}, at most "
+                        f"{MAX_TRACE_REQUESTS:,}: the trace's bound, which --rate times --duration must keep too)")
     w.add_argument("--seed", type=seed, default=0)
     s = p.add_argument_group("service level")
     s.add_argument("--ttft-slo", type=positive, default=2.0, help="time to first token, seconds (default 2)")
@@ -109,6 +116,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("give the arrival rate (--rate), or a request log (--trace) whose rate is used")
     if args.trace is not None and args.workload is not None:
         p.error("give a request log (--trace) or a simulator workload (--workload), not both")
+    if args.trace is None and args.requests is None and args.rate * args.duration > MAX_TRACE_REQUESTS:
+        p.error(f"--rate {args.rate:g} for --duration {args.duration:g} s makes {args.rate * args.duration:,.0f} "
+                f"requests; a simulated trace holds at most {MAX_TRACE_REQUESTS:,}: shorten --duration or give "
+                "--requests")
     bad = [s for s in args.splits if s not in SPLITS]
     if bad or not args.splits:
         p.error(f"--splits: {', '.join(bad) or 'none given'}; choose from {', '.join(SPLITS)}")
@@ -126,7 +137,11 @@ def _flag(dest: str) -> str:
 
 def build_trace(args: argparse.Namespace, model: ModelProfile) -> Trace:
     if args.trace is not None:
-        return log_trace(args.trace, model, args.rate, args.requests)
+        logged = log_trace(args.trace, model, args.rate, args.requests)
+        if logged.n > MAX_TRACE_REQUESTS:
+            raise WorkloadError(f"--trace {args.trace}: {logged.n:,} requests, more than the {MAX_TRACE_REQUESTS:,} "
+                                "a simulated trace holds: give --requests to take the first ones")
+        return logged
     n = args.requests or max(MIN_REQUESTS, round(args.rate * args.duration))
     if args.workload is not None:
         return named_trace(args.workload, args.rate, n, args.seed, args.arrivals)
@@ -175,7 +190,7 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float, catalog: Pa
     backends: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     for gpu, role, steal in plan.members():
-        stem = f"{gpu.lower()}-vision" if role == "vision" else gpu.lower()
+        stem = f"{id_stem(gpu)}-vision" if role == "vision" else id_stem(gpu)
         k = seen[stem] = seen.get(stem, -1) + 1
         entry: dict[str, Any] = {"id": f"{stem}-{k}", "role": role, "gpu": gpu}
         if steal:
@@ -191,6 +206,14 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float, catalog: Pa
     named = {"catalog": str(catalog)} if catalog is not None else {}
     return {**named, "model": problem.model.name, "gateway": {"routing": routing, "overload": overload},
             "backends": backends}
+
+
+def id_stem(gpu: str) -> str:
+    """A catalog GPU name as the start of a backend id, which the config allows letters, digits, `.`, `_`
+    and `-` in (`A100/40GB` → `a100-40gb`): lower case, every run of other characters one `-`, at most
+    ID_STEM_CHARS. Two names may share a stem; the counter after it keeps the ids apart."""
+    stem = re.sub(r"[^a-z0-9._-]+", "-", gpu.lower()).strip("-")[:ID_STEM_CHARS]
+    return stem or "gpu"
 
 
 def write_backends(path: Path, plan: Evaluated, problem: Problem, time_scale: float, command: str,

@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from loadtest.planner.workload import MAX_RATE_RPS
+
 
 def finite(text: str) -> float:
     try:
@@ -31,6 +33,14 @@ def positive(text: str) -> float:
     return value
 
 
+def rate(text: str) -> float:
+    """Requests/s: positive, and MAX_RATE_RPS at most (loadtest/planner/workload.py says why)."""
+    value = positive(text)
+    if value > MAX_RATE_RPS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RATE_RPS:,.0f} requests/s, not {text}")
+    return value
+
+
 def non_negative(text: str) -> float:
     value = finite(text)
     if value < 0:
@@ -45,8 +55,26 @@ def share(text: str) -> float:
     return value
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An integer type of `low` or more (a seed: 0; a count: 1)."""
+def below_one(text: str) -> float:
+    """A share that must leave something: in [0, 1) (a low mark under the high mark it is a share of)."""
+    value = finite(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text}")
+    return value
+
+
+def between(low: float, high: float) -> Callable[[str], float]:
+    """A number type in [low, high] (a duration with a floor or a ceiling of its own)."""
+    def parse(text: str) -> float:
+        value = finite(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], not {text}")
+        return value
+    return parse
+
+
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer type of `low` or more, and `high` at most if given (a seed: 0; a count: 1)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -54,6 +82,8 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:,}, not {text}")
         return value
     return parse
 
@@ -63,12 +93,13 @@ seed = at_least(0)          # numpy's generators take no negative seed
 
 
 def inventory(text: str) -> tuple[tuple[str, int], ...]:
-    """`H100=4,L40S=8` → (("H100", 4), ("L40S", 8))."""
+    """`H100=4,L40S=8` → (("H100", 4), ("L40S", 8)); a count of 0 is a slip (a GPU not on hand is left out),
+    refused rather than searched."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, n = part.partition("=")
-        if not sep or not name.strip() or not n.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"{part!r}: write GPU=COUNT, e.g. H100=4")
+        if not sep or not name.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: write GPU=COUNT with a count of 1 or more, e.g. H100=4")
         out[name.strip()] = out.get(name.strip(), 0) + int(n)
     if not out:
         raise argparse.ArgumentTypeError("an inventory needs at least one GPU=COUNT")

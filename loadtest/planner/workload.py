@@ -41,6 +41,11 @@ MIN_PROMPT_TOKENS = 16
 INSTRUCTION_TOKENS = (8, 48)         # the text of an image request ("describe this image" and the like)
 PHOTO_SIZE = (640, 480)              # the image a dynamic-resolution encoder is charged for
 ARRIVALS = tuple(workloads.ARRIVALS)
+# What a simulated trace may be, refused beyond rather than built: a trace of a million requests takes about
+# 0.4 GB in each simulation process and minutes a plan; a rate this high is beyond any fleet a plan holds, and
+# a trace's span at it is below the simulator's resolution (its goodput would read as the rate itself).
+MAX_TRACE_REQUESTS = 1_000_000
+MAX_RATE_RPS = 100_000.0
 
 
 class WorkloadError(ValueError):

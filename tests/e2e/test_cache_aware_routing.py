@@ -193,11 +193,14 @@ def test_a_system_prompt_ahead_of_different_images_is_a_shared_prefix(monolithic
         cache = monolithic.backend("h100-both")["prefix_cache"]
         return cache["predicted_hit_tokens"], cache["reported_hit_tokens"]
 
+    def queries() -> int:
+        return int(monolithic.backend("h100-both")["prefix_cache"]["reported_query_tokens"])
+
     chat(monolithic, [{"role": "user", "content": "hello"}])
-    time.sleep(0.35)   # a few heartbeats (100 ms): the index reads the engine's counters once, its baseline
-    monolithic.backend("h100-both")
+    monolithic.wait_until(lambda: queries() > 0)   # the engine's counters read, hello's query in them
+    hello = queries()
     ask(1)
-    monolithic.wait_until(lambda: monolithic.backend("h100-both")["prefix_cache"]["reported_query_tokens"] > 0)
+    monolithic.wait_until(lambda: queries() > hello)
     before = counts()
     ask(2)   # another image after the same system prompt
     monolithic.wait_until(lambda: counts()[1] > before[1])
@@ -268,7 +271,7 @@ def test_isolated_tenants_share_no_cached_prefix(isolated: Gateway) -> None:
         return cache["predicted_hit_tokens"], cache["reported_hit_tokens"], cache["reported_query_tokens"]
 
     chat(isolated, [{"role": "user", "content": "hello"}], headers={"authorization": "Bearer sk-alpha"})
-    time.sleep(0.35)   # a few heartbeats: the index's baseline of the engine's counters
+    isolated.wait_until(lambda: counts()[2] > 0)   # the engine's counters read, hello's query in them
     assert ask("alpha", "What is the refund window?") == (0, 0)
     alpha_again = ask("alpha", "And the exchange window?")
     beta_first = ask("beta", "What is the refund window?")

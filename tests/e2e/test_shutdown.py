@@ -43,6 +43,8 @@ class Clients:
         for t in self.threads:
             t.start()
         self._streams_started.wait(timeout=30)
+        # the whole request has nothing to wait on: it is under way once the engine holds all three
+        gw.wait_until(lambda: gw.backend("h100-0")["in_flight"] >= 3, timeout=30, interval=0.02)
         self.started.set()
 
     def join(self) -> dict[str, Any]:

@@ -288,7 +288,8 @@ async def test_concurrent_bounded_exchanges_each_time_out_at_their_own_deadline(
 
         ended = await asyncio.gather(bounded(0.6), bounded(0.2), bounded(0.4))
         for after_s, at in zip((0.6, 0.2, 0.4), ended, strict=True):
-            assert after_s - 0.01 <= at < after_s + 0.3, (after_s, at)
+            assert after_s - 0.01 <= at < after_s + 1.0, (after_s, at)   # loosely above: a loaded machine
+        assert ended[1] < ended[2] < ended[0], ended   # each at its own deadline, not another's
         await pool.close()
 
 

@@ -120,7 +120,7 @@ def test_encode_delivers_real_embedding_bytes_of_the_expected_size(cluster: Clus
 def test_language_engine_waits_for_the_embeddings_then_prefills_text_plus_image_tokens(cluster: Cluster) -> None:
     n = 2
     stream = cluster.language.Generate(generate_request("hand-1", n), timeout=30)   # starts waiting now
-    time.sleep(0.1)
+    time.sleep(0.5)   # the engine has it (and waits) before the embeddings are sent, however loaded the machine
     reply = cluster.vision.Encode(encode_request("hand-1", cluster.language_address, n), timeout=20)
     assert reply.embedding_bytes == n * EMBEDDING_BYTES
     chunks = list(stream)

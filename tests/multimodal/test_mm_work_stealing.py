@@ -1,6 +1,7 @@
 """Cross-type work stealing (modality paper §5.3) on a real gateway with real engines.
 
-    l4-0        language  L4        max_batch 2, time_scale 0.5 (slow: requests queue up)
+    l4-0        language  L4        max_batch 2, time_scale 1.0 (slow: requests queue up; a held stream of
+                                    240 tokens runs ~11 s, the time the tests have to build a backlog)
     rtx4090-0   vision    RTX-4090  steal: true (decoder loaded), max_batch 16 (steals half: 8),
                                     time_scale 1.0, vision_batch 1, steal_episode_ms 100
 
@@ -67,7 +68,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         },
         "backends": [
             {"id": LANGUAGE, "role": "language", "gpu": "L4",
-             "launch": {"time_scale": 0.5, "max_batch": LANGUAGE_MAX_BATCH}},
+             "launch": {"time_scale": 1.0, "max_batch": LANGUAGE_MAX_BATCH}},
             {"id": VISION, "role": "vision", "gpu": "RTX-4090", "steal": True,
              "launch": {"time_scale": VISION_TIME_SCALE, "max_batch": 16, "vision_batch": 1,
                         "steal_episode_ms": STEAL_EPISODE_MS}},

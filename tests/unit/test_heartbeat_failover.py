@@ -14,7 +14,7 @@ from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.heartbeat_service import ControlService
 from gateway.routing.signals import LocalSignals
 from gateway.routing.state_table import StateTable
-from testkit.harness import free_port
+from testkit.harness import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 CATALOG = load_catalog()
@@ -42,7 +42,7 @@ async def heard(table: StateTable, timeout_s: float = 10.0) -> bool:
 
 
 async def test_sender_skips_a_dead_address_and_moves_on_when_its_replica_goes() -> None:
-    dead, first, second = free_port(), free_port(), free_port()
+    dead, first, second = free_ports(3)
     sender = HeartbeatSender(f"127.0.0.1:{dead}, 127.0.0.1:{first},127.0.0.1:{second}",
                              lambda: control_pb2.BackendState(backend_id="b0", address="127.0.0.1:9"),
                              interval_s=0.05)

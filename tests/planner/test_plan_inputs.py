@@ -1,0 +1,101 @@
+"""`gateway plan`'s inputs at their edges: GPU names the config's ids cannot hold, rates and traces beyond
+the simulated trace's bound, an inventory count of 0, and a catalog whose YAML is broken; each is one line
+before any search, or a plan the gateway loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.catalog import CONFIG_DIR, load_catalog
+from gateway.config.cluster import load_cluster
+from loadtest.planner import cli
+from loadtest.planner.search import Problem
+from loadtest.planner.space import Limits, Plan, Slo
+from loadtest.planner.workload import MAX_RATE_RPS, MAX_TRACE_REQUESTS, Description, described_trace
+
+pytestmark = pytest.mark.timeout(120)
+
+ODD = ("My GPU", "My/GPU", "A100/40GB")   # a space and slashes; the first two make the same id stem
+
+
+def odd_catalog(tmp: Path) -> Path:
+    """The built-in catalog's models, and its L4 and A100-80GB under names with characters ids cannot hold."""
+    folder = tmp / "catalog"
+    folder.mkdir()
+    gpus = yaml.safe_load((CONFIG_DIR / "gpus.yaml").read_text())
+    profiles = {"My GPU": gpus["L4"], "My/GPU": gpus["L4"], "A100/40GB": gpus["A100-80GB"]}
+    (folder / "gpus.yaml").write_text(yaml.safe_dump(profiles))
+    (folder / "models.yaml").write_text((CONFIG_DIR / "models.yaml").read_text())
+    return folder
+
+
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(list(args))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_written_ids_are_ones_the_config_takes_and_stay_unique(tmp_path: Path) -> None:
+    folder = odd_catalog(tmp_path)
+    catalog = load_catalog(folder)
+    model = catalog.model("llava-1.5-7b")
+    problem = Problem(catalog, model, described_trace(Description(5.0), model, 50, 0), Slo(2.0, 0.1),
+                      Limits(budget_per_hour=10.0), ODD)
+    plan = Plan((("My GPU", "language", 2), ("My/GPU", "language", 1), ("A100/40GB", "vision", 1)))
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump(cli.backends_config(plan, problem, 1.0, folder)))
+    backends = load_cluster(path).raw.backends
+    assert [(b.id, b.gpu) for b in backends] == [
+        ("my-gpu-0", "My GPU"), ("my-gpu-1", "My GPU"), ("my-gpu-2", "My/GPU"), ("a100-40gb-vision-0", "A100/40GB")]
+    assert cli.id_stem("!!!") == "gpu" and len(cli.id_stem("X" * 200)) == cli.ID_STEM_CHARS
+
+
+def test_a_plan_of_a_gpu_named_with_a_space_runs_end_to_end_to_a_file_the_gateway_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "planned.yaml"
+    assert cli.main(["--rate", "2", "--budget", "3", "--max-gpus", "2", "--duration", "5", "--workers", "1",
+                     "--catalog", str(odd_catalog(tmp_path)), "--gpus", "My GPU", "--out", str(out)]) == 0
+    assert [b.id for b in load_cluster(out).raw.backends][0] == "my-gpu-0"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--rate", "1e7"], f"argument --rate: must be at most {MAX_RATE_RPS:,.0f} requests/s, not 1e7"),
+    (["--rate", "1000000"], "argument --rate: must be at most"),
+    (["--rate", "50000"], f"--rate 50000 for --duration 30 s makes 1,500,000 requests; a simulated trace holds "
+                          f"at most {MAX_TRACE_REQUESTS:,}"),
+    (["--rate", "5", "--requests", str(MAX_TRACE_REQUESTS + 1)],
+     f"argument --requests: must be at most {MAX_TRACE_REQUESTS:,}"),
+])
+def test_a_trace_beyond_the_bound_is_refused_before_it_is_built(
+        capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    err = refused(capsys, *args, "--budget", "8")
+    assert err.splitlines()[-1].startswith("gateway plan: error: ") and message in err.splitlines()[-1]
+
+
+def test_a_request_log_beyond_the_bound_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "requests.log"
+    log.write_text("".join(f'{{"event": "request", "status": 200, "timestamp": "2024-01-01T00:00:0{k}Z", '
+                           '"prompt_tokens": 20, "completion_tokens": 5}\n' for k in range(3)))
+    monkeypatch.setattr(cli, "MAX_TRACE_REQUESTS", 2)
+    assert cli.main(["--trace", str(log), "--budget", "8"]) == 2
+    assert capsys.readouterr().err == (f"gateway plan: --trace {log}: 3 requests, more than the 2 a simulated "
+                                       "trace holds: give --requests to take the first ones\n")
+
+
+def test_an_inventory_count_of_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(capsys, "--rate", "5", "--inventory", "H100=0")
+    assert "argument --inventory: 'H100=0': write GPU=COUNT with a count of 1 or more" in err
+
+
+def test_a_catalog_with_broken_yaml_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = odd_catalog(tmp_path)
+    (folder / "gpus.yaml").write_text("gpus: [unclosed\n")
+    assert cli.main(["--rate", "5", "--budget", "8", "--catalog", str(folder)]) == 2
+    assert capsys.readouterr().err == (f"gateway plan: {folder / 'gpus.yaml'}: not valid YAML: line 2, column 1: "
+                                       "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence "
+                                       "at line 1, column 7)\n")
