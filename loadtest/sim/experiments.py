@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from common.catalog import load_catalog
+from loadtest.ctrl_c import ctrl_c_in_this_process_only
 from loadtest.sim import capacity, oracle
 from loadtest.sim.modality import DEPLOYMENTS, VlmRunSpec, a100_rate, run_vlm
 from loadtest.sim.simulator import MODES, RunSpec, run
@@ -199,7 +200,8 @@ def run_all(
     """Run every distinct spec once; returns one row per cell (labels, seed, run_id, metrics)."""
     unique = sorted({c.spec for c in cells}, key=_cost, reverse=True)
     results: dict[Spec, dict[str, Any]] = {}
-    with get_context("fork").Pool(workers, initializer=_ignore_interrupts) as pool:   # leaving it terminates them
+    with ctrl_c_in_this_process_only(), get_context("fork").Pool(workers, initializer=_ignore_interrupts) as pool:
+        # leaving the pool terminates its workers
         rates = _rates(unique, pool)
         jobs = [(s, rates.get(s, 0.0)) for s in unique]
         for k, (spec, out) in enumerate(pool.imap_unordered(_run_one, jobs), 1):
