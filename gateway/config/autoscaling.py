@@ -1,7 +1,8 @@
 """`gateway.autoscaling`: how many engines each pool (vision, language) should run, and where new ones come from.
 
 The scaler (gateway/control/autoscaler.py) reads the pools' demand; this is only its schema and the checks
-start-up makes against the backends file (the template backend, the inventory's GPUs in the catalog).
+start-up makes against the backends file (the template backend, `min` within reach of the engines and
+the inventory, the inventory's GPUs in the catalog).
 Off by default.
 
 - `mode: manage`: the gateway adds engines (copies of the pool's template backend, one per GPU of the
@@ -128,18 +129,15 @@ class Entry(Protocol):
 B = TypeVar("B", bound=Entry)
 
 
-def template_of(pool: Pool, scaling: PoolScaling, backends: Sequence[B]) -> B:
-    """A managed pool checked against `backends` (start-up, and every change of the fleet at runtime: removing
-    the template is refused for the same reason): its `min` within reach of the engines there and the GPUs
-    of its inventory (the scaler adds an engine only on a GPU of `gpus`, so a `min` above both is a
-    pool that can never be as large as it says), and the template, which it returns. ConfigError naming
-    the setting when either fails."""
+def check_min(pool: Pool, scaling: PoolScaling, backends: Sequence[Entry]) -> None:
+    """ConfigError where a managed pool's `min` is out of reach of the engines in `backends` and the GPUs
+    of its inventory (the scaler adds an engine only on a GPU of `gpus`, so a `min` above both is a pool
+    that can never be as large as it says). Checked at start-up and at every change of the fleet."""
     engines = sum(1 for b in backends if b.role in POOL_ROLES[pool])
     if scaling.min > engines + len(scaling.gpus):
         raise ConfigError(f"min {scaling.min} cannot be reached: {engines} engine(s) of the pool in `backends:` "
                           f"and {len(scaling.gpus)} GPU(s) in its `gpus:` inventory make at most "
                           f"{engines + len(scaling.gpus)}; lower min or list more GPUs")
-    return pick_template(pool, scaling, backends)
 
 
 def pick_template(pool: Pool, scaling: PoolScaling, backends: Sequence[B]) -> B:

@@ -15,7 +15,7 @@ from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_c
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
 from gateway.config.auth import AuthConfig
-from gateway.config.autoscaling import AutoscalingConfig, template_of
+from gateway.config.autoscaling import AutoscalingConfig, check_min, pick_template
 from gateway.config.models import MODEL_NAME, ModelNames, ModelSpec, ServedModel
 from gateway.config.sections import (
     AdmissionConfig,
@@ -439,7 +439,8 @@ class ClusterConfig:
             where = f"gateway.autoscaling.pools.{pool}"
             for gpu in pool_scaling.gpus:
                 _resolve(path, f"{where}.gpus", lambda g=gpu: catalog.gpu(g))
-            _resolve(path, f"{where}.template", lambda p=pool, s=pool_scaling: template_of(p, s, raw.backends))
+            _resolve(path, f"{where}.min", lambda p=pool, s=pool_scaling: check_min(p, s, raw.backends))
+            _resolve(path, f"{where}.template", lambda p=pool, s=pool_scaling: pick_template(p, s, raw.backends))
         for name, params in routing.params.items():
             _resolve(path, f"gateway.routing.params.{name}", lambda n=name, p=params: build_policy(n, p))
 

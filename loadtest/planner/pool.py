@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from multiprocessing import get_context
 from types import FrameType
 
+from loadtest.ctrl_c import ctrl_c_in_this_process_only
+
 PR_SET_PDEATHSIG = 1            # <linux/prctl.h>
 
 
@@ -55,7 +57,7 @@ def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
     pool = ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_follow_parent,
                                initargs=(os.getpid(),))
     try:
-        with _ctrl_c_only_here():
+        with ctrl_c_in_this_process_only():   # a worker not yet in its initializer ignores it too
             yield pool
     except BaseException:
         for process in list((pool._processes or {}).values()):   # no public way to stop work under way
@@ -63,26 +65,6 @@ def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
         pool.shutdown(cancel_futures=True)     # prompt with no worker left; no thread of it left at exit
         raise
     pool.shutdown()
-
-
-@contextmanager
-def _ctrl_c_only_here() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt in this process only: a worker forked with Python's handler ignores
-    it even before its initializer runs (a Ctrl-C in that window printed the worker's traceback)."""
-    owner = os.getpid()
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() == owner:
-            raise KeyboardInterrupt
-
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:   # ignored (started in the background)
-        yield
-        return
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _follow_parent(parent: int) -> None:

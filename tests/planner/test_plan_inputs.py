@@ -59,7 +59,7 @@ def test_a_plan_of_a_gpu_named_with_a_space_runs_end_to_end_to_a_file_the_gatewa
     out = tmp_path / "planned.yaml"
     assert cli.main(["--rate", "2", "--budget", "3", "--max-gpus", "2", "--duration", "5", "--workers", "1",
                      "--catalog", str(odd_catalog(tmp_path)), "--gpus", "My GPU", "--out", str(out)]) == 0
-    assert [b.id for b in load_cluster(out).raw.backends][0] == "my-gpu-0"
+    assert next(b.id for b in load_cluster(out).raw.backends) == "my-gpu-0"
 
 
 @pytest.mark.parametrize(("args", "message"), [

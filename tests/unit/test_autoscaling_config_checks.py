@@ -52,7 +52,7 @@ def test_a_min_the_engines_and_the_inventory_cannot_reach_is_refused_naming_min(
     pool = {"mode": "manage", "pools": {"language": {"min": 3, "max": 4, "gpus": ["H100"]}}}
     done = check_config(cluster(tmp_path, pool, one))
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert ("gateway.autoscaling.pools.language.template: min 3 cannot be reached: 1 engine(s) of the pool in "
+    assert ("gateway.autoscaling.pools.language.min: min 3 cannot be reached: 1 engine(s) of the pool in "
             "`backends:` and 1 GPU(s) in its `gpus:` inventory make at most 2") in done.stderr
     pool["pools"]["language"]["gpus"] = ["H100", "H100"]   # type: ignore[index]
     load_cluster(cluster(tmp_path, pool, one))
