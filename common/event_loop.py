@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-def run(main_coro: Coroutine[Any, Any, None]) -> None:
-    """asyncio.run on uvloop when it is installed."""
+def run(main_coro: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run on uvloop when it is installed; what the coroutine returns."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main_coro)
-    else:
-        uvloop.run(main_coro)
+        return asyncio.run(main_coro)
+    return uvloop.run(main_coro)

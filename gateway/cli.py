@@ -7,6 +7,7 @@ a missing secret before it replaces a running gateway."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,19 +175,20 @@ def main(argv: list[str] | None = None) -> None:
     from common.event_loop import run
     from common.logs import configure_logging
     from gateway.daemon import CannotStart, serve
-    from gateway.replicas.workers import run_workers
+    from gateway.replicas.workers import CANNOT_START, WORKER_ENV, run_workers
 
     args = parse_args(argv)
     configure_logging(args.log_level)
     checked = validate(args)
     if args.workers > 1:   # each worker runs these checks again, and `serve`
-        run(run_workers(argv, args.workers))
+        if code := run(run_workers(argv, args.workers)):
+            raise SystemExit(code)
         return
     try:
         run(serve(checked.config, checked.options, checked.checks))
     except CannotStart as exc:   # nothing was launched: the ports are bound and Redis reached first
         print(f"gateway: cannot start: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise SystemExit(CANNOT_START if os.environ.get(WORKER_ENV) else 1) from None
 
 
 def check_workers(workers: int, redis_url: str | None, port: int, grpc_port: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import common
+from testkit.harness import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60
@@ -106,3 +107,16 @@ def test_a_replica_that_cannot_reach_redis_exits_naming_it_and_launches_nothing(
     assert result.returncode == 1, result.stderr
     assert f"cannot reach Redis at redis://ops:***@127.0.0.1:{port}/0" in result.stderr
     assert "hunter2" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_workers_that_cannot_reach_redis_end_the_command_as_one_replica_does() -> None:
+    """`--workers 2`: each worker cannot start, and the parent exits 1 with them (it restarted them every
+    11 s for ever, and a supervisor never saw the failure)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http_port, grpc_port = free_ports(2)   # workers share fixed ports
+    result = gateway("--backends", "configs/backends.yaml", "--workers", "2", "--port", str(http_port),
+                     "--grpc-port", str(grpc_port), "--redis-url", f"redis://127.0.0.1:{port}/0")
+    assert result.returncode == 1, result.stderr
+    assert "cannot reach Redis" in result.stderr and "Traceback" not in result.stderr

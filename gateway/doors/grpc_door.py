@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
 from gateway.doors.client_errors import client_message
 from gateway.doors.jobs import JobBuilder
+from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, RequestError, ShuttingDown, grpc_code_name
 from gateway.requests.images import FORMATS
@@ -47,6 +47,9 @@ def _openai_body(request: inference_pb2.GenerateRequest) -> dict[str, Any]:
     if request.prompt:
         body["prompt"] = request.prompt
         return body
+    if not request.messages:
+        raise InvalidRequest("the request has no prompt and no messages: send messages (a chat) or a prompt "
+                             "(a completion) that is not empty", param="prompt")
     messages = []
     for m in request.messages:
         if not m.images:
@@ -106,7 +109,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest | None, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateReply]:
         """`request` None: bytes that are no GenerateRequest (`_decoded`): INVALID_ARGUMENT."""
-        record = RequestRecord((request.request_id if request else "") or uuid.uuid4().hex, "grpc")
+        # the client's id where it is a sane token, as `x-request-id` over HTTP (it goes into logs and replies)
+        record = RequestRecord(new_request_id((request.request_id if request else "") or None), "grpc")
         record.traceparent = dict(context.invocation_metadata() or ()).get("traceparent")   # W3C trace context
         status, error, usage = 499, None, None   # closed early: the client went away
         this = asyncio.current_task()

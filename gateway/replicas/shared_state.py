@@ -334,6 +334,11 @@ class SharedState:
             for backend_id in self._held:
                 self.table.assume_alive(backend_id)
         else:
+            if down is not None:   # the backends this replica hears of only through Redis leave its candidates
+                log.error("shared_state_hold_expired", backends=sorted(self._held),
+                          hold_s=self._config.fail_open_hold_s,
+                          detail="Redis is still away: backends heard only through it are no candidates here "
+                                 "until it is back")
             self._held.clear()
 
     async def run(self, stop: asyncio.Event) -> None:

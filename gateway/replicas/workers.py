@@ -5,12 +5,18 @@ the kernel spreads new connections over the live workers and a dead worker's sha
 others; they share cluster state through Redis (N > 1 without Redis is refused at start-up). This
 parent process only starts the workers, restarts one that exits (after `RESTART_BACKOFF_S`), and
 passes SIGINT/SIGTERM on; the worker holding the leader lease runs the managed engines.
+
+A worker that cannot start (`gateway: cannot start`: Redis not reached, a port taken) exits with
+`CANNOT_START`, which it uses only as a worker (`WORKER_ENV` set by this parent): the parent then stops the
+others and exits 1, as one replica started alone does. Restarting it would fail the same way every
+`REDIS_START_WAIT_S`, for ever, and a supervisor (systemd, Kubernetes) would never see the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -21,6 +27,8 @@ log = structlog.get_logger("workers")
 
 RESTART_BACKOFF_S = 1.0
 STOP_TIMEOUT_S = 60.0
+WORKER_ENV = "HETEROGATE_WORKER"   # set for the workers: their exit status tells a failed start-up apart
+CANNOT_START = 3
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -48,20 +56,29 @@ def worker_argv(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", *out, "--reuse-port"]
 
 
-async def run_workers(argv: list[str], count: int) -> None:
+async def run_workers(argv: list[str], count: int) -> int:
+    """Run `count` workers until SIGINT/SIGTERM (0) or until one cannot start (1, the others stopped)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cmd = worker_argv(argv)
+    env = {**os.environ, WORKER_ENV: "1"}
     procs: list[asyncio.subprocess.Process | None] = [None] * count
+    failed = False
 
     async def keep(i: int) -> None:
+        nonlocal failed
         while not stop.is_set():
-            proc = procs[i] = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL)
+            proc = procs[i] = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env)
             log.info("worker_started", worker=i, pid=proc.pid)
             code = await proc.wait()
             if stop.is_set():
+                return
+            if code == CANNOT_START:
+                log.error("worker_cannot_start", worker=i, detail="stopping the other workers")
+                failed = True
+                stop.set()
                 return
             log.warning("worker_exited", worker=i, code=code, restart_in_s=RESTART_BACKOFF_S)
             with contextlib.suppress(TimeoutError):
@@ -80,3 +97,4 @@ async def run_workers(argv: list[str], count: int) -> None:
             with contextlib.suppress(ProcessLookupError):
                 p.kill()
     await asyncio.gather(*keepers, return_exceptions=True)
+    return 1 if failed else 0

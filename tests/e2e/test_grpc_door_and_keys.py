@@ -82,6 +82,17 @@ async def test_grpc_generate_health_and_errors(gateway: Gateway) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 _ = [r async for r in stub.Generate(req, metadata=md, timeout=30)]
             assert info.value.code() == code and info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:   # neither: the error names the prompt
+            _ = [r async for r in stub.Generate(inference_pb2.GenerateRequest(model=MODEL, prompt=""), metadata=auth,
+                                                timeout=30)]
+        assert "prompt" in info.value.details() and "messages: List" not in info.value.details()
+
+        # the client's request id where it is a sane token, as over HTTP; else a fresh one
+        for given, kept in (("job-7:a.b_c", True), ("bad id\nwith a newline", False), ("x" * 129, False)):
+            named = inference_pb2.GenerateRequest(model=MODEL, prompt="Once", max_tokens=1, request_id=given)
+            replies = [r async for r in stub.Generate(named, metadata=auth, timeout=30)]
+            assert (replies[0].request_id == given) is kept, replies[0].request_id
+            assert replies[0].request_id.isalnum() or kept
 
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
