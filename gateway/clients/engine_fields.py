@@ -4,11 +4,11 @@ Engines take a prompt, `max_tokens`, `temperature`, `top_p` and `stop`, and give
 that asks for anything else (tools, logprobs, a response format, `n` > 1, a seed, penalties, `echo`,
 vendor fields, tool calls in its messages, a `prompt` beside a chat request's messages) would get an
 answer that silently ignores it: an engine refuses it with a 400 that names the fields instead. A
-field sent with a value that asks nothing (null, false, 0, empty, `n: 1`, `best_of: 1`, `tool_choice:
-"none"`, `response_format: {"type": "text"}`) is no request. `kind: openai` backends get every field
-(`gateway.clients.openai_upstream`), and where a model has both kinds such a request is routed to those
-only (`Pipeline._unable`). Torch engines also honour `seed`: a request the gateway tokenised for them
-(an exact request) may carry one.
+field sent with a value that asks nothing (null, false, 0 but for `seed` and `logprobs`, empty, `n: 1`,
+`best_of: 1`, `tool_choice: "none"`, `response_format: {"type": "text"}`) is no request. `kind: openai`
+backends get every field (`gateway.clients.openai_upstream`), and where a model has both kinds such a
+request is routed to those only (`Pipeline._unable`). Torch engines also honour `seed`: a request the
+gateway tokenised for them (an exact request) may carry one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _NO_REQUEST: dict[str, Any] = {"n": 1, "best_of": 1, "tool_choice": "none", "response_format": {"type": "text"}}
 
 
+# Fields whose 0 asks something: a seed of 0, and a completion's `logprobs: 0` (the sampled token's own)
+_ZERO_ASKS = frozenset({"seed", "logprobs"})
+
+
 def _asks_nothing(key: str, value: Any) -> bool:
+    if key in _ZERO_ASKS and value is not False and value == 0:
+        return False
     return not value or _NO_REQUEST.get(key) == value
 
 

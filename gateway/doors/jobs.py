@@ -128,13 +128,16 @@ class JobBuilder:
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
                              token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(),
                              session=req.user or "", model=served.name, tenant=tenant,
-                             cache_salt=self._salt(req, tenant), choices=req.n or 1)
+                             cache_salt=self._salt(req, tenant), choices=max(req.n or 1, req.best_of or 1))
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:
         """The client's own body for upstreams, as sent (validated by `req`, not rewritten by it, not
         copied: its readers copy what they change; the upstream client sets `stream` itself)."""
         if req.n is not None and req.n > self._limits.max_choices:
             raise InvalidRequest(f"n is {req.n}; the limit is {self._limits.max_choices}", param="n")
+        best_of = getattr(req, "best_of", None)   # completions only
+        if best_of is not None and best_of > self._limits.max_choices:
+            raise InvalidRequest(f"best_of is {best_of}; the limit is {self._limits.max_choices}", param="best_of")
         if req.stream_options is not None and not req.stream:   # as OpenAI and vLLM answer
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         return body

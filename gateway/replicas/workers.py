@@ -7,9 +7,11 @@ parent process only starts the workers, restarts one that exits (after `RESTART_
 passes SIGINT/SIGTERM on; the worker holding the leader lease runs the managed engines.
 
 A worker that cannot start (`gateway: cannot start`: Redis not reached, a port taken) exits with
-`CANNOT_START`, which it uses only as a worker (`WORKER_ENV` set by this parent): the parent then stops the
-others and exits 1, as one replica started alone does. Restarting it would fail the same way every
-`REDIS_START_WAIT_S`, for ever, and a supervisor (systemd, Kubernetes) would never see the failure.
+`CANNOT_START`, which it uses only as a worker (`WORKER_ENV` set by this parent). At its first start the
+parent then stops the others and exits 1, as one replica started alone does: restarting it would fail the
+same way every `REDIS_START_WAIT_S`, for ever, and a supervisor (systemd, Kubernetes) would never see the
+failure. A worker restarted later (it crashed while Redis was away, say) is restarted again: the others
+still serve.
 """
 
 from __future__ import annotations
@@ -57,44 +59,54 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 
 async def run_workers(argv: list[str], count: int) -> int:
-    """Run `count` workers until SIGINT/SIGTERM (0) or until one cannot start (1, the others stopped)."""
+    """Run `count` workers until SIGINT/SIGTERM (0) or until one cannot start at its first start (1, the
+    others stopped). A restarted worker that cannot start is restarted again: the others still serve."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cmd = worker_argv(argv)
     env = {**os.environ, WORKER_ENV: "1"}
-    procs: list[asyncio.subprocess.Process | None] = [None] * count
     failed = False
 
     async def keep(i: int) -> None:
         nonlocal failed
+        first = True
         while not stop.is_set():
-            proc = procs[i] = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env)
+            proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env)
             log.info("worker_started", worker=i, pid=proc.pid)
-            code = await proc.wait()
+            code = await _run_until_stopped(proc, stop)
             if stop.is_set():
                 return
-            if code == CANNOT_START:
+            if code == CANNOT_START and first:
                 log.error("worker_cannot_start", worker=i, detail="stopping the other workers")
                 failed = True
                 stop.set()
                 return
+            first = False
             log.warning("worker_exited", worker=i, code=code, restart_in_s=RESTART_BACKOFF_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), RESTART_BACKOFF_S)
 
-    keepers = [asyncio.create_task(keep(i)) for i in range(count)]
-    await stop.wait()
-    running = [p for p in procs if p is not None and p.returncode is None]
-    for p in running:
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in running)), STOP_TIMEOUT_S)
-    except TimeoutError:
-        for p in running:
-            with contextlib.suppress(ProcessLookupError):
-                p.kill()
-    await asyncio.gather(*keepers, return_exceptions=True)
+    await asyncio.gather(*(keep(i) for i in range(count)))
     return 1 if failed else 0
+
+
+async def _run_until_stopped(proc: asyncio.subprocess.Process, stop: asyncio.Event) -> int:
+    """The worker's exit status; once `stop` is set (before or while it runs), SIGTERM first, then SIGKILL
+    after STOP_TIMEOUT_S. Each keeper stops its own worker: one spawned while the stop began is not missed."""
+    exited = asyncio.ensure_future(proc.wait())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        return await exited
+    finally:
+        stopping.cancel()

@@ -58,7 +58,8 @@ class GenerationJob:
     # The model it asked for, by its served name (an alias resolved): its pool (gateway/config/models.py);
     # None: every backend (a cluster of one model built without names, as in the simulator)
     model: str | None = None
-    # The completions asked for (`n`, kind: openai upstreams only): each may take max_tokens.
+    # The completions generated (`n`, or a completion's `best_of` where larger; kind: openai upstreams
+    # only): each may take max_tokens.
     choices: int = 1
     # W3C trace context of the dispatch span, passed on to the backend ("" untraced: gateway.pipeline.tracing).
     traceparent: str = field(default="", compare=False)

@@ -77,6 +77,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)   # generated, the best n returned: bounded by limits.max_choices
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

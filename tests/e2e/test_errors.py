@@ -211,6 +211,16 @@ def test_a_user_message_without_content_is_400_and_an_assistants_is_not(limits_g
     assert post(limits_gw, CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize(("path", "field"), [(CHAT, "n"), (COMPLETIONS, "n"), (COMPLETIONS, "best_of")])
+def test_more_choices_than_the_limit_is_400_naming_the_field(limits_gw: Gateway, path: str, field: str) -> None:
+    """`limits.max_choices` (8) bounds `n` and a completion's `best_of` alike: each makes as many generations."""
+    body = {"model": MODEL, "max_tokens": 2, field: 9,
+            **({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"})}
+    r = post(limits_gw, path, json=body)
+    assert_openai_error(r, 400, param=field)
+    assert "the limit is 8" in r.json()["error"]["message"]
+
+
 def test_missing_messages_is_400(limits_gw: Gateway) -> None:
     r = post(limits_gw, CHAT, json={"model": MODEL})
     assert_openai_error(r, 400, type_="invalid_request_error", param="messages")

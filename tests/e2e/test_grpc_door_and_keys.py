@@ -88,7 +88,7 @@ async def test_grpc_generate_health_and_errors(gateway: Gateway) -> None:
         assert "prompt" in info.value.details() and "messages: List" not in info.value.details()
 
         # the client's request id where it is a sane token, as over HTTP; else a fresh one
-        for given, kept in (("job-7:a.b_c", True), ("bad id\nwith a newline", False), ("x" * 129, False)):
+        for given, kept in (("job-7:a.b_c", True), ("abc\n", False), ("bad id", False), ("x" * 129, False)):
             named = inference_pb2.GenerateRequest(model=MODEL, prompt="Once", max_tokens=1, request_id=given)
             replies = [r async for r in stub.Generate(named, metadata=auth, timeout=30)]
             assert (replies[0].request_id == given) is kept, replies[0].request_id

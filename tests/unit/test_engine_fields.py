@@ -18,6 +18,14 @@ def test_plain_requests_and_fields_that_ask_nothing_pass() -> None:
     assert refused_fields({"model": "m", "prompt": "hi", "echo": False, "stream": None, "best_of": 1}, chat=False) == []
 
 
+def test_a_zero_seed_and_zero_logprobs_ask_something() -> None:
+    """seed 0 is a seed, and a completion's logprobs 0 asks for the sampled token's logprob; a chat's
+    logprobs false asks nothing."""
+    assert refused_fields({"model": "m", "prompt": "hi", "logprobs": 0, "seed": 0}, chat=False) == ["logprobs", "seed"]
+    assert refused_fields({"model": "m", "messages": [], "logprobs": False, "seed": None}) == []
+    assert refused_fields({"model": "m", "prompt": "hi", "seed": 0}, chat=False, exact=True) == []
+
+
 def test_what_the_other_endpoint_reads_and_echo_are_refused() -> None:
     """A chat request's `prompt` and a completion's `messages` would be ignored; `echo: true` is not done."""
     assert refused_fields({"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "x"}) == ["prompt"]
