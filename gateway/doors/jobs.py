@@ -79,7 +79,7 @@ class JobBuilder:
                 f"{len(req.messages)} messages; the limit is {self._limits.max_messages}", param="messages"
             )
         for i, m in enumerate(req.messages):   # as OpenAI: only an assistant's message may have no content
-            if not m.content and m.content != "" and m.role != "assistant":
+            if m.content in (None, []) and m.role != "assistant":   # an empty string is content
                 raise InvalidRequest(f"a {m.role} message needs content (a string or at least one part)",
                                      param=f"messages.{i}.content")
         served = self.check_model(req.model)

@@ -5,13 +5,12 @@ takes a `Ticket` for it before anything waits (`Tenants.ticket`); a tenant with 
 once (`Tenants.charge`): one request against its requests per minute, and the most tokens it can take
 (the prompt's estimate + `max_tokens` for each of its `n` choices, as OpenAI's limits count them) against
 its tokens per minute and per day; a max_tokens the client left to the gateway is lowered to what the
-limits leave (`fitted`). A
-limit the charge would pass refuses the request with 429, `Retry-After` (the end of the window) and
-OpenAI's error shape; nothing of a refused request is counted, and other tenants are not touched. When
-the request ends, whatever the outcome, `RequestLog.finish` hands the ticket its real usage
-(`Ticket.finish`): what it did not use is refunded (only into the window it was charged in; a prompt
-longer than its estimate is charged), and the tenant's counters are updated. Charging the bound keeps
-concurrent requests from passing a limit together: charged only their prompts, ten requests of 300
+limits leave (`fitted`). A limit the charge would pass refuses the request with 429, `Retry-After` (the
+end of the window) and OpenAI's error shape; nothing of a refused request is counted, and other tenants
+are not touched. When the request ends, whatever the outcome, `RequestLog.finish` hands the ticket its
+real usage (`Ticket.finish`): what it did not use is refunded (only into the window it was charged in; a
+prompt longer than its estimate is charged), and the tenant's counters are updated. Charging the bound
+keeps concurrent requests from passing a limit together: charged only their prompts, ten requests of 300
 tokens each took 1,290 tokens of a 300-token minute.
 
 Windows are fixed: the whole minute, the UTC day. A window's count resets when the next one starts, so a

@@ -261,8 +261,8 @@ class StateTable:
         if lease.first_token_s is not None:
             return
         lease.first_token_s = now = self.clock()
-        entry = self._entries.get(lease.backend_id)
-        if entry is None or entry is not lease.entry:   # removed (or replaced) while it ran: nothing to count
+        entry = self._registered(lease.entry)
+        if entry is None:
             return
         self._end_prefill(entry, lease)
         entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead, lease.first_token_features)
@@ -272,8 +272,8 @@ class StateTable:
     def release(self, lease: Lease, completion_tokens: int = 0) -> None:
         """End of one dispatch. `completion_tokens` > 0: it completed with its tokens streamed as they
         came, so its decode time teaches ŝ and T̄_service."""
-        entry = self._entries.get(lease.backend_id)
-        if entry is None or entry is not lease.entry:   # removed (or replaced) while it ran: nothing to count
+        entry = self._registered(lease.entry)
+        if entry is None:
             return
         entry.in_flight = max(0, entry.in_flight - 1)
         entry.kv_reserved_tokens = max(0, entry.kv_reserved_tokens - lease.reserve_tokens)
@@ -285,6 +285,11 @@ class StateTable:
             stalls = None if lease.stall_mark is None else entry.slack.stalls_since(lease.stall_mark)
             entry.speed.completed(lease.prompt_tokens, completion_tokens, self.clock() - lease.first_token_s, stalls)
         entry.snapshot = None
+
+    def _registered(self, entry: BackendEntry | None) -> BackendEntry | None:
+        """`entry` while it is the one registered under its id; None once it was removed or replaced (a
+        lease or encode that ran meanwhile then counts nowhere, not on a new entry of that id)."""
+        return entry if entry is not None and self._entries.get(entry.id) is entry else None
 
     @staticmethod
     def _end_prefill(entry: BackendEntry, lease: Lease) -> None:
@@ -300,7 +305,7 @@ class StateTable:
 
     def release_vision(self, entry: BackendEntry, image_tokens: int) -> None:
         """The encode `acquire_vision` counted on `entry` ended."""
-        if self._entries.get(entry.id) is not entry:   # removed (or replaced) while it ran: nothing to count
+        if self._registered(entry) is None:
             return
         entry.vision_in_flight_tokens = max(0, entry.vision_in_flight_tokens - image_tokens)
         entry.snapshot = None
