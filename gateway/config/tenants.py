@@ -25,27 +25,35 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, field_validator
 
 from common.yaml_files import StrictModel
 from gateway.requests.job import DEFAULT_TENANT
 
 TENANT_NAME = r"^[A-Za-z0-9._-]{1,64}$"   # a label value in /metrics and part of a Redis key
+# Every number here is bounded. A limit is counted exactly by Redis's Lua (doubles: integers to 2^53) and
+# written by /admin/usage (JSON of 64-bit integers: a larger one failed the whole reply with a 500); a weight
+# divides each request's cost in the admission queue's tags, where an infinite one never advanced its
+# tenant's tag (that tenant always first, the others of its class starved) and a denormal one overflowed
+# them to inf and then NaN (fair queueing of the whole class gone).
+WindowLimit = Annotated[int, Field(gt=0, le=2**53)]
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+Weight = Annotated[float, Field(ge=1e-3, le=1e3, allow_inf_nan=False)]
 
 
 class TenantPolicy(StrictModel):
     """What a tenant gets: its priority class, its weight within the class, and its limits."""
 
-    priority: int = 0                 # strict between classes: any waiting request of a higher class goes first
-    weight: PositiveFloat = 1.0       # weighted fair share among the tenants of one class
+    priority: Priority = 0            # strict between classes: any waiting request of a higher class goes first
+    weight: Weight = 1.0              # weighted fair share among the tenants of one class
     # Requests admitted past a saturated pool while the tenant has fewer under way (its guaranteed
     # concurrency), unless a higher class waits; 0 (the default): none, every request waits its turn.
     min_in_flight: NonNegativeInt = 0
-    requests_per_minute: PositiveInt | None = None
-    tokens_per_minute: PositiveInt | None = None   # prompt + completion tokens
-    tokens_per_day: PositiveInt | None = None      # a daily budget, the UTC day
+    requests_per_minute: WindowLimit | None = None
+    tokens_per_minute: WindowLimit | None = None   # prompt + completion tokens
+    tokens_per_day: WindowLimit | None = None      # a daily budget, the UTC day
 
 
 class TenantSpec(TenantPolicy):

@@ -7,7 +7,8 @@ internal address) says nothing a client can act on and names the cluster's insid
 request's log line (under the `x-request-id` the client also gets), never into a response.
 
 Every HTTP route answers an error with `error_headers` and `error_json`: the OpenAI error shape, the
-request's id, and `retry-after` where the error has one.
+request's id, `retry-after` where the error has one, and `x-should-retry: false` on a 429 that no retry
+of OpenAI's SDKs could pass.
 """
 
 from __future__ import annotations
@@ -50,10 +51,26 @@ def client_view(err: RequestError) -> RequestError:
     return view
 
 
+# OpenAI's SDKs retry a 429 by themselves (twice by default): after its Retry-After when that is at most
+# this long, else after their own backoff of a few seconds. A 429 with no Retry-After (a request over a
+# limit by itself) or a longer one (a daily budget spent) cannot pass on such a retry: it would come back
+# refused, counted again in the tenant's refusals. `x-should-retry: false` is the header they obey instead.
+_SDK_RETRY_AFTER_MAX_S = 60.0
+
+
+def retry_after(err: RequestError) -> int | None:
+    """The whole seconds a client should wait before retrying `err` (HTTP's `Retry-After`, the gRPC door's
+    `retry-after` trailer); None when the error names no wait."""
+    return None if err.retry_after_s is None else max(1, round(err.retry_after_s))
+
+
 def error_headers(err: RequestError, request_id: str) -> list[tuple[bytes, bytes]]:
     headers = [(b"x-request-id", request_id.encode())]
-    if err.retry_after_s is not None:
-        headers.append((b"retry-after", b"%d" % max(1, round(err.retry_after_s))))
+    wait_s = retry_after(err)
+    if wait_s is not None:
+        headers.append((b"retry-after", b"%d" % wait_s))
+    if err.status == 429 and (err.retry_after_s is None or err.retry_after_s > _SDK_RETRY_AFTER_MAX_S):
+        headers.append((b"x-should-retry", b"false"))
     return headers
 
 

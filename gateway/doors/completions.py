@@ -104,7 +104,7 @@ class CompletionsDoor:
         try:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")
-            tenant = self._runtime.keys.check(headers.get("authorization"), admin=False)
+            tenant = record.caller = self._runtime.keys.check(headers.get("authorization"), admin=False)
             timeout_s = client_timeout(headers.get("x-request-timeout"))
             job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s, tenant)
             session = headers.get("x-session-id")   # names the conversation, over the body's `user`

@@ -1,7 +1,8 @@
 """The gRPC front door (Inference.Generate), with the gRPC health and reflection services.
 
 Requests are turned into the same OpenAI request models as on the HTTP door (images as data URLs),
-so validation, limits and routing are identical; errors become gRPC status codes with a message.
+so validation, limits and routing are identical; errors become gRPC status codes with a message, and
+a `retry-after` trailer (whole seconds) where the HTTP door would send `Retry-After`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
 from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
-from gateway.doors.client_errors import client_message
+from gateway.doors.client_errors import client_message, retry_after
 from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.request_log import RequestLog, RequestRecord
@@ -90,12 +91,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await asyncio.wait(calls, timeout=cut_s)
 
     async def _job(
-        self, request: inference_pb2.GenerateRequest, rid: str, context: grpc.aio.ServicerContext
+        self, request: inference_pb2.GenerateRequest, record: RequestRecord, context: grpc.aio.ServicerContext
     ) -> GenerationJob:
         keys = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
         if len(keys) > 1:   # as on the HTTP door: which one counts is not left to the reader
             raise InvalidRequest("two authorization metadata entries: send one")
-        tenant = self._runtime.keys.check(keys[0] if keys else None, admin=False)
+        tenant = record.caller = self._runtime.keys.check(keys[0] if keys else None, admin=False)
+        rid = record.request_id
         remaining = context.time_remaining()
         body = _openai_body(request)
         try:
@@ -121,7 +123,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 raise ShuttingDown(self._stopping)
             if request is None:
                 raise InvalidRequest("the request is not a GenerateRequest message (heterogate.inference.v1)")
-            job = await self._job(request, record.request_id, context)
+            job = await self._job(request, record, context)
             dispatch = await self._runtime.pipeline.start(job, record)
             first = True
             async for chunk in dispatch.rest():
@@ -138,7 +140,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             status = 200
         except RequestError as exc:
             status, error = exc.status, exc.message
-            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), client_message(exc))
+            wait_s = retry_after(exc)   # as the HTTP door's Retry-After: a rate limit's window end, an overload's
+            await context.abort(getattr(grpc.StatusCode, grpc_code_name(exc)), client_message(exc),
+                                (("retry-after", str(wait_s)),) if wait_s is not None else ())
         except asyncio.CancelledError:
             if this not in self._cut or this.uncancel() > 0:   # the client went away
                 raise

@@ -58,6 +58,12 @@ class BackendCollector(Collector):
                 "heterogate_backend_vision_backlog_tokens", "Image tokens waiting to be encoded", labels=labels
             ),
             "healthy": GaugeMetricFamily("heterogate_backend_healthy", "1 if heartbeats are current", labels=labels),
+            # A drain (the fleet API, a reload, the autoscaler) stops a managed engine, so its `healthy` goes to
+            # 0 on purpose: alerts on `healthy` leave out the backends this says are draining.
+            "draining": GaugeMetricFamily(
+                "heterogate_backend_draining", "1 while the backend is drained: no new requests, on purpose",
+                labels=labels,
+            ),
             "service": GaugeMetricFamily(
                 "heterogate_backend_mean_service_seconds", "T̄_service used by the router", labels=labels
             ),
@@ -100,6 +106,7 @@ class BackendCollector(Collector):
             families["context"].add_metric(values, snap.max_context)
             families["vision"].add_metric(values, snap.vision_backlog)
             families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
+            families["draining"].add_metric(values, 1.0 if self._table.is_draining(e.id) else 0.0)
             families["service"].add_metric(values, snap.mean_service_s)
             families["prefill"].add_metric(values, e.speed.prefill.value)
             families["decode"].add_metric(values, e.speed.decode.value)

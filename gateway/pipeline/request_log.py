@@ -51,6 +51,9 @@ class RequestRecord:
     finished: bool = False
     prefix: PrefixQuery | None = None    # the prefix index's view of its prompt (cache-aware routing)
     tenant: Ticket | None = None         # its tenant's charges (from admission), settled with its usage at the end
+    # Whose key sent it, from the door's key check: a request refused before admission (a 400, a 404) has no
+    # ticket, and its log line names its tenant all the same.
+    caller: str | None = None
     closed: tuple[str, ...] = ()         # backends kept for priority classes above its tenant's: never its candidates
     unable: tuple[str, ...] = ()         # engines that cannot honour its fields, beside upstreams that can
     model: str = ""                      # the model it asked for (its served name), once validated
@@ -101,5 +104,5 @@ class RequestLog:
             latency_s=round(time.monotonic() - record.started, 4),
             ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error,
-            tenant=record.tenant.name if record.tenant is not None else None, model=record.model or None,
+            tenant=record.tenant.name if record.tenant is not None else record.caller, model=record.model or None,
         )

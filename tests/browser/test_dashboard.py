@@ -19,7 +19,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from testkit.harness import demo_config, run_gateway
+from testkit.harness import demo_config, run_gateway, write_config
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 MODEL = "llava-1.5-7b"
@@ -108,3 +108,18 @@ def test_dashboard_with_admin_keys_asks_for_a_key(tmp_path: Path) -> None:
         driver.find_element(By.ID, "key").send_keys("dash-admin-key")
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
         wait.until(lambda d: len(rows(d)) == len(gw.backends()))
+
+
+def test_dashboard_shows_a_drained_backend_as_drained_not_down(tmp_path: Path) -> None:
+    """Drained through the fleet API, a managed engine stops: the page says so, not that it is down."""
+    config = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
+        {"id": b, "role": "language", "gpu": gpu, "launch": {"time_scale": 0.1}}
+        for b, gpu in (("h100-0", "H100"), ("l40s-0", "L40S"))]})
+    with run_gateway(config) as gw, browser() as driver:
+        driver.get(f"{gw.url}/dashboard")
+        wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
+        wait.until(lambda d: set(rows(d)) == {"h100-0", "l40s-0"})
+        assert httpx.post(f"{gw.url}/admin/backends/l40s-0/drain", timeout=10).status_code == 202
+        wait.until(lambda d: rows(d)["l40s-0"]["state"] == "drained")
+        row_class = driver.execute_script("return document.querySelector('tr[data-backend=\"l40s-0\"]').className")
+        assert row_class == "draining" and rows(driver)["h100-0"]["state"] == "healthy"

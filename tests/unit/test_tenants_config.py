@@ -83,8 +83,16 @@ BAD_TENANTS = [
                  id="default-named"),
     pytest.param({"teams": {"a": {"weight": 2}}}, "tenant 'a' has no api_keys_file or api_keys_env", id="no-keys"),
     pytest.param({"teams": {"a b": {"api_keys_env": "X"}}}, "tenant name 'a b'", id="bad-name"),
-    pytest.param({"teams": {"a": {"api_keys_env": "X", "weight": 0}}}, "teams.a.weight: Input should be greater than 0",
-                 id="zero-weight"),
+    pytest.param({"teams": {"a": {"api_keys_env": "X", "weight": 0}}}, "teams.a.weight: Input should be greater "
+                 "than or equal to 0.001", id="zero-weight"),
+    pytest.param({"teams": {"a": {"api_keys_env": "X", "weight": float("inf")}}}, "teams.a.weight: Input should be "
+                 "a finite number", id="infinite-weight"),   # its tag never advanced: its class starved
+    pytest.param({"teams": {"a": {"api_keys_env": "X", "weight": 1e-320}}}, "teams.a.weight: Input should be "
+                 "greater than or equal to 0.001", id="denormal-weight"),   # its tags overflowed to inf, then NaN
+    pytest.param({"teams": {"a": {"api_keys_env": "X", "requests_per_minute": 10**23}}}, "teams.a.requests_per_minute: "
+                 "Input should be less than or equal to 9007199254740992", id="limit-past-2^53"),   # /admin/usage: 500
+    pytest.param({"default": {"priority": 10**23}}, "default.priority: Input should be less than 2147483648",
+                 id="priority-past-32-bits"),
     pytest.param({"default": {"requests_per_minute": 0}}, "default.requests_per_minute: Input should be greater than 0",
                  id="zero-limit"),
     pytest.param({"teams": {"a": {"api_keys_env": "X", "api_key": "sk-inline"}}}, "teams.a.api_key: Extra inputs",

@@ -87,14 +87,15 @@ function renderBackends(backends, metrics, rates) {
   for (const b of backends) {
     const tr = document.createElement("tr");
     tr.dataset.backend = b.id;
-    tr.className = b.healthy ? "healthy" : "down";
+    // A drained backend takes no new requests on purpose (a managed engine then stops): not shown as down.
+    tr.className = b.draining ? "draining" : b.healthy ? "healthy" : "down";
     const kvUsed = b.kv_total_bytes ? 1 - b.kv_free_bytes / b.kv_total_bytes : 0;
     const speed = b.learned_speed || {};
     cell(tr, b.id);
     cell(tr, b.role);
     cell(tr, b.gpu);
     cell(tr, (b.models || []).join(", "));
-    cell(tr, b.state, "state");
+    cell(tr, b.draining ? (b.state === "stopped" ? "drained" : `draining (${b.state})`) : b.state, "state");
     cell(tr, b.breaker, b.breaker === "closed" ? "breaker" : "breaker breaker-open");
     cell(tr, String(b.queue_depth));
     cell(tr, String(b.in_flight));
