@@ -80,15 +80,40 @@ class RedisConfig(StrictModel):
     spread: float = Field(default=0.05, ge=0, le=1)   # near-best tolerance of the spreading layer (relative)
     leader_lease_ms: PositiveInt = Field(default=3000, ge=300)   # managed engines' supervisor lease
     fail_open_hold_s: PositiveFloat = 60.0   # Redis down: backends last heard through it stay assumed alive
+    # ... and past that hold, those that answer this replica's own checks (shared_state.py, direct_checks.py):
+    # each checked at most once every `held_check_interval_s`, each check bounded by `held_check_timeout_s`;
+    # `held_check_failures` checks in a row without an answer and it is no candidate here until Redis is back.
+    held_check_interval_s: PositiveFloat = 1.0
+    held_check_timeout_s: PositiveFloat = 0.5
+    held_check_failures: PositiveInt = 2
     # Managed engines outlive a leader that dies (the next one adopts them); one that no replica has
     # heard for this long exits by itself.
     engine_orphan_s: PositiveFloat = 10.0
+    # `P identities` and `P engines_port` expire this long after the last replica rewrote them: they must
+    # outlive every replica by more than `engine_orphan_s` (engines that outlive them are found again
+    # through both), and once no replica has run for this long they describe engines that have exited.
+    engine_keys_ttl_s: PositiveFloat = 120.0
     # Cache-aware routing across replicas (shared_state.py): what each replica routed, one stream entry
     # per replica and refresh holding at most `prefix_batch_max` records (the oldest dropped first); the
     # stream keeps at most `prefix_stream_max` entries, and a refresh reads at most `prefix_read_max`.
     prefix_stream_max: PositiveInt = 256
     prefix_batch_max: PositiveInt = 2_000
     prefix_read_max: PositiveInt = 64
+    # The stream expires this long after the last entry appended: an idle deployment's predictions of
+    # the engines' caches are stale by then, and a stopped one's would otherwise stay in Redis for good.
+    prefix_stream_ttl_s: PositiveFloat = 600.0
+
+    @model_validator(mode="after")
+    def _limits_agree(self) -> RedisConfig:
+        if self.held_check_timeout_s > self.held_check_interval_s:
+            raise ValueError(f"held_check_timeout_s ({self.held_check_timeout_s}) must not exceed "
+                             f"held_check_interval_s ({self.held_check_interval_s}): one check per backend at a time")
+        least_s = max(self.engine_orphan_s, 3 * self.leader_lease_ms / 1000)
+        if self.engine_keys_ttl_s <= least_s:
+            raise ValueError(f"engine_keys_ttl_s ({self.engine_keys_ttl_s}) must exceed engine_orphan_s and three "
+                             f"leases ({least_s:g} s): engines that outlive their replicas are found again through "
+                             "these keys")
+        return self
 
 
 def require_torch() -> None:

@@ -12,6 +12,11 @@ so every replica must be able to check it, not only the launcher:
 - every other replica reads the digests on each shared-state refresh (shared_state.py) and admits a
   heartbeat whose identity hashes to the announced digest.
 
+The leader's renewal replaces the whole hash and sets its expiry (`engine_keys_ttl_s`, longer than
+engines outlive every replica, `engine_orphan_s`): digests of backends no longer managed leave with
+the next renewal, and those of a deployment no longer running leave Redis with the expiry, while each
+replica keeps the digests it last read (a Redis outage or a gap between leaders changes nothing here).
+
 Redis holds digests, never secrets: reading Redis does not let anyone speak for an engine (writing to
 it already allows writing heartbeats, so Redis is inside the trust boundary either way). The
 launcher uses its own digests from the moment it leads and ignores what Redis says meanwhile; a

@@ -18,7 +18,10 @@ reach keeps its engines while another takes over, until it sees Redis again.
 
 Each renewal also announces, under `P identities`, the digests of the identities the leader gives its
 engines (engine_identities.py): the script writes them only for the holder, so every replica can
-check the current leader's engines and a deposed leader cannot overwrite them.
+check the current leader's engines and a deposed leader cannot overwrite them. It replaces the hash
+whole (the leader's digests in effect are the announcement: a backend no longer managed leaves it) and
+sets its expiry (`engine_keys_ttl_s`): while leaders renew it stays; once none has for that long the
+engines it names have exited (`engine_orphan_s`), and it leaves Redis instead of staying for good.
 
 The supervisor is started and stopped from outside (`make_supervisor` builds a fresh one for every
 term of leadership); without Redis the single process supervises from the start.
@@ -35,13 +38,18 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.config.sections import RedisConfig
 from gateway.control.supervisor import Process
 
 log = structlog.get_logger("leadership")
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  if #ARGV > 2 then redis.call('HSET', KEYS[2], unpack(ARGV, 3)) end
+  if #ARGV > 3 then
+    redis.call('DEL', KEYS[2])
+    redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -50,6 +58,7 @@ return 0
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 # Renewal result: extended / key missing (Redis restarted: retake it) / held by another replica.
 RENEWED, MISSING, LOST = 1, -1, 0
+ANNOUNCE_TTL_MS = round(RedisConfig().engine_keys_ttl_s * 1000)   # the configured default
 
 
 class Supervised(Protocol):
@@ -60,17 +69,19 @@ class Supervised(Protocol):
 class LeaderLease:
     def __init__(
         self, redis: Redis, key: str, holder: str, lease_ms: int, timeout_s: float,
-        announce_key: str = "", announced: Mapping[str, str] | None = None,
+        announce_key: str = "", announced: Mapping[str, str] | None = None, announce_ttl_ms: int = ANNOUNCE_TTL_MS,
     ) -> None:
-        """`announced`: hash fields written to `announce_key` with every renewal (the engines' digests,
-        read at each renewal: they change when the leader adopts engines or launches its own)."""
+        """`announced`: the hash written to `announce_key` with every renewal, replacing what is there, with
+        an expiry of `announce_ttl_ms` (the engines' digests, read at each renewal: they change when the
+        leader adopts engines or launches its own); nothing is announced without `announce_key`."""
         self._redis = redis
         self.key = key
         self.holder = holder
         self.lease_ms = lease_ms
         self._timeout_s = timeout_s
         self._announce_key = announce_key
-        self._announced = {} if announced is None else announced   # live: not a copy
+        self._announced = {} if announced is None or not announce_key else announced   # live: not a copy
+        self._announce_ttl_ms = announce_ttl_ms
 
     async def acquire(self) -> bool:
         return bool(await asyncio.wait_for(
@@ -83,7 +94,8 @@ class LeaderLease:
     async def renew(self) -> int:
         result = await asyncio.wait_for(
             self._redis.eval(_RENEW, 2, self.key, self._announce_key or self.key, self.holder, self.lease_ms,
-                             *(x for pair in self._announced.items() for x in pair)), self._timeout_s)
+                             self._announce_ttl_ms, *(x for pair in self._announced.items() for x in pair)),
+            self._timeout_s)
         return int(result)
 
     async def release(self) -> None:

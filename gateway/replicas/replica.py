@@ -82,6 +82,7 @@ def join(runtime: Runtime, url: str, identities: EngineIdentities) -> Replicatio
     pipeline.policy = Spreading(pipeline.policy, config.spread, seed=replica_id)
     pipeline.vision_policy = Spreading(pipeline.vision_policy, config.spread, seed=replica_id + "/vision")
     lease = LeaderLease(redis, config.key_prefix + "leader", replica_id, config.leader_lease_ms,
-                        config.timeout_ms / 1000, shared.identities_key, identities.announced)
+                        config.timeout_ms / 1000, shared.identities_key, identities.announced,
+                        round(config.engine_keys_ttl_s * 1000))
     return Replication(replica_id, redis, shared, lease, runtime)
 

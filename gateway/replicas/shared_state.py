@@ -3,7 +3,9 @@ Redis signal store of gateway/routing/signals.py (`SharedState`).
 
 Keys under the prefix P (`gateway.redis.key_prefix`):
 
-    P replicas            SET     replica ids that publish counts (a member whose key is gone is pruned)
+    P replicas            SET     replica ids that publish counts (a member whose key is gone is pruned);
+                                  PX replica_ttl_ms, renewed on every refresh: once no replica has
+                                  refreshed for that long it names dead ones only
     P inflight:<replica>  HASH    backend -> this replica's in-flight requests, `v:<backend>` -> image
                                   tokens it has sent to that encoder, `p:`/`b:`/`k:<backend>` -> its
                                   leases there: requests before their first token, their prompt tokens
@@ -13,8 +15,12 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
     P hb:<backend>        STRING  the backend's last heartbeat (JSON) as received by whichever replica
                                   it pushes to (a scraped backend's readings are each replica's own,
                                   not shared); PX = miss limit × heartbeat interval
-    P identities          HASH    managed backend -> digest of its engine's identity, written by the
-                                  leader (leadership.py, engine_identities.py), read on every refresh
+    P identities          HASH    managed backend -> digest of its engine's identity, replaced whole by
+                                  the leader with every renewal (leadership.py, engine_identities.py),
+                                  read on every refresh; PX engine_keys_ttl_s (below)
+    P engines_port        STRING  the managed engines' control port on this host (`engines_port`), set
+                                  again (if absent) and its expiry renewed on every refresh by every
+                                  replica; PX engine_keys_ttl_s
     P prefix              STREAM  what each replica routed with cache-aware routing on: one entry per
                                   replica and refresh, holding its routed requests (backend, the
                                   prompt's block hashes, session key, prompt tokens) and which encoder
@@ -22,7 +28,18 @@ Keys under the prefix P (`gateway.redis.key_prefix`):
                                   `prefix_stream_max` entries (trimmed approximately); every
                                   replica applies the others' entries to its prefix index and its
                                   encoders' index, so all predict from what all routed and a
-                                  conversation's turns stay together whichever replica gets them
+                                  conversation's turns stay together whichever replica gets them;
+                                  PX prefix_stream_ttl_s, renewed with every entry appended
+
+Expiries. Every key expires once no replica writes it: the counts and heartbeats within a second, so
+that what they say is current; the members with the counts. The engines' identities and port must
+outlive every replica (engines outlive their leader, and a replica started meanwhile must hear them
+on the same port and admit them with the same digests) but no longer than an engine with no replica
+left runs (`engine_orphan_s`), so they expire `engine_keys_ttl_s` after the last rewrite (the config
+refuses a TTL within `engine_orphan_s` or three leases). The prefix stream, bounded in entries but up
+to `prefix_stream_max` × `prefix_batch_max` records, expires `prefix_stream_ttl_s` after the last
+append: predictions of the engines' caches from a deployment idle that long are stale, and a stopped
+deployment's would otherwise stay in Redis for good. The leader lease has its own PX (leadership.py).
 
 Every `refresh_ms` one pipeline, one round trip, writes this replica's counts and the heartbeats it
 received since the last refresh, and reads the members, every peer's counts, every backend's
@@ -36,10 +53,18 @@ the prefix stream, as one entry, and reads the entries after the last one it rea
 stream from its start, so it learns what is cached before it routes much).
 
 Redis unreachable or restarted: each replica fails open on its own view. Peers' counts drop to zero;
-backends last heard through Redis keep their last reported state and stay candidates for at most
-`fail_open_hold_s` (retries and the circuit breaker handle one that died meanwhile);
-`heterogate_shared_state_up` is 0 and one warning is logged. The first refresh that succeeds resumes
-sharing and logs that.
+backends last heard through Redis ("held") keep their last reported state and stay candidates for
+`fail_open_hold_s`; past that, those that answer this replica's own checks stay (direct_checks.py: a
+gRPC call to the engine's address, or the upstream probe's verdict for kind: openai; at most one a
+backend every `held_check_interval_s`, each bounded by `held_check_timeout_s`). A held backend that
+fails `held_check_failures` checks in a row leaves at once, within the hold or past it, until Redis is
+back. Pricing of a held backend while Redis is away: its report is as old as the outage and the other
+replicas' requests there are unseen, so its peers' load is taken as this replica's own load there
+(in-flight, image tokens, leases) times the peers seen at the last refresh, recomputed on every tick;
+Q_i = max(own + that, last report) never falls below what it last reported. `heterogate_shared_state_up`
+is 0, `heterogate_shared_state_held_backends` counts those kept; `shared_state_down`,
+`shared_state_hold_expired` (kept and unverified backends) and `shared_state_held_unreachable` are
+logged. The first refresh that succeeds resumes sharing and logs that.
 """
 
 from __future__ import annotations
@@ -61,6 +86,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config.sections import RedisConfig
+from gateway.replicas.direct_checks import DirectChecks
 from gateway.routing.backend_entry import NO_PEER_LOAD, BackendEntry, PeerLoad, Reported
 from gateway.routing.encoder_index import EncoderIndex, Sent
 from gateway.routing.prefix_index import PrefixIndex, Routed
@@ -95,6 +121,11 @@ def redacted(url: str) -> str:
 
 _USER_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:?#]*:)[^/@?#]*@", re.IGNORECASE)
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def own_load(e: BackendEntry) -> tuple[int, ...]:
+    """This replica's load on a backend, in the order of FIELD_PREFIXES and PeerLoad's fields."""
+    return e.in_flight, e.vision_in_flight_tokens, e.prefilling, e.prefill_backlog_tokens, e.kv_reserved_tokens
 
 
 def encode_heartbeat(address: str | None, reported: Reported) -> str:
@@ -161,10 +192,16 @@ class SharedState:
         self._dirty: set[str] = set()        # heartbeats received here since the last refresh
         self._remote: set[str] = set()       # backends whose latest heartbeat came through Redis
         self._held: set[str] = set()         # ... and that are kept alive while Redis is away
+        self._checks = DirectChecks(table, config.held_check_interval_s, config.held_check_timeout_s,
+                                    config.held_check_failures)
+        self._peers_before = 0               # peers seen at the last refresh before Redis went away
+        self._hold_expired = False           # logged for this outage
+        self.holding = 0                     # held backends kept as candidates at the last tick
         self._peers: list[str] = []
         self._gone: list[str] = []           # members whose counts key has expired
         self._down_since: float | None = None
         self._kept: dict[str, str] = {}      # keys set again (NX) at every refresh: a restarted Redis gets them back
+        self._kept_ttl_ms = round(config.engine_keys_ttl_s * 1000)
         self._hold_until = 0.0
         self.up = False
         self.errors = 0
@@ -180,7 +217,10 @@ class SharedState:
             self._on_heartbeat(backend_id, address)
             self._dirty.add(backend_id)
             self._remote.discard(backend_id)
-            self._held.discard(backend_id)
+            if backend_id in self._held:
+                self._held.discard(backend_id)
+                if self._down_since is not None:   # heard here now: its reports count every replica's requests
+                    self.table.set_peer_load(backend_id, NO_PEER_LOAD)
         return entry
 
     async def engines_port(self, pick: Callable[[], int]) -> int:
@@ -188,10 +228,10 @@ class SharedState:
         replica to ask stores `pick()` under `P engines_port`, the others read it. Each replica then sets
         it again (if absent) at every refresh: a Redis restarted without its data gets the port back from
         the running replicas before a new one could pick another, whose engines' heartbeats the running
-        ones would then not hear."""
+        ones would then not hear. It expires `engine_keys_ttl_s` after the last replica renewed it."""
         key = self._config.key_prefix + "engines_port"
         timeout_s = self._config.timeout_ms / 1000
-        await asyncio.wait_for(self._redis.set(key, pick(), nx=True), timeout_s)
+        await asyncio.wait_for(self._redis.set(key, pick(), nx=True, px=self._kept_ttl_ms), timeout_s)
         port = await asyncio.wait_for(self._redis.get(key), timeout_s)
         if port is None:   # deleted in between: another replica's next start picks one again
             raise OSError(f"{key} vanished from Redis")
@@ -204,23 +244,28 @@ class SharedState:
         own_key = self.key(self.replica_id)
         counts: dict[str, int] = {}
         for e in table.entries():
-            own = (e.in_flight, e.vision_in_flight_tokens, e.prefilling, e.prefill_backlog_tokens, e.kv_reserved_tokens)
-            for prefix, value in zip(FIELD_PREFIXES, own, strict=True):
+            for prefix, value in zip(FIELD_PREFIXES, own_load(e), strict=True):
                 counts[prefix + e.id] = value
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(own_key, mapping=counts)   # type: ignore[arg-type]
         pipe.pexpire(own_key, self._config.replica_ttl_ms)
         pipe.sadd(self.members_key, self.replica_id)
+        pipe.pexpire(self.members_key, self._config.replica_ttl_ms)
         for key, kept in self._kept.items():
-            pipe.set(key, kept, nx=True)
+            pipe.set(key, kept, nx=True, px=self._kept_ttl_ms)
+            pipe.pexpire(key, self._kept_ttl_ms)
         if self._gone:
             pipe.srem(self.members_key, *self._gone)
         dirty, self._dirty = self._dirty, set()
+        now = table.clock()
         for backend_id in dirty:
             entry = table.get(backend_id)
-            if entry is not None:
-                pipe.set(self._hb_key[backend_id], encode_heartbeat(entry.address, entry.reported),
-                         px=self._hb_ttl_ms)
+            # with the time left of its freshness, so its age reads right when it was received a while
+            # ago (Redis was away); one no longer fresh is not news (the stale marker always is)
+            left_ms = self._hb_ttl_ms if entry is None or entry.last_heartbeat is None else \
+                self._hb_ttl_ms - round((now - entry.last_heartbeat) * 1000)
+            if entry is not None and left_ms > 0:
+                pipe.set(self._hb_key[backend_id], encode_heartbeat(entry.address, entry.reported), px=left_ms)
         pipe.smembers(self.members_key)
         peers = self._peers
         for peer in peers:
@@ -236,12 +281,13 @@ class SharedState:
         for fields in entries:   # the prefix stream last: its replies come off the end below
             pipe.xadd(self._prefix_key, fields,  # type: ignore[arg-type]
                       maxlen=self._config.prefix_stream_max, approximate=True)
+            pipe.pexpire(self._prefix_key, round(self._config.prefix_stream_ttl_s * 1000))
         if sharing:
             pipe.xrange(self._prefix_key, min=f"({self._prefix_last}", count=self._config.prefix_read_max)
         results: list[Any] = await pipe.execute()
         if sharing:
             self._apply_routed(results.pop())
-            del results[len(results) - len(entries):]   # the appended entries' ids
+            del results[len(results) - 2 * len(entries):]   # the appended entries' ids and expiries
         tail = results[-(2 + len(peers) + 2 * len(self._hb_keys)):]   # the reads, after the writes
         members, peer_maps, heartbeats = tail[0], tail[1:1 + len(peers)], tail[1 + len(peers):-1]
         self._on_identities(tail[-1])
@@ -309,12 +355,15 @@ class SharedState:
         self._down_since = None
 
     def failed(self, exc: BaseException) -> None:
-        """Fail open: own view only; backends last heard through Redis stay candidates for a while."""
+        """Fail open: own view only; backends last heard through Redis stay candidates as `hold` says."""
         now = self.table.clock()
         self.errors += 1
         if self._down_since is None:
             self._down_since = now
             self._held = {b for b in self._remote if (e := self.table.get(b)) and self.table.is_healthy(e, now)}
+            self._peers_before = self.peer_count
+            self._hold_expired = False
+            self._checks.restart()
             log.warning("shared_state_down", replica=self.replica_id, error=repr(exc), failing_open=True,
                         held_backends=sorted(self._held))
         self.up = False
@@ -324,26 +373,49 @@ class SharedState:
         self.hold()
 
     def hold(self) -> None:
-        """While Redis is away (up to fail_open_hold_s), and after it is back until their heartbeats
-        arrive through it again, backends last heard through Redis stay candidates."""
-        if not self._held:
-            return
+        """Backends last heard through Redis stay candidates: while Redis is away, for fail_open_hold_s
+        and past it while they answer this replica's own checks, unless a check found them unreachable
+        (then not until Redis is back), priced as `_price_held` says; after Redis is back, until their
+        heartbeats arrive through it again."""
         now = self.table.clock()
         down = self._down_since
-        if now <= (down + self._config.fail_open_hold_s if down is not None else self._hold_until):
-            for backend_id in self._held:
-                self.table.assume_alive(backend_id)
+        if down is None:
+            if now > self._hold_until:
+                self._held.clear()
+            kept = self._held
         else:
-            if down is not None:   # the backends this replica hears of only through Redis leave its candidates
-                log.error("shared_state_hold_expired", backends=sorted(self._held),
-                          hold_s=self._config.fail_open_hold_s,
-                          detail="Redis is still away: backends heard only through it are no candidates here "
-                                 "until it is back")
-            self._held.clear()
+            lost = sorted(b for b in self._held if self._checks.unreachable(b))
+            if lost:
+                self._held.difference_update(lost)
+                log.warning("shared_state_held_unreachable", backends=lost, checks=self._config.held_check_failures,
+                            detail="no answer to this replica's own checks: no candidate here until Redis is back")
+            within = now <= down + self._config.fail_open_hold_s
+            kept = self._held if within else {b for b in self._held if self._checks.answered(b)}
+            if not within and not self._hold_expired and self._held:
+                self._hold_expired = True
+                log.warning("shared_state_hold_expired", kept=sorted(kept), unverified=sorted(self._held - kept),
+                            hold_s=self._config.fail_open_hold_s,
+                            detail="Redis is still away: backends heard only through it stay candidates here "
+                                   "while they answer this replica's own checks")
+        for backend_id in kept:
+            self.table.assume_alive(backend_id)
+            if down is not None:
+                self._price_held(backend_id)
+        self.holding = len(kept)
+
+    def _price_held(self, backend_id: str) -> None:
+        """Redis away: the other replicas' load on a held backend is unseen and its report is as old as the
+        outage, so take the peers' load as this replica's own there times the peers seen at the last
+        refresh (Q_i = max(own + peers', reported) never falls below its last report)."""
+        entry = self.table.get(backend_id)
+        if entry is not None:
+            peers = self._peers_before
+            self.table.set_peer_load(backend_id, PeerLoad(*(peers * x for x in own_load(entry))))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Refresh every `refresh_ms` until `stop`, then withdraw this replica's counts. While Redis is
-        away, retry with backoff and keep holding the backends heard through it on every tick."""
+        away, retry with backoff, keep holding the backends heard through it on every tick and check
+        them directly (direct_checks.py)."""
         interval_s = self._config.refresh_ms / 1000
         bound_s = 2 * self._config.timeout_ms / 1000
         retry_s, next_try = RETRY_MIN_S, 0.0
@@ -359,8 +431,11 @@ class SharedState:
                     next_try, retry_s = clock() + retry_s, min(RETRY_MAX_S, retry_s * 2)
             else:
                 self.hold()
+            if self._down_since is not None:
+                self._checks.tick(self._held)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
+        await self._checks.close()
         await self.withdraw()
 
     async def withdraw(self) -> None:
@@ -387,8 +462,12 @@ class SharedStateCollector(Collector):
         peers.add_metric([], self._shared.peer_count)
         errors = CounterMetricFamily("heterogate_shared_state_errors", "Refreshes that failed (Redis away)")
         errors.add_metric([], self._shared.errors)
+        held = GaugeMetricFamily("heterogate_shared_state_held_backends",
+                                 "Backends last heard through Redis kept as candidates on this replica's own "
+                                 "view (Redis away, or just back)")
+        held.add_metric([], self._shared.holding)
         load = GaugeMetricFamily("heterogate_backend_peer_in_flight",
                                  "Requests in flight on the backend from other replicas", labels=["backend"])
         for e in self._shared.table.entries():
             load.add_metric([e.id], e.peer_in_flight)
-        yield from (up, peers, errors, load)
+        yield from (up, peers, errors, held, load)
