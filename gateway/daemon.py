@@ -300,8 +300,9 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     finally:
         log.info("gateway_stopping")
         stop.set()
-        if autoscaling is not None:
-            await autoscaling
+        if autoscaling is not None:   # it may wait for the fleet behind a reload: no step is cut halfway (none awaits)
+            autoscaling.cancel()
+            await asyncio.gather(autoscaling, return_exceptions=True)
         drain_s = config.settings.drain_timeout_s   # both doors' requests finish, or are told why not
         await asyncio.gather(server.stop(drain_s), grpc_door.drain(drain_s) if grpc_door else asyncio.sleep(0))
         await fleet.close()

@@ -297,12 +297,20 @@ class Autoscaler:
         log.info("autoscaler_started", mode=self._config.mode, pools=list(self.scaler.pools),
                  applies=self._fleet is not None)
         while not stop.is_set():
-            self.tick()
+            await self.tick()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self._config.interval_s)
 
-    def tick(self) -> dict[Pool, Decision]:
-        """Read, decide, apply one step per pool."""
+    async def tick(self) -> dict[Pool, Decision]:
+        """Read, decide, apply one step per pool. Applying, it holds the fleet from the reading on, so the
+        step is computed against the fleet as the last change (a reload, an admin call) left it, and none
+        comes between its decision and its changes."""
+        if self._fleet is None:
+            return self._step()
+        async with self._fleet.exclusive():
+            return self._step()
+
+    def _step(self) -> dict[Pool, Decision]:
         self._forget_settled()
         self.decisions = self.scaler.decide({pool: self.demand(pool) for pool in self.scaler.pools})
         for decision in self.decisions.values():
@@ -321,7 +329,7 @@ class Autoscaler:
                            arriving=sum(i in added for i in self._arriving),
                            leaving=sum(p == pool for p in self._leaving.values()),
                            addable=self._free_gpus(pool) if managing else None,
-                           removable=len(added) if managing else None)
+                           removable=len(self._removable(pool)) if managing else None)
 
     # -- applying a step (manage) ------------------------------------------------------------
 
@@ -334,6 +342,12 @@ class Autoscaler:
                 del added[backend_id]
         self._arriving = {i for i in self._arriving if (e := table.get(i)) is not None and not table.is_healthy(e)}
         self._leaving = {i: p for i, p in self._leaving.items() if table.get(i) is not None}
+
+    def _removable(self, pool: Pool) -> list[str]:
+        """The engines the scaler added to the pool that still serve, in the order added. One an admin call
+        drained or removes is out of the pool's engines already: removing it again would count it twice."""
+        table = self._runtime.table
+        return [i for i in self._added[pool] if not table.is_draining(i)]
 
     def _free_gpus(self, pool: Pool) -> int:
         return len(self._free(pool))
@@ -375,7 +389,7 @@ class Autoscaler:
         log.info("autoscale_added", pool=pool, backend=backend_id, gpu=gpu, template=template.id)
 
     def _remove(self, fleet: Fleet, pool: Pool) -> None:
-        backend_id = next(reversed(self._added[pool]))
+        backend_id = self._removable(pool)[-1]
         fleet.remove(backend_id)
         del self._added[pool][backend_id]
         self._arriving.discard(backend_id)

@@ -12,9 +12,9 @@ fleet stays as it was):
   it holds finish (it stays healthy for them), for at most `gateway.drain_timeout_s`; then a managed
   backend's engine is stopped. A drained backend stays listed (`draining: true`) until removed, or
   until a reload finds it in the file. A drain that would leave no backend serving language work is
-  refused, as such a removal is.
+  refused (409: the request is sound, the fleet's state does not allow it), as such a removal is.
 - **remove**: drain, then the backend leaves the table, its client and its watcher are closed. A
-  removal that would leave no backend taking language work is refused.
+  removal that would leave no backend taking language work is refused (409).
 
 The admin routes (`POST /admin/backends`, `POST /admin/backends/{id}/drain`, `DELETE
 /admin/backends/{id}`, gateway/doors/routes.py) call `add`, `drain` and `remove`; SIGHUP calls
@@ -23,15 +23,22 @@ the running fleet (a changed entry is removed, drained, then added again; a drai
 file is taken out and added again, so it serves once more). Only `backends:` is reloaded: the
 gateway's settings are read at start-up.
 
+Changes are applied one at a time, in the order they come (`Fleet.exclusive`): a reload, an admin call
+and an autoscaler step each hold the fleet while they are computed and applied, a reload also while the
+backends it replaces drain, so each is computed against the fleet as the previous one left it. SIGHUPs
+that come while a reload waits for its turn are that reload's (it reads the file after them).
+
 With replicas (`--redis-url`) each replica holds the fleet in its own table and the shared counts are
 laid out per backend at start-up, so changes at runtime are refused there (restart the replicas with
-the new file).
+the new file); a reload of a file whose `backends:` are the running ones changes nothing, so it is no
+refusal there either.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -57,7 +64,9 @@ class BackendNotFound(RequestError):
 
 
 class FleetConflict(RequestError):
-    """The change does not fit the fleet's state (an id in use, a removal under way, replicas)."""
+    """A well-formed change that the fleet's state does not allow (an id in use, a removal under way, the
+    last backend serving language work, a model's last backend, replicas): 409, as the request itself is
+    sound and may succeed once the fleet has changed."""
 
     status = 409
     type = "invalid_request_error"
@@ -98,6 +107,9 @@ class Fleet:
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._removals: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._lock = asyncio.Lock()
+        self._holder: asyncio.Task[Any] | None = None   # the task applying a change now (`exclusive`)
+        self._reload_queued = False   # a reload waits for its turn and has not read the file yet
 
     def launchers(self) -> list[Launcher]:
         """The launchers of the managed backends in the fleet now (a new supervisor starts these)."""
@@ -105,8 +117,22 @@ class Fleet:
 
     # -- the changes -------------------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the fleet for one change (`add`, `drain`, `remove`, an autoscaler step; `reload` takes it
+        itself), waiting for the change under way. Changes applied side by side were each computed against
+        a fleet the other was changing: two reloads both replaced one backend, launching two engines under
+        its id (the one whose identity was drawn first refused for good)."""
+        async with self._lock:
+            self._holder = asyncio.current_task()
+            try:
+                yield
+            finally:
+                self._holder = None
+
     def add(self, body: object) -> str:
-        """Add one backend (its id returned); refused whole when invalid."""
+        """Add one backend (its id returned); refused whole when invalid. As `drain` and `remove`, called
+        with the fleet held (`exclusive`)."""
         self._allowed()
         spec = parse_backend(body)
         if any(b.id == spec.id for b in self.config.raw.backends):
@@ -135,23 +161,27 @@ class Fleet:
         self._allowed()
         self._known(backend_id)
         if backend_id not in self._removals:
-            self._validated([b for b in self.config.raw.backends if b.id != backend_id and b.id not in self._removals])
+            try:
+                self._validated([b for b in self.config.raw.backends
+                                 if b.id != backend_id and b.id not in self._removals])
+            except InvalidRequest as exc:   # what the running entries lack is the one removed: the fleet's state
+                raise FleetConflict(exc.message) from None
             if backend_id not in self._drains:
                 self._keeps_serving(backend_id, "removing")
             self._keeps_lowest_class(backend_id, "removing")
             self._start_removal(backend_id)
 
     def _keeps_serving(self, backend_id: str, change: str) -> None:
-        """InvalidRequest where taking `backend_id` out of service would leave no backend serving language
+        """FleetConflict where taking `backend_id` out of service would leave no backend serving language
         work at all (the gateway could serve nothing); one model of several may be left without (it is
         named degraded in /ready)."""
         leaving = {backend_id, *self._drains, *self._removals}
         if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
-            raise InvalidRequest(f"{change} {backend_id!r} would leave no backend serving language work "
-                                 "(role language or both): the gateway could serve nothing", code="invalid_backend")
+            raise FleetConflict(f"{change} {backend_id!r} would leave no backend serving language work "
+                                "(role language or both): the gateway could serve nothing; add one first")
 
     def _keeps_lowest_class(self, backend_id: str, change: str) -> None:
-        """InvalidRequest where taking `backend_id` out of service would leave the lowest tenant class
+        """FleetConflict where taking `backend_id` out of service would leave the lowest tenant class
         (`gateway.tenants`) no language backend open to it (not kept for higher classes, `min_priority`)
         where it has one now. A file that serves that class nowhere (every backend kept) is the operator's."""
         lowest = self.config.settings.tenants.classes[0]
@@ -163,20 +193,27 @@ class Fleet:
 
         left = open_to(out | {backend_id})   # none left at all: the language pool's own refusal says so
         if any(open_to(out)) and left and not any(left):
-            raise InvalidRequest(f"{change} {backend_id!r} would leave only backends kept for higher priority "
-                                 f"classes (min_priority): tenants of class {lowest} could be served nowhere",
-                                 code="invalid_backend")
+            raise FleetConflict(f"{change} {backend_id!r} would leave only backends kept for higher priority "
+                                f"classes (min_priority): tenants of class {lowest} could be served nowhere")
 
     def reload_soon(self) -> None:
-        """SIGHUP: `reload` in the background."""
-        self._keep(asyncio.create_task(self.reload(), name="fleet-reload"))
+        """SIGHUP: `reload` in the background, after the change under way. A SIGHUP while a reload waits for
+        its turn asks for nothing more: that reload has not read the file yet."""
+        if not self._reload_queued:
+            self._reload_queued = True
+            self._keep(asyncio.create_task(self.reload(), name="fleet-reload"))
 
     async def reload(self) -> None:
         """Apply the difference between the backends file and the running fleet; a file that start-up
-        would refuse, or any invalid change, is logged and changes nothing."""
+        would refuse, or any invalid change, is logged and changes nothing, and so does a file whose
+        `backends:` are the running ones (quietly: that is no refusal, even where changes are refused)."""
+        async with self.exclusive():
+            self._reload_queued = False   # the file is read from here on: a SIGHUP now asks for one more reload
+            await self._reload()
+
+    async def _reload(self) -> None:
         path = self.config.path
         try:
-            self._allowed()
             wanted = load_cluster(path, self.config.catalog)
             target = self._validated(wanted.raw.backends)
         except (ConfigError, RequestError) as exc:
@@ -193,6 +230,13 @@ class Fleet:
         restored = [i for i in running if i in specs and i not in changed and i in self._drains
                     and i not in self._removals]
         new = [i for i in specs if i not in running]
+        if not (gone or changed or restored or new):
+            log.info("config_reload_unchanged", path=str(path), detail="the file's backends are the fleet's: nothing "
+                     "to change")
+            return
+        if self._refused is not None:
+            log.error("config_reload_refused", path=str(path), error=self._refused)
+            return
         log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed, restored=restored)
         changed += restored
         leaving = {backend_id: self._removals.get(backend_id) or self._start_removal(backend_id)
@@ -213,6 +257,9 @@ class Fleet:
     # -- how they are applied ----------------------------------------------------------------
 
     def _allowed(self) -> None:
+        """The change may go on: it holds the fleet (`exclusive`) and this gateway takes changes."""
+        if self._holder is None or self._holder is not asyncio.current_task():
+            raise RuntimeError("a fleet change must hold the fleet: `async with fleet.exclusive()`")
         if self._refused is not None:
             raise FleetConflict(self._refused)
 
@@ -300,6 +347,7 @@ class Fleet:
         return entry is not None and bool(entry.in_flight or entry.vision_in_flight_tokens)
 
     def _start_removal(self, backend_id: str) -> asyncio.Task[None]:
+        self._runtime.table.drain(backend_id)   # leaving from now on, not once the task runs: the next change sees it
         task = self._removals[backend_id] = asyncio.create_task(self._remove(backend_id), name=f"remove-{backend_id}")
         return task
 

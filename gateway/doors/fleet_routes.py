@@ -6,7 +6,9 @@
 
 Drains and removals go on in the background: /admin/backends shows `draining: true`, then `state:
 stopped` (managed), and no entry once removed. A refused change answers 400 (invalid entry), 404
-(unknown id) or 409 (id in use, removal under way, replicas), in the OpenAI error shape.
+(unknown id) or 409 (a sound request the fleet's state refuses: id in use, removal under way, the last
+backend serving language work, replicas), in the OpenAI error shape. Each call holds the fleet while it
+is applied (`Fleet.exclusive`): one made during a reload is answered once that reload is through.
 
 An entry with `launch.command` (a `kind: openai` engine the gateway starts) runs that command on this
 host: the API takes one only from an admin key, so a gateway with no admin keys refuses it with 403
@@ -46,16 +48,20 @@ def add_fleet_routes(table: RouteTable, runtime: Runtime, fleet: Fleet, authoriz
             raise Forbidden("an entry with launch.command runs that command on the gateway's host: adding one "
                             "through the API needs an admin key (gateway.auth.admin_keys_file or admin_keys_env); "
                             "without one, add it to the backends file and send SIGHUP")
-        return json_reply(described(fleet.add(body)), 201)
+        async with fleet.exclusive():
+            backend_id = fleet.add(body)
+        return json_reply(described(backend_id), 201)
 
     async def drain_backend(request: Request, backend_id: str) -> Reply:
         authorize(request, admin=True)
-        fleet.drain(backend_id)
+        async with fleet.exclusive():
+            fleet.drain(backend_id)
         return json_reply(described(backend_id), 202)
 
     async def remove_backend(request: Request, backend_id: str) -> Reply:
         authorize(request, admin=True)
-        fleet.remove(backend_id)
+        async with fleet.exclusive():
+            fleet.remove(backend_id)
         return json_reply({"id": backend_id, "removing": True}, 202)
 
     table.add("POST", "/admin/backends", add_backend)

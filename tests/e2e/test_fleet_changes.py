@@ -87,7 +87,9 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
         # after the drain every request goes to the added engine
         assert {chat(gw, f"after-{i}").headers["x-heterogate-backend"] for i in range(5)} == {"l40s-9"}
         last_serving = admin(gw, "POST", "/l40s-9/drain")     # would leave no language backend serving
-        assert last_serving.status_code == 400 and "language" in last_serving.json()["error"]["message"]
+        assert last_serving.status_code == 409 and "language" in last_serving.json()["error"]["message"]
+        assert last_serving.json()["error"]["type"] == "invalid_request_error"
+        assert last_serving.json()["error"]["code"] == "fleet_conflict"
         assert gw.backend("l40s-9")["draining"] is False
 
         before = gw.backends()
@@ -118,7 +120,7 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
         assert admin(gw, "DELETE", "/a100-0").status_code == 202
         gw.wait_until(lambda: ids(gw) == ["l40s-9"], timeout=30)
         last = admin(gw, "DELETE", "/l40s-9")
-        assert last.status_code == 400 and "language" in last.json()["error"]["message"]
+        assert last.status_code == 409 and "language" in last.json()["error"]["message"]
         assert chat(gw, "still").status_code == 200
         # the stopped engines ended the gateway's session streams themselves: no error, no traceback
         assert "Exception not handled" not in gw.log_path.read_text()
@@ -143,7 +145,7 @@ def test_an_added_openai_engine_the_gateway_launches_starts_serves_and_is_remove
         served = httpx.post(f"{gw.url}/v1/chat/completions", headers=gw.admin_headers, timeout=30, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert served.status_code == 200 and served.headers["x-heterogate-backend"] == "vllm-0", served.text
-        assert admin(gw, "DELETE", "/vllm-0").status_code == 400   # the last language backend serving
+        assert admin(gw, "DELETE", "/vllm-0").status_code == 409   # the last language backend serving
         assert admin(gw, "POST", "", engine("h100-1")).status_code == 201
         gw.wait_until(lambda: gw.backend("h100-1")["healthy"], timeout=30)
         assert admin(gw, "DELETE", "/vllm-0").status_code == 202

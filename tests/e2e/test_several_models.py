@@ -107,4 +107,4 @@ def test_readiness_and_metrics_are_per_model(gateway: tuple[Gateway, str]) -> No
     assert removed.status_code == 202, removed.text
     gw.wait_until(lambda: "llama-0" not in [b["id"] for b in gw.backends()], timeout=30)
     last = httpx.delete(f"{gw.url}/admin/backends/up", timeout=10)
-    assert last.status_code == 400 and LLAMA in last.json()["error"]["message"], last.text
+    assert last.status_code == 409 and LLAMA in last.json()["error"]["message"], last.text

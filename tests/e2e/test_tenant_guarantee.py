@@ -118,6 +118,6 @@ def test_a_drain_that_would_leave_only_backends_kept_for_a_higher_class_is_refus
     """With the L40S drained only the H100, kept for class 1, would serve: the batch tenant (class 0) could
     be served nowhere, so the drain is refused and the fleet left as it is."""
     refused = httpx.post(f"{reserved.url}/admin/backends/l40s-0/drain", headers=reserved.admin_headers, timeout=10)
-    assert refused.status_code == 400 and "class 0" in refused.json()["error"]["message"], refused.text
+    assert refused.status_code == 409 and "class 0" in refused.json()["error"]["message"], refused.text
     assert reserved.backend("l40s-0")["draining"] is False
     assert "degraded" not in httpx.get(f"{reserved.url}/ready", timeout=5).json()
