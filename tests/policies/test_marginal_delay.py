@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from gateway.config.cluster import RoutingConfig
 from gateway.routing.policies import build_policy
-from gateway.routing.policies.candidates import near_lowest
+from gateway.routing.policies.candidates import KV_HEADROOM, LOOP_UP_TO, Candidates, near_lowest
 from gateway.routing.policies.contracts import BackendSnapshot, RequestProfile
 from gateway.routing.policies.marginal_delay import MarginalDelay, MarginalDelayParams
 from tests.snapshots import random_cluster, snapshot
@@ -150,3 +151,29 @@ def test_choose_on_columns_gives_the_costs_and_choice_of_the_one_candidate_form(
         best = near_lowest([c.total for c in expected], random.Random(7), MarginalDelayParams().tie_tolerance)
         assert decision.backend is snapshots[best]
         assert decision.vetoed == tuple(c.backend_id for c in expected if c.oom > 0)
+
+
+@pytest.mark.parametrize("short", [0, 1, 3, LOOP_UP_TO, LOOP_UP_TO + 1])
+def test_the_few_candidates_short_of_kv_are_priced_as_the_one_candidate_form(short: int) -> None:
+    """choose() prices T_kv and the veto one row at a time where only a few candidates lack the KV for the
+    request (more: array operations): both give exactly the terms and the choice of cost()."""
+    rng = random.Random(short)
+    snapshots = []
+    for k, b in enumerate(random_cluster(rng, 40)):
+        kv = b.kv_bytes_per_token
+        # the first `short` rows: the request (2,564 tokens) never fits 2,000, waits for the others
+        capacity, reserved = (60_000, rng.randint(0, 1_500)) if k >= short else (rng.choice([2_000, 3_000, 4_000]),
+                                                                                 rng.randint(1_500, 2_500))
+        snapshots.append(dataclasses.replace(
+            b, kv_total_bytes=capacity * kv, kv_free_bytes=capacity * kv, kv_reserved_tokens=reserved,
+            in_flight=rng.randint(0, 8), decode_step_s=0.03, learned_prefill_s_per_token=rng.choice([1e-4, 3e-4]),
+        ))
+    request = RequestProfile("r", 2_500, 64, cached_tokens={"b1": 1_280, "b20": 640})
+    policy = MarginalDelay(rng=random.Random(7))
+    decision = policy.choose(request, snapshots, now=0.0)
+    expected = [policy.cost(request, b) for b in snapshots]
+    assert list(decision.costs) == expected
+    assert np.count_nonzero(Candidates(snapshots).columns[KV_HEADROOM] < 2_564) == short   # those rows alone
+    best = near_lowest([c.total for c in expected], random.Random(7), MarginalDelayParams().tie_tolerance)
+    assert decision.backend is snapshots[best]
+    assert decision.vetoed == tuple(c.backend_id for c in expected if c.oom > 0)

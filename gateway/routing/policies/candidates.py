@@ -14,9 +14,11 @@ L_r > M_free_i / kv ⇔ L_r > kv_fit_tokens, exact for caches below 2^53 tokens.
 +inf where the snapshot's is 0 (unknown, no limit), as `BackendSnapshot.fits` reads it.
 `speed_prefill_s_per_token` is the learned p̂ where there is one, else 2·P / F_i; `kv_capacity_tokens`
 is K_i (0: unknown) and `kv_used_tokens` max(K_i − free tokens, this router's reservations), 0 where
-K_i is (the inputs of `marginal_delay`); `stall_factor` and `stall_per_prompt_s` are the backend's
-calibrated stall (`common.calibration`); `itl_slack_k_s` is the snapshot's k-th smallest inter-token
-slack, +inf where it has fewer.
+K_i is (the inputs of `marginal_delay`); `kv_headroom_tokens` is K_i − max(0, kv_used_tokens), +inf
+where K_i is not above 0: a request reserving more only there may wait for that cache or be vetoed
+by it, so a decision finds those few rows with one comparison and prices them alone;
+`stall_factor` and `stall_per_prompt_s` are the backend's calibrated stall (`common.calibration`);
+`itl_slack_k_s` is the snapshot's k-th smallest inter-token slack, +inf where it has fewer.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ FloatArray = npt.NDArray[np.float64]
 
 COLUMNS = ("prefill_s_per_token", "queue_depth", "mean_service_s", "queue_s", "kv_fit_tokens", "max_context",
            "speed_prefill_s_per_token", "decode_step_s", "in_flight", "prefill_backlog_tokens", "kv_capacity_tokens",
-           "kv_used_tokens", "stall_factor", "stall_per_prompt_s", *(f"itl_slack_{k}_s" for k in range(EXPOSED)))
+           "kv_used_tokens", "kv_headroom_tokens", "stall_factor", "stall_per_prompt_s",
+           *(f"itl_slack_{k}_s" for k in range(EXPOSED)))
 (PREFILL, QUEUE, SERVICE, QUEUE_S, KV_FIT, MAX_CONTEXT, SPEED_PREFILL, DECODE_STEP, IN_FLIGHT, PREFILL_BACKLOG,
- KV_CAPACITY, KV_USED, STALL_FACTOR, STALL_PER_PROMPT) = range(len(COLUMNS) - EXPOSED)
+ KV_CAPACITY, KV_USED, KV_HEADROOM, STALL_FACTOR, STALL_PER_PROMPT) = range(len(COLUMNS) - EXPOSED)
 ITL_SLACKS = slice(STALL_PER_PROMPT + 1, STALL_PER_PROMPT + 1 + EXPOSED)   # the rows of itl_slack_s, +inf past its end
 _INF = float("inf")
 _NO_SLACK = (_INF,) * EXPOSED
@@ -58,17 +61,24 @@ def column_values(b: BackendSnapshot) -> tuple[float, ...]:
     used = max(capacity - free // per_token, b.kv_reserved_tokens) if capacity else 0
     return (b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF,
             b.learned_prefill_s_per_token or b.prefill_s_per_token, b.decode_step_s, b.in_flight,
-            b.prefill_backlog_tokens, capacity, used, b.stall_factor, b.stall_per_prompt_s,
-            *(b.itl_slack_s + _NO_SLACK)[:EXPOSED])
+            b.prefill_backlog_tokens, capacity, used, capacity - max(0, used) if capacity > 0 else _INF,
+            b.stall_factor, b.stall_per_prompt_s, *(b.itl_slack_s + _NO_SLACK)[:EXPOSED])
 
 
 def first_argmin(totals: FloatArray) -> int:
     """The first candidate with the lowest cost below infinity, else the first: what a loop keeping
     the first strictly lower total finds (argmin alone would stop at a NaN)."""
+    return _first_argmin(totals)[0]
+
+
+def _first_argmin(totals: FloatArray) -> tuple[int, float]:
+    """`first_argmin` and its total, read once (a numpy element read costs as much as the compare)."""
     i = int(totals.argmin())
-    if totals[i] < _INF:   # neither NaN (argmin stops at the first) nor inf: argmin is the loop's answer
-        return i
-    return first_lowest(totals.tolist())
+    best = totals.item(i)
+    if best < _INF:   # neither NaN (argmin stops at the first) nor inf: argmin is the loop's answer
+        return i, best
+    i = first_lowest(totals.tolist())
+    return i, totals.item(i)
 
 
 class Draw(Protocol):
@@ -83,8 +93,7 @@ def near_lowest(totals: Sequence[float] | FloatArray, rng: Draw, tolerance: floa
     answer where the lowest is not finite or only one is that close. The loop over a list and the
     array form give the same candidates in the same order, so they draw the same."""
     if isinstance(totals, np.ndarray):
-        i = first_argmin(totals)
-        best = float(totals[i])
+        i, best = _first_argmin(totals)
         if not abs(best) < _INF:
             return i
         near = totals <= best + tolerance * abs(best)
