@@ -78,6 +78,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except OSError as exc:   # Pillow could not decode an image the gateway let through
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image could not be decoded: {exc}")
+        except InvalidInput as exc:   # the model's preprocessing refused an image the gateway let through
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         raise AssertionError("unreachable")
 
     async def DeliverEmbedding(

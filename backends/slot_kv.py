@@ -3,7 +3,7 @@
 The cache is `[layers, slots, kv_heads, max_len, head_dim]` for K and for V, allocated once. A sequence
 owns one slot from admission to its end: joining or leaving the batch copies no other sequence's KV and
 re-pads nothing, and each slot keeps its own length and positions. Hugging Face attention layers only
-call `past_key_values.update(k, v, layer_idx)`, and a ready 4-D attention mask is used as it is, so a
+call the cache's `update(k, v, layer_idx)`, and a ready 4-D attention mask is used as it is, so a
 duck-typed cache is enough: `update` writes the step's keys and values at each row's positions and returns
 the first `kv_len` positions of the rows' slots; the mask hides what lies beyond each row's length.
 
@@ -17,6 +17,7 @@ when they are very uneven (a paged cache would not be).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -67,14 +68,18 @@ class DecoderRunner:
         self.decoder, self.head, self.kv = decoder, head, kv
         self.embed: nn.Module = decoder.get_input_embeddings()   # type: ignore[operator]
         self.device = kv.k.device
+        # transformers renamed the decoders' `past_key_values` argument to `cache` (the old name warns, then goes
+        # in 5.40): pass the cache under the name this version's decoder takes.
+        params = inspect.signature(decoder.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def _forward(self, embeds: torch.Tensor, slots: list[int], pos: torch.Tensor, position_ids: torch.Tensor,
                  kv_len: int, mask: torch.Tensor) -> torch.Tensor:
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         self.kv.span = slice(slots[0], slots[-1] + 1) if consecutive else None
         self.kv.rows, self.kv.pos, self.kv.kv_len = torch.tensor(slots, device=self.device), pos, kv_len
-        out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask,
-                           past_key_values=self.kv, use_cache=True)
+        out = self.decoder(inputs_embeds=embeds, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                           **{self._cache_arg: self.kv})
         logits: torch.Tensor = self.head(out.last_hidden_state[:, -1]).float()
         return logits
 

@@ -36,6 +36,7 @@ from backends.token_streams import TokenStreams
 from backends.torch_models import LoadedModel
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
+from common.errors import ConfigError
 
 
 @dataclass(eq=False)
@@ -91,10 +92,16 @@ class TorchLanguageExecutor:
         text: Any = lm.config.text_config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         profile = model.model_copy(update={"dtype": loaded.dtype_name})   # KV bytes in the dtype that runs
+        # Start-up faults of the launch config are ConfigErrors: the engine exits with one line naming them.
+        context = int(getattr(text, "max_position_embeddings", max_len))
+        if max_len > context:
+            raise ConfigError(f"max_model_len {max_len} is over the model's context of {context} tokens "
+                              "(max_position_embeddings)")
         slot_bytes = perf_model.kv_bytes(profile, max_len)
         slots = min(max_batch, kv_budget // slot_bytes)
         if slots < 1:
-            raise ValueError(f"KV budget {kv_budget} bytes holds no slot of {max_len} tokens ({slot_bytes} bytes)")
+            raise ConfigError(f"the KV budget of {kv_budget} bytes (memory_utilization of the device) and max_batch "
+                              f"{max_batch} leave no slot of max_model_len {max_len} tokens ({slot_bytes} bytes)")
         self.kv = SlotKV(text.num_hidden_layers, slots, text.num_key_value_heads, max_len, head_dim,
                          loaded.dtype, loaded.device)
         self.runner = DecoderRunner(lm.model.language_model, lm.lm_head, self.kv)

@@ -97,13 +97,31 @@ def resolve_dtype(name: str, profile: ModelProfile) -> torch.dtype:
     return DTYPES[key]
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device to run on, checked before anything is allocated: a device this machine does not have is a
+    `ConfigError` naming it and what there is, not an assertion from deep inside torch's CUDA start-up."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device {name!r} is not one torch knows (cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            why = f"this machine has {count} CUDA device(s)" if torch.version.cuda else (
+                "this torch is built without CUDA")
+            raise ConfigError(f"device {name!r} does not exist here: {why}")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {name!r}: the torch executor runs on cpu, cuda or cuda:N")
+    return dev
+
+
 def load_model(
     profile: ModelProfile, *, model_path: str | None, seed: int, dtype: str, device: str, keep: str
 ) -> LoadedModel:
     """`keep`: "vision" (tower + projector), "language" (decoder + head) or "both"; only that is ever allocated
     and only its weights are read (backends/torch_weights.py)."""
     torch_dtype = resolve_dtype(dtype, profile)
-    dev = torch.device(device)
+    dev = resolve_device(device)
     if model_path is not None:
         path = Path(model_path)
         for name in ("config.json", "tokenizer_config.json"):

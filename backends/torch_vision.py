@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from transformers import LlavaImageProcessorPil, Qwen2VLImageProcessorPil
 
-from backends.executors import EncodedImage
+from backends.executors import EncodedImage, InvalidInput
 from backends.torch_models import LoadedModel
 from common.catalog import ModelProfile
 from common.wire import engine_pb2
@@ -67,8 +67,13 @@ class TorchEncoder:
         return await asyncio.to_thread(self.encode_now, images)
 
     def features(self, images: list[Image.Image]) -> list[torch.Tensor]:
-        """Blocking: the projected features of each image, [tokens, hidden] in the model's dtype (on the CPU)."""
-        inputs = self.processor(images=images, return_tensors="pt")
+        """Blocking: the projected features of each image, [tokens, hidden] in the model's dtype (on the CPU).
+        An image the model's processor refuses (Qwen2-VL: aspect ratio over 200) is `InvalidInput`: the
+        request's fault, not the engine's."""
+        try:
+            inputs = self.processor(images=images, return_tensors="pt")
+        except ValueError as exc:
+            raise InvalidInput(f"the model's image processor refused an image: {exc}") from None
         kwargs = dict(self._kwargs)
         if "image_grid_thw" in inputs:
             kwargs["image_grid_thw"] = inputs["image_grid_thw"].to(self.loaded.device)

@@ -31,6 +31,7 @@ from common.prefix_blocks import content_digest, salted_digest
 from common.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
+JobResult = tuple[list[EncodedImage], list[bool], Exception | None]   # embeddings, cache hits, or its failure
 
 
 @dataclass(eq=False)
@@ -104,27 +105,39 @@ class VisionExecutor:
         if not batch:
             return
         tokens = sum(j.tokens for j in batch)
-        images = [img for job in batch for img in job.request.images]
-        salts = [job.request.cache_salt for job in batch for _ in job.request.images]
         start = time.monotonic()
-        failure: Exception | None = None
-        try:
-            encoded, hits = await self._encode_uncached(images, salts)
-        except Exception as exc:   # a bad image or a broken encoder fails this batch's requests, not the engine
-            encoded, hits, failure = [], [], exc
+        results = await self._encode_jobs(batch)
         encode_s = time.monotonic() - start
         self.backlog_tokens -= tokens
-        self.images_encoded += len(encoded) - sum(hits)
-        self.embedding_cache_hits += sum(hits)
+        self.images_encoded += sum(len(encoded) - sum(hits) for encoded, hits, _ in results)
+        self.embedding_cache_hits += sum(sum(hits) for _, hits, _ in results)
         self._on_change()
-        offset = 0
-        for job in batch:   # hand-offs overlap the next batch, as the DMA does on a real GPU
-            n = len(job.request.images)
-            cached = sum(hits[offset:offset + n])
-            task = asyncio.create_task(self._finish(job, encoded[offset:offset + n], failure, encode_s, cached))
-            offset += n
+        for job, (encoded, hits, failure) in zip(batch, results, strict=True):
+            # hand-offs overlap the next batch, as the DMA does on a real GPU
+            task = asyncio.create_task(self._finish(job, encoded, failure, encode_s, sum(hits)))
             self._delivering.add(task)
             task.add_done_callback(self._delivering.discard)
+
+    async def _encode_jobs(self, batch: list[EncodeJob]) -> list[JobResult]:
+        """Per job: its embeddings and which were cache hits, or what failed it. A batch that fails (an image
+        that does not decode, one the model's processor refuses) is encoded again job by job: only the requests
+        with the bad image fail, not the others that happened to share its batch. A failure fails requests,
+        never the engine."""
+        images = [img for job in batch for img in job.request.images]
+        salts = [job.request.cache_salt for job in batch for _ in job.request.images]
+        try:
+            encoded, hits = await self._encode_uncached(images, salts)
+        except Exception as exc:
+            if len(batch) == 1:
+                return [([], [], exc)]
+            return [(await self._encode_jobs([job]))[0] for job in batch]
+        results: list[JobResult] = []
+        offset = 0
+        for job in batch:
+            n = len(job.request.images)
+            results.append((encoded[offset:offset + n], hits[offset:offset + n], None))
+            offset += n
+        return results
 
     async def _encode_uncached(self, images: list[engine_pb2.Image], salts: list[str]) -> (
         tuple[list[EncodedImage], list[bool]]

@@ -30,6 +30,7 @@ from gateway.requests.errors import InvalidRequest
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
 INLINE_INSPECT_BYTES = 256 << 10
+MAX_ASPECT_RATIO = 200   # Qwen2-VL's smart_resize refuses longer sides than this many times the shorter
 
 
 class ImageLimits(StrictModel):
@@ -81,7 +82,26 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, s
         raise InvalidRequest(
             f"{where}: image is {width}x{height} pixels; the limit is {limits.max_image_pixels} pixels", param=where
         )
+    check_shape(width, height, where, model)
     return ImageInput(data, width, height, fmt, model.image_tokens(width, height), salt)
+
+
+def check_shape(width: int, height: int, where: str, model: ModelProfile) -> None:
+    """A dynamic-resolution model (Qwen2-VL family) cannot take every shape: its image processor refuses an
+    aspect ratio over 200, and a side of at most half a token (14 px) rounds to no token there, where the
+    catalog's token count (`ModelProfile.image_tokens`) gives it one, so the encoder would make another
+    number of tokens than the prompt holds. Either reaching an engine failed the request there as the
+    engine's fault (a 502, the backend marked failing); here it is the client's 400 that says why."""
+    vision = model.vision
+    if vision is None or vision.mode != "dynamic":
+        return
+    short, long = sorted((width, height))
+    if long > MAX_ASPECT_RATIO * short:
+        raise InvalidRequest(f"{where}: image is {width}x{height} pixels; {model.name} takes aspect ratios up to "
+                             f"{MAX_ASPECT_RATIO}:1", param=where)
+    if 2 * short <= vision.pixels_per_token_side < 2 * long:
+        raise InvalidRequest(f"{where}: image is {width}x{height} pixels; {model.name} cannot take a side of "
+                             f"{vision.pixels_per_token_side // 2} pixels or less next to a longer one", param=where)
 
 
 def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:

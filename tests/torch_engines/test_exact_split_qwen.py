@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 
-from testkit.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, image_bytes, run_gateway, write_config
 from tests.torch_engines.conftest import TINY_QWEN
 from tests.torch_engines.reference import Reference
-from tests.torch_engines.split_client import ask_on, images, launch
+from tests.torch_engines.split_client import ask_on, client, images, launch, user_message
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +47,17 @@ def test_qwen_split_equals_monolithic_generate(qwen_gateway: Gateway, sharp_qwen
     assert len({w[1] for w in wants}) == 3   # the prompts really differ in length (dynamic image tokens)
     assert one_d[0] == wants[0]              # text alone: 1-D and 3-D positions are the same ...
     assert any(o[0] != w[0] for o, w in zip(one_d[1:], wants[1:], strict=True))   # ... with images they are not
+
+
+@pytest.mark.parametrize("size, message", [((1, 500), "aspect ratios up to 200:1"),
+                                           ((3, 100), "a side of 14 pixels or less")])
+def test_image_shapes_qwen_cannot_take_are_400s(qwen_gateway: Gateway, size: tuple[int, int], message: str) -> None:
+    """An image Qwen2.5-VL's processor refuses (aspect over 200), or one whose token count the encoder would make
+    otherwise than the prompt holds (a side that rounds to no token), is the client's 400 naming it: it used to
+    reach the vision engine, fail there as a 502 and count against the engine; the next request still works."""
+    with pytest.raises(openai.BadRequestError, match=message):
+        client(qwen_gateway).chat.completions.create(
+            model=TINY_QWEN, messages=user_message("x", [image_bytes("PNG", size)]),  # type: ignore[arg-type]
+            max_tokens=2, temperature=0,
+        )
+    assert ask_on(qwen_gateway, TINY_QWEN, "x", images(1), 2)[0][2] == 2

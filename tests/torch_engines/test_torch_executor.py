@@ -4,6 +4,7 @@ prefix reuse (the same tokens as a fresh engine computes)."""
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from backends.gpu_scheduler import GpuScheduler
 from backends.slot_prefix import Take
 from backends.torch_executor import TorchLanguageExecutor
 from common.catalog import load_catalog
+from common.errors import ConfigError
 from common.wire import engine_pb2
 from tests.torch_engines.conftest import TINY, TINY_QWEN
 
@@ -43,6 +45,40 @@ async def running_executor(model_dir: Path, max_batch: int = 8, model: str = TIN
         yield language
     finally:
         task.cancel()
+
+
+@pytest.mark.parametrize("launch, message", [
+    ({"max_model_len": 5000}, "max_model_len 5000 is over the model's context of 1024 tokens"),
+    ({"memory_utilization": 1e-9}, "leave no slot of max_model_len 1024"),
+    ({"max_batch": 0}, "max_batch 0 leave no slot"),
+])
+def test_a_launch_the_kv_cache_cannot_honour_is_a_config_error(
+    tiny_model_dir: Path, launch: dict[str, float], message: str
+) -> None:
+    """The engine exits with one line naming the setting (a ConfigError), not a traceback (a ValueError, or a
+    max_model_len past the model's positions allocating tens of GB) that the launching gateway restarts."""
+    catalog = load_catalog()
+    config = EngineConfig(backend_id="t", gpu="H100", model=TINY, gateway="", executor="torch",
+                          model_path=str(tiny_model_dir), **launch)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        build_executors(config, catalog.model(TINY), catalog.gpu("H100"), _nowhere, lambda: None)
+
+
+@pytest.mark.parametrize("model", [TINY, TINY_QWEN])
+def test_the_decoder_runs_without_deprecation_warnings(model: str, request: pytest.FixtureRequest) -> None:
+    """The slot cache goes to the decoder under the argument name it takes (`cache` since transformers renamed
+    `past_key_values`, which warns in every engine's log and goes in 5.40)."""
+    model_dir = request.getfixturevalue("tiny_model_dir" if model == TINY else "tiny_qwen_dir")
+    catalog = load_catalog()
+    config = EngineConfig(backend_id="t", gpu="H100", model=model, gateway="", executor="torch",
+                          model_path=str(model_dir), max_batch=2, max_model_len=64)
+    language, _ = build_executors(config, catalog.model(model), catalog.gpu("H100"), _nowhere, lambda: None)
+    assert isinstance(language, TorchLanguageExecutor)
+    runner = language.runner
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        runner.prefill(0, runner.embed_prompt([40, 41, 42], [], []))
+        runner.decode([0], [3], [43])
 
 
 def request(rid: str, prompt: str, max_tokens: int, **sampling: object) -> GenerateInput:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from backends.executors import InvalidInput
 from backends.torch_models import load_model
 from backends.torch_vision import TorchEncoder
+from backends.vision_executor import VisionExecutor
 from common.catalog import load_catalog
 from common.errors import ConfigError
 from common.wire import engine_pb2
@@ -78,3 +82,54 @@ def test_qwen_embeddings_equal_the_monolithic_image_features(tiny_qwen_dir: Path
     for enc, feats in zip(encoded, want, strict=True):
         got = torch.frombuffer(bytearray(enc.payload()), dtype=torch.float32).view(enc.tokens, enc.hidden)
         assert torch.equal(got, feats)
+
+
+def test_an_image_the_processor_refuses_is_invalid_input(tiny_qwen_dir: Path) -> None:
+    """Qwen2.5-VL's processor refuses an aspect ratio over 200: the engine answers INVALID_ARGUMENT (the request's
+    fault, a 400) rather than an unknown error that counts against the vision engine."""
+    profile = load_catalog().model(TINY_QWEN)
+    vision = TorchEncoder(load_model(profile, model_path=str(tiny_qwen_dir), seed=0, dtype="float32", device="cpu",
+                                     keep="vision"), profile)
+    with pytest.raises(InvalidInput, match="aspect ratio"):
+        vision.encode_now([engine_pb2.Image(data=image_bytes("PNG", (1, 500)))])
+
+
+def broken_jpeg() -> bytes:
+    """A JPEG whose header, size and end marker are fine (the gateway's inspection passes it) but whose scan data
+    is noise: Pillow fails only when it decodes the pixels, in the vision engine."""
+    data = bytearray(image_bytes("JPEG", (200, 150), noise=True))
+    rng = random.Random(1)
+    for i in range(len(data) // 3, len(data) // 3 + 400):
+        data[i] = rng.randrange(256)
+    return bytes(data)
+
+
+async def test_a_bad_image_fails_only_its_own_request_in_a_batch(tiny_model_dir: Path) -> None:
+    """Requests from different clients share an aligned batch; one image that does not decode fails its own
+    request, and the others in the batch get their embeddings (they were failed with its error)."""
+    profile = load_catalog().model(TINY)
+    encoder = TorchEncoder(load_model(profile, model_path=str(tiny_model_dir), seed=0, dtype="auto", device="cpu",
+                                      keep="vision"), profile)
+    vision = VisionExecutor(encoder, lambda _to, _emb: asyncio.sleep(0), max_images=8, batch_timeout_s=60)
+    tokens = profile.image_tokens(64, 64)
+    datas = [image_bytes("PNG", (64, 64), noise=True, seed=1), broken_jpeg(), image_bytes("PNG", (64, 64), seed=2)]
+    calls = [asyncio.ensure_future(vision.encode(engine_pb2.EncodeRequest(
+        request_id=f"r{i}", images=[engine_pb2.Image(data=data, tokens=tokens)]))) for i, data in enumerate(datas)]
+    await asyncio.sleep(0)
+    await vision.run_batch()   # all three in one batch
+    good, bad, other = await asyncio.gather(*calls, return_exceptions=True)
+    assert isinstance(bad, OSError)
+    assert isinstance(good, engine_pb2.EncodeReply) and isinstance(other, engine_pb2.EncodeReply)
+    assert [len(r.embeddings) for r in (good, other)] == [1, 1] and vision.images_encoded == 2
+
+
+def test_engine_on_a_device_it_lacks_exits_naming_it() -> None:
+    """A CUDA device the machine does not have stops start-up with one line naming it (not torch's assertion
+    from inside its lazy CUDA start-up, which the launching gateway would restart forever behind a traceback)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "backends.engine", "--backend-id", "x", "--gpu", "H100", "--model", TINY,
+         "--gateway", "127.0.0.1:1", "--executor", "torch", "--random-weights", "--device", "cuda:99"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "device 'cuda:99' does not exist here" in proc.stderr and "Traceback" not in proc.stderr
