@@ -11,8 +11,9 @@ non-streamed one is asked of the upstream non-streamed and its reply comes back 
 whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
 every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
 and both front doors work unchanged. Transport errors are mapped at this boundary: connection errors,
-timeouts, 5xx, 429 and 401/403 (the backend's api_key) are backend failures (retryable before the
-first token); other 4xx are the client's fault and come back as 400 with the upstream's message.
+timeouts, 5xx, 429, 401/403 (the backend's api_key) and 404 (a model it does not serve) are backend
+failures (retryable before the first token; a 429 that is the last reaches the client as a 429 with its
+Retry-After); other 4xx are the client's fault and come back as 400 with the upstream's message.
 
 With `image_embeds: true` the backend is the language side of the modality split: the pipeline has a
 vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
@@ -54,10 +55,46 @@ class Upstream:
 
 
 def _error_message(body: bytes) -> str:
+    """The message of an upstream's error body, in each shape the engines write one: OpenAI's and current
+    vLLM's `{"error": {"message"}}`, SGLang's and older vLLM's `{"object": "error", "message"}`, vLLM's
+    `--api-key` refusal `{"error": "Unauthorized"}`; else the body's start as it came."""
     try:
-        return str(orjson.loads(body)["error"]["message"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return body[:200].decode(errors="replace")
+        reply = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        reply = None
+    if isinstance(reply, dict):
+        error = reply.get("error")
+        if isinstance(error, dict):
+            error = error.get("message")
+        message = error or reply.get("message")
+        if isinstance(message, str):
+            return message
+    return body[:200].decode(errors="replace")
+
+
+def _retry_after_s(headers: list[tuple[bytes, bytes]]) -> float:
+    """An upstream 429's `Retry-After` in seconds (its delay-seconds form; an HTTP date or none: 1 s)."""
+    for name, value in headers:
+        if name == b"retry-after":
+            try:
+                return float(max(0, int(value)))   # delay-seconds: digits only (no "inf", no fraction)
+            except ValueError:
+                break
+    return 1.0
+
+
+class UpstreamRateLimited(BackendFailure):
+    """An upstream's 429. Retried elsewhere like any backend failure; when it is the request's last, the
+    client gets a 429 with the upstream's Retry-After, not a 502: the engine is busy, not broken, and
+    OpenAI's SDKs wait that long before they try again."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "upstream_rate_limited"
+
+    def __init__(self, message: str, *, backend_id: str, retry_after_s: float) -> None:
+        super().__init__(message, backend_id=backend_id)
+        self.retry_after_s = retry_after_s
 
 
 class _Relay:
@@ -223,10 +260,13 @@ class OpenAIUpstreamClient:
         """A response other than 200 → the gateway's error for it (the body read for its message, by
         loop time `until`)."""
         message = _error_message(await resp.read(until))
-        # 401/403: the gateway's credentials for this backend, not the client's request
-        if resp.status >= 500 or resp.status in (401, 403, 429):
-            raise BackendFailure(f"backend {self.backend_id}: HTTP {resp.status}: {message}",
-                                 backend_id=self.backend_id)
+        what = f"backend {self.backend_id}: HTTP {resp.status}: {message}"
+        if resp.status == 429:
+            raise UpstreamRateLimited(what, backend_id=self.backend_id, retry_after_s=_retry_after_s(resp.headers))
+        # 401/403: the gateway's credentials for this backend; 404: a model (`upstream_model`) or route this
+        # upstream does not serve, though the gateway routed the model to it. Not the client's request.
+        if resp.status >= 500 or resp.status in (401, 403, 404):
+            raise BackendFailure(what, backend_id=self.backend_id)
         raise InvalidRequest(f"upstream rejected the request: {message}")
 
     def _whole(self, raw: bytes, job: GenerationJob) -> engine_pb2.GenerateChunk:

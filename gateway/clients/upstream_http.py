@@ -3,7 +3,8 @@
 One pool of connections per upstream (host, port, TLS); each request is one write (head and body),
 its response parsed by httptools (the C parser uvicorn uses) straight from the socket's reads, and
 its body read to the end, so that the connection goes back to the pool. A response the caller
-leaves unread closes its connection instead: a connection is never reused mid-response.
+leaves unread closes its connection instead: a connection is never reused mid-response. A connection
+idle for `idle_s` is closed by the pool's timer, whether or not another request comes.
 
 Why not aiohttp's general client here: in front of a fast engine (loopback, 64 concurrent
 requests), aiohttp's request path (session, connector, request and response objects, payload
@@ -292,6 +293,7 @@ class UpstreamPool:
         # Waiting for a connection (handed over) or a free slot (None).
         self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
         self._deadlines = _Deadlines()
+        self._sweep: asyncio.TimerHandle | None = None   # closes the idle connections past `idle_s`
 
     async def post(
         self, path: str, body: bytes, headers: Sequence[tuple[str, str]], *, connect_timeout_s: float,
@@ -339,9 +341,14 @@ class UpstreamPool:
                 return
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self._idle_s, self._sweep_idle)
 
     async def close(self) -> None:
         self._deadlines.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in self._open:
             conn.close()
         self._open.clear()
@@ -377,15 +384,31 @@ class UpstreamPool:
         """The most recently pooled live connection (the least likely to have timed out); the expired
         and closed ones at the other end are dropped on the way."""
         idle = self._idle
-        expired = time.monotonic() - self._idle_s
-        while idle and (idle[0].closed or idle[0].idle_since <= expired):
-            self._drop(idle.popleft())
+        self._drop_expired()
         while idle:
             conn = idle.pop()
             if not conn.closed:
                 return conn
             self._drop(conn)
         return None
+
+    def _drop_expired(self) -> None:
+        """Close the idle connections pooled `idle_s` ago or longer (the oldest are first in line), and
+        those the upstream closed."""
+        idle = self._idle
+        expired = time.monotonic() - self._idle_s
+        while idle and (idle[0].closed or idle[0].idle_since <= expired):
+            self._drop(idle.popleft())
+
+    def _sweep_idle(self) -> None:
+        """The idle connections' timer: without it, those left after a burst stayed open (each a socket
+        and an upstream slot) until the next request or the upstream's own keep-alive, which may be far
+        longer than `idle_s`. Armed again for the oldest connection still idle."""
+        self._sweep = None
+        self._drop_expired()
+        if self._idle:
+            due = self._idle[0].idle_since + self._idle_s - time.monotonic()
+            self._sweep = asyncio.get_running_loop().call_later(max(due, _SWEEP_S), self._sweep_idle)
 
     def _drop(self, conn: _Connection) -> None:
         conn.close()

@@ -15,12 +15,14 @@ stale one that answers can be failed open on. Load signals come from:
 
 A managed backend is watched only while the supervisor has it `ready`; a failed probe or scrape
 simply writes no heartbeat, so the entry goes stale after the heartbeat miss limit like any other.
-A backend with an api key is asked with it (vLLM's --api-key guards /v1/models).
+A backend with an api key is asked with it (vLLM's --api-key guards /v1/models); an https one with the
+system's trust store, as its requests are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -101,9 +103,13 @@ class UpstreamMonitor:
         address = managed_address or (spec.address or "").rstrip("/")
         key = config.api_keys.get(spec.id)
         own = self._client
-        if key:
+        if key or address.startswith("https:"):
+            # An https upstream is trusted as the request path trusts it (`UpstreamPool`: the system's
+            # store, SSL_CERT_FILE / SSL_CERT_DIR included), not by httpx's bundle of public CAs alone:
+            # an engine behind a private CA would answer its requests and fail every probe, unreachable.
             own = httpx.AsyncClient(timeout=self._client.timeout, follow_redirects=True, trust_env=False,
-                                    headers={"authorization": f"Bearer {key}"})
+                                    headers={"authorization": f"Bearer {key}"} if key else None,
+                                    verify=ssl.create_default_context())
         agent = None
         if spec.scrape is not None:
             engine = TABLES[spec.scrape.engine]

@@ -1,0 +1,183 @@
+"""A kind: openai upstream that refuses, rate-limits, does not serve the model, or speaks TLS behind a private CA.
+
+The gateway runs as its own process in front of a loopback aiohttp server that answers as vLLM and
+SGLang do in each case: their error bodies (SGLang's and older vLLM's `{"object": "error", "message"}`,
+current vLLM's `{"error": {...}}`), a 429 with Retry-After, a 404 for a model it does not serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+
+from testkit.harness import Gateway, free_port, run_gateway, write_config
+from tests.tls_certs import self_signed
+
+MODEL = "llava-1.5-7b"
+SERVED = "served-model"
+
+
+class Engine:
+    """A vLLM-like engine on 127.0.0.1: serves SERVED; `refusal` (status, body, headers) answers every
+    completion while set; `requests` counts the completions asked of it."""
+
+    def __init__(self) -> None:
+        self.refusal: tuple[int, dict[str, Any], dict[str, str]] | None = None
+        self.requests = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat)])
+        return app
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests += 1
+        if self.refusal is not None:
+            status, error, headers = self.refusal
+            return web.json_response(error, status=status, headers=headers)
+        if body["model"] != SERVED:   # vLLM's answer for a model it does not serve
+            return web.json_response({"object": "error", "message": f"The model `{body['model']}` does not exist.",
+                                      "type": "NotFoundError", "param": None, "code": 404}, status=404)
+        text = "hello there"
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": SERVED,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate(text.split()):
+            choice = {"index": 0, "delta": {"content": word}, "finish_reason": "stop" if i else None}
+            event = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "model": SERVED,
+                     "choices": [choice]}
+            await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@contextmanager
+def serving(engine: Engine, tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """`engine` on a loopback port, on a thread of its own, until the block ends; its base URL."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(engine.app())
+    port = free_port()
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def config(tmp: Path, address: str, upstream_model: str = SERVED) -> Path:
+    return write_config(tmp, {
+        "model": MODEL,
+        # no breaker opens in these tests: each refusal is asked for, and the next request must reach it
+        "gateway": {"heartbeat_interval_ms": 100, "breaker": {"failure_threshold": 1000}},
+        "backends": [{"id": "up", "kind": "openai", "gpu": "H100", "address": address,
+                      "upstream_model": upstream_model}],
+    })
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with serving(engine) as url, run_gateway(config(tmp_path_factory.mktemp("faults"), url), healthy=0) as gw:
+        gw.wait_until(lambda: gw.backend("up")["reachable"])
+        yield gw
+
+
+@pytest.fixture
+def refusing(engine: Engine) -> Iterator[Engine]:
+    engine.requests = 0
+    yield engine
+    engine.refusal = None
+
+
+def chat(gw: Gateway, stream: bool) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+
+
+# The same refusal as each engine writes it.
+TOO_LONG = "This model's maximum context length is 4096 tokens."
+ERROR_BODIES = {
+    "sglang": {"object": "error", "message": TOO_LONG, "type": "BadRequestError", "param": None, "code": 400},
+    "vllm": {"error": {"message": TOO_LONG, "type": "BadRequestError", "param": None, "code": 400}},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine_name", sorted(ERROR_BODIES))
+def test_an_engines_refusal_reaches_the_client_as_its_message(
+    gateway: Gateway, refusing: Engine, engine_name: str, stream: bool,
+) -> None:
+    refusing.refusal = (400, ERROR_BODIES[engine_name], {})
+    resp = chat(gateway, stream)
+    assert resp.status_code == 400
+    assert resp.json()["error"] == {"message": f"upstream rejected the request: {TOO_LONG}",
+                                    "type": "invalid_request_error", "param": None, "code": None}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_429_reaches_the_client_as_a_429_with_its_retry_after(
+    gateway: Gateway, refusing: Engine, stream: bool,
+) -> None:
+    refusing.refusal = (429, {"object": "error", "message": "too many requests", "type": "RateLimitError",
+                              "param": None, "code": 429}, {"Retry-After": "7"})
+    resp = chat(gateway, stream)
+    assert (resp.status_code, resp.headers.get("retry-after")) == (429, "7")
+    assert resp.json()["error"]["type"] == "rate_limit_error"
+    assert refusing.requests == 1   # one backend: asked once
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+
+
+def test_a_model_the_upstream_does_not_serve_is_the_backends_failure(engine: Engine, tmp_path: Path) -> None:
+    """A wrong `upstream_model` is the gateway's configuration, not the client's request: no 400."""
+    with serving(engine) as url, run_gateway(config(tmp_path, url, upstream_model="not-served"), healthy=0) as gw:
+        gw.wait_until(lambda: gw.backend("up")["reachable"])
+        for stream in (False, True):
+            resp = chat(gw, stream)
+            assert resp.status_code == 502, resp.text
+            assert resp.json()["error"]["code"] == "backend_failure"
+        assert "does not exist" in gw.log_path.read_text()   # the operator's log says why
+
+
+def test_a_tls_upstream_behind_a_private_ca_is_probed_as_its_requests_are_sent(tmp_path: Path) -> None:
+    """The CA is trusted through SSL_CERT_FILE: the probe must trust it as the request path does."""
+    cert, key = self_signed(tmp_path, "engine")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    with serving(Engine(), tls) as url, run_gateway(config(tmp_path, url), healthy=0,
+                                                    env={"SSL_CERT_FILE": str(cert)}) as gw:
+        gw.wait_until(lambda: gw.backend("up")["reachable"])
+        for stream in (False, True):
+            resp = chat(gw, stream)
+            assert resp.status_code == 200, resp.text
+        assert "hello" in resp.text
