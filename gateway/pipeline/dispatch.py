@@ -84,8 +84,15 @@ log = structlog.get_logger("pipeline")
 # The loop's timers may fire this much before their time (uvloop's count whole milliseconds).
 LOOP_TIMER_RESOLUTION_S = 0.001
 SOONEST_FIRST_TOKEN = SoonestFirstToken()   # how a request that went on its tenant's guarantee is routed
+
 LANGUAGE_ROLES: tuple[Role, ...] = ("language", "both")
 VISION_ROLES: tuple[Role, ...] = ("vision",)
+
+
+class NoEncoder(Exception):
+    """No vision backend could encode a request's images for the language backend chosen (none healthy,
+    or each failed it), while another backend of its pool encodes its own images (`role: both`, or an
+    upstream that takes the images themselves): the request goes there instead (`Pipeline._dispatch`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,8 +550,9 @@ class Pipeline:
                 raise self._deadline_error(record, last_error)
             if self.clock() >= deadline:
                 raise self._deadline_error(record, last_error)
-            decision = decision or self.route_language(profile, [*record.failed, *record.closed, *record.unable],
-                                                       job.context_tokens, job.model)
+            decision = decision or self.route_language(
+                profile, [*record.failed, *record.closed, *record.unable, *record.no_encoder], job.context_tokens,
+                job.model)
             if decision is None:
                 break
             backend_id = decision.backend.id
@@ -555,6 +563,9 @@ class Pipeline:
                 continue
             try:
                 return await self._attempt(job, decision, client, record, started)
+            except NoEncoder as exc:   # not the language backend's fault: the same request, on one that encodes
+                record.no_encoder = self._needs_encoder(job.model)
+                log.warning("encoders_unavailable", request_id=job.request_id, backend=backend_id, error=str(exc))
             except BackendFailure as exc:
                 record.failed.append(backend_id)
                 if not exc.retryable:
@@ -572,6 +583,8 @@ class Pipeline:
             + (f" of model {job.model!r}" if job.model else "")
             + (f" (kept for higher priority classes: {', '.join(record.closed)})" if record.closed else "")
             + (f" (not the engines {', '.join(record.unable)}: they cannot honour its fields)" if record.unable else "")
+            + (f" (not {', '.join(record.no_encoder)}: no vision backend could encode its images for them)"
+               if record.no_encoder else "")
             + "; retry later"
         )
 
@@ -817,9 +830,30 @@ class Pipeline:
             return vision_id, reply
         if self.clock() >= record.deadline:
             raise self._deadline_error(record, last_error)
+        if self._encodes_itself(job.model, [language.id, *record.failed, *record.closed, *record.unable]):
+            raise NoEncoder(str(last_error) if last_error is not None else "no healthy vision backend")
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
             raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
         raise NoBackendAvailable("no healthy vision backend is available for the request's images; retry later")
+
+    def _self_encoding(self, backend_id: str, role: Role) -> bool:
+        """Whether a language-pool backend takes a request's images without the vision pool: a `both`
+        engine encodes them itself, an upstream without `image_embeds` takes the images as they are."""
+        if role == "both":
+            return True
+        client = self.clients.get(backend_id)
+        return client is not None and client.handoff == "none"
+
+    def _encodes_itself(self, model: str | None, exclude: Sequence[str]) -> bool:
+        """Some healthy backend of `model`'s language pool, not in `exclude`, takes images without the vision
+        pool. O(N), on a failed encode only."""
+        return any(self._self_encoding(b.id, b.role)
+                   for b in self.table.candidates(LANGUAGE_ROLES, self.clock(), exclude, model))
+
+    def _needs_encoder(self, model: str | None) -> tuple[str, ...]:
+        """The healthy backends of `model`'s language pool that need the vision pool for a request's images."""
+        return tuple([b.id for b in self.table.candidates(LANGUAGE_ROLES, self.clock(), (), model)
+                      if not self._self_encoding(b.id, b.role)])
 
     async def _encode_on(
         self, backend_id: str, client: EncoderClient, request: engine_pb2.EncodeRequest, tokens: int, deadline: float,

@@ -56,6 +56,7 @@ class RequestRecord:
     caller: str | None = None
     closed: tuple[str, ...] = ()         # backends kept for priority classes above its tenant's: never its candidates
     unable: tuple[str, ...] = ()         # engines that cannot honour its fields, beside upstreams that can
+    no_encoder: tuple[str, ...] = ()     # backends that need an encoder, after none could encode its images
     model: str = ""                      # the model it asked for (its served name), once validated
     traceparent: str | None = None       # the client's W3C trace context header, if it sent one
     trace: RequestTrace | None = None    # its spans, when tracing is on and it is sampled (gateway.pipeline.tracing)
