@@ -98,6 +98,7 @@ class MetricsAgent:
         self.last_error = ""
         self.saturated = False
         self._logged_missing: frozenset[str] = frozenset()
+        self._logged_rejected: set[str] = set()    # each metric's absurd value is logged once, not every scrape
         self._warned_unscraped = False
         self.max_model_len: int | None = None   # from the engine's /v1/models
         self._context_read = False               # asked again after a restart or a stale spell
@@ -126,6 +127,7 @@ class MetricsAgent:
                 metrics = parse(table, text, self.metrics)
             except ValueError as exc:
                 raise ScrapeError(f"GET {self.config.metrics_url}: not Prometheus text: {exc}") from exc
+            self._log_rejected(metrics)
             if {table.waiting, table.running} <= metrics.missing:
                 raise ScrapeError(f"GET {self.config.metrics_url}: no {table.name} load metrics in the response")
         except ScrapeError as exc:
@@ -153,6 +155,14 @@ class MetricsAgent:
             self.heartbeats.poke()
         self.first_scrape.set()
         return True
+
+    def _log_rejected(self, metrics: EngineMetrics) -> None:
+        """An absurd value is the engine's bug: said once per metric, not at every scrape that repeats it."""
+        for name, value in metrics.rejected:
+            if name not in self._logged_rejected:
+                self._logged_rejected.add(name)
+                log.warning("engine_metric_rejected", backend=self.config.backend_id, engine=self.config.table.name,
+                            metric=name, value=value, detail="negative, NaN or infinite: treated as missing")
 
     async def read_context(self) -> bool:
         """Read max_model_len from the engine's /v1/models; True when it changed. A network or server

@@ -17,6 +17,11 @@ tokens (newer vLLM's `kv_cache_size_tokens`) or block size and block count (vLLM
 `cache_config_info`); block-size and block-count gauges (TensorRT-LLM).
 Usage is a fraction in [0, 1] for all three engines (vLLM's "perc" included) and is clamped to it.
 
+Every series read is a count, a capacity, a fraction or a counter: a negative, NaN or infinite value
+(a sample, or a capacity label of `cache_info`) is an engine's bug, not a load figure. Such a metric
+is rejected whole (one bad rank would make the sum a lie) and treated as missing, so the engine's other
+readings still count and capacity falls back to the next source; `rejected` names it and the value.
+
 Limits: series of a model other than the served one are summed in too; usage is matched to capacity
 per rank only when both carry `rank_label`.
 """
@@ -133,7 +138,8 @@ class EngineMetrics:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0          # cumulative tokens; 0 where the engine does not export them
     prefix_cache_hits: int = 0
-    missing: frozenset[str] = frozenset()  # metrics of the table absent from the text
+    missing: frozenset[str] = frozenset()  # metrics of the table absent from the text (or rejected)
+    rejected: tuple[tuple[str, str], ...] = ()   # (metric, the absurd value) dropped from this scrape
 
     def kv_tokens(self, configured: int | None = None, estimate: int = 0) -> tuple[int, int, KvSource]:
         """(free, total, source) KV tokens. Capacity: the engine's, else `configured`, else `estimate`;
@@ -150,13 +156,16 @@ class EngineMetrics:
 def parse(engine: str | EngineTable, text: str, previous: EngineMetrics | None = None) -> EngineMetrics:
     """Raises KeyError for an unknown engine name, ValueError for text that is not exposition format."""
     table = TABLES[engine] if isinstance(engine, str) else engine
-    samples = _samples(text, table.wanted())
+    samples, rejected = _samples(text, table.wanted())
+    if table.latency_histogram and any(name.startswith(table.latency_histogram) for name in rejected):
+        for part in ("_sum", "_count"):   # a mean from half a histogram would be made up
+            samples.pop(f"{table.latency_histogram}{part}", None)
     missing = {name for name in (table.waiting, table.running) if name not in samples}
     usage_name = next((n for n in table.kv_usage if n in samples), None)
     if usage_name is None:
         missing.add(table.kv_usage[0])
     usage = _by_rank(samples.get(usage_name, []) if usage_name else [], table)
-    capacity = _capacity(samples, table)
+    capacity = _capacity(samples, table, rejected)
     total, free, kv_usage = _kv(capacity, {r: min(1.0, max(0.0, u)) for r, u in usage.items()})
 
     latency_sum, latency_count, mean = _service(samples, table, previous)
@@ -175,18 +184,37 @@ def parse(engine: str | EngineTable, text: str, previous: EngineMetrics | None =
         prefix_cache_queries=int(_sum(samples.get(table.prefix_queries or "", []), table.copy_labels)),
         prefix_cache_hits=int(_sum(samples.get(table.prefix_hits or "", []), table.copy_labels)),
         missing=frozenset(missing),
+        rejected=tuple(sorted(rejected.items())),
     )
 
 
-def _samples(text: str, wanted: frozenset[str]) -> dict[str, Series]:
-    """Samples by name, of the wanted names only (other lines are dropped before the parser sees them)."""
+def _samples(text: str, wanted: frozenset[str]) -> tuple[dict[str, Series], dict[str, str]]:
+    """Samples by name, of the wanted names only (other lines are dropped before the parser sees them),
+    and the names rejected for an absurd value (`_absurd`), with the first such value."""
     lines = [line for line in text.splitlines() if _keep(line, wanted)]
     out: dict[str, Series] = {}
+    rejected: dict[str, str] = {}
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for s in family.samples:
-            if s.name in wanted and math.isfinite(s.value):
+            if s.name not in wanted:
+                continue
+            if _absurd(s.value):
+                rejected.setdefault(s.name, f"{float(s.value):g}")
+            else:
                 out.setdefault(s.name, []).append((s.labels, float(s.value)))
-    return out
+    for name in rejected:
+        out.pop(name, None)
+    return out, rejected
+
+
+def _absurd(value: float | str) -> bool:
+    """No count, capacity, fraction or counter: negative, NaN or infinite. A label that is no number at
+    all ("None" before vLLM profiles memory) is not absurd, only unknown."""
+    try:
+        number = float(value)
+    except ValueError:
+        return False
+    return not (math.isfinite(number) and number >= 0)
 
 
 def _keep(line: str, wanted: frozenset[str]) -> bool:
@@ -217,20 +245,18 @@ def _by_rank(series: Series, table: EngineTable) -> dict[str, float]:
     return out
 
 
-def _capacity(samples: Mapping[str, Series], table: EngineTable) -> dict[str, int]:
-    """KV capacity in tokens per rank, from the first source the engine exports."""
+def _capacity(samples: Mapping[str, Series], table: EngineTable, rejected: dict[str, str]) -> dict[str, int]:
+    """KV capacity in tokens per rank, from the first source the engine exports; a `cache_info` with an
+    absurd capacity label is rejected whole (into `rejected`, as `name{label}`)."""
     if table.kv_tokens_gauge and table.kv_tokens_gauge in samples:
         return {r: int(v) for r, v in _by_rank(samples[table.kv_tokens_gauge], table).items()}
     if table.cache_info and table.cache_info in samples:
-        out: dict[str, int] = {}
-        for labels, _ in samples[table.cache_info]:
-            size, count = _int(labels.get(table.block_size_label)), _int(labels.get(table.num_blocks_label))
-            tokens = _int(labels.get(table.tokens_label)) if table.tokens_label else None
-            if tokens is None and size is not None and count is not None:
-                tokens = size * count
-            if tokens is not None:
-                rank = labels.get(table.rank_label, "") if table.rank_label else ""
-                out[rank] = max(out.get(rank, 0), tokens)
+        series = samples[table.cache_info]
+        labels_read = (table.block_size_label, table.num_blocks_label, table.tokens_label)
+        bad = {f"{table.cache_info}{{{name}}}": labels[name]
+               for labels, _ in series for name in labels_read if name and _absurd(labels.get(name, ""))}
+        rejected.update(bad)
+        out = {} if bad else _info_capacity(series, table)
         if out:
             return out
     if table.block_size_gauge and table.num_blocks_gauge:
@@ -238,6 +264,20 @@ def _capacity(samples: Mapping[str, Series], table: EngineTable) -> dict[str, in
         counts = _by_rank(samples.get(table.num_blocks_gauge, []), table)
         return {r: int(sizes[r]) * int(counts[r]) for r in sizes.keys() & counts.keys()}
     return {}
+
+
+def _info_capacity(series: Series, table: EngineTable) -> dict[str, int]:
+    """Tokens per rank from the labels of `cache_info`: the tokens label, else block size × count."""
+    out: dict[str, int] = {}
+    for labels, _ in series:
+        size, count = _int(labels.get(table.block_size_label)), _int(labels.get(table.num_blocks_label))
+        tokens = _int(labels.get(table.tokens_label)) if table.tokens_label else None
+        if tokens is None and size is not None and count is not None:
+            tokens = size * count
+        if tokens is not None:
+            rank = labels.get(table.rank_label, "") if table.rank_label else ""
+            out[rank] = max(out.get(rank, 0), tokens)
+    return out
 
 
 def _int(value: str | None) -> int | None:

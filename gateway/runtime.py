@@ -122,6 +122,7 @@ class Runtime:
                 "healthy": self.table.is_healthy(e),
                 "draining": self.table.is_draining(e.id),   # no new requests (fleet changes at runtime)
                 "reachable": self.table.reachable(e.id),   # kind: openai: does the upstream answer the probe
+                "last_error": e.last_error,   # kind: openai: why its last probe or scrape failed (None: they did not)
                 "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,

@@ -69,6 +69,8 @@ def _error_message(body: bytes) -> str:
         message = error or reply.get("message")
         if isinstance(message, str):
             return message
+        if not reply:   # `{}`: it said nothing
+            return ""
     return body[:200].decode(errors="replace")
 
 
@@ -92,9 +94,10 @@ class UpstreamRateLimited(BackendFailure):
     type = "rate_limit_error"
     code = "upstream_rate_limited"
 
-    def __init__(self, message: str, *, backend_id: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, *, backend_id: str, retry_after_s: float, said: str = "") -> None:
         super().__init__(message, backend_id=backend_id)
         self.retry_after_s = retry_after_s
+        self.said = said   # the upstream's own message (written for its clients), "" where it gave none
 
 
 class _Relay:
@@ -262,7 +265,8 @@ class OpenAIUpstreamClient:
         message = _error_message(await resp.read(until))
         what = f"backend {self.backend_id}: HTTP {resp.status}: {message}"
         if resp.status == 429:
-            raise UpstreamRateLimited(what, backend_id=self.backend_id, retry_after_s=_retry_after_s(resp.headers))
+            raise UpstreamRateLimited(what, backend_id=self.backend_id, retry_after_s=_retry_after_s(resp.headers),
+                                      said=message)
         # 401/403: the gateway's credentials for this backend; 404: a model (`upstream_model`) or route this
         # upstream does not serve, though the gateway routed the model to it. Not the client's request.
         if resp.status >= 500 or resp.status in (401, 403, 404):

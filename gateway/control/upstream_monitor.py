@@ -15,6 +15,9 @@ stale one that answers can be failed open on. Load signals come from:
 
 A managed backend is watched only while the supervisor has it `ready`; a failed probe or scrape
 simply writes no heartbeat, so the entry goes stale after the heartbeat miss limit like any other.
+Why the last one failed (connection refused, /metrics 404, metrics of another engine, malformed text,
+a timeout) is kept on the entry as one line (`last_error` in /admin/backends), so an operator who sees
+an unhealthy or saturated upstream need not search the log for it; the next success clears it.
 A backend with an api key is asked with it (vLLM's --api-key guards /v1/models); an https one with the
 system's trust store, as its requests are.
 """
@@ -54,12 +57,14 @@ def make_probe(client: httpx.AsyncClient) -> Callable[[str], Awaitable[bool]]:
     return lambda url: probe(client, url)
 
 
-async def answers(client: httpx.AsyncClient, url: str, timeout_s: float) -> bool:
-    """GET url got an HTTP answer below 500 within `timeout_s`: the server is up, whatever it says."""
+async def probe_error(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
+    """Why GET url is no sign of a live server: no HTTP answer within `timeout_s`, or a 5xx; None when it
+    answered below 500 (the server is up, whatever it says)."""
     try:
-        return (await client.get(url, timeout=timeout_s)).status_code < 500
-    except httpx.HTTPError:
-        return False
+        status = (await client.get(url, timeout=timeout_s)).status_code
+    except httpx.HTTPError as exc:
+        return f"probe GET {url}: {type(exc).__name__}: {exc}".rstrip(": ")
+    return f"probe GET {url}: HTTP {status}" if status >= 500 else None
 
 
 @dataclass
@@ -77,6 +82,8 @@ class Watched:
     failed: int = 0                 # probes in a row without an answer
     max_model_len: int | None = None   # managed without `scrape:`: from /v1/models, read once per launch
     context_read: bool = False
+    probe_error: str | None = None     # why the last probe failed (None: it answered)
+    scrape_error: str | None = None    # why the last scrape failed (None: it succeeded)
 
 
 class UpstreamMonitor:
@@ -161,6 +168,8 @@ class UpstreamMonitor:
             return True
         if w.managed and entry is not None:
             w.context_read, w.failed = False, 0   # a relaunched engine may serve another context
+            w.probe_error = w.scrape_error = None
+            entry.last_error = None
             self._table.set_reachable(w.spec.id, None)
         return False
 
@@ -168,7 +177,9 @@ class UpstreamMonitor:
         """One probe: the backend's reachability, and for a managed one without `scrape:` its heartbeat."""
         if not self._watching(w):
             return
-        answered = await answers(w.client, w.probe_url, w.probe_timeout_s)
+        w.probe_error = await probe_error(w.client, w.probe_url, w.probe_timeout_s)
+        self._note_error(w)
+        answered = w.probe_error is None
         w.failed = 0 if answered else w.failed + 1
         if answered or w.failed >= w.probe_failures:
             known = self._table.reachable(w.spec.id)
@@ -187,11 +198,19 @@ class UpstreamMonitor:
         assert w.agent is not None
         if not self._watching(w):
             return
-        await w.agent.scrape_once()
+        w.scrape_error = None if await w.agent.scrape_once() else w.agent.last_error
+        self._note_error(w)
         if w.agent.first_scrape.is_set():
             reported = reported_from(w.agent.state())
             reported.pid = 0   # the scraper's own (this gateway's): the engine's pid is not in its metrics
             self._heartbeat(w, reported)
+
+    def _note_error(self, w: Watched) -> None:
+        """The entry's `last_error`: the probe's (the upstream does not answer at all) before the scrape's."""
+        entry = self._table.get(w.spec.id)
+        if entry is not None:
+            error = w.probe_error or w.scrape_error
+            entry.last_error = " ".join(error.split()) if error else None
 
     def _heartbeat(self, w: Watched, reported: Reported) -> None:
         w.seq += 1

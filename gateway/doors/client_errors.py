@@ -4,7 +4,9 @@ A backend's failure reaches the client as which backend failed, in the gateway's
 transport wrote (gRPC's "<AioRpcError of RPC that terminated with ...>", "failed to connect to all
 addresses; ... Failed to connect to remote host", "Cancelling all calls", an OSError naming an
 internal address) says nothing a client can act on and names the cluster's insides: it goes to the
-request's log line (under the `x-request-id` the client also gets), never into a response.
+request's log line (under the `x-request-id` the client also gets), never into a response. An
+upstream's 429 is the exception: it is no failure but the engine asking the client to wait, so the
+client is told that, with the upstream's own message (written for its clients) where it gave one.
 
 Every HTTP route answers an error with `error_headers` and `error_json`: the OpenAI error shape, the
 request's id, `retry-after` where the error has one, and `x-should-retry: false` on a 429 that no retry
@@ -16,6 +18,7 @@ from __future__ import annotations
 import orjson
 
 from gateway.clients.engine_client import HANDOFF_TIMEOUT
+from gateway.clients.openai_upstream import UpstreamRateLimited
 from gateway.requests.errors import (
     BackendDrained,
     BackendFailure,
@@ -31,6 +34,9 @@ _LAST_ERROR = "; last error: "   # how the pipeline appends a deadline's last ba
 def client_message(err: RequestError) -> str:
     """The message a client gets for `err`. Timeouts and drains keep theirs: the gateway wrote them (the
     first token's or the request's deadline, a drain's end), as it wrote every error of a request itself."""
+    if isinstance(err, UpstreamRateLimited):
+        said = err.said.strip()
+        return f"backend {err.backend_id} is rate limiting requests" + (f": {said}" if said else "")
     if isinstance(err, BackendFailure) and not isinstance(err, BackendTimeout | BackendDrained):
         who = f"backend {err.backend_id}" if err.backend_id else "a backend"
         if err.code == HANDOFF_TIMEOUT:

@@ -87,6 +87,9 @@ class BackendEntry:
     lifecycle: Lifecycle | None = None
     models: frozenset[str] = frozenset()      # the model names it serves (empty: the table's only model)
     min_priority: int | None = None           # kept for requests of this priority class or higher (None: any)
+    # kind: openai: why the gateway's last probe or scrape of it failed, one line (None: they succeeded);
+    # for the operator's /admin/backends only, never read by routing
+    last_error: str | None = None
     cached: BackendSnapshot | None = field(default=None, repr=False)
     blind: BackendSnapshot | None = field(default=None, repr=False)   # the snapshot failing open (`_blind`)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots
