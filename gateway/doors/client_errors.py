@@ -75,7 +75,7 @@ def error_headers(err: RequestError, request_id: str) -> list[tuple[bytes, bytes
     wait_s = retry_after(err)
     if wait_s is not None:
         headers.append((b"retry-after", b"%d" % wait_s))
-    if err.status == 429 and (err.retry_after_s is None or err.retry_after_s > _SDK_RETRY_AFTER_MAX_S):
+    if err.status == 429 and (wait_s is None or wait_s > _SDK_RETRY_AFTER_MAX_S):   # the wait as sent
         headers.append((b"x-should-retry", b"false"))
     return headers
 

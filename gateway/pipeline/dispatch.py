@@ -830,7 +830,7 @@ class Pipeline:
             return vision_id, reply
         if self.clock() >= record.deadline:
             raise self._deadline_error(record, last_error)
-        if self._encodes_itself(job.model, [language.id, *record.failed, *record.closed, *record.unable]):
+        if self._encodes_itself(job, [language.id, *record.failed, *record.closed, *record.unable]):
             raise NoEncoder(str(last_error) if last_error is not None else "no healthy vision backend")
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
             raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
@@ -844,11 +844,12 @@ class Pipeline:
         client = self.clients.get(backend_id)
         return client is not None and client.handoff == "none"
 
-    def _encodes_itself(self, model: str | None, exclude: Sequence[str]) -> bool:
-        """Some healthy backend of `model`'s language pool, not in `exclude`, takes images without the vision
-        pool. O(N), on a failed encode only."""
-        return any(self._self_encoding(b.id, b.role)
-                   for b in self.table.candidates(LANGUAGE_ROLES, self.clock(), exclude, model))
+    def _encodes_itself(self, job: GenerationJob, exclude: Sequence[str]) -> bool:
+        """Some backend the job could be routed to (`routable`, its context fitting), not in `exclude`, takes
+        images without the vision pool; else the encoders' own failure is the answer. O(N), on a failed
+        encode only."""
+        candidates = self.routable(self.clock(), exclude, job.model).fitting(job.context_tokens)
+        return any(self._self_encoding(b.id, b.role) for b in candidates)
 
     def _needs_encoder(self, model: str | None) -> tuple[str, ...]:
         """The healthy backends of `model`'s language pool that need the vision pool for a request's images."""

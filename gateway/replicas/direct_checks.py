@@ -24,9 +24,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.routing.state_table import StateTable
+
+log = structlog.get_logger("shared_state")
 
 # (address, timeout in seconds) -> whether a server there answered within it
 Probe = Callable[[str, float], Awaitable[bool]]
@@ -50,7 +53,7 @@ async def engine_answers(address: str, timeout_s: float) -> bool:
 class _Check:
     due: float = 0.0          # the next check not before (table clock)
     failures: int = 0         # checks in a row without an answer
-    answered: bool = False    # the last check got one
+    answered: bool = False    # some check of this outage got one
     task: asyncio.Task[None] | None = None
 
 
@@ -87,15 +90,19 @@ class DirectChecks:
         try:   # the probe bounds itself; this bounds the channel's set-up and close too
             answered = bool(address) and await asyncio.wait_for(self._probe(address, self._timeout_s),
                                                                 self._timeout_s + CHANNEL_MARGIN_S)
-        except TimeoutError:
+        except Exception as exc:   # timed out, or a channel that could not even be made: no answer
             answered = False
+            if not isinstance(exc, TimeoutError):
+                log.warning("held_check_error", address=address, error=repr(exc))
         finally:
             check.task = None
-        check.answered = answered
+        check.answered = check.answered or answered
         check.failures = 0 if answered else check.failures + 1
 
     def answered(self, backend_id: str) -> bool:
-        """Its last check got an answer (kind: openai: the upstream probe's last one did)."""
+        """A check of this outage got an answer, and it has not stopped answering since (`unreachable`
+        says when it has): one slow check on a loaded host does not drop a backend that answers the next
+        (kind: openai: the upstream probe's last verdict)."""
         entry = self._table.get(backend_id)
         if entry is not None and entry.external:
             return self._table.reachable(backend_id) is True

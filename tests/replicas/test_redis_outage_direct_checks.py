@@ -33,8 +33,8 @@ def replica_config(tmp: Path, name: str, prefix: str, ports: dict[str, int]) -> 
     return write_config(d, {
         "model": MODEL,
         "gateway": {"heartbeat_interval_ms": HEARTBEAT_MS, "redis": {
-            "key_prefix": prefix, "fail_open_hold_s": 1.0, "held_check_interval_s": 0.2,
-            "held_check_timeout_s": 0.2, "held_check_failures": 2}},
+            "key_prefix": prefix, "fail_open_hold_s": 1.0, "held_check_interval_s": 0.5,
+            "held_check_timeout_s": 0.5, "held_check_failures": 2}},
         "backends": [{"id": backend_id, "gpu": gpu, "address": f"127.0.0.1:{ports[backend_id]}"}
                      for backend_id, gpu in ENGINES.items()],
     })
