@@ -25,13 +25,16 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from backends.executors import EncodedImage, VisionEncoder
+from backends.executors import EncodedImage, InvalidInput, VisionEncoder
 from backends.scheduling import ready_in, take_batch
 from common.prefix_blocks import content_digest, salted_digest
 from common.wire import engine_pb2
 
 Deliver = Callable[[str, engine_pb2.Embedding], Awaitable[None]]
 JobResult = tuple[list[EncodedImage], list[bool], Exception | None]   # embeddings, cache hits, or its failure
+# What one request's image can make an encode fail with (and the engine answers INVALID_ARGUMENT):
+# Pillow cannot decode it, or the model's image processor refuses it (backends/torch_vision.py).
+INPUT_ERRORS = (OSError, InvalidInput)
 
 
 @dataclass(eq=False)
@@ -102,42 +105,52 @@ class VisionExecutor:
     async def run_batch(self) -> None:
         self._drop_cancelled()
         batch = take_batch(self._queue, self.max_images)
-        if not batch:
-            return
-        tokens = sum(j.tokens for j in batch)
-        start = time.monotonic()
-        results = await self._encode_jobs(batch)
-        encode_s = time.monotonic() - start
-        self.backlog_tokens -= tokens
-        self.images_encoded += sum(len(encoded) - sum(hits) for encoded, hits, _ in results)
-        self.embedding_cache_hits += sum(sum(hits) for _, hits, _ in results)
-        self._on_change()
-        for job, (encoded, hits, failure) in zip(batch, results, strict=True):
-            # hand-offs overlap the next batch, as the DMA does on a real GPU
-            task = asyncio.create_task(self._finish(job, encoded, failure, encode_s, sum(hits)))
-            self._delivering.add(task)
-            task.add_done_callback(self._delivering.discard)
+        if batch:
+            await self._encode_jobs(batch, time.monotonic())
 
-    async def _encode_jobs(self, batch: list[EncodeJob]) -> list[JobResult]:
-        """Per job: its embeddings and which were cache hits, or what failed it. A batch that fails (an image
-        that does not decode, one the model's processor refuses) is encoded again job by job: only the requests
-        with the bad image fail, not the others that happened to share its batch. A failure fails requests,
-        never the engine."""
-        images = [img for job in batch for img in job.request.images]
-        salts = [job.request.cache_salt for job in batch for _ in job.request.images]
+    async def _encode_jobs(self, jobs: list[EncodeJob], start: float) -> None:
+        """Encode the jobs as one batch and hand each its embeddings, or what failed it. A batch that one
+        request's image fails (`INPUT_ERRORS`: it does not decode, or the model's processor refuses it) is
+        encoded again job by job, so that only the requests with the bad image fail, not the others that happened
+        to share its batch; each job's result goes out as soon as it exists, not after the rest, and a job whose
+        caller has left is not encoded again. Any other failure is the encoder's own (a device error) and would
+        fail every job again: it fails the batch at once. A failure fails requests, never the engine."""
+        images = [img for job in jobs for img in job.request.images]
+        salts = [job.request.cache_salt for job in jobs for _ in job.request.images]
         try:
             encoded, hits = await self._encode_uncached(images, salts)
+        except INPUT_ERRORS as exc:
+            if len(jobs) == 1:
+                self._settle(jobs[0], start, ([], [], exc))
+                return
+            for job in jobs:
+                if job.done.done():   # its caller left while the batch ran
+                    self._settle(job, start, None)
+                else:
+                    await self._encode_jobs([job], start)
+            return
         except Exception as exc:
-            if len(batch) == 1:
-                return [([], [], exc)]
-            return [(await self._encode_jobs([job]))[0] for job in batch]
-        results: list[JobResult] = []
+            for job in jobs:
+                self._settle(job, start, ([], [], exc))
+            return
         offset = 0
-        for job in batch:
-            n = len(job.request.images)
-            results.append((encoded[offset:offset + n], hits[offset:offset + n], None))
-            offset += n
-        return results
+        for job in jobs:
+            self._settle(job, start, (encoded[offset:offset + job.images], hits[offset:offset + job.images], None))
+            offset += job.images
+
+    def _settle(self, job: EncodeJob, start: float, result: JobResult | None) -> None:
+        """The job leaves the backlog, and its result (None: its caller left, nothing to hand it) is handed to
+        it in the background: hand-offs overlap the rest of the batch and the next one, as the DMA does on a
+        real GPU."""
+        self.backlog_tokens -= job.tokens
+        if result is not None:
+            encoded, hits, failure = result
+            self.images_encoded += len(encoded) - sum(hits)
+            self.embedding_cache_hits += sum(hits)
+            task = asyncio.create_task(self._finish(job, encoded, failure, time.monotonic() - start, sum(hits)))
+            self._delivering.add(task)
+            task.add_done_callback(self._delivering.discard)
+        self._on_change()
 
     async def _encode_uncached(self, images: list[engine_pb2.Image], salts: list[str]) -> (
         tuple[list[EncodedImage], list[bool]]

@@ -13,9 +13,10 @@ so every replica must be able to check it, not only the launcher:
   heartbeat whose identity hashes to the announced digest.
 
 The leader's renewal replaces the whole hash and sets its expiry (`engine_keys_ttl_s`, longer than
-engines outlive every replica, `engine_orphan_s`): digests of backends no longer managed leave with
-the next renewal, and those of a deployment no longer running leave Redis with the expiry, while each
-replica keeps the digests it last read (a Redis outage or a gap between leaders changes nothing here).
+engines outlive every replica, `engine_orphan_s`): digests of backends no longer managed (`forget`) leave
+with the next renewal (the whole hash when none is left), and those of a deployment no longer running
+leave Redis with the expiry, while each replica keeps the digests it last read (a Redis outage or a gap
+between leaders changes nothing here).
 
 Redis holds digests, never secrets: reading Redis does not let anyone speak for an engine (writing to
 it already allows writing heartbeats, so Redis is inside the trust boundary either way). The
@@ -56,6 +57,13 @@ class EngineIdentities:
         self.own[backend_id] = digest(secret)
         if self.launching:
             self._digests[backend_id] = self.own[backend_id]
+
+    def forget(self, backend_id: str) -> None:
+        """A managed backend removed at runtime, its engine stopped (gateway/control/fleet.py): its secret and
+        digest go, so the leader's next renewal no longer announces it (nor one it adopted)."""
+        self._secrets.pop(backend_id, None)
+        self.own.pop(backend_id, None)
+        self._digests.pop(backend_id, None)
 
     def __contains__(self, backend_id: str) -> bool:
         return backend_id in self._secrets

@@ -19,9 +19,10 @@ reach keeps its engines while another takes over, until it sees Redis again.
 Each renewal also announces, under `P identities`, the digests of the identities the leader gives its
 engines (engine_identities.py): the script writes them only for the holder, so every replica can
 check the current leader's engines and a deposed leader cannot overwrite them. It replaces the hash
-whole (the leader's digests in effect are the announcement: a backend no longer managed leaves it) and
-sets its expiry (`engine_keys_ttl_s`): while leaders renew it stays; once none has for that long the
-engines it names have exited (`engine_orphan_s`), and it leaves Redis instead of staying for good.
+whole (the leader's digests in effect are the announcement: a backend no longer managed leaves it, and
+an empty announcement deletes it) and sets its expiry (`engine_keys_ttl_s`): while leaders renew it
+stays; once none has for that long the engines it names have exited (`engine_orphan_s`), and it leaves
+Redis instead of staying for good.
 
 The supervisor is started and stopped from outside (`make_supervisor` builds a fresh one for every
 term of leadership); without Redis the single process supervises from the start.
@@ -45,10 +46,12 @@ log = structlog.get_logger("leadership")
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  if #ARGV > 3 then
+  if KEYS[2] ~= KEYS[1] then  -- the same key: no announce key, nothing announced
     redis.call('DEL', KEYS[2])
-    redis.call('HSET', KEYS[2], unpack(ARGV, 4))
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    if #ARGV > 3 then
+      redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+      redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    end
   end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config.sections import RedisConfig
+from gateway.control.engine_identities import EngineIdentities, digest
 from gateway.replicas.leadership import RENEWED, LeaderLease
 from gateway.routing.backend_entry import Reported
 from tests.replicas.redis_helpers import redis_prefix
@@ -70,6 +71,31 @@ async def test_the_leaders_announced_identities_replace_the_hash_and_expire() ->
             await other.renew()
             assert await redis.hgetall(shared.identities_key) == announced
             await lease.release()
+
+
+async def test_a_backend_forgotten_leaves_the_announcement_with_the_next_renewal_and_the_last_takes_the_hash() -> None:
+    """Removed from the fleet (`EngineIdentities.forget`), a managed backend's digest is no longer announced; once
+    none is left the renewal deletes the hash rather than leaving the last digests until their expiry. A lease
+    announcing nothing (no announce key) renews as before."""
+    with redis_prefix("identities-forget") as prefix:
+        async with replica(prefix, "a") as (shared, _):
+            redis = shared._redis
+            identities = EngineIdentities.drawn(["h100-0", "l40s-0"])
+            lease = LeaderLease(redis, prefix + "leader", "a", 1000, 1.0, shared.identities_key, identities.announced)
+            assert await lease.acquire() and await lease.renew() == RENEWED
+            assert set(await redis.hgetall(shared.identities_key)) == {"h100-0", "l40s-0"}
+            identities.forget("h100-0")
+            assert await lease.renew() == RENEWED
+            assert await redis.hgetall(shared.identities_key) == {"l40s-0": digest(identities.secret("l40s-0"))}
+            identities.forget("l40s-0")
+            assert "l40s-0" not in identities and not identities.verify("l40s-0", "")
+            assert await lease.renew() == RENEWED
+            assert await redis.exists(shared.identities_key) == 0
+            await lease.release()
+            silent = LeaderLease(redis, prefix + "leader", "a", 1000, 1.0)
+            assert await silent.acquire() and await silent.renew() == RENEWED
+            assert 0 < await redis.pttl(prefix + "leader") <= 1000
+            await silent.release()
 
 
 @pytest.mark.parametrize("settings", [

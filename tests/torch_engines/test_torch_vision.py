@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,6 +125,80 @@ async def test_a_bad_image_fails_only_its_own_request_in_a_batch(tiny_model_dir:
     assert isinstance(bad, OSError)
     assert isinstance(good, engine_pb2.EncodeReply) and isinstance(other, engine_pb2.EncodeReply)
     assert [len(r.embeddings) for r in (good, other)] == [1, 1] and vision.images_encoded == 2
+
+
+
+def tiny_encoder(tiny_model_dir: Path, features: Callable[..., Any]) -> TorchEncoder:
+    """The tiny LLaVA's encoder with its vision tower and projector (`get_image_features`) replaced by
+    `features(original, **kwargs)`."""
+    profile = load_catalog().model(TINY)
+    encoder = TorchEncoder(load_model(profile, model_path=str(tiny_model_dir), seed=0, dtype="auto", device="cpu",
+                                      keep="vision"), profile)
+    model = encoder.loaded.model.model
+    original = model.get_image_features
+    model.get_image_features = functools.partial(features, original)
+    return encoder
+
+
+def encode_calls(vision: VisionExecutor, datas: list[bytes]) -> list[asyncio.Future[engine_pb2.EncodeReply]]:
+    tokens = load_catalog().model(TINY).image_tokens(64, 64)
+    return [asyncio.ensure_future(vision.encode(engine_pb2.EncodeRequest(
+        request_id=f"r{i}", images=[engine_pb2.Image(data=data, tokens=tokens)]))) for i, data in enumerate(datas)]
+
+
+async def test_an_encoder_failure_fails_the_batch_once(tiny_model_dir: Path) -> None:
+    """A failure no image causes (the device fails the vision tower) fails every request of the batch with it at
+    once: encoding each request again would fail as often, keeping them all waiting (and counted in the backlog)."""
+    calls = 0
+
+    def broken(original: Callable[..., Any], **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    vision = VisionExecutor(tiny_encoder(tiny_model_dir, broken), deliver_nowhere, max_images=8, batch_timeout_s=60)
+    jobs = encode_calls(vision, [image_bytes("PNG", (64, 64), seed=i) for i in range(3)])
+    await asyncio.sleep(0)
+    await vision.run_batch()
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert calls == 1 and vision.backlog_tokens == 0 and vision.images_encoded == 0
+
+
+async def test_a_failed_batch_hands_out_each_result_as_it_exists(tiny_model_dir: Path) -> None:
+    """A batch a bad image fails is encoded again request by request: a good request's embeddings go out while
+    the later ones are still being encoded, and a request whose caller has left by then is not encoded again."""
+    proceed = threading.Event()
+    calls = 0
+
+    def features(original: Callable[..., Any], **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:   # the second good request: held until the first has its reply
+            assert proceed.wait(timeout=60)
+        return original(**kwargs)
+
+    vision = VisionExecutor(tiny_encoder(tiny_model_dir, features), deliver_nowhere, max_images=8,
+                            batch_timeout_s=60)
+    good, bad, later, gone = encode_calls(vision, [image_bytes("PNG", (64, 64), noise=True, seed=1), broken_jpeg(),
+                                                   image_bytes("PNG", (64, 64), seed=2),
+                                                   image_bytes("PNG", (64, 64), seed=3)])
+    await asyncio.sleep(0)
+    batch = asyncio.create_task(vision.run_batch())
+    try:
+        reply = await asyncio.wait_for(asyncio.shield(good), timeout=60)   # while `later` is being encoded
+        gone.cancel()
+    finally:
+        proceed.set()
+    await batch
+    [failure] = await asyncio.gather(bad, return_exceptions=True)
+    assert len(reply.embeddings) == 1 and isinstance(failure, OSError)
+    assert len((await later).embeddings) == 1 and gone.cancelled()
+    assert calls == 2 and vision.images_encoded == 2 and vision.backlog_tokens == 0
+
+
+async def deliver_nowhere(_to: str, _emb: engine_pb2.Embedding) -> None:
+    """No embedding in these tests names a language engine to deliver it to."""
 
 
 def test_engine_on_a_device_it_lacks_exits_naming_it() -> None:
