@@ -2,13 +2,14 @@
 
 Engines take a prompt, `max_tokens`, `temperature`, `top_p` and `stop`, and give one choice. A request
 that asks for anything else (tools, logprobs, a response format, `n` > 1, a seed, penalties, `echo`,
-vendor fields, tool calls in its messages, a `prompt` beside a chat request's messages) would get an
-answer that silently ignores it: an engine refuses it with a 400 that names the fields instead. A
-field sent with a value that asks nothing (null, false, 0 but for `seed` and `logprobs`, empty, `n: 1`,
-`best_of: 1`, `tool_choice: "none"`, `response_format: {"type": "text"}`) is no request. `kind: openai`
-backends get every field (`gateway.clients.openai_upstream`), and where a model has both kinds such a
-request is routed to those only (`Pipeline._unable`). Torch engines also honour `seed`: a request the
-gateway tokenised for them (an exact request) may carry one.
+vendor fields, tool calls in its messages, a `prompt` beside a chat request's messages, a stream option
+other than `include_usage` such as vLLM's `continuous_usage_stats`) would get an answer that silently
+ignores it: an engine refuses it with a 400 that names the fields instead. A field sent with a value
+that asks nothing (null, false, 0 but for `seed` and `logprobs`, empty, `n: 1`, `best_of: 1`,
+`tool_choice: "none"`, `response_format: {"type": "text"}`) is no request. `kind: openai` backends get
+every field (`gateway.clients.openai_upstream`), and where a model has both kinds such a request is
+routed to those only (`Pipeline._unable`). Torch engines also honour `seed`: a request the gateway
+tokenised for them (an exact request) may carry one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ HONOURED = frozenset({
     "stream", "stream_options", "user", "cache_salt",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
 _NO_REQUEST: dict[str, Any] = {"n": 1, "best_of": 1, "tool_choice": "none", "response_format": {"type": "text"}}
 
 
@@ -44,10 +46,13 @@ _HONOURED_BY = {(exact, chat): (EXACT_HONOURED if exact else HONOURED) - {"promp
 
 def refused_fields(body: dict[str, Any], *, exact: bool = False, chat: bool = True) -> list[str]:
     """The fields of `body` (a chat request's, else a completion's) an engine cannot honour, as dotted
-    paths (`messages.2.tool_calls`). A chat request's `prompt` and a completion's `messages` are read by
-    neither."""
+    paths (`messages.2.tool_calls`, `stream_options.continuous_usage_stats`). A chat request's `prompt`
+    and a completion's `messages` are read by neither."""
     honoured = _HONOURED_BY[exact, chat]
     refused = [k for k, v in body.items() if k not in honoured and not _asks_nothing(k, v)]
+    options = body.get("stream_options")
+    if isinstance(options, dict):
+        refused += [f"stream_options.{k}" for k, v in options.items() if k not in STREAM_OPTIONS_FIELDS and v]
     messages = body.get("messages")
     if chat and isinstance(messages, list):
         for i, message in enumerate(messages):

@@ -42,8 +42,9 @@ class JobBuilder:
         return served
 
     def max_tokens(self, prompt_tokens: int, asked: int | None, prompt_param: str = "messages",
-                   model: str | None = None) -> int:
-        """Check the prompt and max_tokens against the limits; return the max_tokens to use.
+                   model: str | None = None, asked_param: str = "max_tokens") -> int:
+        """Check the prompt and max_tokens against the limits; return the max_tokens to use. Errors name
+        `asked_param`, the field the client asked the length with (`max_completion_tokens` or `max_tokens`).
 
         Context as vLLM counts it: prompt + max_tokens ≤ max_model_len. The request is refused (400)
         only when no backend serves a context it fits in; which of them can take it is the router's
@@ -54,7 +55,7 @@ class JobBuilder:
             raise InvalidRequest(f"prompt is {prompt_tokens} tokens; the limit is {limit}",
                                  param=prompt_param, code="context_length_exceeded")
         if asked is not None and asked > self._limits.max_tokens:
-            raise InvalidRequest(f"max_tokens is {asked}; the limit is {self._limits.max_tokens}", param="max_tokens")
+            raise InvalidRequest(f"{asked_param} is {asked}; the limit is {self._limits.max_tokens}", param=asked_param)
         context = self._runtime.table.largest_context(model)
         room = context - prompt_tokens
         if room < 1:
@@ -66,8 +67,8 @@ class JobBuilder:
         if asked is not None and asked > room:
             raise InvalidRequest(
                 f"this model's maximum context length is {context} tokens (the longest any backend serves); "
-                f"the request needs {prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} in max_tokens)",
-                param="max_tokens", code="context_length_exceeded",
+                f"the request needs {prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} in {asked_param})",
+                param=asked_param, code="context_length_exceeded",
             )
         return asked if asked is not None else min(self._limits.default_max_tokens, room)
 
@@ -93,8 +94,9 @@ class JobBuilder:
         if exact is not None:
             prompt_ids = exact.chat(req.messages, images)
             ids, spans, tokens = tuple(prompt_ids.ids), tuple(prompt_ids.image_spans), prompt_ids.text_tokens
-        asked = req.requested_max_tokens()
-        max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked, model=served.name)
+        asked, asked_param = req.requested_max_tokens()
+        max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked, model=served.name,
+                                     asked_param=asked_param)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
@@ -121,8 +123,8 @@ class JobBuilder:
         if exact is not None:
             ids = tuple(exact.text(prompt).ids)
             tokens = len(ids)
-        asked = req.requested_max_tokens()
-        max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt", model=served.name)
+        asked, asked_param = req.requested_max_tokens()
+        max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt", model=served.name, asked_param=asked_param)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,

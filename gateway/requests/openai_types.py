@@ -10,9 +10,10 @@ body: a pydantic private attribute cost a few µs a request to set and read.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.requests.errors import InvalidRequest
 from gateway.requests.tokens import CHAT_MESSAGE_OVERHEAD, count_text_tokens
@@ -62,16 +63,23 @@ class _Sampling(_Body):
     seed: int | None = None   # honoured by torch engines (see gateway.clients.engine_fields)
     user: str | None = None   # the end user or session: routed to where its prefix is cached
     cache_salt: str | None = Field(default=None, min_length=1)   # vLLM's: prefix-cache hits only within a salt
+    # OpenAI's newer name for max_tokens, on both routes: a client that moved to it everywhere gets the
+    # length it asked for, on completions too (ignored there, it would silently get the default length)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The completion's length the client asked for, and the field that asked it (which errors name):
+        `max_completion_tokens` where given, as OpenAI and vLLM read it, else `max_tokens`."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Sampling):
@@ -79,8 +87,15 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)   # generated, the best n returned: bounded by limits.max_choices
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_token_ids(cls, prompt: Any) -> Any:
+        """A prompt of token ids (vLLM takes `[1, 2]` and `[[1, 2]]`) is refused as such: the type check
+        alone would answer "prompt.0: Input should be a valid string", which does not say what is wrong."""
+        first = prompt[0] if isinstance(prompt, list) and prompt else None
+        if isinstance(first, int | list) and not isinstance(first, bool):
+            raise PydanticCustomError("token_prompt", "prompts of token ids are not supported; send the prompt as text")
+        return prompt
 
 
 def body_error(exc: ValidationError) -> InvalidRequest:

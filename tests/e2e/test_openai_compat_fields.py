@@ -1,0 +1,151 @@
+"""OpenAI request fields a client moving from vLLM or OpenAI sends, on both kinds of backend: one gateway
+on one simulated engine, one in front of `gateway demo-upstream` (the mock vLLM), both real processes on
+127.0.0.1. Each field is either honoured, passed to the upstream that honours it, or refused with a 400
+that names it, never silently dropped: `max_completion_tokens` on /v1/completions, the field an
+over-long length names, stream options an engine cannot honour, prompts of token ids."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
+
+MODEL = "llava-1.5-7b"
+MAX_TOKENS = 4096   # the default limits.max_tokens, and the model's context
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway on one simulated language engine (fast clock)."""
+    config = write_config(tmp_path_factory.mktemp("compat-engine"), {
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.05}}],
+    })
+    with run_gateway(config, timeout=60) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, str]]:
+    """A gateway in front of the demo upstream, and the upstream's base URL (its /stats shows what it got)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    mock = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo-upstream", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert mock.poll() is None and time.monotonic() < deadline, "the demo upstream did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        config = write_config(tmp_path_factory.mktemp("compat-upstream"), {
+            "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+            "backends": [{"id": "mock-vllm", "kind": "openai", "gpu": "H100", "address": url,
+                          "upstream_model": "demo-model", "scrape": {"engine": "vllm", "interval_ms": 100}}],
+        })
+        with run_gateway(config, healthy=1, timeout=60) as gw:
+            yield gw, url
+    finally:
+        mock.terminate()
+        try:
+            mock.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            mock.kill()
+            mock.wait()
+
+
+@pytest.fixture(params=["engine", "upstream"])
+def gateway(request: pytest.FixtureRequest) -> Gateway:
+    """Each of the two gateways in turn."""
+    if request.param == "engine":
+        return request.getfixturevalue("engine")
+    return request.getfixturevalue("upstream")[0]
+
+
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def post(gw: Gateway, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{gw.url}{path}", json=body, timeout=30)
+
+
+def last_body(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/stats", timeout=5).json()["last_body"]
+
+
+def test_max_completion_tokens_bounds_a_text_completion(gateway: Gateway) -> None:
+    """OpenAI's newer name for max_tokens bounds /v1/completions as it bounds chat (it went unread there:
+    the completion ran to the gateway's default length, 16 tokens at least on the engine)."""
+    sdk = client(gateway)
+    reply = sdk.completions.create(model=MODEL, prompt="Hello", extra_body={"max_completion_tokens": 3})
+    assert reply.usage is not None and reply.usage.completion_tokens == 3, reply
+    assert reply.choices[0].finish_reason == "length"
+    streamed = list(sdk.completions.create(model=MODEL, prompt="Hello", stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"max_completion_tokens": 2}))
+    usage = streamed[-1].usage
+    assert usage is not None and usage.completion_tokens == 2, streamed
+    assert [c.finish_reason for s in streamed for c in s.choices if c.finish_reason] == ["length"]
+
+
+def test_max_completion_tokens_goes_upstream_as_max_tokens_on_completions(upstream: tuple[Gateway, str]) -> None:
+    gw, url = upstream
+    assert post(gw, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_completion_tokens": 3}).status_code == 200
+    got = last_body(url)
+    assert got["max_tokens"] == 3 and "max_completion_tokens" not in got, got
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/completions", {"prompt": "Hi"}),
+], ids=["chat", "completions"])
+def test_a_length_over_the_limits_names_the_field_the_client_sent(gateway: Gateway, path: str,
+                                                                  body: dict[str, Any]) -> None:
+    """The 400 names `max_completion_tokens` where the client asked with it, not `max_tokens`, which it
+    never sent; over the limit and over the context alike."""
+    for asked in (MAX_TOKENS + 1, MAX_TOKENS):   # over the limit; over the context with the prompt
+        resp = post(gateway, path, {"model": MODEL, **body, "max_completion_tokens": asked})
+        assert resp.status_code == 400, resp.text[:300]
+        err = resp.json()["error"]
+        assert err["param"] == "max_completion_tokens" and "max_completion_tokens" in err["message"], err
+        assert err["type"] == "invalid_request_error"
+    resp = post(gateway, path, {"model": MODEL, **body, "max_tokens": MAX_TOKENS + 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text[:300]
+
+
+def test_a_stream_option_an_engine_cannot_honour_is_refused_by_name(engine: Gateway) -> None:
+    """vLLM's `continuous_usage_stats` puts usage in every chunk; an engine sends it only at the end, so
+    it refuses the option (it answered as if it had not been asked). Asked off, it is no request."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    resp = post(engine, "/v1/chat/completions",
+                {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "stream_options.continuous_usage_stats", err
+    assert "continuous_usage_stats" in err["message"] and "kind: openai" in err["message"], err
+    resp = post(engine, "/v1/chat/completions",
+                {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+    assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n"), resp.text
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3]]], ids=["ids", "list-of-ids"])
+def test_a_prompt_of_token_ids_is_refused_as_such(gateway: Gateway, prompt: list[Any]) -> None:
+    """vLLM takes a prompt of token ids; the gateway routes on text and says that is what it refuses,
+    rather than "prompt.0: Input should be a valid string"."""
+    resp = post(gateway, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "prompt" and "token ids" in err["message"], err
