@@ -131,22 +131,24 @@ async def _stream_chat(client: httpx.AsyncClient, body: dict[str, Any], request_
     return first, tokens, error
 
 
-async def _replay(
-    url: str, trace: Trace, time_scale: float, seed: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Send request i at arrival_i × time_scale (open loop); per-request model-second times."""
+async def stream_trace(
+    url: str, trace: Trace, time_scale: float, seed: int, origin: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Send request i at origin + arrival_i × time_scale (open loop; origin: a time.monotonic() reading, by
+    default START_DELAY_S after the client opens); per-request model-second times (sent, first token,
+    finish), the tokens streamed and its error ("" for none)."""
     ids = [request_id_for(int(trace.lengths.output_tokens[i]), f"p{seed}-{i}") for i in range(trace.n)]
     images = request_images(trace, seed)
     n = trace.n
     sent, first, finish = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    tokens, failed = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+    tokens, errors = np.zeros(n, dtype=np.int64), [""] * n
     async with replay_client(url, n, REQUEST_TIMEOUT_S) as client:
-        origin = time.monotonic() + START_DELAY_S
+        origin = time.monotonic() + START_DELAY_S if origin is None else origin
 
         async def one(i: int) -> None:
             sent[i] = time.monotonic()
             f, k, error = await _stream_chat(client, replay_body(trace, i, ids[i], images[i]), ids[i])
-            first[i], tokens[i], failed[i] = f, k, bool(error)
+            first[i], tokens[i], errors[i] = f, k, error
             if not error:
                 finish[i] = time.monotonic()
 
@@ -158,7 +160,7 @@ async def _replay(
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
     sent, first, finish = ((a - origin) / time_scale for a in (sent, first, finish))
-    return sent, first, finish, tokens, failed
+    return sent, first, finish, tokens, errors
 
 
 def measure_live(plan: Plan, problem: Problem, time_scale: float, seed: int, workdir: Path) -> Measured:
@@ -168,8 +170,8 @@ def measure_live(plan: Plan, problem: Problem, time_scale: float, seed: int, wor
     deadline = float(trace.arrival_s[-1]) * time_scale + REQUEST_TIMEOUT_S
     with run_gateway(config) as gw:
         try:
-            sent, first, finish, tokens, failed = asyncio.run(
-                asyncio.wait_for(_replay(gw.url, trace, time_scale, seed), deadline))
+            sent, first, finish, tokens, errors = asyncio.run(
+                asyncio.wait_for(stream_trace(gw.url, trace, time_scale, seed), deadline))
         except TimeoutError:
             raise RuntimeError(f"live replay still running after {deadline:.0f} s:\n{gw.log_tail()}") from None
     n = trace.n
@@ -178,7 +180,7 @@ def measure_live(plan: Plan, problem: Problem, time_scale: float, seed: int, wor
     done = ~np.isnan(finish)
     wrong = int((tokens[done] != trace.lengths.output_tokens[done]).sum())
     measured = outcome(Trace(sent, trace.lengths), rec, problem.slo, plan.cost_per_hour(problem.catalog), started, cpu)
-    return Measured(measured, int(failed.sum()), wrong)
+    return Measured(measured, sum(1 for e in errors if e), wrong)
 
 
 def check(plan: Plan, problem: Problem, time_scale: float, seed: int) -> dict[str, Any]:
