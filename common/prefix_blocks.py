@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache
+from itertools import chain, islice
 
 BLOCK_TOKENS = 16      # tokens a KV block holds (vLLM's default block size)
 BYTES_PER_TOKEN = 4    # the gateway's token estimate for text (gateway.requests.tokens)
+KEPT_SLICES = 2048     # blocks of a prompt whose slice objects are made once and kept, per block size
 
 
 def content_digest(data: bytes) -> int:
@@ -75,8 +78,8 @@ def block_hashes(text: str = "", token_ids: Sequence[int] = (), *, block_tokens:
 def _id_chain(ids: tuple[int, ...], count: int, block_tokens: int, previous: int, out: list[int]) -> int:
     """Append the hashes of the first `count` blocks of `ids` to `out`, chained from `previous`; returns
     the last (`previous` when none)."""
-    for start in range(0, count * block_tokens, block_tokens):
-        previous = hash((previous, ids[start:start + block_tokens]))
+    for block in _block_slices(block_tokens, count):
+        previous = hash((previous, ids[block]))
         out.append(previous)
     return previous
 
@@ -86,14 +89,30 @@ def _text_chain(data: bytes, count: int, size: int, previous: int, stable: bool,
     `previous`; returns the last (`previous` when none)."""
     if stable:
         from_bytes = int.from_bytes
-        for start in range(0, count * size, size):
-            previous = hash((previous, from_bytes(data[start:start + size], "little")))
+        for block in _block_slices(size, count):
+            previous = hash((previous, from_bytes(data[block], "little")))
             out.append(previous)
         return previous
-    for start in range(0, count * size, size):
-        previous = hash((previous, data[start:start + size]))
+    for block in _block_slices(size, count):
+        previous = hash((previous, data[block]))
         out.append(previous)
     return previous
+
+
+def _block_slices(size: int, count: int) -> Iterator[slice]:
+    """The slices of a sequence's first `count` blocks of `size` items (none for a count below 1). Those
+    of the first KEPT_SLICES blocks are made once per size and kept (0.26 MB a size): indexing with a
+    kept slice spares each block the slice's construction (bytecode that cost a sixth of hashing a
+    256-byte block); the rest, for prompts longer than that, are made as they come."""
+    kept = _kept_slices(size)
+    if count <= KEPT_SLICES:
+        return islice(kept, max(0, count))
+    return chain(kept, (slice(start, start + size) for start in range(KEPT_SLICES * size, count * size, size)))
+
+
+@lru_cache(maxsize=8)
+def _kept_slices(size: int) -> tuple[slice, ...]:
+    return tuple([slice(start, start + size) for start in range(0, KEPT_SLICES * size, size)])
 
 
 def prompt_blocks(text: str, token_ids: Sequence[int], prompt_tokens: int, images: Sequence[tuple[int, int, int]] = (),
@@ -208,11 +227,12 @@ class BlockLru:
         for block in reversed(blocks):
             if block in order:
                 move(block)
-                if value:
-                    order[block] = value
             else:
                 order[block] = value
                 added.append(block)
+        if value:   # a session's key (its prompt's length): set here, so the loop tests nothing more for a block
+            for block in blocks:
+                order[block] = value
         return added, self._evict(self.capacity) if len(order) > self.capacity else []
 
     def discard(self, block: int) -> bool:
@@ -224,10 +244,12 @@ class BlockLru:
         return self._evict(self.capacity)
 
     def _evict(self, capacity: int) -> list[int]:
+        """The least recent blocks beyond `capacity` out, least recent first (listed, then deleted: half
+        what popping them one by one cost)."""
         order = self._order
-        evicted: list[int] = []
-        while len(order) > capacity:
-            evicted.append(order.popitem(last=False)[0])
+        evicted = list(islice(order, max(0, len(order) - capacity)))
+        for block in evicted:
+            del order[block]
         return evicted
 
     def blocks(self) -> Iterable[int]:

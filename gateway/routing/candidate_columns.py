@@ -53,8 +53,10 @@ class CandidateColumns:
 
     def changed(self, backend_ids: Iterable[str]) -> None:
         """These backends' snapshots were dropped: re-read their rows before the next selection."""
-        rows = self._rows
-        self._changed.update(rows[i] for i in backend_ids if i in rows)
+        rows, changed = self._rows, self._changed
+        for i in backend_ids:   # mostly one or two: a loop costs less than a generator
+            if (k := rows.get(i)) is not None:
+                changed.add(k)
 
     def select(self, now: float, limit_s: float, exclude: Iterable[str]) -> (
         tuple[Candidates, Sequence[BackendEntry]]
@@ -62,7 +64,7 @@ class CandidateColumns:
         """The backends heard from within `limit_s`, and the external ones that were not, less `exclude`."""
         if self._changed:
             self._flush()
-        skip = [self._rows[i] for i in exclude if i in self._rows]
+        skip = [self._rows[i] for i in exclude if i in self._rows] if exclude else []
         if self._oldest is None:
             self._oldest = float(self._heartbeat.min()) if self._entries else _INF
             self._newest = float(self._heartbeat.max()) if self._entries else _NEVER

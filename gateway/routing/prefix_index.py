@@ -238,11 +238,11 @@ class PrefixIndex:
         """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,
         "" for none)."""
         cached: dict[str, int] = {}
-        holders, by_bit, size = self._holders, self._by_bit, self.block_tokens
+        held_by, by_bit, size = self._holders.get, self._by_bit, self.block_tokens
         alive = self._all
         matched = 0
         for block in blocks:
-            held = holders.get(block, 0) & alive
+            held = held_by(block, 0) & alive
             if held != alive:
                 if matched:   # the backends that held every block so far and not this one
                     _credit(cached, alive & ~held, by_bit, matched * size, prompt_tokens)
@@ -256,7 +256,7 @@ class PrefixIndex:
         key = by_blocks = None
         if session:
             key = session_key(session, stable=self.stable)
-            for b in _members(holders.get(key, 0), by_bit):
+            for b in _members(held_by(key, 0), by_bit):
                 if (hit := cached_tokens(b.lru.get(key) or 0, prompt_tokens)) > cached.get(b.id, 0):
                     if by_blocks is None:
                         by_blocks = dict(cached)
@@ -281,8 +281,9 @@ class PrefixIndex:
     def _touch(self, b: _Backend, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
         if blocks:   # a prompt shorter than a block has none
             added, evicted = b.lru.touch(blocks)
-            self._placed += len(added)
-            self._hold(b, added)
+            if added:
+                self._placed += len(added)
+                self._hold(b, added)
             self._forget(b, evicted)
         if session is not None:
             added, evicted = b.lru.touch((session,), prompt_tokens)
@@ -302,22 +303,23 @@ class PrefixIndex:
 
     def _hold(self, b: _Backend, blocks: Iterable[int]) -> None:
         """`blocks` are new in b's LRU; those another backend (or b) evicted lately count as wanted there."""
-        holders, ghosts, bit = self._holders, self._ghosts, 1 << b.bit
+        holders, held_by, ghosts, bit = self._holders, self._holders.get, self._ghosts, 1 << b.bit
         wanted_by = 0
         for block in blocks:
-            holders[block] = holders.get(block, 0) | bit
+            holders[block] = held_by(block, 0) | bit
             if ghosts and (evicted_by := ghosts.pop(block, 0)):
                 wanted_by |= evicted_by
                 for c in _members(evicted_by, self._by_bit):
                     c.wanted += 1
-        for c in _members(wanted_by, self._by_bit):   # each rated once, on its counts after the prompt
-            self._rate(c)
+        if wanted_by:
+            for c in _members(wanted_by, self._by_bit):   # each rated once, on its counts after the prompt
+                self._rate(c)
 
     def _drop(self, b: _Backend, blocks: list[int]) -> None:
         """`blocks` left b's LRU: out of the holders map."""
-        holders, keep = self._holders, ~(1 << b.bit)
+        holders, held_by, keep = self._holders, self._holders.get, ~(1 << b.bit)
         for block in blocks:
-            if mask := holders.get(block, 0) & keep:
+            if mask := held_by(block, 0) & keep:
                 holders[block] = mask
             else:
                 holders.pop(block, None)

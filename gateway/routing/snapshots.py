@@ -56,8 +56,9 @@ def build_snapshot(e: BackendEntry, fixed: FixedFigures, kv: tuple[int, int], me
     else:
         queue_depth = max(in_flight, r.waiting + r.running)
         kv_free, kv_total = kv
+    backend_id, role, gpu, tflops, bandwidth_gbs, price_per_hour = fixed.identity   # a call with *args costs more
     return BackendSnapshot(
-        *fixed.identity,                                                        # id, role, gpu, tflops, ...
+        backend_id, role, gpu, tflops, bandwidth_gbs, price_per_hour,
         queue_depth, in_flight,
         kv_free, kv_total, fixed.kv_bytes_per_token,
         max(r.vision_backlog, e.vision_in_flight_tokens + peer.vision_tokens),   # vision_backlog

@@ -381,7 +381,7 @@ class StateTable:
             self._failing_open[model] = failing_open
         if failing_open:
             return self._open_candidates((roles, model), stale)
-        return fresh.extended([self._saturated(e) for e in stale])
+        return fresh.extended([self._saturated(e) for e in stale]) if stale else fresh
 
     @property
     def failing_open(self) -> bool:

@@ -48,19 +48,19 @@ than conversations think, and their histories are recomputed. w_evict (16) weigh
 one-for-one recomputation: ρ_i undercounts (a ghost list only as long as the cache, a block brought
 back on another backend credited to every one that evicted it) and a lost block costs every later
 block of its prompt and the queueing behind it; 16 was picked from 0, 8, 16, 32 and 64 on two seeds of
-the multi-turn replay and checked on three others and the other workloads (docs/ROUTING.md).
+the multi-turn replay and checked on three others and the other workloads (benchmarks/results/routing_log.md).
 T_dec counts a second of the request's own decode as a quarter of a second of waiting (w_decode 0.25):
 a stream already faster than its reader gains little from a faster tier, and its inter-token target is
 T_itl's; at full weight a fast tier's decode outbid a second of KV wait there, which sent the
 hot-prefix replay's first tokens past 2 s on the H100s (94.7% goodput at 2.5x; 99.6% at 0.25, seeds 1-2)
-while the engine family's goodput behind the overload queue did not move (docs/ROUTING.md).
+while the engine family's goodput behind the overload queue did not move (benchmarks/results/routing_log.md).
 The stall is what each engine really does, not what chunked prefill would do: a prefill-first engine
 stalls its decodes for whole prompts and an extra step each (κ > 1, c of a step), which the
 uncalibrated L · p̂ undercounts by half for short prompts; the slacks' budgets use the decode step
 without stalls (s0), as ŝ already holds the average stall. On the engine family of
 benchmarks/routing_family.py this calibration and w_itl 0.8 (from 0.3) took the median goodput gain
 over capacity-weighted least-outstanding at 0.9x from +1.4 to +2.4 points on the tuned members
-(docs/ROUTING.md). Near-equal costs (within `tie_tolerance`, 1%, of the lowest) are a tie, drawn
+(benchmarks/results/routing_log.md). Near-equal costs (within `tie_tolerance`, 1%, of the lowest) are a tie, drawn
 with a seeded rng (`seed`, or one injected), so identical backends share sequential requests.
 
 Reads: request.cached_tokens, request.evicted_reuse, learned_prefill_s_per_token (falls back to prefill_s_per_token),
@@ -135,6 +135,9 @@ class MarginalDelay:
         self.decode_share = p.w_decode * p.output_fraction
         self.calibrate, self.tie_tolerance = p.calibrate, p.tie_tolerance
         self.rng = rng or random.Random(p.seed)
+        # The weights as 0-d arrays for `choose`: numpy multiplies 64 rows by one in 0.3 µs, by a Python float
+        # (whose dtype it settles first, NEP 50) in 0.5, to the same float64 result.
+        self._w_stall, self._w_itl, self._w_evict = np.array(p.w_stall), np.array(p.w_itl), np.array(p.w_evict)
 
     def choose(self, request: RequestProfile, candidates: Sequence[BackendSnapshot], now: float) -> Decision:
         if len(candidates) <= LOOP_UP_TO:   # a few candidates: a loop is cheaper than array operations
@@ -147,21 +150,20 @@ class MarginalDelay:
         reserve = length + new_tokens
         # L_i, the tokens each candidate would prefill, less the prefix a few backends hold (their rows only).
         # Scalars enter the array operations as floats: numpy takes an int more slowly, to the same result.
-        fresh: float | FloatArray = float(length)
-        if request.cached_tokens:
-            fresh = fresh - chosen.column_of(request.cached_tokens)
+        cached = request.cached_tokens
+        fresh: float | FloatArray = chosen.left_of(length, cached) if cached else float(length)
         p, step, in_flight = c[SPEED_PREFILL], c[DECODE_STEP], c[IN_FLIGHT]
         fresh_p = fresh * p
         if self.calibrate:
             stall = c[STALL_FACTOR] * fresh_p + c[STALL_PER_PROMPT]
         else:
             stall = 1.0 * fresh_p + 0.0
-        prefill = (c[PREFILL_BACKLOG] + fresh) * p + step + self.w_stall * in_flight * stall
+        prefill = (c[PREFILL_BACKLOG] + fresh) * p + step + self._w_stall * in_flight * stall
         slacks = c[ITL_SLACKS]
         if np.count_nonzero(slacks[0] < stall):   # else T_itl is 0 everywhere, and x + 0.0 == x
-            prefill = prefill + self.w_itl * (slacks < stall).sum(axis=0)
+            prefill = prefill + self._w_itl * (slacks < stall).sum(axis=0)
         if request.evicted_reuse:   # full caches: their rows only (0.0 elsewhere, and x + 0.0 == x)
-            prefill = prefill + self.w_evict * chosen.column_of(request.evicted_reuse) * fresh_p
+            prefill = prefill + self._w_evict * chosen.column_of(request.evicted_reuse) * fresh_p
         queue = self.decode_share * new_tokens * step   # (f·w·M)·ŝ_i, as in `cost`
         short = (c[KV_HEADROOM] < float(reserve)).nonzero()[0]   # where T_kv or the veto may apply: mostly few
         if len(short) > LOOP_UP_TO:
