@@ -365,6 +365,7 @@ class Fleet:
                 index.remove_backend(backend_id)
             self._runtime.clients.put(backend_id, None)
             self._runtime.upstreams.pop(backend_id, None)
+            self._runtime.metrics.forget_backend(backend_id)
             self._identities.forget(backend_id)   # its engine is stopped: the leader stops announcing it
             self._set_backends([b for b in self.config.raw.backends if b.id != backend_id])
             log.info("backend_removed", backend=backend_id)

@@ -289,6 +289,18 @@ class GatewayMetrics:
         r.register(self.backends)
         r.register(VetoCollector(self.oom_vetoes))
 
+    def forget_backend(self, backend_id: str) -> None:
+        """A backend left the fleet: its series leave /metrics (the gauges, read from the state table, go
+        with its entry). Kept, a fleet whose backends come and go (admin calls, reloads) would show every
+        backend it ever had, and hold their series for as long as the gateway runs."""
+        for table in (self.prompt_tokens, self.generation_tokens, self.requests, self.decisions,
+                      self.ttft_seconds, self.itl_seconds, self.e2e_seconds):
+            table.forget("backend", backend_id)
+        for metric in (self.retries, self.encode_seconds, self.embedding_bytes, self.handoff_wait_seconds,
+                       self.stolen_requests):
+            metric.remove(backend_id)   # no-op where it has no series
+        self.oom_vetoes.pop(backend_id, None)
+
     def watch_breakers(self, tripped: Callable[[str], bool]) -> None:
         """Export the breakers' state (the pipeline, which owns them, is built after the metrics)."""
         self.registry.register(BreakerCollector(self._table, tripped))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -42,6 +43,10 @@ class CounterTable:
 
     def items(self) -> list[tuple[Labels, float]]:
         return list(self._counts.items())
+
+    def forget(self, label: str, value: str) -> None:
+        """Drop every series whose `label` is `value` (a backend removed from the fleet)."""
+        _drop(self._counts, self.labels.index(label), value)
 
     def family(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
@@ -71,6 +76,10 @@ class HistogramTable:
         series = self._series.get(labels)
         return sum(series[:-1]) if series is not None else 0.0
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop every series whose `label` is `value` (a backend removed from the fleet)."""
+        _drop(self._series, self.labels.index(label), value)
+
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
         for labels, series in list(self._series.items()):
@@ -80,6 +89,11 @@ class HistogramTable:
                 buckets.append((le, cumulative))
             family.add_metric(list(labels), buckets, sum_value=series[-1])
         return family
+
+
+def _drop(series: dict[Labels, Any], index: int, value: str) -> None:
+    for labels in [labels for labels in series if labels[index] == value]:
+        del series[labels]
 
 
 class TablesCollector(Collector):
