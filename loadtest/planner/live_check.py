@@ -218,14 +218,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=float, default=512.0)
     p.add_argument("--output-tokens", type=float, default=96.0, help="mean output (the engines emit at most 256)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of model time of arrivals")
+    add_run_options(p, "live_check.json", time_scale=4.0)
+    return p.parse_args(argv)
+
+
+def add_run_options(p: argparse.ArgumentParser, results: str, time_scale: float) -> None:
+    """The options every live check takes: the SLO, the engines' time scale, the seed and where `results` goes."""
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--itl-slo", type=float, default=0.1)
-    p.add_argument("--time-scale", type=float, default=4.0, help="launch.time_scale of every engine")
+    p.add_argument("--time-scale", type=float, default=time_scale, help="launch.time_scale of every engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"where live_check.json goes (default {DEFAULT_OUT}/; `--out {RECORDED_OUT}` replaces the "
+                   help=f"where {results} goes (default {DEFAULT_OUT}/; `--out {RECORDED_OUT}` replaces the "
                         "results docs/PLANNING.md quotes)")
-    return p.parse_args(argv)
 
 
 def problem_for(args: argparse.Namespace, catalog: Catalog) -> Problem:

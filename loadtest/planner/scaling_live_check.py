@@ -50,15 +50,13 @@ from loadtest.live_replay import START_DELAY_S
 from loadtest.planner.autoscaled import POOLS, Fleet, FleetResult, run_fleet
 from loadtest.planner.bursty import BurstyShape, bursty_trace
 from loadtest.planner.evaluate import Outcome, outcome
-from loadtest.planner.live_check import REQUEST_TIMEOUT_S, stream_trace
+from loadtest.planner.live_check import REQUEST_TIMEOUT_S, add_run_options, stream_trace
 from loadtest.planner.space import Slo
 from loadtest.sim.engines import Recorder
 from loadtest.sim.workloads import Lengths, Trace
 from testkit.harness import Gateway, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
-DEFAULT_OUT = Path("results/planner")
-RECORDED_OUT = Path("docs/results")
 MAX_ANSWER_TOKENS = 256     # backends/sim_executor.py: a simulated engine's natural completion is 16..256 tokens
 POLL_S = 0.25               # /admin/backends, wall seconds
 MAX_WARNINGS = 50           # the gateway's warnings kept in the results
@@ -276,13 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queue-per-engine", type=float, default=128.0, help="as the bursty benchmark sets it")
     p.add_argument("--image-tokens-per-engine", type=int, default=VisionScaling(max=1).image_tokens_per_engine,
                    help="the vision pool's high mark (default: the gateway's, %(default)s)")
-    p.add_argument("--ttft-slo", type=float, default=2.0)
-    p.add_argument("--itl-slo", type=float, default=0.1)
-    p.add_argument("--time-scale", type=float, default=2.0, help="launch.time_scale of every engine")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"where scaling_live_check.json goes (default {DEFAULT_OUT}/; `--out {RECORDED_OUT}` "
-                        "replaces the run docs/PLANNING.md quotes)")
+    add_run_options(p, "scaling_live_check.json", time_scale=2.0)
     return p.parse_args(argv)
 
 
