@@ -186,6 +186,10 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
                         "(gateway.auth.api_keys_file or api_keys_env turns keys on, admin_keys_file or "
                         "admin_keys_env guards the admin routes)")
     warnings += autoscaling_warnings(config)
+    if settings.autoscaling.mode == "manage" and options.redis_url is not None:
+        warnings.append("gateway.autoscaling.mode is manage, but with replicas (--redis-url or gateway.redis.url) "
+                        "the fleet is fixed: the scaler adds and removes no engine, it only exports its counts "
+                        "on /metrics, as mode export does")
     return StartupChecks(grpc_tls, ssl_context, auth, tuple(warnings))
 
 

@@ -2,7 +2,8 @@
 
 The scaler (gateway/control/autoscaler.py) reads the pools' demand; this is only its schema and the checks
 start-up makes against the backends file (the template backend, `min` within reach of the engines and
-the inventory, the inventory's GPUs in the catalog).
+the inventory, the inventory's GPUs in the catalog, the language pool's reference request within its
+models' context).
 Off by default.
 
 - `mode: manage`: the gateway adds engines (copies of the pool's template backend, one per GPU of the
@@ -43,7 +44,8 @@ class PoolScaling(StrictModel):
     gpus: list[str] = Field(default_factory=list)
     # the managed backend whose entry new engines copy (default: the pool's first managed `kind: engine`)
     template: str | None = None
-    low_mark: float = Field(default=0.3, ge=0, lt=1)   # the load the engines left may carry, of their high mark
+    # the load the engines left may carry, of their high mark
+    low_mark: float = Field(default=0.3, ge=0, lt=1, allow_inf_nan=False)
     max_step: PositiveInt = 4   # engines one step may add or remove
 
     @model_validator(mode="after")
@@ -75,13 +77,14 @@ class ScaledPools(StrictModel):
 class AutoscalingConfig(StrictModel):
     mode: Literal["off", "manage", "export"] = "off"
     # demand is read and the decision made this often
-    interval_s: float = Field(default=1.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S)
+    interval_s: float = Field(default=1.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S, allow_inf_nan=False)
     # demand above the high mark this long (at a need just above the engines; a need n times them: 1/n of it)
-    up_delay_s: float = Field(default=10.0, ge=0, le=MAX_DELAY_S)
-    down_delay_s: float = Field(default=60.0, ge=0, le=MAX_DELAY_S)    # the window averaged before engines go
+    up_delay_s: float = Field(default=10.0, ge=0, le=MAX_DELAY_S, allow_inf_nan=False)
+    # the window averaged before engines go
+    down_delay_s: float = Field(default=60.0, ge=0, le=MAX_DELAY_S, allow_inf_nan=False)
     # a step up is sized for the need this far ahead, at the rate it grew during its high spell (about an
     # engine's start-up: what arrives while the new engines load waits for them); 0: the need as measured
-    lookahead_s: float = Field(default=30.0, ge=0, le=MAX_DELAY_S)
+    lookahead_s: float = Field(default=30.0, ge=0, le=MAX_DELAY_S, allow_inf_nan=False)
     pools: ScaledPools = ScaledPools()
 
     def scaled(self) -> dict[Pool, PoolScaling]:
@@ -138,6 +141,17 @@ def check_min(pool: Pool, scaling: PoolScaling, backends: Sequence[Entry]) -> No
         raise ConfigError(f"min {scaling.min} cannot be reached: {engines} engine(s) of the pool in `backends:` "
                           f"and {len(scaling.gpus)} GPU(s) in its `gpus:` inventory make at most "
                           f"{engines + len(scaling.gpus)}; lower min or list more GPUs")
+
+
+def check_reference_request(scaling: LanguageScaling, contexts: Sequence[int]) -> None:
+    """ConfigError where the language pool's reference request (`ttft_prompt_tokens` + `ttft_max_tokens`, whose
+    predicted first token the scaler compares with `ttft_slo_s`) fits no context of the pool's models
+    (`contexts`): its prefill would be predicted however long, so an idle pool would read as high and grow."""
+    reference = scaling.ttft_prompt_tokens + scaling.ttft_max_tokens
+    if contexts and reference > max(contexts):
+        raise ConfigError(f"{scaling.ttft_prompt_tokens} + ttft_max_tokens {scaling.ttft_max_tokens} = {reference} "
+                          f"tokens, more than the pool's models' context ({max(contexts)}): no engine takes such "
+                          "a request; give a typical one")
 
 
 def pick_template(pool: Pool, scaling: PoolScaling, backends: Sequence[B]) -> B:

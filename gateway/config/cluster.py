@@ -15,7 +15,7 @@ from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_c
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
 from gateway.config.auth import AuthConfig
-from gateway.config.autoscaling import AutoscalingConfig, check_min, pick_template
+from gateway.config.autoscaling import POOL_ROLES, AutoscalingConfig, check_min, check_reference_request, pick_template
 from gateway.config.models import MODEL_NAME, ModelNames, ModelSpec, ServedModel
 from gateway.config.sections import (
     AdmissionConfig,
@@ -435,6 +435,11 @@ class ClusterConfig:
         # the model the torch engines run: its requests are tokenised exactly (gateway/requests/exact_prompt.py)
         self.torch_model: ServedModel | None = self.model_of(torch_ids[0]) if torch_ids else None
         scaling = raw.gateway.autoscaling
+        if scaling.mode != "off" and scaling.pools.language is not None:
+            contexts = [m.profile.max_context for b in raw.backends if b.role in POOL_ROLES["language"]
+                        for m in self.backend_models[b.id]]
+            _resolve(path, "gateway.autoscaling.pools.language.ttft_prompt_tokens",
+                     lambda s=scaling.pools.language: check_reference_request(s, contexts))
         for pool, pool_scaling in scaling.scaled().items() if scaling.mode == "manage" else ():
             where = f"gateway.autoscaling.pools.{pool}"
             for gpu in pool_scaling.gpus:

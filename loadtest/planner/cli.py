@@ -197,8 +197,10 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float, catalog: Pa
             entry["steal"] = True
         entry["launch"] = {"time_scale": time_scale}
         backends.append(entry)
+    # six significant digits, not decimals: a float's noise goes, and a target under a microsecond (a tight
+    # SLO on fast engines) does not become 0 ms, which the gateway refuses
     routing = {"policy": problem.policies.language, "vision_policy": problem.policies.vision,
-               "itl_target_ms": round(problem.slo.itl_s * 1000 * scale, 3)}
+               "itl_target_ms": float(f"{problem.slo.itl_s * 1000 * scale:.6g}")}
     queue = problem.slo.overload()
     overload = ({"ttft_slo_s": queue.ttft_slo_s * scale, "hold_above_s": queue.hold_above_s * scale,
                  "max_wait_s": queue.max_wait_s * scale}

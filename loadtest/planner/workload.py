@@ -19,7 +19,9 @@ tokens hold whole images (at least one: the log does not say how many). A `both`
 images and its line names no vision backend, so on a monolithic cluster an image request reads as text
 of the same prompt length (the same prefill; its encode, about a millisecond an image here, is missed).
 The log has no max_tokens, so the KV reservation is taken as the completion (a client's max_tokens
-reserves more).
+reserves more). A prompt longer than the model's context leaves beside the completion is clipped; a request
+that does not fit even so (a log of a model with a longer context) is refused, not planned for as one never
+served.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ ARRIVALS = tuple(workloads.ARRIVALS)
 # a trace's span at it is below the simulator's resolution (its goodput would read as the rate itself).
 MAX_TRACE_REQUESTS = 1_000_000
 MAX_RATE_RPS = 100_000.0
+MAX_LOGGED_TOKENS = 2**31 - 1          # a request log's token count beyond this is no request's: far past any context
 
 
 class WorkloadError(ValueError):
@@ -183,7 +186,10 @@ def log_trace(path: Path, model: ModelProfile, rate_rps: float | None = None, li
         arrival = at_rate(arrival, rate_rps)
     elif float(arrival[-1]) <= 0:
         raise WorkloadError(f"{path}: every request arrived at the same instant; give the rate to replay them at")
-    return Trace(arrival, _log_lengths(rows, model))
+    try:
+        return Trace(arrival, _log_lengths(rows, model))
+    except WorkloadError as exc:
+        raise WorkloadError(f"{path}: {exc}") from None
 
 
 def _request_row(line: str) -> tuple[float, int, int, bool] | None:
@@ -198,9 +204,12 @@ def _request_row(line: str) -> tuple[float, int, int, bool] | None:
         finished = datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
         latency = float(event.get("latency_s") or 0.0)
         prompt, completion = int(event.get("prompt_tokens") or 0), int(event.get("completion_tokens") or 0)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):     # OverflowError: int() of an Infinity
         return None
-    if prompt < 1 or completion < 1:
+    # what the gateway never writes (JSON takes NaN, Infinity and any integer): an arrival that is no time, or
+    # a count no context holds (MAX_LOGGED_TOKENS: sums of them stay within the trace's int64)
+    if not (math.isfinite(latency) and latency >= 0) or not (0 < prompt <= MAX_LOGGED_TOKENS
+                                                             and 0 < completion <= MAX_LOGGED_TOKENS):
         return None
     return finished - latency, prompt, completion, bool(event.get("vision_backends"))
 
@@ -215,5 +224,10 @@ def _log_lengths(rows: list[tuple[float, int, int, bool]], model: ModelProfile) 
         images = np.zeros(len(rows), dtype=np.int64)
     image_tokens = np.minimum(images * per_image, prompt - 1)
     room = model.max_context - out
-    text = np.clip(prompt - image_tokens, 1, np.maximum(room - image_tokens, 1))
+    unfit = image_tokens + 1 + out > model.max_context      # beyond the context even with their text clipped
+    if unfit.any():
+        raise WorkloadError(f"{int(unfit.sum()):,} of its {len(rows):,} served requests do not fit model "
+                            f"{model.name}'s context of {model.max_context} tokens (up to {int(out[unfit].max()):,} "
+                            "completion tokens): a log of a model with a longer context? plan for that --model")
+    text = np.clip(prompt - image_tokens, 1, room - image_tokens)
     return Lengths(text.astype(np.int64), image_tokens.astype(np.int64), images, out, out.copy())
