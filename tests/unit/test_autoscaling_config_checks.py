@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from common.errors import ConfigError
-from gateway.config.autoscaling import MAX_DELAY_S, MIN_INTERVAL_S
+from gateway.config.autoscaling import MIN_INTERVAL_S
 from gateway.config.cluster import load_cluster
 from testkit.harness import ROOT, write_config
 
@@ -59,9 +59,9 @@ def test_a_min_the_engines_and_the_inventory_cannot_reach_is_refused_naming_min(
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [
-    ("interval_s", float("inf"), "interval_s: Input should be less than or equal to 60"),
+    ("interval_s", float("inf"), "interval_s: Input should be a finite number"),
     ("interval_s", 1e-9, f"interval_s: Input should be greater than or equal to {MIN_INTERVAL_S}"),
-    ("up_delay_s", float("inf"), f"up_delay_s: Input should be less than or equal to {MAX_DELAY_S:g}"),
+    ("up_delay_s", float("inf"), "up_delay_s: Input should be a finite number"),
     ("down_delay_s", float("nan"), "down_delay_s: Input should be"),
     ("lookahead_s", 1e9, "lookahead_s: Input should be less than or equal to"),
 ])
