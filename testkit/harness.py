@@ -117,7 +117,7 @@ def run_gateway(
             except httpx.HTTPError:
                 return False
 
-        gw.wait_until(ready, timeout=timeout, interval=0.2)
+        gw.wait_until(ready, timeout=timeout)   # polled often: every gateway a test starts waits here
         yield gw
     finally:
         if proc.poll() is None:

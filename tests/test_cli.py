@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,17 +25,25 @@ TIMEOUT_S = 60
 def gateway(*args: str) -> subprocess.CompletedProcess[str]:
     """Runs in its own session so the test can prove nothing it started (an engine, a server) outlives it;
     a hung command is killed with its whole group and fails the test."""
+    return finish(start(*args))
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    """The console script started, in a session of its own (`finish` waits for it)."""
     exe = shutil.which("gateway", path=str(Path(sys.executable).parent))
     assert exe is not None, "the gateway console script is not installed next to this interpreter"
-    proc = subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    return subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
-    assert not group_alive(proc.pid), f"gateway {' '.join(args)} left processes running"
+    assert not group_alive(proc.pid), f"{proc.args} left processes running"
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
@@ -89,34 +98,57 @@ def test_check_config_requires_a_file() -> None:
     (("--redis-url", "notaurl"), "is no Redis URL"),
 ])
 def test_check_config_and_start_up_refuse_bad_options(option: tuple[str, str], words: str) -> None:
-    """What start-up refuses, check-config refuses too, both with exit 2 and no traceback."""
-    for args in (("check-config", "configs/backends.yaml", *option), ("--backends", "configs/backends.yaml", *option)):
-        result = gateway(*args)
+    """What start-up refuses, check-config refuses too, both with exit 2 and no traceback (both at once: each
+    takes a second or two to start)."""
+    both = [(args, start(*args)) for args in (("check-config", "configs/backends.yaml", *option),
+                                              ("--backends", "configs/backends.yaml", *option))]
+    for args, proc in both:
+        result = finish(proc)
         assert result.returncode == 2, (args, result.stderr)
         assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-def test_a_replica_that_cannot_reach_redis_exits_naming_it_and_launches_nothing() -> None:
+@dataclass
+class WithoutRedis:
+    """Both commands of the tests below, pointed at `port`, where nothing listens (closed again once picked)."""
+
+    port: int
+    replica: subprocess.Popen[str]
+    workers: subprocess.Popen[str]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def without_redis() -> Iterator[WithoutRedis]:
+    """Started with the module: each command tries to reach Redis for start-up's full wait (10 s) before it
+    exits, so the two waits overlap each other and the tests above instead of adding up. Each of the tests
+    below waits for its own command and checks it."""
+    port, http_port, grpc_port = free_ports(3)   # the workers share fixed ports
+    runs = WithoutRedis(
+        port,
+        start("--backends", "configs/backends.yaml", "--port", "0", "--grpc-port", "0",
+              "--redis-url", f"redis://ops:hunter2@127.0.0.1:{port}/0"),
+        start("--backends", "configs/backends.yaml", "--workers", "2", "--port", str(http_port),
+              "--grpc-port", str(grpc_port), "--redis-url", f"redis://127.0.0.1:{port}/0"),
+    )
+    yield runs
+    for proc in (runs.replica, runs.workers):   # a command whose test did not run
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_a_replica_that_cannot_reach_redis_exits_naming_it_and_launches_nothing(without_redis: WithoutRedis) -> None:
     """Nothing listens on the port: start-up tries for a while, then exits 1 with the URL (its password
-    hidden); no engine was started (`gateway` checks that nothing of its process group outlives it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]   # closed again: a port where nothing listens
-    result = gateway("--backends", "configs/backends.yaml", "--port", "0", "--grpc-port", "0",
-                     "--redis-url", f"redis://ops:hunter2@127.0.0.1:{port}/0")
+    hidden); no engine was started (`finish` checks that nothing of its process group outlives it)."""
+    result = finish(without_redis.replica)
     assert result.returncode == 1, result.stderr
-    assert f"cannot reach Redis at redis://ops:***@127.0.0.1:{port}/0" in result.stderr
+    assert f"cannot reach Redis at redis://ops:***@127.0.0.1:{without_redis.port}/0" in result.stderr
     assert "hunter2" not in result.stderr and "Traceback" not in result.stderr
 
 
-def test_workers_that_cannot_reach_redis_end_the_command_as_one_replica_does() -> None:
+def test_workers_that_cannot_reach_redis_end_the_command_as_one_replica_does(without_redis: WithoutRedis) -> None:
     """`--workers 2`: each worker cannot start, and the parent exits 1 with them (it restarted them every
     11 s for ever, and a supervisor never saw the failure)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http_port, grpc_port = free_ports(2)   # workers share fixed ports
-    result = gateway("--backends", "configs/backends.yaml", "--workers", "2", "--port", str(http_port),
-                     "--grpc-port", str(grpc_port), "--redis-url", f"redis://127.0.0.1:{port}/0")
+    result = finish(without_redis.workers)
     assert result.returncode == 1, result.stderr
     assert "cannot reach Redis" in result.stderr and "Traceback" not in result.stderr

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 import yaml
 
-from testkit.harness import ROOT, demo_config, run_gateway
+from testkit.harness import ROOT, Gateway
 
 METRIC = re.compile(r"\bheterogate_[a-z_]+\b")
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",), "info": ("_info",)}
@@ -36,14 +35,15 @@ def named_in_deploy() -> dict[str, set[str]]:
             "alerts": {m for e in alerts.values() for m in METRIC.findall(e)}}
 
 
-def test_every_metric_the_dashboard_and_alerts_name_is_exported(tmp_path: Path) -> None:
+def test_every_metric_the_dashboard_and_alerts_name_is_exported(demo_gateway: Gateway) -> None:
+    """On the session's demo gateway (a request of this test's own is served first, so that the request
+    families have samples whatever ran before)."""
     named = named_in_deploy()
     assert named["grafana"] and named["alerts"]
-    with run_gateway(demo_config(tmp_path)) as gw:
-        resp = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, json={
-            "model": "llava-1.5-7b", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
-        assert resp.status_code == 200
-        text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    resp = httpx.post(f"{demo_gateway.url}/v1/chat/completions", timeout=30, json={
+        "model": "llava-1.5-7b", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
+    assert resp.status_code == 200
+    text = httpx.get(f"{demo_gateway.url}/metrics", timeout=10).text
     have = exported(text)
     for where, names in named.items():
         assert names <= have, f"{where} names metrics /metrics does not export: {sorted(names - have)}"

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 from selenium import webdriver
@@ -55,6 +56,13 @@ def rows(driver: WebDriver) -> dict[str, dict[str, str]]:
     return {cells[0]: dict(zip(heads, cells, strict=True)) for cells in table(driver, "#backends")}
 
 
+def two_engines(tmp: Path, **gateway: Any) -> Path:
+    """h100-0 and l40s-0, managed simulated language engines; `gateway`: settings added."""
+    return write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100, **gateway}, "backends": [
+        {"id": b, "role": "language", "gpu": gpu, "launch": {"time_scale": 0.1}}
+        for b, gpu in (("h100-0", "H100"), ("l40s-0", "L40S"))]})
+
+
 def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_path: Path) -> None:
     config = demo_config(tmp_path, heartbeat_interval_ms=100, per_backend={"l40s-2": {"min_priority": 0}})
     with run_gateway(config) as gw, browser() as driver:
@@ -96,8 +104,8 @@ def test_dashboard_renders_backends_and_updates_when_an_engine_is_killed(tmp_pat
 
 
 def test_dashboard_with_admin_keys_asks_for_a_key(tmp_path: Path) -> None:
-    config = demo_config(tmp_path, heartbeat_interval_ms=100, auth={"admin_keys_env": "HG_DASH_ADMIN",
-                                                                           "cluster_token_env": "HG_DASH_TOKEN"})
+    """Two engines, not the demo's ten: what is checked is the key, not the table."""
+    config = two_engines(tmp_path, auth={"admin_keys_env": "HG_DASH_ADMIN", "cluster_token_env": "HG_DASH_TOKEN"})
     env = {"HG_DASH_ADMIN": "dash-admin-key", "HG_DASH_TOKEN": "dash-cluster-token-0123456789abcdef"}
     with run_gateway(config, admin_key="dash-admin-key", env=env) as gw, browser() as driver:
         assert httpx.get(f"{gw.url}/admin/backends", timeout=5).status_code == 401
@@ -112,10 +120,7 @@ def test_dashboard_with_admin_keys_asks_for_a_key(tmp_path: Path) -> None:
 
 def test_dashboard_shows_a_drained_backend_as_drained_not_down(tmp_path: Path) -> None:
     """Drained through the fleet API, a managed engine stops: the page says so, not that it is down."""
-    config = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
-        {"id": b, "role": "language", "gpu": gpu, "launch": {"time_scale": 0.1}}
-        for b, gpu in (("h100-0", "H100"), ("l40s-0", "L40S"))]})
-    with run_gateway(config) as gw, browser() as driver:
+    with run_gateway(two_engines(tmp_path)) as gw, browser() as driver:
         driver.get(f"{gw.url}/dashboard")
         wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
         wait.until(lambda d: set(rows(d)) == {"h100-0", "l40s-0"})

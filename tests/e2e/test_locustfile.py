@@ -14,8 +14,9 @@ from testkit.harness import ROOT, Gateway
 
 @pytest.mark.timeout(180)   # Locust's clock runs from its own start-up, which takes seconds on a busy machine
 def test_locust_headless_run(demo_gateway: Gateway, tmp_path: Path) -> None:
+    # 4 s: some 60 requests on the demo cluster, each of the four kinds several times
     cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "6", "-r", "6",
-           "-t", "8s", "--host", demo_gateway.url, "--csv", str(tmp_path / "run"), "--only-summary",
+           "-t", "4s", "--host", demo_gateway.url, "--csv", str(tmp_path / "run"), "--only-summary",
            "--workload", "mm_mixed", "--stream-fraction", "0.5", "--seed", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     output = proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -53,7 +53,8 @@ def chat(gw: Gateway) -> httpx.Response:
 
 
 def test_starting_until_ready_restarted_after_kill_9_and_stopped_with_the_gateway(tmp_path: Path) -> None:
-    with run_gateway(managed_config(tmp_path, start_delay_s=3.0), healthy=0) as gw:
+    # a 1.5 s load (after the server's imports): the gateway answers long before it is over
+    with run_gateway(managed_config(tmp_path, start_delay_s=1.5), healthy=0) as gw:
         assert gw.backend(BACKEND)["state"] == "starting"   # the model is still "loading"
         gw.wait_until(lambda: gw.backend(BACKEND)["state"] == "healthy", timeout=60)
         assert chat(gw).status_code == 200

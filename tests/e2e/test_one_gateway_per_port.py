@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from testkit.harness import ROOT, free_port, run_gateway, write_config
+from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
 from tests.e2e.test_managed_engines import BACKEND, MODEL, chat, managed_config
 
 
@@ -28,24 +29,30 @@ def second_gateway(tmp: Path, port: int, grpc_port: int) -> tuple[subprocess.Com
     return done, marker
 
 
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The gateway whose ports are taken, shared by both cases: a second gateway that fails changes nothing
+    in it (each case checks that it still serves from the same engine)."""
+    with run_gateway(managed_config(tmp_path_factory.mktemp("first"), start_delay_s=0.0), healthy=1,
+                     timeout=60) as gw:
+        yield gw
+
+
 @pytest.mark.parametrize("taken", ["http", "control"])
-def test_a_second_gateway_on_a_taken_port_starts_nothing(tmp_path: Path, taken: str) -> None:
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    first_dir.mkdir()
-    second_dir.mkdir()
-    with run_gateway(managed_config(first_dir, start_delay_s=0.0), healthy=1, timeout=60) as gw:
-        address = gw.backend(BACKEND)["address"]
-        http_port = int(gw.url.rsplit(":", 1)[1])
-        port, grpc_port = (http_port, free_port()) if taken == "http" else (free_port(), gw.grpc_port)
-        done, marker = second_gateway(second_dir, port, grpc_port)
-        assert done.returncode == 1
-        what = "HTTP port" if taken == "http" else "control gRPC port"
-        assert f"cannot bind the {what} 127.0.0.1:{port if taken == 'http' else grpc_port}" in done.stderr
-        assert not marker.exists(), "no engine may be launched by a gateway that cannot serve"
-        assert chat(gw).status_code == 200
-        b = gw.backend(BACKEND)
-        assert b["state"] == "healthy" and b["address"] == address
-        assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 200
+def test_a_second_gateway_on_a_taken_port_starts_nothing(first: Gateway, tmp_path: Path, taken: str) -> None:
+    gw = first
+    address = gw.backend(BACKEND)["address"]
+    http_port = int(gw.url.rsplit(":", 1)[1])
+    port, grpc_port = (http_port, free_port()) if taken == "http" else (free_port(), gw.grpc_port)
+    done, marker = second_gateway(tmp_path, port, grpc_port)
+    assert done.returncode == 1
+    what = "HTTP port" if taken == "http" else "control gRPC port"
+    assert f"cannot bind the {what} 127.0.0.1:{port if taken == 'http' else grpc_port}" in done.stderr
+    assert not marker.exists(), "no engine may be launched by a gateway that cannot serve"
+    assert chat(gw).status_code == 200
+    b = gw.backend(BACKEND)
+    assert b["state"] == "healthy" and b["address"] == address
+    assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 200
 
 
 def test_an_engine_of_another_gateway_cannot_replace_this_gateways_engine(tmp_path: Path) -> None:

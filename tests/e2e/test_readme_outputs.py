@@ -69,8 +69,9 @@ def test_a_consistency_run_from_the_checkout_changes_no_tracked_file() -> None:
     results/consistency/, which `git status` does not list, and the tracked results are untouched."""
     before = tracked_digests("docs/results")
     started = time.time()
+    # engines at 0.5× real time: what is checked is where the results go, not how close live and sim agree
     run = subprocess.run([sys.executable, "-m", "loadtest.consistency", "--loads", "1.0", "--requests", "8",
-                          "--time-scale", "2"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+                          "--time-scale", "0.5"], cwd=ROOT, capture_output=True, text=True, timeout=170)
     output = run.stdout[-3000:] + run.stderr[-3000:]
     assert run.returncode in (0, 1), output     # 1: eight requests are too few to stay within the tolerances
     written = [ROOT / DEFAULT_OUT / name for name in ("consistency.json", "consistency.csv")]

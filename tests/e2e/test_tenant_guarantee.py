@@ -22,13 +22,17 @@ from typing import Any
 import httpx
 import pytest
 
-from testkit.harness import Gateway, run_gateway, write_config
+from testkit.harness import Gateway, long_request_id, run_gateway, write_config
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "llava-1.5-7b"
 ADMIN = "sk-admin"
 HEAVY_REQUESTS = 4   # two per backend: each at the depth limit, and two waiting in the admission queue
 BATCH_REQUESTS = 3   # one under way on the L40S (the depth limit), two waiting
+# Tokens of the requests that hold each backend while the light tenant's goes: about 3 s on either (the
+# L40S takes ~4x as long per token), so the whole test takes seconds, not the L40S's 10 s per 32 tokens.
+HOLD_TOKENS = {"l40s-0": 9, "h100-0": 32}
+BATCH_TOKENS = 8     # ~2.6 s each on the L40S, one after the other
 
 
 def key(tenant: str) -> str:
@@ -73,11 +77,12 @@ def reserved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 def chat(gw: Gateway, tenant: str, max_tokens: int, stream: bool = False) -> httpx.Response:
-    """A chat request of `tenant`'s, read whole (streamed: to the end of its first chunk, then left)."""
+    """A chat request of `tenant`'s, read whole (streamed: to the end of its first chunk, then left); its id
+    makes the simulated answer at least `max_tokens` long, so it lasts as long as the test counts on."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens,
             "stream": stream}
-    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {key(tenant)}"}) as resp:
+    headers = {"authorization": f"Bearer {key(tenant)}", "x-request-id": long_request_id(max_tokens, tenant)}
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=120, headers=headers) as resp:
         if stream:
             next(resp.iter_lines())
         else:
@@ -92,7 +97,11 @@ def waiting(gw: Gateway, tenant: str) -> int:
 
 def test_a_guaranteed_request_goes_past_the_saturated_pool_to_the_soonest_first_token(guarantee: Gateway) -> None:
     with ThreadPoolExecutor(HEAVY_REQUESTS) as pool:
-        heavy = [pool.submit(chat, guarantee, "heavy", 32) for _ in range(HEAVY_REQUESTS)]
+        heavy = []
+        for backend_id, tokens in HOLD_TOKENS.items():   # shortest queue, equal depths: the L40S first
+            heavy.append(pool.submit(chat, guarantee, "heavy", tokens))
+            guarantee.wait_until(lambda b=backend_id: guarantee.backend(b)["in_flight"] == 1)
+        heavy += [pool.submit(chat, guarantee, "heavy", 4) for _ in range(HEAVY_REQUESTS - 2)]
         guarantee.wait_until(lambda: waiting(guarantee, "heavy") == HEAVY_REQUESTS - 2)   # both backends saturated
         light = chat(guarantee, "light", 4, stream=True)
         assert light.status_code == 200 and light.headers["x-heterogate-backend"] == "h100-0"
@@ -103,7 +112,7 @@ def test_a_guaranteed_request_goes_past_the_saturated_pool_to_the_soonest_first_
 def test_a_reserved_backend_takes_only_its_class_and_saturation_counts_without_it(reserved: Gateway) -> None:
     assert reserved.backend("h100-0")["min_priority"] == 1 and reserved.backend("l40s-0")["min_priority"] is None
     with ThreadPoolExecutor(BATCH_REQUESTS) as pool:
-        batch = [pool.submit(chat, reserved, "batch", 24) for _ in range(BATCH_REQUESTS)]
+        batch = [pool.submit(chat, reserved, "batch", BATCH_TOKENS) for _ in range(BATCH_REQUESTS)]
         reserved.wait_until(lambda: waiting(reserved, "batch") == BATCH_REQUESTS - 1)
         assert reserved.backend("h100-0")["in_flight"] == 0   # idle, and still not theirs
         interactive = chat(reserved, "interactive", 4)

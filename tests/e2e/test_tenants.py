@@ -55,9 +55,10 @@ def chat(gw: Gateway, key: str, stream: bool = False) -> httpx.Response:
                       timeout=30)
 
 
-def minute_room(seconds: float = 20.0) -> None:
+def minute_room(seconds: float = 10.0) -> None:
     """The limit counts whole minutes (the gateway's wall clock, this host's): start early enough in one
-    that the test's requests fall into a single window."""
+    that the test's requests fall into a single window. A test's requests take well under a second; the
+    room is kept small because waiting for the next minute costs up to that much."""
     into = time.time() % 60
     if into > 60 - seconds:
         time.sleep(60 - into + 0.1)

@@ -8,9 +8,10 @@ Two equal encoders: without cache awareness `encode_cost` sends every image requ
 one (a tie). With it, the gateway remembers which encoder got which image (by content hash) and
 prices a predicted hit as no encode there, so a repeated image goes to the encoder that holds it,
 which reports the hit, unless that encoder's queue costs more than encoding the image elsewhere.
-The vision engines run at time_scale 500 (an encode of 6 images takes ~3 s) so that a request's
-encode is still in flight when the next request is routed; the test waits on the gateway's own view
-of each encoder's backlog, never on a clock.
+The vision engines run at time_scale 250 (an encode of 6 images takes ~1.5 s) so that a request's
+encode is still in flight when the next request is routed (milliseconds later: the test waits on the
+gateway's own view of each encoder's backlog, never on a clock). The routing decisions compare image
+tokens, so the clock's scale does not change them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def start(tmp: Path, b_args: list[str]) -> Iterator[Gateway]:
     """The cluster above; `b_args`: the second encoder's extra engine arguments."""
-    vision_launch = {"time_scale": 500, "vision_batch_timeout_ms": 0.01}
+    vision_launch = {"time_scale": 250, "vision_batch_timeout_ms": 0.01}
     config = write_config(tmp, {
         "model": MODEL,
         "gateway": {"heartbeat_interval_ms": 100, "stealing": {"enabled": False},

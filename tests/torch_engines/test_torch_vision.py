@@ -8,8 +8,10 @@ import random
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from subprocess import Popen
 from typing import Any
 
 import pytest
@@ -58,13 +60,50 @@ def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
         load_model(profile, model_path=str(tmp_path), seed=0, dtype="auto", device="cpu", keep="both")
 
 
-def test_engine_with_a_missing_model_path_exits_naming_it(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    proc = subprocess.run(
-        [sys.executable, "-m", "backends.engine", "--backend-id", "x", "--gpu", "H100", "--model", TINY,
-         "--gateway", "127.0.0.1:1", "--executor", "torch", "--model-path", str(missing)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
+@dataclass
+class RefusedEngines:
+    """Torch engines that start-up must refuse: one given a model path that does not exist, one a device
+    the machine lacks."""
+
+    missing: Path
+    missing_model: Popen[str]
+    absent_device: Popen[str]
+
+
+@pytest.fixture(scope="module")
+def refused_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefusedEngines]:
+    """Both started at once: each spends seconds importing torch before it gets that far, and those imports
+    overlap instead of adding up. Each test waits for its own."""
+    missing = tmp_path_factory.mktemp("refused") / "no-such-model"
+
+    def engine(*args: str) -> Popen[str]:
+        return Popen([sys.executable, "-m", "backends.engine", "--backend-id", "x", "--gpu", "H100", "--model", TINY,
+                      "--gateway", "127.0.0.1:1", "--executor", "torch", *args],
+                     cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    engines = RefusedEngines(missing, engine("--model-path", str(missing)),
+                             engine("--random-weights", "--device", "cuda:99"))
+    yield engines
+    for proc in (engines.missing_model, engines.absent_device):   # one whose test did not run
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def exited(proc: Popen[str]) -> subprocess.CompletedProcess[str]:
+    """The process's exit status and output, once it exits (within 120 s)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def test_engine_with_a_missing_model_path_exits_naming_it(refused_engines: RefusedEngines) -> None:
+    missing = refused_engines.missing
+    proc = exited(refused_engines.missing_model)
     assert proc.returncode != 0
     assert str(missing / "config.json") in proc.stderr and "Traceback" not in proc.stderr
 
@@ -201,13 +240,9 @@ async def deliver_nowhere(_to: str, _emb: engine_pb2.Embedding) -> None:
     """No embedding in these tests names a language engine to deliver it to."""
 
 
-def test_engine_on_a_device_it_lacks_exits_naming_it() -> None:
+def test_engine_on_a_device_it_lacks_exits_naming_it(refused_engines: RefusedEngines) -> None:
     """A CUDA device the machine does not have stops start-up with one line naming it (not torch's assertion
     from inside its lazy CUDA start-up, which the launching gateway would restart forever behind a traceback)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "backends.engine", "--backend-id", "x", "--gpu", "H100", "--model", TINY,
-         "--gateway", "127.0.0.1:1", "--executor", "torch", "--random-weights", "--device", "cuda:99"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
+    proc = exited(refused_engines.absent_device)
     assert proc.returncode != 0
     assert "device 'cuda:99' does not exist here" in proc.stderr and "Traceback" not in proc.stderr

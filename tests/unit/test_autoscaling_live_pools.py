@@ -52,7 +52,7 @@ def cluster(tmp: Path, autoscaling: dict[str, Any], gpu: str, role: str) -> Path
 
 
 def test_a_monolithic_pool_grows_by_a_copy_of_its_both_engine(tmp_path: Path) -> None:
-    config = cluster(tmp_path, {"mode": "manage", "down_delay_s": 2.0, "pools": {"language": {
+    config = cluster(tmp_path, {"mode": "manage", "down_delay_s": 1.0, "pools": {"language": {
         "min": 1, "max": 2, "gpus": ["RTX-4090"], "queue_per_engine": 1}}}, "RTX-4090", "both")
     with run_gateway(config) as gw:
         load = Load(gw, clients=6, max_tokens=32)
