@@ -48,6 +48,17 @@ def demo_config(tmp: Path, *, time_scale: float = 0.2, per_backend: dict[str, di
     return write_config(tmp, data)
 
 
+def finished(proc: subprocess.Popen[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """The process's exit status and output once it exits; killed (and the timeout raised) past `timeout_s`."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def write_config(tmp: Path, data: dict[str, Any]) -> Path:
     path = tmp / "backends.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from testkit.harness import free_port, run_gateway, write_config
+from testkit.harness import finished, free_port, run_gateway, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "llava-1.5-7b"
@@ -32,13 +32,7 @@ def start_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -
 
 
 def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        stdout, stderr = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return finished(proc, 60)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

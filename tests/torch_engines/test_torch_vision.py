@@ -24,7 +24,7 @@ from backends.vision_executor import VisionExecutor
 from common.catalog import load_catalog
 from common.errors import ConfigError
 from common.wire import engine_pb2
-from testkit.harness import ROOT, image_bytes
+from testkit.harness import ROOT, finished, image_bytes
 from tests.torch_engines.conftest import TINY, TINY_QWEN
 from tests.torch_engines.reference import Reference
 
@@ -92,13 +92,7 @@ def refused_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Refuse
 
 def exited(proc: Popen[str]) -> subprocess.CompletedProcess[str]:
     """The process's exit status and output, once it exits (within 120 s)."""
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return finished(proc, 120)
 
 
 def test_engine_with_a_missing_model_path_exits_naming_it(refused_engines: RefusedEngines) -> None:
