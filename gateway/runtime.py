@@ -209,7 +209,8 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     """`addresses`: where managed kind: openai backends will listen (their ports are picked at start-up)."""
     settings = config.settings
     table = StateTable(config.model, settings.heartbeat_interval_ms / 1000, settings.heartbeat_miss_limit,
-                       itl_target_s=settings.routing.itl_target_ms / 1000)
+                       itl_target_s=settings.routing.itl_target_ms / 1000,
+                       fail_open_s=settings.heartbeat_fail_open_s)
     address_of = {s.id: s.address for s in config.raw.backends} | (addresses or {})
     for spec in config.raw.backends:
         register_backend(table, config, spec, address_of[spec.id])

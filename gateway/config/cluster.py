@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from common import yaml_files
 from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
@@ -327,6 +336,8 @@ class StealingConfig(StrictModel):
 class GatewaySettings(StrictModel):
     heartbeat_interval_ms: PositiveInt = 200
     heartbeat_miss_limit: PositiveInt = 3
+    # A pool with no backend heard from within the miss limit routes on those heard from within this (0: off)
+    heartbeat_fail_open_s: NonNegativeFloat = 5.0
     engine_start_timeout_s: PositiveFloat = 60.0     # kind: engine; kind: openai has launch.start_timeout_s
     engine_stop_timeout_s: PositiveFloat = 10.0      # managed engines: SIGTERM, SIGKILL after half of it
     handoff_timeout_s: PositiveFloat = 10.0   # a language engine waits this long for embeddings

@@ -114,12 +114,13 @@ class _Wait:
     """One attempt waiting for its first token: what to cancel, and what its limit is worked out from
     (at the watch's first tick: most first tokens come before it)."""
 
-    __slots__ = ("backend", "due", "reason", "reserve", "since", "target", "tokens", "whole")
+    __slots__ = ("backend", "due", "late", "reason", "reserve", "since", "target", "tokens", "whole")
 
     def __init__(self, target: asyncio.Future[Any], backend: BackendSnapshot, tokens: int, reserve: int, whole: bool,
-                 since: float | None) -> None:
+                 since: float | None, late: bool) -> None:
         self.target = target            # the task or future that waits
         self.backend = backend          # as routed
+        self.late = late                # its heartbeats were already late then (the pool failed open on it)
         self.tokens = tokens            # its prompt's (text + image)
         self.reserve = reserve          # the KV it holds there: its prompt + max_tokens
         self.whole = whole              # a non-streamed request
@@ -137,7 +138,9 @@ class FirstTokenWatch:
 
     A kind: openai backend is known by scraping, whose staleness does not mean it hangs (the table
     fails open on it): only its limit is watched, and not for a non-streamed reply, which comes whole
-    after its last token."""
+    after its last token. So is a backend whose heartbeats were already late when the request was
+    sent there: the table failed open on it, none of its pool being fresh (`StateTable.candidates`),
+    and a retry would find nothing better."""
 
     def __init__(self, table: StateTable, every_s: float,
                  limit: Callable[[BackendSnapshot, int, int], float | None]) -> None:
@@ -150,7 +153,9 @@ class FirstTokenWatch:
     def watch(self, target: asyncio.Future[Any], backend: BackendSnapshot, job: GenerationJob,
               since: float | None) -> _Wait:
         tokens = job.prompt_tokens + job.image_tokens
-        wait = _Wait(target, backend, tokens, tokens + job.max_tokens, job.whole, since)
+        entry = self._table.get(backend.id)
+        late = entry is not None and not entry.external and not self._table.is_healthy(entry)
+        wait = _Wait(target, backend, tokens, tokens + job.max_tokens, job.whole, since, late)
         self._waits.add(wait)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self._every_s, self._tick)
@@ -179,7 +184,7 @@ class FirstTokenWatch:
                 wait.due = float("inf") if limit is None else wait.since + limit
             if wait.due is not None and now >= wait.due:
                 wait.reason = f"no first token within {wait.due - (wait.since or 0.0):.3g} s (its first-token limit)"
-            elif not entry.external and not health.setdefault(backend.id, table.is_healthy(entry)):
+            elif not (entry.external or wait.late or health.setdefault(backend.id, table.is_healthy(entry))):
                 wait.reason = "marked unhealthy (missed heartbeats) while the request waited for its first token"
             else:
                 continue

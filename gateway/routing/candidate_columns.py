@@ -58,10 +58,12 @@ class CandidateColumns:
             if (k := rows.get(i)) is not None:
                 changed.add(k)
 
-    def select(self, now: float, limit_s: float, exclude: Iterable[str]) -> (
+    def select(self, now: float, limit_s: float, exclude: Iterable[str], late_s: float = 0.0) -> (
         tuple[Candidates, Sequence[BackendEntry]]
     ):
-        """The backends heard from within `limit_s`, and the external ones that were not, less `exclude`."""
+        """The backends heard from within `limit_s`, and the external ones that were not, less `exclude`.
+        When none was heard from within `limit_s`, those heard from within `late_s` are returned with the
+        external ones (the caller fails open on them), in registration order."""
         if self._changed:
             self._flush()
         skip = [self._rows[i] for i in exclude if i in self._rows] if exclude else []
@@ -72,6 +74,8 @@ class CandidateColumns:
             if now - self._oldest <= limit_s:   # the oldest heartbeat is fresh, so all are
                 return self._current(), ()
             if now - self._newest > limit_s:    # none is: external backends without metrics, mostly
+                if now - self._newest <= late_s:
+                    return self._none, self._late(now, late_s, skip)
                 if self._unheard is None:
                     self._unheard = tuple(e for k, e in enumerate(self._entries)
                                           if self._external[k] and self._serving[k])
@@ -79,6 +83,8 @@ class CandidateColumns:
         fresh = (now - self._heartbeat) <= limit_s
         if skip:
             fresh[skip] = False
+        if not fresh.any() and now - self._newest <= late_s:
+            return self._none, self._late(now, late_s, skip)
         stale: list[BackendEntry] = []
         if self._has_external:
             unheard = self._external & self._serving & ~fresh
@@ -87,6 +93,13 @@ class CandidateColumns:
         if fresh.all():
             return self._current(), stale
         return self._current().take(fresh.nonzero()[0]), stale
+
+    def _late(self, now: float, late_s: float, skip: list[int]) -> list[BackendEntry]:
+        """The serving rows heard from within `late_s` and the external serving ones, less `skip`: what a
+        pool none of whose backends is fresh fails open on (only then: a rare path)."""
+        rows = self._serving & (self._external | ((now - self._heartbeat) <= late_s))
+        rows[skip] = False
+        return [self._entries[k] for k in rows.nonzero()[0].tolist()]
 
     def backlog(self) -> int:
         """Requests waiting in this pool's engines, as last reported (healthy or not)."""

@@ -79,11 +79,15 @@ class StateTable:
         miss_limit: int = 3,
         clock: Callable[[], float] = time.monotonic,
         itl_target_s: float = DEFAULT_TARGET_S,
+        fail_open_s: float = 0.0,
     ) -> None:
+        """`fail_open_s`: a pool none of whose backends was heard from within the miss limit routes on
+        those heard from within this many seconds (0: only on kind: openai upstreams), see `candidates`."""
         self.model = model
         self.itl_target_s = itl_target_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.miss_limit = miss_limit
+        self.fail_open_s = fail_open_s
         self.clock = clock
         self._entries: dict[str, BackendEntry] = {}
         self._roles: set[Role] = set()   # of the backends registered
@@ -370,12 +374,16 @@ class StateTable:
         An external (kind: openai) backend whose metrics are stale stays a candidate but looks
         saturated; when every candidate is such a backend the table fails open and routes on the
         gateway's own in-flight counts (`failing_open` says so). One whose upstream does not answer
-        the probe is no candidate.
+        the probe is no candidate. So, when no backend of the pool was heard from within the miss limit,
+        are those heard from within `fail_open_s`: a lone engine whose heartbeats come late on a busy
+        host is sent the request, which waits for it, where a 503 would lose a request it serves a
+        moment later (with a fresh backend in the pool, the late ones are no candidates).
         """
         now = self.clock() if now is None else now
         if self._draining:
             exclude = self._draining.union(exclude)
-        fresh, stale = self._pool(roles, model).select(now, self.miss_limit * self.heartbeat_interval_s, exclude)
+        fresh, stale = self._pool(roles, model).select(now, self.miss_limit * self.heartbeat_interval_s, exclude,
+                                                       self.fail_open_s)
         failing_open = bool(stale) and not fresh
         if "language" in roles:   # the flag reports on the language pool
             self._failing_open[model] = failing_open

@@ -7,7 +7,8 @@
 Image requests are encoded on an RTX 4090 and the 576 × 4096 × 2-byte embedding per image (LLaVA-1.5-7B)
 goes straight to the H100; text-only requests never touch the vision pool. handoff_timeout_s is 1 s and
 heartbeats may lapse for 2 s (20 × 100 ms), so a killed or stopped vision engine is still a candidate
-for the next request, which must then be re-encoded on the other one. Remote image URLs are on with
+for the next request, which must then be re-encoded on the other one (and a pool silent for up to 2.5 s,
+`heartbeat_fail_open_s`, is still tried). Remote image URLs are on with
 private addresses allowed, so a loopback image server can be fetched from.
 
 The fault-injection tests come last: they kill / stop vision engines and wait for them to come back.
@@ -72,6 +73,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "gateway": {
             "heartbeat_interval_ms": 100,
             "heartbeat_miss_limit": 20,
+            "heartbeat_fail_open_s": 2.5,
             "handoff_timeout_s": 1.0,
             "stealing": {"enabled": False, "threshold": TAU},
             "images": {"remote_urls": True, "allow_private_addresses": True},
@@ -345,11 +347,13 @@ def test_stopped_vision_engine_is_re_encoded_on_the_other(gw: Gateway) -> None:
 
 
 def test_no_healthy_vision_backend_is_a_clean_503(gw: Gateway) -> None:
-    """Every vision engine silent past the heartbeat limit: image requests get 503, text requests still work."""
+    """Every vision engine silent past the heartbeat limit and the fail-open window: image requests get 503,
+    text requests still work."""
     wait_all_healthy(gw)
     pids = [engine_pid(gw, v) for v in VISION]
     with sigstopped(pids[0]), sigstopped(pids[1]):
         gw.wait_until(lambda: not any(gw.backend(v)["healthy"] for v in VISION), timeout=10)
+        time.sleep(0.8)   # unhealthy 2 s after the last heartbeat; past the 2.5 s window now
         r = post_chat(gw, CASES["one-png"])
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "no_backend_available", r.text
