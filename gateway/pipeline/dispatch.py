@@ -54,6 +54,7 @@ import structlog
 from common.wire import engine_pb2
 from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EncoderClient, EngineClients
 from gateway.clients.engine_fields import refused_fields
+from gateway.clients.openai_upstream import UpstreamRateLimited
 from gateway.config.tenants import TenantsConfig
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers
@@ -488,10 +489,13 @@ class Pipeline:
         self, error: BaseException, backend_id: str, record: RequestRecord, loop_deadline: float | None = None,
     ) -> bool:
         """Whether a dispatch to `backend_id` ended by the backend's own fault: its failure, but not a
-        hand-off the vision side never delivered, nor a timeout of the request's own deadline (the
-        client chose it), nor anything else (the client left, its request is invalid, another
-        backend failed)."""
+        hand-off the vision side never delivered, nor an upstream's 429 (busy, not broken: its breaker
+        would take a working upstream out for `open_s` whenever it sheds load), nor a timeout of the
+        request's own deadline (the client chose it), nor anything else (the client left, its request is
+        invalid, another backend failed)."""
         if not isinstance(error, BackendFailure) or error.backend_id != backend_id or error.code == HANDOFF_TIMEOUT:
+            return False
+        if isinstance(error, UpstreamRateLimited):
             return False
         return not (isinstance(error, BackendTimeout) and self.deadline_passed(record, loop_deadline))
 

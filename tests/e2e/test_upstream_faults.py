@@ -91,11 +91,12 @@ def serving(engine: Engine, tls: ssl.SSLContext | None = None) -> Iterator[str]:
         loop.close()
 
 
-def config(tmp: Path, address: str, upstream_model: str = SERVED) -> Path:
+def config(tmp: Path, address: str, upstream_model: str = SERVED, breaker: bool = False) -> Path:
     return write_config(tmp, {
         "model": MODEL,
-        # no breaker opens in these tests: each refusal is asked for, and the next request must reach it
-        "gateway": {"heartbeat_interval_ms": 100, "breaker": {"failure_threshold": 1000}},
+        # no breaker opens in these tests (unless `breaker`: the default one): each refusal is asked for,
+        # and the next request must reach it
+        "gateway": {"heartbeat_interval_ms": 100, "breaker": {} if breaker else {"failure_threshold": 1000}},
         "backends": [{"id": "up", "kind": "openai", "gpu": "H100", "address": address,
                       "upstream_model": upstream_model}],
     })
@@ -229,3 +230,17 @@ async def test_the_grpc_door_is_resource_exhausted_with_the_message_and_retry_af
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.details() == f"backend up is rate limiting requests: {SAID}"
     assert dict(info.value.trailing_metadata() or ())["retry-after"] == "7"
+
+
+def test_an_upstream_that_rate_limits_is_busy_not_broken(tmp_path: Path) -> None:
+    """429s do not open the upstream's circuit breaker (5 consecutive failures would by default): once
+    it stops refusing, the next request is served, not refused with 503 for the breaker's open time."""
+    engine = Engine()
+    engine.refusal = (429, {}, {"Retry-After": "1"})
+    with serving(engine) as url, run_gateway(config(tmp_path, url, breaker=True), healthy=0) as gw:
+        gw.wait_until(lambda: gw.backend("up")["reachable"])
+        assert [chat(gw, False).status_code for _ in range(8)] == [429] * 8
+        assert gw.backend("up")["breaker"] == "closed"
+        engine.refusal = None
+        resp = chat(gw, False)
+        assert resp.status_code == 200, resp.text
