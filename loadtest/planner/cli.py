@@ -25,6 +25,7 @@ from common.errors import ConfigError
 from gateway.routing.policies import build_policy
 from loadtest.planner.evaluate import Policies
 from loadtest.planner.options import (
+    MAX_WORKERS,
     at_least,
     count,
     inventory,
@@ -35,6 +36,7 @@ from loadtest.planner.options import (
     seed,
     share,
     unwritable,
+    workers,
 )
 from loadtest.planner.pool import Terminated, sigterm_raises
 from loadtest.planner.search import GROUPINGS, Evaluated, Problem, SearchResult, search
@@ -106,7 +108,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also find the best plan of each stage split, of one-type and mixed fleets, or both")
     r.add_argument("--max-simulations", type=count, default=200)
     r.add_argument("--time-limit", type=positive, default=240.0, help="seconds before the search stops")
-    r.add_argument("--workers", type=count, default=min(2, os.cpu_count() or 1), help="simulation processes")
+    r.add_argument("--workers", type=workers, default=min(2, os.cpu_count() or 1),
+                   help=f"simulation processes (at most {MAX_WORKERS}: four per core)")
     r.add_argument("--top", type=count, default=8, help="plans to print")
     r.add_argument("--out", type=Path, help="write the best plan here as a backends.yaml")
     r.add_argument("--time-scale", type=non_negative, default=1.0, help="launch.time_scale of the written engines")

@@ -90,6 +90,10 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
 
 count = at_least(1)
 seed = at_least(0)          # numpy's generators take no negative seed
+# Simulation processes: past a few per core they only add memory (each holds the trace and a simulator),
+# and a slip such as 1000 would start a thousand processes.
+MAX_WORKERS = 4 * (os.cpu_count() or 1)
+workers = at_least(1, MAX_WORKERS)
 
 
 def inventory(text: str) -> tuple[tuple[str, int], ...]:

@@ -12,6 +12,7 @@ import yaml
 from common.catalog import CONFIG_DIR, load_catalog
 from gateway.config.cluster import load_cluster
 from loadtest.planner import cli
+from loadtest.planner.options import MAX_WORKERS
 from loadtest.planner.search import Problem
 from loadtest.planner.space import Limits, Plan, Slo
 from loadtest.planner.workload import MAX_RATE_RPS, MAX_TRACE_REQUESTS, Description, described_trace
@@ -85,6 +86,11 @@ def test_a_request_log_beyond_the_bound_is_refused(tmp_path: Path, capsys: pytes
     assert cli.main(["--trace", str(log), "--budget", "8"]) == 2
     assert capsys.readouterr().err == (f"gateway plan: --trace {log}: 3 requests, more than the 2 a simulated "
                                        "trace holds: give --requests to take the first ones\n")
+
+
+def test_more_workers_than_four_a_core_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(capsys, "--rate", "5", "--budget", "8", "--workers", str(MAX_WORKERS + 1))
+    assert f"argument --workers: must be at most {MAX_WORKERS:,}, not {MAX_WORKERS + 1}" in err
 
 
 def test_an_inventory_count_of_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
