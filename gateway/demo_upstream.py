@@ -82,8 +82,11 @@ def n_tokens(body: dict[str, Any]) -> int:
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
-    """A rough count, 4 bytes a token, as the gateway estimates when it has no tokenizer."""
+    """A prompt of token ids: their number, as vLLM counts it; else a rough count, 4 bytes a token, as the
+    gateway estimates when it has no tokenizer."""
     text = body.get("prompt") if "prompt" in body else body.get("messages")
+    if isinstance(text, list) and text and isinstance(text[-1], int | list):
+        return len(text[-1]) if isinstance(text[-1], list) else len(text)
     return max(1, len(orjson.dumps(text)) // 4)
 
 

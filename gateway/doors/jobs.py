@@ -109,20 +109,21 @@ class JobBuilder:
     def completion(self, req: CompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None, tenant: str) -> GenerationJob:
         served = self.check_model(req.model)
-        if isinstance(req.prompt, list):
-            if len(req.prompt) != 1:
-                raise InvalidRequest("prompt must be one string (batched prompts are not supported)", param="prompt")
-            prompt = req.prompt[0]
-        else:
-            prompt = req.prompt
+        prompt = req.one_prompt()
         if not prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        tokens = count_text_tokens(prompt)
         exact = self._exact(served)
         ids: tuple[int, ...] = ()
-        if exact is not None:
+        if isinstance(prompt, list):   # token ids, as sent: routed and cached by them, no text
+            if exact is not None:
+                exact.check_ids(prompt)
+            ids, prompt = tuple(prompt), ""
+            tokens = len(ids)
+        elif exact is not None:
             ids = tuple(exact.text(prompt).ids)
             tokens = len(ids)
+        else:
+            tokens = count_text_tokens(prompt)
         asked, asked_param = req.requested_max_tokens()
         max_tokens = self.max_tokens(tokens, asked, prompt_param="prompt", model=served.name, asked_param=asked_param)
         temperature = 1.0 if req.temperature is None else req.temperature

@@ -41,6 +41,13 @@ class ExactPrompts:
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="prompt") from None
 
+    def check_ids(self, ids: list[int]) -> None:
+        """A prompt of token ids the model can read: every id within its tokenizer's vocabulary (an id past
+        it would index past the engine's embedding table)."""
+        vocab = len(self._tok)
+        if (largest := max(ids)) >= vocab:
+            raise InvalidRequest(f"token id {largest} is outside the model's vocabulary of {vocab} ids", param="prompt")
+
 
 def _content(message: ChatMessage) -> str | list[dict[str, Any]]:
     if message.content is None or isinstance(message.content, str):

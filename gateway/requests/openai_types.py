@@ -82,20 +82,42 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+MAX_TOKEN_ID = 1 << 32   # ids travel to engines as uint32
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # Text, or token ids as vLLM takes them (`[1, 2]`, or one list in a list); one prompt a request.
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)   # generated, the best n returned: bounded by limits.max_choices
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _not_token_ids(cls, prompt: Any) -> Any:
-        """A prompt of token ids (vLLM takes `[1, 2]` and `[[1, 2]]`) is refused as such: the type check
-        alone would answer "prompt.0: Input should be a valid string", which does not say what is wrong."""
+    def _token_ids(cls, prompt: Any) -> Any:
+        """A prompt of token ids is checked here, so that a bad one is named as such rather than by the
+        union's four type errors ("prompt.str: Input should be a valid string", ...): each list non-empty,
+        each id an integer (not a boolean, not a float) in [0, 2^32)."""
         first = prompt[0] if isinstance(prompt, list) and prompt else None
-        if isinstance(first, int | list) and not isinstance(first, bool):
-            raise PydanticCustomError("token_prompt", "prompts of token ids are not supported; send the prompt as text")
+        if isinstance(first, list | int | float):   # a number first (a boolean too): meant as ids
+            for ids in prompt if isinstance(first, list) else (prompt,):
+                if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < MAX_TOKEN_ID for i in ids)):
+                    raise PydanticCustomError(
+                        "token_prompt", "a prompt of token ids is a non-empty list of integers in [0, 2^32), "
+                                        "or a list of such lists")
         return prompt
+
+    def one_prompt(self) -> str | list[int]:
+        """The request's one prompt, text or token ids; InvalidRequest for several (batched prompts)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return prompt
+        if len(prompt) != 1:
+            raise InvalidRequest("prompt must be one prompt (batched prompts are not supported)", param="prompt")
+        return prompt[0]
 
 
 def body_error(exc: ValidationError) -> InvalidRequest:

@@ -2,7 +2,7 @@
 on one simulated engine, one in front of `gateway demo-upstream` (the mock vLLM), both real processes on
 127.0.0.1. Each field is either honoured, passed to the upstream that honours it, or refused with a 400
 that names it, never silently dropped: `max_completion_tokens` on /v1/completions, the field an
-over-long length names, stream options an engine cannot honour, prompts of token ids."""
+over-long length names, stream options an engine cannot honour; prompts of token ids are served, bad ones named."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
@@ -141,11 +142,44 @@ def test_a_stream_option_an_engine_cannot_honour_is_refused_by_name(engine: Gate
     assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n"), resp.text
 
 
-@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3]]], ids=["ids", "list-of-ids"])
-def test_a_prompt_of_token_ids_is_refused_as_such(gateway: Gateway, prompt: list[Any]) -> None:
-    """vLLM takes a prompt of token ids; the gateway routes on text and says that is what it refuses,
-    rather than "prompt.0: Input should be a valid string"."""
-    resp = post(gateway, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+IDS = list(range(100, 200))   # 100 token ids
+
+
+@pytest.mark.parametrize("prompt", [IDS, [IDS]], ids=["ids", "list-of-ids"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_of_token_ids_is_served_as_vllm_serves_it(gateway: Gateway, prompt: list[Any], stream: bool) -> None:
+    """vLLM takes a prompt of token ids (`[1, 2]` or `[[1, 2]]`): counted as that many prompt tokens, and
+    the same in the usage the client gets (the engine's count; the upstream's, which got the ids as sent)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    resp = post(gateway, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        events = [orjson.loads(ln[6:]) for ln in resp.text.splitlines() if ln.startswith("data: {")]
+        usage = events[-1]["usage"]
+    else:
+        usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] == len(IDS), usage
+
+
+def test_the_upstream_gets_the_token_ids_as_sent(upstream: tuple[Gateway, str]) -> None:
+    gw, url = upstream
+    assert post(gw, "/v1/completions", {"model": MODEL, "prompt": [IDS], "max_tokens": 2}).status_code == 200
+    assert last_body(url)["prompt"] == [IDS]
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([[1, 2], [3, 4]], "batched prompts are not supported"),
+    ([[]], "non-empty list of integers"),
+    ([1, -2], "integers in [0, 2^32)"),
+    ([1, 2.5], "integers in [0, 2^32)"),
+    ([True, 1], "integers in [0, 2^32)"),
+    ([1.0, 2], "integers in [0, 2^32)"),
+    ([1, 1 << 32], "integers in [0, 2^32)"),
+    ([], "must not be empty"),
+])
+def test_a_bad_prompt_of_token_ids_is_named(engine: Gateway, prompt: list[Any], message: str) -> None:
+    resp = post(engine, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
-    assert err["param"] == "prompt" and "token ids" in err["message"], err
+    assert err["param"] == "prompt" and message in err["message"], err

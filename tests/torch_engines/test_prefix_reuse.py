@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from testkit.harness import Gateway, run_gateway, write_config
 from tests.torch_engines.conftest import TINY
 from tests.torch_engines.reference import Reference
-from tests.torch_engines.split_client import ask_on, launch
+from tests.torch_engines.split_client import ask_on, client, launch
 
 BACKENDS = ("lang-a", "lang-b")
 SHARED = "You answer questions about the refund policy, briefly and politely, citing the rule. " * 2
@@ -52,3 +53,21 @@ def test_a_shared_prefix_goes_back_to_its_engine_which_reuses_it_exactly(gw: Gat
     assert cache["source"] == "engine" and cache["predicted_hit_tokens"] >= 128
     other = next(b for b in BACKENDS if b != home)
     assert gw.backend(other)["prefix_cache"]["reported_hit_tokens"] == 0
+
+
+def test_a_prompt_of_token_ids_is_the_model_input_itself(gw: Gateway, tiny_model_dir: Path) -> None:
+    """/v1/completions with the chat's own token ids (as vLLM takes them) gives the chat's answer; an id past
+    the tokenizer's vocabulary is refused by name, before any engine sees it."""
+    reference = Reference(tiny_model_dir)
+    question = SHARED + "Who pays for the return?"
+    ids = reference.inputs(question, [])["input_ids"][0].tolist()
+    answer = client(gw).completions.create(model=TINY, prompt=ids, max_tokens=6, temperature=0)
+    text, prompt_tokens, completion_tokens = reference.generate(question, [], 6)
+    assert answer.choices[0].text == text
+    assert answer.usage is not None and (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
+        prompt_tokens, completion_tokens)
+    vocab = len(reference.tokenizer)
+    resp = httpx.post(f"{gw.url}/v1/completions", json={"model": TINY, "prompt": [1, vocab], "max_tokens": 2},
+                      timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == f"token id {vocab} is outside the model's vocabulary of {vocab} ids"
