@@ -29,6 +29,7 @@ from gateway.config.models import MODEL_NAME, ModelNames, ModelSpec, ServedModel
 from gateway.config.sections import (
     AdmissionConfig,
     BreakerConfig,
+    CorsConfig,
     OverloadConfig,
     RedisConfig,
     TlsConfig,
@@ -353,6 +354,7 @@ class GatewaySettings(StrictModel):
     overload: OverloadConfig = OverloadConfig()   # hold requests at the gateway when every TTFT is past the SLO
     auth: AuthConfig = AuthConfig()
     tls: TlsConfig = TlsConfig()
+    cors: CorsConfig = CorsConfig()   # browsers on other origins (off: no allow_origins)
     keep_alive: KeepAliveConfig = KeepAliveConfig()
     redis: RedisConfig = RedisConfig()
     tenants: TenantsConfig = TenantsConfig()   # keys -> tenants, their priority, weight and limits

@@ -1,4 +1,4 @@
-"""The `gateway:` section's smaller schemas: admission, overload, breakers, TLS files, Redis.
+"""The `gateway:` section's smaller schemas: admission, overload, breakers, TLS files, CORS, Redis.
 
 They live here, not beside the code that uses them, so the config room imports no feature module: a
 feature imports its settings from here, never the other way round.
@@ -7,9 +7,19 @@ feature imports its settings from here, never the other way round.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from common.errors import ConfigError
 from common.yaml_files import StrictModel
@@ -69,6 +79,109 @@ class TlsConfig(StrictModel):
     http: TlsFiles | None = None
     grpc: TlsFiles | None = None
     ca_file: Path | None = None
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")   # an HTTP token (RFC 9110 §5.6.2): a header or method name
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
+_HOST = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?|\[[0-9a-f:.]+\]")   # a name, an IPv4 or a [IPv6] address
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def cors_origin(value: str) -> str:
+    """`value` as browsers send it in `Origin`: scheme://host[:port], lower case, without the scheme's
+    default port; ValueError naming what is wrong otherwise."""
+    text = value.strip().lower()
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        parts = None
+    if parts is None or not _SCHEME.fullmatch(parts.scheme) or not text.startswith(f"{parts.scheme}://"):
+        raise ValueError(f"origin {value!r} is not scheme://host[:port] (such as https://app.example.com)")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"origin {value!r}: the port is not a number from 1 to 65535") from None
+    if parts.path or parts.query or parts.fragment or text.endswith(("?", "#")):
+        raise ValueError(f"origin {value!r} has a path, query or fragment: an origin is scheme://host[:port] only, "
+                         "without even a trailing slash")
+    host = parts.netloc.rpartition(":")[0] if port is not None or parts.netloc.endswith(":") else parts.netloc
+    if "@" in parts.netloc or not _HOST.fullmatch(host):
+        raise ValueError(f"origin {value!r}: {host!r} is no host name or address (a wildcard such as *.example.com "
+                         'is not supported: list each origin, or allow every one with "*")')
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise ValueError(f"origin {value!r} has an empty or zero port")
+    if port is None or _DEFAULT_PORTS.get(parts.scheme) == port:
+        return f"{parts.scheme}://{host}"
+    return f"{parts.scheme}://{host}:{port}"
+
+
+def _tokens(values: list[str], what: str, case: str, prefixes: bool = False) -> list[str]:
+    """The names, "*" (any), and with `prefixes` names ending in "*" (any name that starts so)."""
+    out: list[str] = []
+    for value in values:
+        name = value[:-1] if prefixes and len(value) > 1 and value.endswith("*") else value
+        if value != "*" and (not _TOKEN.fullmatch(name) or "*" in name):
+            raise ValueError(f"{what} {value!r} is not a valid HTTP token" + (
+                ' ("*" alone, or at the end of a prefix such as x-stainless-*)' if prefixes else ' (or "*" alone)'))
+        value = value.upper() if case == "upper" else value.lower()
+        if value not in out:
+            out.append(value)
+    return out
+
+
+class CorsConfig(StrictModel):
+    """Cross-origin requests from browsers (gateway/doors/http_server.py, `Cors`): off while
+    `allow_origins` is empty. `"*"` there allows every origin; otherwise exact origins. The default
+    headers are those the gateway reads (`allow_headers`) and sets (`expose_headers`); a `"*"` in
+    `allow_methods` or `allow_headers` answers a preflight with the method or headers it asked for, and
+    an `allow_headers` entry ending in `*` allows every header that starts so (`x-stainless-*`: the
+    OpenAI JavaScript SDK's, a set that grows with its versions)."""
+
+    allow_origins: list[str] = Field(default_factory=list)
+    allow_methods: list[str] = Field(default_factory=lambda: ["GET", "POST", "DELETE"])
+    # those the gateway reads, and those the OpenAI (and every Stainless-made) JavaScript SDK adds to each request
+    allow_headers: list[str] = Field(default_factory=lambda: [
+        "authorization", "content-type", "x-request-id", "x-request-timeout", "x-session-id", "traceparent",
+        "x-stainless-*"])
+    expose_headers: list[str] = Field(default_factory=lambda: [
+        "x-request-id", "x-heterogate-backend", "x-heterogate-vision-backend", "retry-after", "x-should-retry"])
+    max_age_s: NonNegativeInt = 600       # how long a browser may keep a preflight's answer
+    allow_credentials: bool = False       # cookies and HTTP auth from the browser (not needed for a bearer key)
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, values: list[str]) -> list[str]:
+        out: list[str] = []
+        for value in values:
+            origin = "*" if value.strip() == "*" else cors_origin(value)
+            if origin not in out:
+                out.append(origin)
+        return out
+
+    @field_validator("allow_methods")
+    @classmethod
+    def _methods(cls, values: list[str]) -> list[str]:
+        return _tokens(values, "method", "upper")
+
+    @field_validator("allow_headers")
+    @classmethod
+    def _allowed_headers(cls, values: list[str]) -> list[str]:
+        return _tokens(values, "header", "lower", prefixes=True)
+
+    @field_validator("expose_headers")
+    @classmethod
+    def _exposed_headers(cls, values: list[str]) -> list[str]:
+        return _tokens(values, "header", "lower")
+
+    @model_validator(mode="after")
+    def _credentials_need_origins(self) -> CorsConfig:
+        if self.allow_credentials and "*" in self.allow_origins:
+            raise ValueError('allow_credentials: true cannot go with allow_origins "*": the CORS protocol (Fetch '
+                             "standard) refuses a credentialed response allowed for every origin; list the origins")
+        if self.allow_credentials and "*" in self.expose_headers:
+            raise ValueError('allow_credentials: true cannot go with expose_headers "*": on a credentialed response '
+                             "the browser reads it as a header named *; list the headers")
+        return self
 
 
 class RedisConfig(StrictModel):

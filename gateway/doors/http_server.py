@@ -14,7 +14,8 @@ close: a body that stalls, short or trickled, would otherwise hold its connectio
 bytes forever), pipelined requests answered in order, `Expect: 100-continue`, bodies capped before
 they are buffered (413), header blocks capped (431), malformed requests answered 400 and logged,
 chunked streaming with write flow control, TLS through the loop, and a drain on stop (no new
-requests; those in flight finish, up to a deadline).
+requests; those in flight finish, up to a deadline). With `gateway.cors` on, CORS for browsers on
+other origins (`Cors`); off, it costs a request one `is None` check.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import orjson
 import structlog
 
 from gateway.doors.request_ids import new_request_id
-from gateway.requests.errors import http_error, openai_error_body
+from gateway.requests.errors import Forbidden, http_error, openai_error_body
 
 log = structlog.get_logger("gateway.http")
 
@@ -177,6 +178,117 @@ class Exchange:
             last += b"0\r\n\r\n"
         self._conn.write(self._head + (b"" if self._head_only else last))
         self._head = b""
+
+
+class _CorsExchange(Exchange):
+    """An exchange whose response, whole or streamed, carries the CORS headers of its request's origin."""
+
+    __slots__ = ("_cors",)
+
+    def __init__(self, conn: _Connection, head_only: bool, http_11: bool, cors: Headers) -> None:
+        super().__init__(conn, head_only, http_11)
+        self._cors = cors
+
+    def respond(self, status: int, headers: Headers, body: bytes, content_type: bytes = _JSON) -> None:
+        super().respond(status, [*headers, *self._cors], body, content_type)
+
+    def start_stream(self, status: int, headers: Headers, *, sized: bool = False) -> None:
+        super().start_stream(status, [*headers, *self._cors], sized=sized)
+
+
+class Cors:
+    """CORS (the Fetch standard's protocol) for browsers calling the gateway from other origins.
+
+    A preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`), on any path, is answered
+    here before any route sees it, so before any key check: a browser sends no credentials with it.
+
+    From an allowed origin: 204 with `access-control-allow-origin`, `-allow-methods`, `-allow-headers`,
+    `-max-age` (and `-allow-credentials`). The method and headers it asked for are not checked against
+    the lists: the browser does that with the lists it gets (as the Fetch standard has it), and its
+    console names what was missing. Only `"*"` and prefixes (`x-stainless-*`) make the answer depend
+    on what it asked for: the headers asked for that they allow are listed by name.
+
+    From another origin: 403 in the OpenAI error shape, naming the origin. A browser fails the
+    preflight either way (no allow-origin header, whatever the status); a 403 that says why, rather than
+    a 204 without the headers (what Express's `cors` sends), tells whoever reads it with curl or in the
+    network tab what to configure. Starlette's CORS middleware (vLLM's, LiteLLM's) refuses too, with a
+    400 in plain text; 403 is the status for "understood, not allowed", and the body is the gateway's
+    usual error shape.
+
+    Every other request with an allowed `Origin` gets, on whatever the response is (a route's reply, an
+    error, a stream, a refused request), `access-control-allow-origin` (the origin, with `vary:
+    origin`, or `*` when every origin is allowed), `access-control-expose-headers`, and with
+    credentials `access-control-allow-credentials: true`. A request with no `Origin` or another one
+    gets none: the browser then keeps the response from the page. The headers are built once per
+    allowed origin: a request costs a scan for `Origin` and one dict lookup.
+    """
+
+    def __init__(self, allow_origins: list[str], *, allow_methods: list[str], allow_headers: list[str],
+                 expose_headers: list[str], max_age_s: int, allow_credentials: bool) -> None:
+        if not allow_origins:
+            raise ValueError("CORS needs at least one allowed origin")
+        expose = [(b"access-control-expose-headers", ", ".join(expose_headers).encode())] if expose_headers else []
+        creds = [(b"access-control-allow-credentials", b"true")] if allow_credentials else []
+        self._any: Headers | None = None
+        if "*" in allow_origins:   # config refuses credentials with "*"
+            self._any = [(b"access-control-allow-origin", b"*"), *expose, *creds]
+        self._by_origin: dict[bytes, Headers] = {
+            origin.encode(): [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin"), *expose, *creds]
+            for origin in allow_origins if origin != "*"}
+        self._methods = None if "*" in allow_methods else ", ".join(allow_methods).encode()
+        self._any_header = "*" in allow_headers
+        self._headers = ", ".join(h for h in allow_headers if not h.endswith("*")).encode()
+        self._prefixes = tuple(h[:-1].encode() for h in allow_headers if h.endswith("*") and h != "*")
+        self._preflight_tail = [(b"access-control-max-age", b"%d" % max_age_s), *creds]
+
+    def headers(self, request_headers: Headers) -> Headers | None:
+        """The CORS headers of a response to a request with these headers; None: none (no Origin, or one
+        not allowed)."""
+        origin = find_header(request_headers, b"origin")
+        if origin is None:
+            return None
+        return self._by_origin.get(origin, self._any)
+
+    @staticmethod
+    def is_preflight(request: Request) -> bool:
+        return request.method == "OPTIONS" and find_header(request.headers, b"origin") is not None \
+            and find_header(request.headers, b"access-control-request-method") is not None
+
+    async def preflight(self, request: Request, exchange: Exchange) -> None:
+        """A server handler: the answer to a preflight (see the class)."""
+        origin = find_header(request.headers, b"origin") or b""
+        vary: list[bytes] = []   # what the answer depends on, for caches
+        if origin in self._by_origin:
+            allow_origin = origin
+            vary.append(b"origin")
+        elif self._any is not None:
+            allow_origin = b"*"
+        else:
+            refused = Forbidden(f"CORS: origin {origin.decode('latin-1')} is not allowed (gateway.cors.allow_origins)")
+            given = find_header(request.headers, b"x-request-id")
+            rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
+            exchange.respond(403, [(b"x-request-id", rid)], orjson.dumps(openai_error_body(refused)))
+            return
+        methods = self._methods
+        if methods is None:   # "*": the method it asked for
+            methods = find_header(request.headers, b"access-control-request-method") or b""
+            vary.append(b"access-control-request-method")
+        headers = self._headers
+        if self._any_header or self._prefixes:   # the answer depends on the headers it asked for
+            asked = find_header(request.headers, b"access-control-request-headers") or b""
+            if self._any_header:
+                headers = asked
+            else:   # the list, and those asked for that a prefix allows (a preflight lists names, not patterns)
+                names = [n for n in (h.strip().lower() for h in asked.split(b",")) if n.startswith(self._prefixes)]
+                headers = b", ".join(([headers] if headers else []) + names)
+            vary.append(b"access-control-request-headers")
+        allowed: Headers = [(b"access-control-allow-origin", allow_origin)]
+        if vary:
+            allowed.append((b"vary", b", ".join(vary)))
+        allowed.extend(((b"access-control-allow-methods", methods), (b"access-control-allow-headers", headers),
+                        *self._preflight_tail))
+        exchange.start_stream(204, allowed, sized=True)   # no content-type, no content-length on a 204
+        exchange.end_stream()
 
 
 class _Reject(Exception):
@@ -375,10 +487,24 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
         if not keep or self._server.draining:
             self.keep_alive = False
-        exchange = Exchange(self, request.method == "HEAD", request.http_11)
+        cors = self._server.cors
+        if cors is None:
+            exchange = Exchange(self, request.method == "HEAD", request.http_11)
+            handler = self._server.routes.get(request.path, self._server.fallback)
+        else:
+            exchange, handler = self._cors_exchange(cors, request)
         self._exchange = exchange
-        handler = self._server.routes.get(request.path, self._server.fallback)
         self._task = self._loop.create_task(self._run(handler(request, exchange), exchange))
+
+    def _cors_exchange(self, cors: Cors, request: Request) -> tuple[Exchange, Handler]:
+        """With CORS on: a preflight goes to `cors.preflight`, before any route (and its key check) sees
+        it; a request from an allowed origin gets an exchange that adds the origin's headers."""
+        if cors.is_preflight(request):
+            return Exchange(self, False, request.http_11), cors.preflight
+        allowed = cors.headers(request.headers)
+        exchange = Exchange(self, request.method == "HEAD", request.http_11) if allowed is None \
+            else _CorsExchange(self, request.method == "HEAD", request.http_11, allowed)
+        return exchange, self._server.routes.get(request.path, self._server.fallback)
 
     async def _run(self, coro: Awaitable[None], exchange: Exchange) -> None:
         try:
@@ -415,8 +541,10 @@ class _Connection(asyncio.Protocol):
         given = find_header(self._headers, b"x-request-id")
         rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
         body = error_body(status, message)
-        self._refusal = _head(status, [(b"content-type", _JSON), (b"x-request-id", rid)],
-                              b"content-length: %d\r\n" % len(body), False) + body
+        headers = [(b"content-type", _JSON), (b"x-request-id", rid)]
+        if self._server.cors is not None:   # the headers read so far: enough for `Origin`, unless it came late
+            headers.extend(self._server.cors.headers(self._headers) or ())
+        self._refusal = _head(status, headers, b"content-length: %d\r\n" % len(body), False) + body
         self._last_read = True
         self._owe_continue = False
         self._in_body = False
@@ -487,11 +615,13 @@ class _Connection(asyncio.Protocol):
 
 
 class HttpServer:
-    """Serves `routes` (exact paths) with their handlers, and every other path with `fallback`."""
+    """Serves `routes` (exact paths) with their handlers, and every other path with `fallback`; with
+    `cors`, CORS on every path (`Cors`)."""
 
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, max_body_bytes: int, idle_s: float,
-                 body_timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
+                 body_timeout_s: float, ssl_context: ssl.SSLContext | None = None, cors: Cors | None = None) -> None:
         self.routes = routes
+        self.cors = cors
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
         self.idle_s = idle_s

@@ -8,7 +8,8 @@
     GET  /dashboard                               the operator's page (`dashboard.py`)
 
 Every route but the completions is a handler of the route table (`route_table.py`), which answers
-HEAD, 404, 405, `x-request-id` and errors in the OpenAI shape for all of them.
+HEAD, 404, 405, `x-request-id` and errors in the OpenAI shape for all of them; the server answers CORS
+(`gateway.cors`) on every route.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gateway.control.fleet import Fleet
 from gateway.doors.completions import CompletionsDoor
 from gateway.doors.dashboard import add_dashboard
 from gateway.doors.fleet_routes import add_fleet_routes
-from gateway.doors.http_server import HttpServer, Request, find_header
+from gateway.doors.http_server import Cors, HttpServer, Request, find_header
 from gateway.doors.jobs import JobBuilder
 from gateway.doors.route_table import Reply, RouteTable, json_reply
 from gateway.runtime import Runtime
@@ -91,6 +92,10 @@ def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext |
                   fleet: Fleet | None = None) -> HttpServer:
     """The front door: the completions door's handlers, and the route table for every other path."""
     table = route_table(runtime, fleet)
+    cors = runtime.config.settings.cors
     return HttpServer({**table.handlers(), **CompletionsDoor(runtime).routes()}, table.fallback,
                       max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s,
-                      body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context)
+                      body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context,
+                      cors=Cors(cors.allow_origins, allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,
+                                expose_headers=cors.expose_headers, max_age_s=cors.max_age_s,
+                                allow_credentials=cors.allow_credentials) if cors.allow_origins else None)
