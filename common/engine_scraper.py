@@ -145,7 +145,8 @@ class MetricsAgent:
             if metrics.missing:
                 log.warning("engine_metrics_missing", backend=self.config.backend_id, engine=table.name,
                             names=sorted(metrics.missing))
-        changed = self.metrics is None or _load(metrics) != _load(self.metrics)
+        changed = self.metrics is None or _load(metrics) != _load(self.metrics) or bool(self.last_error)
+        self.last_error = ""
         if self.metrics is not None and metrics.latency_count < self.metrics.latency_count:
             self._context_read = False    # a counter went back: the engine restarted, perhaps with other flags
         self.metrics, self.last_ok = metrics, self._clock()
@@ -234,7 +235,13 @@ class MetricsAgent:
             kv_capacity_source=KV_SOURCES[source],
             prefix_cache_queries=m.prefix_cache_queries,
             prefix_cache_hits=m.prefix_cache_hits,
+            scrape_error=self.last_error or (self._stale_error() if saturated else ""),
         )
+
+    def _stale_error(self) -> str:
+        """Why a saturated report is sent while no scrape has failed yet: the one under way hangs."""
+        age = self._clock() - (self.last_ok or 0.0)
+        return f"GET {self.config.metrics_url}: no answer in the {age:.1f} s since the last good scrape"
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape and heartbeat until `stop` is set; the first heartbeat waits for the first good scrape."""

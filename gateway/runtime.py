@@ -122,7 +122,8 @@ class Runtime:
                 "healthy": self.table.is_healthy(e),
                 "draining": self.table.is_draining(e.id),   # no new requests (fleet changes at runtime)
                 "reachable": self.table.reachable(e.id),   # kind: openai: does the upstream answer the probe
-                "last_error": e.last_error,   # kind: openai: why its last probe or scrape failed (None: they did not)
+                # why its last probe or scrape failed (kind: openai; a heartbeat agent's scrape), None: they did not
+                "last_error": e.last_error or e.reported.scrape_error or None,
                 "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,

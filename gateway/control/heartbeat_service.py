@@ -45,6 +45,7 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         prefix_cache_hits=msg.prefix_cache_hits,
         embedding_cache_hits=msg.embedding_cache_hits,
         embedding_cache_images=msg.embedding_cache_images if msg.HasField("embedding_cache_images") else None,
+        scrape_error=msg.scrape_error,
     )
 
 

@@ -45,6 +45,7 @@ class Reported:
     prefix_cache_hits: int = 0                # of them, found in the engine's prefix cache
     embedding_cache_hits: int = 0             # vision: images found in the engine's embedding cache
     embedding_cache_images: int | None = None  # vision: embeddings its cache keeps at most; None: not said
+    scrape_error: str = ""                    # a heartbeat agent: why its last scrape of the engine failed
 
 
 class PeerLoad(NamedTuple):

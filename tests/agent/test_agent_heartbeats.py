@@ -193,6 +193,7 @@ async def test_vllm_agent_follows_the_metrics_and_reports_saturation_when_the_en
     # The last good scrape was at most one interval before the endpoint closed.
     assert elapsed > (STALE_INTERVALS - 1) * INTERVAL_S
     assert reported(entry) == (SATURATED_QUEUE, 1, 0, total)   # running and capacity: the last good values
+    assert endpoint.url.removeprefix("http://") in entry.reported.scrape_error   # why, for /admin/backends
     await asyncio.sleep(3 * INTERVAL_S)
     # still heartbeating, but with no fresh load figure: not heard from (the gateway fails open on it)
     assert not table.is_healthy(entry)
@@ -229,10 +230,12 @@ async def test_sglang_agent_waits_for_a_good_scrape_and_saturates_while_the_endp
                              STALE_INTERVALS * INTERVAL_S + SLACK_S, "saturated while the endpoint hangs", log)
     assert elapsed > (STALE_INTERVALS - 1) * INTERVAL_S
     assert reported(entry) == (SATURATED_QUEUE, 2, 0, 20_000 * BPT)
+    assert "metrics" in entry.reported.scrape_error, entry.reported.scrape_error   # the scrape that timed out
 
     endpoint.body = sglang_text(1, 1, 0.25)
     endpoint.answer()
     await wait_for(lambda: entry.reported.waiting == 1, 3 * INTERVAL_S + SLACK_S, "recovered", log)
     assert reported(entry) == (1, 1, 15_000 * BPT, 20_000 * BPT)
+    assert entry.reported.scrape_error == ""
     text = log_text(log)
     assert text.count("engine_metrics_stale") == 1 and text.count("engine_metrics_recovered") == 1
