@@ -60,7 +60,6 @@ MODEL = "llava-1.5-7b"
 MAX_ANSWER_TOKENS = 256     # backends/sim_executor.py: a simulated engine's natural completion is 16..256 tokens
 POLL_S = 0.25               # /admin/backends, wall seconds
 MAX_WARNINGS = 50           # the gateway's warnings kept in the results
-HEARTBEAT_MISS_LIMIT = 10   # 2 s of the default 200 ms heartbeats (the gateway's default: 3)
 GPUS: dict[Pool, str] = {"vision": "L4", "language": "A100-80GB"}
 FIXED_IDS: dict[Pool, str] = {"vision": "l4-vision-0", "language": "a100-80gb-0"}
 SCALED_KEYS = ("interval_s", "up_delay_s", "down_delay_s", "lookahead_s")   # the scaler's durations
@@ -131,9 +130,6 @@ def backends_yaml(args: argparse.Namespace) -> dict[str, Any]:
         "gateway": {
             "routing": {"itl_target_ms": round(args.itl_slo * 1000 * scale, 3)},
             "overload": {"enabled": False},     # as the simulated fleets run (autoscaled.DEFAULT_POLICIES)
-            # engines launched on this one machine take CPU from the running ones, whose heartbeats can come
-            # late: the check is of the scaler, not of failover (the simulator's engines never miss one)
-            "heartbeat_miss_limit": HEARTBEAT_MISS_LIMIT,
             "autoscaling": scaling,
         },
         "backends": [{"id": FIXED_IDS[p], "role": p, "gpu": GPUS[p], "launch": {"time_scale": scale}} for p in POOLS],
