@@ -6,7 +6,8 @@ vendor fields, tool calls in its messages, a `prompt` beside a chat request's me
 other than `include_usage` such as vLLM's `continuous_usage_stats`) would get an answer that silently
 ignores it: an engine refuses it with a 400 that names the fields instead. A field sent with a value
 that asks nothing (null, false, 0 but for `seed` and `logprobs`, empty, `n: 1`, `best_of: 1`,
-`tool_choice: "none"`, `response_format: {"type": "text"}`) is no request. `kind: openai` backends get
+`tool_choice: "none"`, `response_format: {"type": "text"}`, `top_k: -1`, `repetition_penalty: 1`,
+`service_tier: "auto"`) is no request. `kind: openai` backends get
 every field (`gateway.clients.openai_upstream`), and where a model has both kinds such a request is
 routed to those only (`Pipeline._unable`). Torch engines also honour `seed`: a request the gateway
 tokenised for them (an exact request) may carry one.
@@ -24,7 +25,10 @@ HONOURED = frozenset({
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
-_NO_REQUEST: dict[str, Any] = {"n": 1, "best_of": 1, "tool_choice": "none", "response_format": {"type": "text"}}
+# Values that ask for the default: OpenAI's, and vLLM's own "off" (`top_k: -1`, `repetition_penalty: 1`), which
+# clients such as LiteLLM and LangChain send whatever the backend
+_NO_REQUEST: dict[str, Any] = {"n": 1, "best_of": 1, "tool_choice": "none", "response_format": {"type": "text"},
+                               "top_k": -1, "repetition_penalty": 1, "service_tier": "auto"}
 
 
 # Fields whose 0 asks something: a seed of 0, and a completion's `logprobs: 0` (the sampled token's own)

@@ -104,14 +104,24 @@ def check_shape(width: int, height: int, where: str, model: ModelProfile) -> Non
                              f"{vision.pixels_per_token_side // 2} pixels or less next to a longer one", param=where)
 
 
+def is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"   # URL schemes are case-insensitive (RFC 3986)
+
+
 def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
+    """The bytes of a base64 data URL. Line breaks and spaces in the payload (MIME base64, as Python's
+    `base64.encodebytes` writes it) are skipped; any other character outside the alphabet is refused."""
     header, sep, payload = url.partition(",")
-    if not sep or not header.startswith("data:") or not header.endswith(";base64"):
+    if not sep or not is_data_url(header) or not header.lower().endswith(";base64"):
         raise InvalidRequest(f"{where}: data URLs must look like data:image/png;base64,...", param=where)
     if len(payload) > (limits.max_image_bytes * 4) // 3 + 4:
         raise InvalidRequest(f"{where}: image is over the limit of {limits.max_image_bytes} bytes", param=where)
     try:
         return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    try:   # the rare payload with whitespace: checked again without it (a second pass only then)
+        return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest(f"{where}: data URL payload is not valid base64", param=where) from None
 
@@ -157,7 +167,7 @@ async def fetch(url: str, where: str, limits: ImageLimits, client: httpx.AsyncCl
 
 async def load_image(url: str, where: str, limits: ImageLimits, model: ModelProfile, client: httpx.AsyncClient,
                      salt: str = "") -> ImageInput:
-    data = decode_data_url(url, where, limits) if url.startswith("data:") else await fetch(url, where, limits, client)
+    data = decode_data_url(url, where, limits) if is_data_url(url) else await fetch(url, where, limits, client)
     if len(data) > INLINE_INSPECT_BYTES:   # verify() reads the whole file: keep big ones off the loop
         return await asyncio.to_thread(inspect, data, where, limits, model, salt)
     return inspect(data, where, limits, model, salt)

@@ -9,6 +9,7 @@ limits and remote image URLs switched on (private addresses still refused):
 
 from __future__ import annotations
 
+import base64
 import struct
 import zlib
 from collections.abc import Iterator
@@ -257,6 +258,19 @@ BAD_IMAGES = [
 @pytest.mark.parametrize(("url", "fragment"), [c[1:] for c in BAD_IMAGES], ids=[c[0] for c in BAD_IMAGES])
 def test_bad_image_is_400_naming_the_offending_part(gw: Gateway, url: str, fragment: str) -> None:
     assert_400(chat(gw, with_bad_image(url)), "messages.1.content.2", "messages.1.content.2", fragment)
+
+
+def test_data_urls_as_other_encoders_write_them_are_taken(gw: Gateway) -> None:
+    """An upper-case scheme (schemes are case-insensitive) and MIME base64 with line breaks (Python's
+    `base64.encodebytes`) are the same image: the same tokens as the plain data URL."""
+    png = image_bytes("PNG", (64, 64))
+    plain = chat(gw, [{"role": "user", "content": [text_part("look"), image_part(data_url(png))]}])
+    assert plain.status_code == 200, plain.text
+    for url in ("DATA:image/png;BASE64," + base64.b64encode(png).decode(),
+                "data:image/png;base64," + base64.encodebytes(png).decode()):
+        r = chat(gw, [{"role": "user", "content": [text_part("look"), image_part(url)]}])
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
 
 
 def test_truncated_jpeg_is_400_naming_the_part(gw: Gateway) -> None:
