@@ -274,6 +274,11 @@ def render(result: SearchResult, problem: Problem, top: int) -> str:
     elif not best.outcome.sustains(result.target):
         lines.append(f"no plan within the limits sustains {result.target:.0%} attainment; the best serves "
                      f"{best.outcome.goodput_rps:.1f} of {result.rate_rps:.1f} req/s within the SLO")
+    elif best.candidate.bound_rps < result.rate_rps:
+        span = float(problem.trace.arrival_s[-1] - problem.trace.arrival_s[0])
+        lines.append(f"note: the best plan's capacity bound ({best.candidate.bound_rps:.1f} req/s) is below the rate "
+                     f"({result.rate_rps:.1f}): it may sustain this {span:.0f} s trace only because the trace ends "
+                     f"before its backlog passes the TTFT SLO; check it on a longer trace (--duration)")
     return "\n".join(lines)
 
 

@@ -105,3 +105,14 @@ def test_a_catalog_with_broken_yaml_is_one_line(tmp_path: Path, capsys: pytest.C
     assert capsys.readouterr().err == (f"gateway plan: {folder / 'gpus.yaml'}: not valid YAML: line 2, column 1: "
                                        "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence "
                                        "at line 1, column 7)\n")
+
+
+def test_a_best_plan_under_its_rate_on_a_short_trace_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a 10 s trace a plan whose capacity bound is 20% under the rate still meets the TTFT SLO before its
+    backlog grows: the plan is printed with a note to check it on a longer trace."""
+    args = ["--rate", "20", "--image-share", "0.5", "--output-tokens", "96", "--budget", "8",
+            "--gpus", "H100,A100-80GB,L40S,RTX-4090", "--workers", "1"]
+    assert cli.main([*args, "--duration", "10"]) == 0
+    assert "is below the rate (20.0): it may sustain this 10 s trace only" in capsys.readouterr().out
+    assert cli.main(args) == 0   # the default 30 s: its best plan's bound covers the rate
+    assert "note:" not in capsys.readouterr().out
