@@ -4,7 +4,10 @@ Each `ContinuousBatcher.step()` says how long the step takes on this GPU; `run_s
 duration × time_scale and then hands every sequence its token. The GPU scheduler decides when a
 step runs (vision work first on a shared GPU). Output lengths stand in for EOS: a
 request stops at a length drawn from its request id (stable across retries) unless max_tokens
-comes first. The engine caches prompt prefixes as vLLM does by default (`prefix_caching`; blocks
+comes first. Its text is made-up words, so a stop string can occur in it: as a real engine does, the
+request then ends with the token that completes the first one, its text cut before it, `finish_reason`
+"stop" (the words are known in advance, so the cut is found at submission, `stop_cut`).
+The engine caches prompt prefixes as vLLM does by default (`prefix_caching`; blocks
 named by `common.prefix_blocks` from the request's images by content, then its token ids, else its
 prompt text, as the gateway's prefix index names them), and charges prefill for the uncached tokens
 only (backends/batcher.py).
@@ -28,9 +31,38 @@ NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
 _WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
 
 
+_CYCLE = sum(len(w) + 1 for w in _WORDS)   # characters of one round of the words, a space after each
+_STARTS = [sum(len(w) + 1 for w in _WORDS[:k]) for k in range(len(_WORDS))]
+
+
 def natural_length(request_id: str) -> int:
     span = NATURAL_MAX_TOKENS - NATURAL_MIN_TOKENS + 1
     return NATURAL_MIN_TOKENS + zlib.crc32(request_id.encode()) % span
+
+
+def word(index: int) -> str:
+    """The text of the token at `index`."""
+    return _WORDS[index % len(_WORDS)] + " "
+
+
+def word_start(index: int) -> int:
+    """Where the token at `index` starts in the text."""
+    return (index // len(_WORDS)) * _CYCLE + _STARTS[index % len(_WORDS)]
+
+
+def stop_cut(tokens: int, stop: tuple[str, ...]) -> tuple[int, int] | None:
+    """(tokens generated, characters returned) when a stop string occurs in the first `tokens` words: the
+    generation ends with the token that completes the first to occur, and its text before the earliest of
+    the stop strings then in it (what `backends.detokenizer.IncrementalText` does token by token). None: none
+    occurs."""
+    text = "".join(word(k) for k in range(tokens))
+    found = [(i + len(s), s) for s in stop if s and (i := text.find(s)) >= 0]
+    if not found:
+        return None
+    completed = min(end for end, _ in found)
+    last = next(k for k in range(tokens) if word_start(k) + len(word(k)) >= completed)
+    so_far = text[:word_start(last) + len(word(last))]
+    return last + 1, min(i for s in stop if s and (i := so_far.find(s)) >= 0)
 
 
 class SimulatedExecutor:
@@ -56,8 +88,10 @@ class SimulatedExecutor:
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         """Yield the request's tokens; closing the iterator early cancels the sequence."""
         target = min(request.max_tokens, natural_length(request.request_id))
+        cut = stop_cut(target, request.sampling.stop) if request.sampling.stop else None
         prompt_tokens = max(1, request.prompt_tokens)
-        seq = Sequence(request.request_id, prompt_tokens, request.max_tokens, target, arrival_s=time.monotonic())
+        seq = Sequence(request.request_id, prompt_tokens, request.max_tokens, cut[0] if cut else target,
+                       arrival_s=time.monotonic(), text_end=cut[1] if cut else -1)
         cache = self.batcher.prefix_cache
         if cache is not None:
             seq.blocks = prompt_blocks(request.prompt, request.token_ids, prompt_tokens, request.images,
@@ -87,7 +121,11 @@ class SimulatedExecutor:
     def _publish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             index = seq.generated - 1
+            text = word(index)
+            if seq.text_end >= 0:   # cut by a stop string: only what comes before it
+                start = word_start(index)
+                text = text[:max(0, seq.text_end - start)]
             finish = None
             if seq.done:
-                finish = "length" if seq.generated >= seq.max_tokens else "stop"
-            self._streams.publish(seq, Token(_WORDS[index % len(_WORDS)] + " ", index, finish))
+                finish = "length" if seq.generated >= seq.max_tokens and seq.text_end < 0 else "stop"
+            self._streams.publish(seq, Token(text, index, finish))

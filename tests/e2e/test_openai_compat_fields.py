@@ -183,3 +183,44 @@ def test_a_bad_prompt_of_token_ids_is_named(engine: Gateway, prompt: list[Any], 
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == "prompt" and message in err["message"], err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("stop", "text", "tokens"), [
+    (["model"], "the ", 2),
+    ([" with", "answers"], "the model ", 3),          # the first to occur wins, the text cut before it
+    (["tokens from a h"], "the model answers with simulated ", 9),
+])
+def test_a_simulated_engine_ends_at_a_stop_string(engine: Gateway, stream: bool, stop: list[str], text: str,
+                                                   tokens: int) -> None:
+    """The simulated engine's made-up words hold the stop strings asked here: the text ends before the
+    first, finish_reason "stop", usage counts the tokens up to the one that completed it; streamed or whole,
+    chat or completions."""
+    c = client(engine)
+    for chat in (True, False):
+        if chat:
+            out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                            stop=stop, stream=stream, stream_options={"include_usage": True}
+                                            if stream else None)
+        else:
+            out = c.completions.create(model=MODEL, prompt="hi", max_tokens=40, stop=stop, stream=stream,
+                                       stream_options={"include_usage": True} if stream else None)
+        if stream:
+            chunks = list(out)
+            got = "".join((ch.choices[0].delta.content or "") if chat else ch.choices[0].text
+                          for ch in chunks if ch.choices)
+            finish = next(ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason)
+            usage = chunks[-1].usage
+        else:
+            got = out.choices[0].message.content if chat else out.choices[0].text
+            finish, usage = out.choices[0].finish_reason, out.usage
+        assert (got, finish) == (text, "stop"), (chat, got, finish)
+        assert usage is not None and usage.completion_tokens == tokens
+
+
+def test_a_stop_string_that_does_not_occur_or_comes_too_late_changes_nothing(engine: Gateway) -> None:
+    c = client(engine)
+    never = c.completions.create(model=MODEL, prompt="hi", max_tokens=5, stop=["zzz"])
+    assert never.choices[0].text == "the model answers with simulated " and never.choices[0].finish_reason == "length"
+    late = c.completions.create(model=MODEL, prompt="hi", max_tokens=3, stop=["simulated"])
+    assert late.choices[0].text == "the model answers " and late.choices[0].finish_reason == "length"
