@@ -245,12 +245,3 @@ def test_a_file_may_name_a_catalog_of_its_own(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=words):
             load_cluster(write(tmp_path, body))
 
-
-def test_a_default_length_past_the_cap_is_refused(tmp_path: Path) -> None:
-    """Requests that name no max_tokens would get the default: one past `max_tokens` broke the cap."""
-    path = write(tmp_path, "gateway: {limits: {max_tokens: 100, default_max_tokens: 500}}\n"
-                           "backends:\n  - {id: a, gpu: H100, launch: {}}\n")
-    assert "default_max_tokens (500) is more than max_tokens (100)" in config_error(path)
-    path = write(tmp_path, "gateway: {limits: {max_tokens: 100, default_max_tokens: 100}}\n"
-                           "backends:\n  - {id: a, gpu: H100, launch: {}}\n")
-    assert load_cluster(path, catalog()).settings.limits.default_max_tokens == 100

@@ -281,7 +281,7 @@ class BackendSpec(StrictModel):
 class Limits(StrictModel):
     max_prompt_tokens: PositiveInt | None = None   # default: no cap beyond the backends' contexts
     max_tokens: PositiveInt = 4096                 # upper bound a client may ask for
-    default_max_tokens: PositiveInt = 256
+    default_max_tokens: PositiveInt = 256          # for requests that name none; at most max_tokens
     max_body_bytes: PositiveInt = 32 << 20         # images arrive base64-encoded inside the body
     body_timeout_s: PositiveFloat = 60.0           # a body whole this long after its headers, else 408
     max_messages: PositiveInt = 256
@@ -291,14 +291,6 @@ class Limits(StrictModel):
     first_token_floor_s: PositiveFloat = 10.0          # the first-token limit: max(this, factor x predicted TTFT)
     first_token_ttft_factor: PositiveFloat = 4.0       # (the pipeline's `predicted_ttft_s`), at most the timeout
     request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
-
-    @model_validator(mode="after")
-    def _default_within_the_cap(self) -> Limits:
-        """A default length past the cap would give the requests that name none more than any may ask for."""
-        if self.default_max_tokens > self.max_tokens:
-            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is more than max_tokens "
-                             f"({self.max_tokens}), the most a request may ask for")
-        return self
 
 
 class KeepAliveConfig(StrictModel):

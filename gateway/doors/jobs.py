@@ -70,7 +70,8 @@ class JobBuilder:
                 f"the request needs {prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} in {asked_param})",
                 param=asked_param, code="context_length_exceeded",
             )
-        return asked if asked is not None else min(self._limits.default_max_tokens, room)
+        # a default past the cap (max_tokens: 64 beside the default 256) gives no request more than the cap
+        return asked if asked is not None else min(self._limits.default_max_tokens, self._limits.max_tokens, room)
 
     async def chat(self, req: ChatCompletionRequest, body: dict[str, Any], request_id: str,
                    timeout_s: float | None, tenant: str) -> GenerationJob:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import openai
 import orjson
 import pytest
 
+from backends.sim_executor import natural_length
 from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
@@ -224,3 +226,19 @@ def test_a_stop_string_that_does_not_occur_or_comes_too_late_changes_nothing(eng
     assert never.choices[0].text == "the model answers with simulated " and never.choices[0].finish_reason == "length"
     late = c.completions.create(model=MODEL, prompt="hi", max_tokens=3, stop=["simulated"])
     assert late.choices[0].text == "the model answers " and late.choices[0].finish_reason == "length"
+
+
+def test_no_request_gets_more_than_max_tokens_by_default(tmp_path: Path) -> None:
+    """`limits.max_tokens` below the default length: a request that names no length gets at most the cap
+    (before, the default 256 went past it). The request id is one the simulated engine would answer at
+    length with more tokens than the cap."""
+    request_id = next(f"cap-{k}" for k in range(1000) if natural_length(f"cap-{k}") > 150)
+    config = write_config(tmp_path, {
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "limits": {"max_tokens": 100}},
+        "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.02}}],
+    })
+    with run_gateway(config, timeout=60) as gw:
+        resp = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                          headers={"x-request-id": request_id}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 100 and resp.json()["choices"][0]["finish_reason"] == "length"
