@@ -45,7 +45,6 @@ class Sequence:
     cancelled: bool = False
     blocks: list[int] = field(default_factory=list)   # its prompt's block hashes, for the prefix cache
     cached_tokens: int = 0       # prompt tokens the prefix cache held at admission (not prefilled)
-    text_end: int = -1           # simulated text: characters it returns, where a stop string cut it (-1: all)
 
     @property
     def context_tokens(self) -> int:

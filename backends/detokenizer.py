@@ -4,17 +4,25 @@ Text is decoded over a window of recent tokens (the prefix/read offsets of TGI a
 in the middle of a multi-byte character decodes to U+FFFD and is held back until the character completes.
 Text that could still turn into a stop string is held back too; when a stop string appears, the text
 ends just before it.
+The tokenizer is anything that decodes token ids (`Decoder`): a Hugging Face tokenizer for the torch engine,
+the simulated engine's word list for its made-up text.
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import Protocol
 
 REPLACEMENT = "\ufffd"
 
 
+class Decoder(Protocol):
+    """What `IncrementalText` asks of a tokenizer (a Hugging Face `PreTrainedTokenizerBase` is one)."""
+
+    def decode(self, token_ids: list[int], /, skip_special_tokens: bool = ...) -> object: ...
+
+
 class IncrementalText:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
         self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []

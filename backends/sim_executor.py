@@ -4,9 +4,10 @@ Each `ContinuousBatcher.step()` says how long the step takes on this GPU; `run_s
 duration × time_scale and then hands every sequence its token. The GPU scheduler decides when a
 step runs (vision work first on a shared GPU). Output lengths stand in for EOS: a
 request stops at a length drawn from its request id (stable across retries) unless max_tokens
-comes first. Its text is made-up words, so a stop string can occur in it: as a real engine does, the
-request then ends with the token that completes the first one, its text cut before it, `finish_reason`
-"stop" (the words are known in advance, so the cut is found at submission, `stop_cut`).
+comes first. Its text is made-up words (token k is the k-th of `_WORDS`, round and round), detokenised as
+the torch engine's are (`backends.detokenizer.IncrementalText` over `Words`), so a stop string can occur in
+it: text that could still become one is held back, and the token that completes the first one ends the
+request, its text cut before it, `finish_reason` "stop"; it leaves the batch (its KV freed) at the next step.
 The engine caches prompt prefixes as vLLM does by default (`prefix_caching`; blocks
 named by `common.prefix_blocks` from the request's images by content, then its token ids, else its
 prompt text, as the gateway's prefix index names them), and charges prefill for the uncached tokens
@@ -21,6 +22,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 
 from backends.batcher import ContinuousBatcher, Sequence
+from backends.detokenizer import IncrementalText
 from backends.executors import GenerateInput, LoadReport, Token
 from backends.token_streams import TokenStreams
 from common.catalog import GpuProfile, ModelProfile
@@ -29,10 +31,6 @@ from common.prefix_blocks import EnginePrefixCache, prompt_blocks, salt_seed
 # Natural completion lengths when max_tokens does not cut them: uniform in [MIN, MAX].
 NATURAL_MIN_TOKENS, NATURAL_MAX_TOKENS = 16, 256
 _WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
-
-
-_CYCLE = sum(len(w) + 1 for w in _WORDS)   # characters of one round of the words, a space after each
-_STARTS = [sum(len(w) + 1 for w in _WORDS[:k]) for k in range(len(_WORDS))]
 
 
 def natural_length(request_id: str) -> int:
@@ -45,24 +43,11 @@ def word(index: int) -> str:
     return _WORDS[index % len(_WORDS)] + " "
 
 
-def word_start(index: int) -> int:
-    """Where the token at `index` starts in the text."""
-    return (index // len(_WORDS)) * _CYCLE + _STARTS[index % len(_WORDS)]
+class Words:
+    """The simulated engine's tokenizer, as `IncrementalText` reads one: token id k decodes to `word(k)`."""
 
-
-def stop_cut(tokens: int, stop: tuple[str, ...]) -> tuple[int, int] | None:
-    """(tokens generated, characters returned) when a stop string occurs in the first `tokens` words: the
-    generation ends with the token that completes the first to occur, and its text before the earliest of
-    the stop strings then in it (what `backends.detokenizer.IncrementalText` does token by token). None: none
-    occurs."""
-    text = "".join(word(k) for k in range(tokens))
-    found = [(i + len(s), s) for s in stop if s and (i := text.find(s)) >= 0]
-    if not found:
-        return None
-    completed = min(end for end, _ in found)
-    last = next(k for k in range(tokens) if word_start(k) + len(word(k)) >= completed)
-    so_far = text[:word_start(last) + len(word(last))]
-    return last + 1, min(i for s in stop if s and (i := so_far.find(s)) >= 0)
+    def decode(self, token_ids: list[int], /, skip_special_tokens: bool = False) -> str:
+        return "".join(word(k) for k in token_ids)
 
 
 class SimulatedExecutor:
@@ -84,19 +69,28 @@ class SimulatedExecutor:
         self.time_scale = time_scale
         self._streams = TokenStreams(self.batcher, on_change, time_scale)
         self._on_change = on_change
+        self._words = Words()
+        self._texts: dict[Sequence, IncrementalText] = {}   # the detokeniser of each sequence streaming
+        self._stopped = False   # a stop string ended a sequence: it leaves the batch at the next step
 
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         """Yield the request's tokens; closing the iterator early cancels the sequence."""
         target = min(request.max_tokens, natural_length(request.request_id))
-        cut = stop_cut(target, request.sampling.stop) if request.sampling.stop else None
         prompt_tokens = max(1, request.prompt_tokens)
-        seq = Sequence(request.request_id, prompt_tokens, request.max_tokens, cut[0] if cut else target,
-                       arrival_s=time.monotonic(), text_end=cut[1] if cut else -1)
+        seq = Sequence(request.request_id, prompt_tokens, request.max_tokens, target, arrival_s=time.monotonic())
         cache = self.batcher.prefix_cache
         if cache is not None:
             seq.blocks = prompt_blocks(request.prompt, request.token_ids, prompt_tokens, request.images,
                                        block_tokens=cache.block_tokens, salt=salt_seed(request.cache_salt))
-        return self._streams.stream(seq)
+        return self._stream(seq, IncrementalText(self._words, request.sampling.stop))
+
+    async def _stream(self, seq: Sequence, text: IncrementalText) -> AsyncIterator[Token]:
+        self._texts[seq] = text
+        try:
+            async for token in self._streams.stream(seq):
+                yield token
+        finally:
+            self._texts.pop(seq, None)
 
     @property
     def has_work(self) -> bool:
@@ -107,25 +101,31 @@ class SimulatedExecutor:
 
     async def run_step(self) -> int:
         """Run one batch step; returns the number of tokens it produced."""
+        left, self._stopped = self._stopped, False   # what stopped last step leaves (frees its KV) in this one
         step = self.batcher.step()
         if step.duration_s > 0:
             await asyncio.sleep(step.duration_s * self.time_scale)
         self._publish(step.prefilled)
         self._publish(step.decoded)
-        if step.prefilled or step.finished:
-            for seq in step.finished:
-                self._streams.completed(self.batcher.service_s(seq))
+        for seq in step.finished:
+            self._streams.completed(self.batcher.service_s(seq))
+        if step.prefilled or step.finished or self._stopped or left:
             self._on_change()
         return len(step.prefilled) + len(step.decoded)
 
     def _publish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             index = seq.generated - 1
-            text = word(index)
-            if seq.text_end >= 0:   # cut by a stop string: only what comes before it
-                start = word_start(index)
-                text = text[:max(0, seq.text_end - start)]
+            detok = self._texts.get(seq)   # None: its caller went away (cancelled; it leaves at the next step)
+            text = detok.push(index) if detok is not None else ""
             finish = None
-            if seq.done:
-                finish = "length" if seq.generated >= seq.max_tokens and seq.text_end < 0 else "stop"
+            if detok is not None and detok.stopped:   # as the torch engine: a stop string ends it at once
+                finish = "stop"
+                if not seq.done:   # (done: it left the batch this step anyway, counted in run_step)
+                    self.batcher.cancel(seq)
+                    self._streams.completed(self.batcher.service_s(seq))
+                    self._stopped = True
+            elif seq.done:   # it left the batch this step: at max_tokens, else its natural end (EOS)
+                text += detok.finish() if detok is not None else ""
+                finish = "length" if seq.generated >= seq.max_tokens else "stop"
             self._streams.publish(seq, Token(text, index, finish))
