@@ -70,7 +70,7 @@ class SimulatedExecutor:
         self._streams = TokenStreams(self.batcher, on_change, time_scale)
         self._on_change = on_change
         self._words = Words()
-        self._texts: dict[Sequence, IncrementalText] = {}   # the detokeniser of each sequence streaming
+        self._texts: dict[Sequence, IncrementalText] = {}   # the detokeniser of each sequence with stop strings
         self._stopped = False   # a stop string ended a sequence: it leaves the batch at the next step
 
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
@@ -82,6 +82,8 @@ class SimulatedExecutor:
         if cache is not None:
             seq.blocks = prompt_blocks(request.prompt, request.token_ids, prompt_tokens, request.images,
                                        block_tokens=cache.block_tokens, salt=salt_seed(request.cache_salt))
+        if not request.sampling.stop:   # the words as they come: no detokeniser between them and the stream
+            return self._streams.stream(seq)
         return self._stream(seq, IncrementalText(self._words, request.sampling.stop))
 
     async def _stream(self, seq: Sequence, text: IncrementalText) -> AsyncIterator[Token]:
@@ -116,8 +118,8 @@ class SimulatedExecutor:
     def _publish(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             index = seq.generated - 1
-            detok = self._texts.get(seq)   # None: its caller went away (cancelled; it leaves at the next step)
-            text = detok.push(index) if detok is not None else ""
+            detok = self._texts.get(seq)   # None: no stop strings, or its caller went away (it leaves next step)
+            text = detok.push(index) if detok is not None else word(index)
             finish = None
             if detok is not None and detok.stopped:   # as the torch engine: a stop string ends it at once
                 finish = "stop"
