@@ -40,7 +40,7 @@ import numpy as np
 
 from common.catalog import Catalog, ModelProfile
 from loadtest.planner.evaluate import Outcome, Policies, simulate
-from loadtest.planner.pool import worker_pool
+from loadtest.planner.pool import shared, submit_all, worker_pool
 from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Space, Split, bounds, enumerate_space, trace_rate
 from loadtest.sim.workloads import Trace
 
@@ -127,8 +127,9 @@ def better(a: Evaluated, b: Evaluated, target: float) -> bool:
     return ga > gb or (ga == gb and ca < cb - COST_EPS)
 
 
-def _simulate(job: tuple[Problem, Candidate]) -> Evaluated:
-    p, c = job
+def _simulate(c: Candidate) -> Evaluated:
+    """In a worker: the search's problem came with the fork (`worker_pool(..., shared=problem)`)."""
+    p: Problem = shared()
     return Evaluated(c, simulate(c.plan, p.trace, p.model, p.catalog, p.slo, p.policies))
 
 
@@ -209,7 +210,7 @@ def search(problem: Problem, *, max_simulations: int = 200, time_limit_s: float 
     bounded = time.perf_counter()
     evaluated: list[Evaluated] = []
     workers = workers or min(2, os.cpu_count() or 1)
-    with worker_pool(workers) as pool:
+    with worker_pool(workers, shared=problem) as pool:
         active = list(groups.values())       # in turn, a batch each, so that a cap leaves no group unsearched
         while active and len(evaluated) < max_simulations and time.perf_counter() - started < time_limit_s:
             group = active.pop(0)
@@ -217,7 +218,8 @@ def search(problem: Problem, *, max_simulations: int = 200, time_limit_s: float 
             if not batch:
                 continue
             active.append(group)
-            for (i, _), e in zip(batch, pool.map(_simulate, [(problem, c) for _, c in batch]), strict=True):
+            for (i, _), future in zip(batch, submit_all(pool, _simulate, [c for _, c in batch]), strict=True):
+                e = future.result()
                 evaluated.append(e)
                 group.learn(i, e)
                 if progress:

@@ -6,10 +6,11 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from loadtest.planner.pool import sigterm_raises, worker_pool
+from loadtest.planner.pool import sigterm_raises, submit_all, worker_pool
 from tests.planner.processes import stop_with_workers
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,5 +59,27 @@ def test_a_worker_ignores_ctrl_c_before_its_initializer() -> None:
     try:
         with worker_pool(1):
             assert _fork_and_signal(signal.SIGINT) == 7
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_during_submission_is_delivered_after_it() -> None:
+    """Ctrl-C while jobs are being submitted (the first submission forks the workers and starts the pool's
+    thread) waits until every job is in, then raises as usual: the pool is never left half started."""
+    yielded = []
+
+    def jobs() -> Iterator[int]:
+        for n in range(3):
+            yielded.append(n)
+            if n == 0:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield n
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), worker_pool(1) as pool:
+            submit_all(pool, abs, jobs())
+        assert yielded == [0, 1, 2]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
