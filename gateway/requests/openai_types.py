@@ -54,8 +54,8 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)   # NaN: "finite", not "≤ 2"
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     n: int | None = Field(default=None, ge=1)   # bounded by limits.max_choices
     stream: bool | None = False   # null: not streamed (OpenAI accepts it)
     stream_options: StreamOptions | None = None

@@ -86,6 +86,13 @@ async def test_grpc_generate_health_and_errors(gateway: Gateway) -> None:
             _ = [r async for r in stub.Generate(inference_pb2.GenerateRequest(model=MODEL, prompt=""), metadata=auth,
                                                 timeout=30)]
         assert "prompt" in info.value.details() and "messages: List" not in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:   # a float field carries NaN here, unlike JSON
+            _ = [r async for r in stub.Generate(inference_pb2.GenerateRequest(model=MODEL, prompt="x",
+                                                                              temperature=float("nan"),
+                                                                              has_temperature=True),
+                                                metadata=auth, timeout=30)]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "temperature" in info.value.details() and "finite" in info.value.details()
 
         # the client's request id where it is a sane token, as over HTTP; else a fresh one
         for given, kept in (("job-7:a.b_c", True), ("abc\n", False), ("bad id", False), ("x" * 129, False)):
