@@ -74,6 +74,8 @@ class TorchEncoder:
             inputs = self.processor(images=images, return_tensors="pt")
         except ValueError as exc:
             raise InvalidInput(f"the model's image processor refused an image: {exc}") from None
+        except MemoryError:   # an image whose processing cannot be allocated (a huge padded square): its fault
+            raise InvalidInput("the model's image processor could not allocate an image of this size") from None
         kwargs = dict(self._kwargs)
         if "image_grid_thw" in inputs:
             kwargs["image_grid_thw"] = inputs["image_grid_thw"].to(self.loaded.device)

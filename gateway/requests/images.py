@@ -69,11 +69,13 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, s
                 fmt, (width, height) = img.format or "", img.size
                 img.verify()
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-        raise InvalidRequest(f"{where}: image has too many pixels", param=where) from None
+        raise InvalidRequest(f"{where}: image has more than {Image.MAX_IMAGE_PIXELS} pixels; the limit is "
+                             f"{limits.max_image_pixels} pixels", param=where) from None
     except UnidentifiedImageError:
         raise InvalidRequest(f"{where}: not a PNG, JPEG or WebP image", param=where) from None
-    except (OSError, SyntaxError, ValueError) as exc:
-        raise InvalidRequest(f"{where}: image is corrupt or truncated ({exc})", param=where) from None
+    except Exception as exc:   # Pillow's parsers raise more than OSError on a damaged file (IndexError, struct.error)
+        raise InvalidRequest(f"{where}: image is corrupt or truncated ({type(exc).__name__}: {exc})",
+                             param=where) from None
     if fmt == "JPEG" and not data.rstrip(b"\x00").endswith(b"\xff\xd9"):   # verify() does not check JPEG
         raise InvalidRequest(f"{where}: image is corrupt or truncated (JPEG without an end marker)", param=where)
     if fmt not in FORMATS:
@@ -82,18 +84,27 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, s
         raise InvalidRequest(
             f"{where}: image is {width}x{height} pixels; the limit is {limits.max_image_pixels} pixels", param=where
         )
-    check_shape(width, height, where, model)
+    check_shape(width, height, where, model, limits)
     return ImageInput(data, width, height, fmt, model.image_tokens(width, height), salt)
 
 
-def check_shape(width: int, height: int, where: str, model: ModelProfile) -> None:
+def check_shape(width: int, height: int, where: str, model: ModelProfile, limits: ImageLimits) -> None:
     """A dynamic-resolution model (Qwen2-VL family) cannot take every shape: its image processor refuses an
     aspect ratio over 200, and a side of at most half a token (14 px) rounds to no token there, where the
     catalog's token count (`ModelProfile.image_tokens`) gives it one, so the encoder would make another
-    number of tokens than the prompt holds. Either reaching an engine failed the request there as the
-    engine's fault (a 502, the backend marked failing); here it is the client's 400 that says why."""
+    number of tokens than the prompt holds. A fixed-resolution model (LLaVA) pads the image to a square
+    before resizing it: a 16,777,216 x 1 image (within max_image_pixels) became a 16,777,216-pixel square
+    that the engine could not allocate. Each reaching an engine failed the request there as the engine's
+    fault (a 502, the backend marked failing, the other requests of its encode batch failed with it);
+    here it is the client's 400 that says why."""
     vision = model.vision
-    if vision is None or vision.mode != "dynamic":
+    if vision is None:
+        return
+    if vision.mode != "dynamic":
+        side = max(width, height)
+        if side * side > limits.max_image_pixels:
+            raise InvalidRequest(f"{where}: image is {width}x{height} pixels; {model.name} pads it to a {side}x{side} "
+                                 f"square, over the limit of {limits.max_image_pixels} pixels", param=where)
         return
     short, long = sorted((width, height))
     if long > MAX_ASPECT_RATIO * short:
@@ -150,8 +161,10 @@ async def fetch(url: str, where: str, limits: ImageLimits, client: httpx.AsyncCl
         )
     if not limits.allow_private_addresses:
         await check_public_host(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), where)
-    try:
-        async with client.stream("GET", url, timeout=limits.fetch_timeout_s, follow_redirects=False) as resp:
+    try:   # fetch_timeout_s bounds the whole download: as httpx's timeout it bounds each read, and a
+        # server sending a byte every few seconds held a request for up to request_timeout_s
+        async with asyncio.timeout(limits.fetch_timeout_s), \
+                client.stream("GET", url, timeout=limits.fetch_timeout_s, follow_redirects=False) as resp:
             if resp.status_code != 200:
                 raise InvalidRequest(f"{where}: fetching the image URL gave HTTP {resp.status_code}", param=where)
             chunks, size = [], 0
@@ -162,6 +175,9 @@ async def fetch(url: str, where: str, limits: ImageLimits, client: httpx.AsyncCl
                 chunks.append(chunk)
     except httpx.HTTPError as exc:
         raise InvalidRequest(f"{where}: fetching the image URL failed: {type(exc).__name__}", param=where) from None
+    except TimeoutError:
+        raise InvalidRequest(f"{where}: fetching the image URL took more than {limits.fetch_timeout_s} s "
+                             "(images.fetch_timeout_s)", param=where) from None
     return b"".join(chunks)
 
 

@@ -37,6 +37,12 @@ class ImagePart(_Body):
     type: Literal["image_url"]
     image_url: ImageUrl
 
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: object) -> object:
+        """`"image_url": "data:..."`, the URL without its object: OpenAI takes it undocumented, vLLM too."""
+        return {"url": value} if isinstance(value, str) else value
+
 
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 

@@ -9,7 +9,9 @@ limits and remote image URLs switched on (private addresses still refused):
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import struct
 import zlib
 from collections.abc import Iterator
@@ -116,7 +118,7 @@ SMALL = ImageLimits(max_images=MAX_IMAGES, max_image_bytes=MAX_IMAGE_BYTES, max_
     (b"definitely not an image" * 8, "not a PNG, JPEG or WebP"),
     (image_bytes("GIF", (16, 16)), "GIF images are not supported"),
     (image_bytes("PNG", (600, 500)), "600x500 pixels"),
-    (png_claiming(30_000, 30_000), "too many pixels"),
+    (png_claiming(30_000, 30_000), f"the limit is {MAX_IMAGE_PIXELS} pixels"),
     (image_bytes("PNG", (150, 150), noise=True), f"the limit is {MAX_IMAGE_BYTES}"),
     (image_bytes("PNG", (64, 64), noise=True)[:5000], "corrupt or truncated"),
 ], ids=["undecodable", "gif", "too-many-pixels", "bomb-header", "too-many-bytes", "truncated-png"])
@@ -126,6 +128,26 @@ def test_inspect_rejects_bad_images_naming_the_part(data: bytes, fragment: str) 
     assert info.value.param == "messages.1.content.2"
     assert info.value.message.startswith("messages.1.content.2: ")
     assert fragment in info.value.message
+
+
+# a PNG with its header and no image data: Pillow's verify() raised IndexError on it (a 500 before)
+HEADER_ONLY_PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAEAAAABACAAAAACPAi4CAAAAAElFTkSuQmCC")
+
+
+def test_inspect_rejects_a_png_without_image_data() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        inspect(HEADER_ONLY_PNG, "messages.0.content.0", ImageLimits(), LLAVA)
+    assert info.value.param == "messages.0.content.0" and "corrupt or truncated" in info.value.message
+
+
+def test_a_fixed_resolution_model_bounds_the_square_it_pads_to() -> None:
+    """LLaVA's processor pads to a square: 20,000 x 1 is 20,000 pixels but a 400-million-pixel square there
+    (a 16,777,216 x 1 PNG made the engine allocate 768 TiB). A square within the limit is taken."""
+    with pytest.raises(InvalidRequest) as info:
+        inspect(png_claiming(20_000, 1), "messages.0.content.1", ImageLimits(), LLAVA)
+    assert info.value.param == "messages.0.content.1"
+    assert "20000x20000 square, over the limit of 16777216 pixels" in info.value.message
+    assert inspect(png_claiming(4096, 1), "messages.0.content.1", ImageLimits(), LLAVA).tokens == 576
 
 
 def test_inspect_rejects_a_truncated_jpeg() -> None:
@@ -163,6 +185,42 @@ async def test_remote_url_is_refused_when_remote_urls_is_off() -> None:
         assert "remote image URLs are disabled" in info.value.message
         assert info.value.param == "messages.0.content.1"
         assert server.hits == []
+
+
+async def test_a_remote_image_that_trickles_stops_at_the_fetch_timeout() -> None:
+    """fetch_timeout_s bounds the whole download, not each read: a server sending a byte every 0.2 s
+    would otherwise hold the request for as long as it keeps sending."""
+    done = asyncio.Event()
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: image/png\r\ncontent-length: 50\r\n\r\n")
+        try:
+            for _ in range(50):
+                writer.write(b"x")
+                await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), 0.2)
+                if done.is_set():
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    limits = ImageLimits(remote_urls=True, allow_private_addresses=True, fetch_timeout_s=1.0)
+    try:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            with pytest.raises(InvalidRequest) as info:
+                await fetch(f"http://127.0.0.1:{port}/slow.png", "messages.0.content.1", limits, client)
+    finally:
+        done.set()
+        server.close()
+        await server.wait_closed()
+    assert info.value.param == "messages.0.content.1"
+    assert "took more than 1.0 s (images.fetch_timeout_s)" in info.value.message
 
 
 # --- the Qwen2.5-VL gateway ----------------------------------------------------------------------
@@ -247,7 +305,7 @@ BAD_IMAGES = [
     ("bad-base64", "data:image/png;base64,iVBORw0KGgo@@@@", "not valid base64"),
     ("gif", data_url(image_bytes("GIF", (16, 16)), "image/gif"), "GIF images are not supported"),
     ("too-many-pixels", data_url(image_bytes("PNG", (600, 500))), "600x500 pixels"),
-    ("bomb-header", data_url(png_claiming(30_000, 30_000)), "too many pixels"),
+    ("bomb-header", data_url(png_claiming(30_000, 30_000)), f"the limit is {MAX_IMAGE_PIXELS} pixels"),
     ("too-many-bytes", data_url(image_bytes("PNG", (150, 150), noise=True)), str(MAX_IMAGE_BYTES)),
     ("truncated-png", data_url(image_bytes("PNG", (64, 64), noise=True)[:5000]), "corrupt or truncated"),
     ("not-a-data-url", "data:image/png,abc", "data URLs must look like"),
@@ -271,6 +329,16 @@ def test_data_urls_as_other_encoders_write_them_are_taken(gw: Gateway) -> None:
         r = chat(gw, [{"role": "user", "content": [text_part("look"), image_part(url)]}])
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+
+
+def test_an_image_url_given_as_a_bare_string_is_taken(gw: Gateway) -> None:
+    """`"image_url": "<url>"` without the object around it: OpenAI and vLLM take it, so clients send it."""
+    url = data_url(image_bytes("PNG", (64, 64)))
+    shaped = chat(gw, [{"role": "user", "content": [text_part("look"), image_part(url)]}])
+    bare = chat(gw, [{"role": "user", "content": [text_part("look"), {"type": "image_url", "image_url": url}]}])
+    assert shaped.status_code == bare.status_code == 200, bare.text
+    assert bare.json()["usage"]["prompt_tokens"] == shaped.json()["usage"]["prompt_tokens"]
+    assert chat(gw, [{"role": "user", "content": [{"type": "image_url", "image_url": 7}]}]).status_code == 400
 
 
 def test_truncated_jpeg_is_400_naming_the_part(gw: Gateway) -> None:

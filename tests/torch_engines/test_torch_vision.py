@@ -131,6 +131,17 @@ def test_an_image_the_processor_refuses_is_invalid_input(tiny_qwen_dir: Path) ->
         vision.encode_now([engine_pb2.Image(data=image_bytes("PNG", (1, 500)))])
 
 
+def test_an_image_too_large_to_pad_is_invalid_input(tiny_model_dir: Path) -> None:
+    """LLaVA's processor pads to a square: 4,000,000 x 1 pixels asks it for 48 TB, a MemoryError at once. That
+    is the request's fault (INVALID_ARGUMENT, a 400; its batch's other requests encoded again without it),
+    not an unknown error that counts against the vision engine. The gateway refuses such shapes before."""
+    profile = load_catalog().model(TINY)
+    vision = TorchEncoder(load_model(profile, model_path=str(tiny_model_dir), seed=0, dtype="float32", device="cpu",
+                                     keep="vision"), profile)
+    with pytest.raises(InvalidInput, match="could not allocate"):
+        vision.encode_now([engine_pb2.Image(data=image_bytes("PNG", (4_000_000, 1)))])
+
+
 def broken_jpeg() -> bytes:
     """A JPEG whose header, size and end marker are fine (the gateway's inspection passes it) but whose scan data
     is noise: Pillow fails only when it decodes the pixels, in the vision engine."""
