@@ -38,7 +38,13 @@ from gateway.control.autoscaler import Autoscaler
 from gateway.control.control_auth import ControlAuth, is_loopback
 from gateway.control.fleet import Fleet
 from gateway.control.heartbeat_service import ControlService
-from gateway.control.launchers import LaunchContext, build_launchers, managed_address, managed_ports
+from gateway.control.launchers import (
+    LaunchContext,
+    build_launchers,
+    check_launchable,
+    managed_address,
+    managed_ports,
+)
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import PROBE_TIMEOUT_S, UpstreamMonitor, make_probe
 from gateway.doors.grpc_door import InferenceService, add_front_door
@@ -170,6 +176,7 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
     function, so its OK means that start-up accepts the file with these options."""
     settings = config.settings
     tracing.check()   # the OTEL_* variables (common/tracing.py): a bad exporter or sampler stops start-up
+    check_launchable(config, own_ports(options))
     keys = KeyRing.load(settings.auth, settings.tenants)
     grpc_tls = load_grpc_tls(settings.tls)
     ssl_context = http_ssl_context(settings.tls)
@@ -191,6 +198,11 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
                         "the fleet is fixed: the scaler adds and removes no engine, it only exports its counts "
                         "on /metrics, as mode export does")
     return StartupChecks(grpc_tls, ssl_context, auth, tuple(warnings))
+
+
+def own_ports(options: ServeOptions) -> frozenset[int]:
+    """The ports this gateway listens on that a backend must not take (0: any free one, none to keep)."""
+    return frozenset(p for p in (options.port, options.grpc_port) if p)
 
 
 def autoscaling_warnings(config: ClusterConfig) -> list[str]:
@@ -261,7 +273,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     upstreams = UpstreamMonitor(config, runtime.table, addresses, probes)
     fleet = Fleet(runtime, launch, build_launchers(config, ports, launch),
                   lambda: s if isinstance(s := supervision.supervisor, Supervisor) else None, upstreams,
-                  auth.identities, drain_timeout_s=config.settings.drain_timeout_s,
+                  auth.identities, drain_timeout_s=config.settings.drain_timeout_s, own_ports=own_ports(options),
                   refused=None if replication is None else "the fleet cannot change at runtime while replicas share "
                   "state (--redis-url): restart the replicas with the new backends file")
     supervision = Supervision(

@@ -140,6 +140,18 @@ def test_duplicate_backend_id(tmp_path: Path) -> None:
     assert "duplicate backend id 'a' (entries 0 and 1)" in msg
 
 
+def test_two_managed_engines_cannot_take_one_port(tmp_path: Path) -> None:
+    """The second failed to listen and was restarted for ever, reported ready by the first one's answer to
+    its probe."""
+    msg = config_error(write(tmp_path, "backends:\n"
+                             "  - {id: a, kind: openai, gpu: H100, launch: {command: 'vllm serve m --port {port}', "
+                             "port: 8100}}\n"
+                             "  - {id: b, kind: openai, gpu: H100, launch: {command: 'vllm serve m --port {port}', "
+                             "port: 8100}}\n"))
+    assert msg.startswith(f"{tmp_path / 'backends.yaml'}: backends: ")
+    assert "duplicate launch.port 8100 (entries 0 and 1)" in msg, msg
+
+
 def test_entry_needs_launch_or_address(tmp_path: Path) -> None:
     path = write(tmp_path, "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H100}\n")
     msg = config_error(path)

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = "llava-1.5-7b"
 LANGUAGE = {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}}
 VISION = {"id": "l40s-v", "role": "vision", "gpu": "L40S", "launch": {"time_scale": 0.1}}
+UPSTREAM = {"id": "up", "kind": "openai", "role": "language", "gpu": "A100-80GB"}
 
 
 def start_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen[str]:
@@ -58,6 +59,15 @@ REFUSED = [
                  [LANGUAGE], (), {}, "gateway.tls.http.cert_file: cannot read /nonexistent/tls.crt", id="tls"),
     pytest.param({}, [VISION], (), {}, "backends: none takes language work", id="vision-only"),
     pytest.param({}, [LANGUAGE], ("--workers", "2"), {}, "--workers 2 needs Redis", id="workers-without-redis"),
+    pytest.param({}, [LANGUAGE, {**UPSTREAM, "launch": {"command": ["/nonexistent/vllm", "--port", "{port}"]}}], (),
+                 {}, "backends.1 (up).launch.command: '/nonexistent/vllm' is not an executable program here",
+                 id="no-such-program"),
+    pytest.param({}, [LANGUAGE, {**UPSTREAM, "launch": {"command": ["true", "{port}"], "port": 8777}}],
+                 ("--port", "8777"), {}, "backends.1 (up).launch.port: 8777 is one of this gateway's own ports",
+                 id="engine-on-the-gateway-port"),
+    pytest.param({}, [LANGUAGE, {**UPSTREAM, "address": "http://localhost:8777/v1"}], ("--port", "8777"), {},
+                 "backends.1 (up).address: http://localhost:8777/v1 is this gateway's own HTTP door",
+                 id="upstream-is-the-gateway"),
 ]
 
 

@@ -377,13 +377,24 @@ class ClusterFile(StrictModel):
 
     @field_validator("backends")
     @classmethod
-    def _unique_ids(cls, backends: list[BackendSpec]) -> list[BackendSpec]:
-        seen: dict[str, int] = {}
-        for i, b in enumerate(backends):
-            if b.id in seen:
-                raise ValueError(f"duplicate backend id {b.id!r} (entries {seen[b.id]} and {i})")
-            seen[b.id] = i
+    def _distinct(cls, backends: list[BackendSpec]) -> list[BackendSpec]:
+        """Ids and the ports of managed kind: openai engines are each one backend's: two engines told one
+        port both started, the second failed to listen and was restarted for ever, reported ready by the
+        first one's answer to its probe. (Two entries may name one upstream: a server with LoRA adapters,
+        each entry renaming its model with `upstream_model`.)"""
+        for what, key in (("backend id", lambda b: b.id), ("launch.port", _command_port)):
+            seen: dict[object, int] = {}
+            for i, b in enumerate(backends):
+                if (k := key(b)) is None:
+                    continue
+                if k in seen:
+                    raise ValueError(f"duplicate {what} {k!r} (entries {seen[k]} and {i})")
+                seen[k] = i
         return backends
+
+
+def _command_port(b: BackendSpec) -> int | None:
+    return b.launch.port if isinstance(b.launch, CommandLaunchSpec) else None
 
 
 class ClusterConfig:

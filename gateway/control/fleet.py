@@ -48,7 +48,7 @@ from common.errors import ConfigError
 from gateway.config.autoscaling import POOL_ROLES
 from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, load_cluster
 from gateway.control.engine_identities import EngineIdentities
-from gateway.control.launchers import LaunchContext, Launcher, free_port, managed_address
+from gateway.control.launchers import LaunchContext, Launcher, check_launchable, free_port, managed_address
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import UpstreamMonitor
 from gateway.requests.errors import InvalidRequest, RequestError
@@ -90,9 +90,11 @@ class Fleet:
         self, runtime: Runtime, launch: LaunchContext, launchers: Sequence[Launcher],
         supervisor: Callable[[], Supervisor | None], monitor: UpstreamMonitor, identities: EngineIdentities,
         *, drain_timeout_s: float, refused: str | None = None, poll_s: float = 0.05,
+        own_ports: frozenset[int] = frozenset(),
     ) -> None:
         """`supervisor()`: the running supervisor of the managed backends (None while there is none);
-        `refused`: why this gateway takes no change at runtime (None: it does)."""
+        `refused`: why this gateway takes no change at runtime (None: it does); `own_ports`: the gateway's,
+        which no backend may take (`check_launchable`)."""
         self._runtime = runtime
         self.config = runtime.config
         self._launch = launch
@@ -103,6 +105,7 @@ class Fleet:
         self._drain_timeout_s = drain_timeout_s
         self._refused = refused
         self._poll_s = poll_s
+        self._own_ports = own_ports
         self._weights = runtime.config.torch_weights   # the tokenizer the runtime loaded at start-up
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._removals: dict[str, asyncio.Task[None]] = {}
@@ -277,6 +280,7 @@ class Fleet:
         raw = self.config.raw.model_copy(update={"backends": list(backends)})
         try:
             config = ClusterConfig(self.config.path, raw, self.config.catalog)
+            check_launchable(config, self._own_ports)
         except ConfigError as exc:   # the words start-up would use, less the file's name (the change is not in it)
             raise InvalidRequest(str(exc).removeprefix(f"{self.config.path}: "), code="invalid_backend") from None
         if config.torch_weights is not None and config.torch_weights != self._weights:

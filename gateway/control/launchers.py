@@ -14,13 +14,18 @@ The supervisor knows nothing of either: it asks a launcher for a `LaunchPlan`, s
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import urlsplit
 
+from common.errors import ConfigError
 from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, LaunchSpec, catalog_dir
+from gateway.control.control_auth import is_loopback
 from gateway.routing.state_table import StateTable
 
 Probe = Callable[[str], Awaitable[bool]]   # GET url → answered 200 in time
@@ -98,6 +103,31 @@ class CommandLauncher:
 
 def managed_address(port: int) -> str:
     return f"http://127.0.0.1:{port}"
+
+
+def check_launchable(config: ClusterConfig, own_ports: Collection[int]) -> None:
+    """ConfigError naming the entry where a backend cannot be what the file says on this host: a managed
+    engine told to listen on one of the gateway's own ports (`own_ports`: it fails to bind, and the
+    gateway itself answered its readiness probe), an upstream that is this gateway's own HTTP door (a
+    request forwarded to itself, and again), or a launch command whose program is not there (it exited
+    127 and was restarted for ever, `state: restarting` and no word why)."""
+    for i, spec in enumerate(config.raw.backends):
+        where = f"{config.path}: backends.{i} ({spec.id})"
+        launch = spec.launch
+        if isinstance(launch, CommandLaunchSpec):
+            if launch.port in own_ports:
+                raise ConfigError(f"{where}.launch.port: {launch.port} is one of this gateway's own ports")
+            program = launch.command[0]
+            path = launch.env.get("PATH", os.environ.get("PATH", os.defpath))
+            if shutil.which(program, path=path) is None:
+                raise ConfigError(f"{where}.launch.command: {program!r} is not an executable program here "
+                                  "(not found, or not executable, on the PATH the engine gets)")
+        elif spec.kind == "openai" and spec.address is not None:
+            parts = urlsplit(spec.address)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            host = parts.hostname or ""
+            if port in own_ports and (is_loopback(host) or host in ("0.0.0.0", "::")):
+                raise ConfigError(f"{where}.address: {spec.address} is this gateway's own HTTP door")
 
 
 def managed_ports(config: ClusterConfig) -> dict[str, int]:

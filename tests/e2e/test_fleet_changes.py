@@ -137,6 +137,19 @@ def test_an_added_openai_engine_the_gateway_launches_starts_serves_and_is_remove
         "backends": [engine("h100-0")]})
     command = [sys.executable, "-m", "tests.fake_openai_server", "--port", "{port}", "--engine", "vllm"]
     with run_gateway(config, admin_key="sk-admin") as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        # what could never serve is refused whole: a program that is not there, the gateway's own port or door
+        refused = {
+            "no such program": ({"command": ["/nonexistent/vllm", "{port}"]}, "not an executable program"),
+            "the gateway's port": ({"command": command, "port": port}, "one of this gateway's own ports"),
+        }
+        for why, (launch, words) in refused.items():
+            r = admin(gw, "POST", "", {"id": "bad-0", "kind": "openai", "gpu": "L40S", "launch": launch})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (why, r.text)
+        itself = admin(gw, "POST", "", {"id": "bad-1", "kind": "openai", "gpu": "L40S",
+                                         "address": f"http://localhost:{port}"})
+        assert itself.status_code == 400 and "own HTTP door" in itself.json()["error"]["message"], itself.text
+        assert ids(gw) == ["h100-0"]
         added = admin(gw, "POST", "", {"id": "vllm-0", "kind": "openai", "gpu": "L40S",
                                         "launch": {"command": command, "probe_interval_s": 0.1}})
         assert added.status_code == 201, added.text
