@@ -155,8 +155,18 @@ def check_config(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The console script. Ctrl-C before the gateway's own signal handling is in place (imports, the
+    checks, a second of start-up) ends it with one line and status 130, not a traceback; past that,
+    SIGINT is a graceful stop like SIGTERM."""
+    try:
+        _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("gateway: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str]) -> None:
     # The subcommand is peeled off before argparse so that `gateway --backends X` keeps parsing exactly as before.
-    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--version"]:   # before anything heavy is imported
         print(f"heterogate {__version__}")
         return

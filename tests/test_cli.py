@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,6 +85,27 @@ def test_check_config_rejects_a_broken_file(tmp_path: Path, backend: str, field:
     assert field in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def ctrl_c_default() -> None:
+    """SIGINT as a terminal leaves it (a test run in the background inherits it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("after_s", [0.2, 0.6, 1.5])
+def test_ctrl_c_while_starting_ends_it_without_a_traceback(after_s: float) -> None:
+    """Ctrl-C during the imports and checks (a traceback of 40 lines before), or once it serves: one line
+    or a clean stop, and nothing left running."""
+    exe = shutil.which("gateway", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    proc = subprocess.Popen([exe, "--backends", "configs/backends.yaml", "--port", "0", "--grpc-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True, preexec_fn=ctrl_c_default)
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    result = finish(proc)
+    assert result.returncode in (0, 130), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr[-2000:]
 
 
 def test_check_config_requires_a_file() -> None:
