@@ -71,7 +71,7 @@ from gateway.requests.errors import (
     NoBackendAvailable,
 )
 from gateway.requests.job import GenerationJob
-from gateway.routing.backend_entry import Lease
+from gateway.routing.backend_entry import BackendEntry, Lease
 from gateway.routing.encoder_index import EncoderIndex
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, Policy, RequestProfile, Role
@@ -138,10 +138,12 @@ class FirstTokenWatch:
     benchmarks/gateway_micro.py. A limit is so met within a tick of its time (limits are seconds).
 
     A kind: openai backend is known by scraping, whose staleness does not mean it hangs (the table
-    fails open on it): only its limit is watched, and not for a non-streamed reply, which comes whole
-    after its last token. So is a backend whose heartbeats were already late when the request was
-    sent there: the table failed open on it, none of its pool being fresh (`StateTable.candidates`),
-    and a retry would find nothing better."""
+    fails open on it): its limit is watched, and whether the gateway's probe has found its upstream
+    unreachable (`StateTable.reachable`), which ends a non-streamed request's wait too (its reply comes
+    whole after the last token, so it has no first-token limit): such a request to a hung upstream
+    waited until the upstream died or `request_timeout_s`. A backend whose heartbeats were already
+    late when the request was sent there is not cancelled as unhealthy either: the table failed open on
+    it, none of its pool being fresh (`StateTable.candidates`), and a retry would find nothing better."""
 
     def __init__(self, table: StateTable, every_s: float,
                  limit: Callable[[BackendSnapshot, int, int], float | None]) -> None:
@@ -172,26 +174,33 @@ class FirstTokenWatch:
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
-        now, table = loop.time(), self._table
+        now = loop.time()
         health: dict[str, bool] = {}
         for wait in list(self._waits):
-            backend = wait.backend
-            entry = table.get(backend.id)
-            if entry is None or (entry.external and wait.whole):
-                self._waits.discard(wait)
-                continue
-            if wait.due is None and wait.since is not None:
-                limit = self._limit(backend, wait.tokens, wait.reserve)
-                wait.due = float("inf") if limit is None else wait.since + limit
-            if wait.due is not None and now >= wait.due:
-                wait.reason = f"no first token within {wait.due - (wait.since or 0.0):.3g} s (its first-token limit)"
-            elif not (entry.external or wait.late or health.setdefault(backend.id, table.is_healthy(entry))):
-                wait.reason = "marked unhealthy (missed heartbeats) while the request waited for its first token"
-            else:
+            entry = self._table.get(wait.backend.id)
+            if entry is not None and (reason := self._why_end(wait, entry, now, health)) is None:
                 continue
             self._waits.discard(wait)
-            wait.target.cancel()
+            if entry is not None:
+                wait.reason = reason
+                wait.target.cancel()
         self._handle = loop.call_later(self._every_s, self._tick) if self._waits else None
+
+    def _why_end(self, wait: _Wait, entry: BackendEntry, now: float, health: dict[str, bool]) -> str | None:
+        """Why `wait` ends now (class docstring); None: it goes on. `health`: this tick's verdicts."""
+        backend, table = wait.backend, self._table
+        if entry.external and table.reachable(backend.id) is False:
+            return "its upstream stopped answering the gateway's probe while the request waited"
+        if entry.external and wait.whole:
+            return None
+        if wait.due is None and wait.since is not None:
+            limit = self._limit(backend, wait.tokens, wait.reserve)
+            wait.due = float("inf") if limit is None else wait.since + limit
+        if wait.due is not None and now >= wait.due:
+            return f"no first token within {wait.due - (wait.since or 0.0):.3g} s (its first-token limit)"
+        if not (entry.external or wait.late or health.setdefault(backend.id, table.is_healthy(entry))):
+            return "marked unhealthy (missed heartbeats) while the request waited for its first token"
+        return None
 
 
 class Dispatch:

@@ -7,6 +7,7 @@ admission wait, and /ready says 503 (to HEAD as to GET)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from testkit.harness import Gateway, free_port, metric_total, run_gateway, write_config
+from testkit.harness import Gateway, free_port, metric_total, run_gateway, sigstopped, write_config
 from tests.e2e.test_external_engines import spawn, stop
 
 MODEL = "llava-1.5-7b"
@@ -90,3 +91,30 @@ def test_nothing_listening_is_not_ready_and_fails_at_once(tmp_path: Path, scrape
         resp = chat(gw)
         assert resp.status_code == 503, resp.text
         assert httpx.head(f"{gw.url}/health", timeout=5).status_code == 200   # the process itself is fine
+
+
+def test_non_streamed_requests_on_an_upstream_that_hangs_are_retried_once_it_is_found_unreachable(
+    tmp_path: Path,
+) -> None:
+    """The upstream stops (SIGSTOP) with non-streamed requests on it: once the gateway's probe finds it
+    unreachable they are retried on the other backend, where before they waited for a reply that comes
+    whole (no first-token limit) until the upstream died or request_timeout_s (10 minutes)."""
+    port = free_port()
+    upstream = spawn("tests.fake_openai_server", "--port", str(port), "--engine", "vllm")
+    path = write_config(tmp_path, {"model": MODEL, "gateway": {
+        "heartbeat_interval_ms": 100, "retry_backoff_s": 0.001, "routing": {"policy": "round_robin"}}, "backends": [
+        {"id": "up", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",
+         "scrape": {"engine": "vllm", "interval_ms": 100}},
+        {"id": "sim", "gpu": "H100", "launch": {"time_scale": 0.05}}]})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with run_gateway(path, "--log-level", "info", healthy=2, timeout=60) as gw:
+            assert {chat(gw).headers["x-heterogate-backend"] for _ in range(4)} == {"up", "sim"}
+            with sigstopped(upstream.pid), ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(lambda _: httpx.post(f"{gw.url}/v1/chat/completions", json=body,
+                                                             timeout=60), range(4)))
+            assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+            assert {r.headers["x-heterogate-backend"] for r in replies} == {"sim"}
+            assert "its upstream stopped answering the gateway's probe" in gw.log_path.read_text()
+    finally:
+        stop(upstream)
