@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -83,6 +84,12 @@ def parse_backend(body: object) -> BackendSpec:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'backend'}: {e['msg']}" for e in exc.errors())
         raise InvalidRequest(f"invalid backend: {problems}", code="invalid_backend") from None
+
+
+def _as_change(message: str) -> str:
+    """A file's error as a change's: `backends.2 (x1).gpu` names an index in the running fleet, which the
+    client never wrote; `backend x1: gpu` names what it sent."""
+    return re.sub(r"backends\.\d+ \(([^)]+)\)\.?", r"backend \1: ", message).replace(": : ", ": ")
 
 
 class Fleet:
@@ -282,7 +289,8 @@ class Fleet:
             config = ClusterConfig(self.config.path, raw, self.config.catalog)
             check_launchable(config, self._own_ports)
         except ConfigError as exc:   # the words start-up would use, less the file's name (the change is not in it)
-            raise InvalidRequest(str(exc).removeprefix(f"{self.config.path}: "), code="invalid_backend") from None
+            raise InvalidRequest(_as_change(str(exc).removeprefix(f"{self.config.path}: ")),
+                                 code="invalid_backend") from None
         if config.torch_weights is not None and config.torch_weights != self._weights:
             raise InvalidRequest("torch engines with other weights than the running ones (model_path / seed) need "
                                  "a restart: the gateway tokenises for the weights it started with",

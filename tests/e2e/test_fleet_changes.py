@@ -94,7 +94,7 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
 
         before = gw.backends()
         refused = {
-            "unknown GPU": (engine("x-1", "NO-SUCH-GPU"), 400, "NO-SUCH-GPU"),
+            "unknown GPU": (engine("x-1", "NO-SUCH-GPU"), 400, "backend x-1: gpu: unknown GPU 'NO-SUCH-GPU'"),
             "id in use": (engine("l40s-9", "L40S"), 409, "already in the fleet"),
             "bad field": ({**engine("x-2"), "weight": 3}, 400, "weight"),
             "neither launch nor address": ({"id": "x-3", "gpu": "H100"}, 400, "launch"),
