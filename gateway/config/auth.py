@@ -89,6 +89,10 @@ class KeyRing:
     def load(cls, config: AuthConfig, tenants: TenantsConfig | None = None) -> KeyRing:
         user = _read(config.api_keys_file, config.api_keys_env, "api")
         admin = _read(config.admin_keys_file, config.admin_keys_env, "admin")
+        if set(user) & set(admin):   # one file or variable for both made every user an admin, silently
+            raise ConfigError("gateway.auth: a key is both an API key and an admin key; an admin key already "
+                              "serves requests, so list it under admin_keys only (every holder of a key in both "
+                              "may add, drain and remove backends)")
         taken = dict.fromkeys(user, "gateway.auth.api_keys") | dict.fromkeys(admin, "gateway.auth.admin_keys")
         return cls(user, admin, *_tenant_keys(tenants or TenantsConfig(), taken))
 

@@ -72,3 +72,10 @@ def test_keys_env_of_only_separators_stops_start_up(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ConfigError, match=rf"gateway\.auth\.{setting}: environment variable ONLY_SEPARATORS holds "
                                           "no keys"):
         KeyRing.load(AuthConfig(**{setting: "ONLY_SEPARATORS"}))
+
+
+def test_a_key_in_both_the_api_and_the_admin_keys_is_refused(tmp_path: Path) -> None:
+    """The same file for both made every user key an admin key, with no word."""
+    (tmp_path / "keys").write_text("sk-one\nsk-two\n")
+    with pytest.raises(ConfigError, match="both an API key and an admin key"):
+        KeyRing.load(AuthConfig(api_keys_file=tmp_path / "keys", admin_keys_file=tmp_path / "keys"))
