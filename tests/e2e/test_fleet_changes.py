@@ -79,6 +79,7 @@ def test_add_serves_drain_under_load_loses_nothing_and_invalid_changes_are_refus
             assert drained.status_code == 202, drained.text
             assert drained.json()["draining"] is True
         gw.wait_until(lambda: all(gw.backend(b)["state"] == "stopped" for b in ("h100-0", "a100-0")), timeout=60)
+        assert [gw.backend(b)["pid"] for b in ("h100-0", "a100-0")] == [None, None]   # no process any more
         served_while_draining = len(load.outcomes)
         gw.wait_until(lambda: len(load.outcomes) >= served_while_draining + 8, timeout=60)
         outcomes = load.stop()
