@@ -20,7 +20,7 @@ What every route of the table gets:
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -57,16 +57,20 @@ class _Pattern:
 
     prefix: str
     suffix: str
-    rest: bool   # {name:path}: may hold slashes, and be empty (as the frameworks' path parameters may)
+    rest: bool   # {name:path}: may hold slashes, but neither be empty nor end with one
     methods: Methods
 
     def match(self, path: str) -> str | None:
-        """The parameter's value in `path`, None when `path` is not this pattern's."""
+        """The parameter's value in `path`, None when `path` is not this pattern's. An empty value or one
+        with a final slash is none (`/v1/models/`, `/v1/models/m/`): those paths are the 307 of a slashed
+        twin (`fallback`), where they were a 404 blaming `model` '' or 'm/'."""
         if len(path) < len(self.prefix) + len(self.suffix) or not path.startswith(self.prefix) \
                 or not path.endswith(self.suffix):
             return None
         value = path[len(self.prefix):len(path) - len(self.suffix)]
-        return value if self.rest or (value and "/" not in value) else None
+        if self.rest:
+            return value if value and not value.endswith("/") else None
+        return value if value and "/" not in value else None
 
 
 class RouteTable:
@@ -75,6 +79,12 @@ class RouteTable:
     def __init__(self) -> None:
         self._paths: dict[str, Methods] = {}
         self._patterns: list[_Pattern] = []
+        self._elsewhere: set[str] = set()   # paths the server answers itself: known here for their 307s only
+
+    def served_elsewhere(self, paths: Iterable[str]) -> None:
+        """Paths the server has handlers of its own for (the completions door's): a request to one with its
+        trailing slash added or removed is redirected there, as to the table's own."""
+        self._elsewhere.update(paths)
 
     def add(self, method: str, path: str, handler: RouteHandler) -> None:
         """`handler` answers `method` on `path`; a GET route answers HEAD too."""
@@ -121,7 +131,7 @@ class RouteTable:
             await self._serve(request, exchange, methods=found[0], param=found[1])
             return
         other = path[:-1] if path.endswith("/") else path + "/"
-        if path != "/" and self._lookup(other) is not None:
+        if path != "/" and (other in self._elsewhere or self._lookup(other) is not None):
             location = quote(other).encode() + (b"?" + request.query if request.query else b"")
             exchange.respond(307, [(b"location", location), (b"x-request-id", request_id(request).encode())], b"")
             return

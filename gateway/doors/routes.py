@@ -92,8 +92,10 @@ def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext |
                   fleet: Fleet | None = None) -> HttpServer:
     """The front door: the completions door's handlers, and the route table for every other path."""
     table = route_table(runtime, fleet)
+    completions = CompletionsDoor(runtime).routes()
+    table.served_elsewhere(completions)
     cors = runtime.config.settings.cors
-    return HttpServer({**table.handlers(), **CompletionsDoor(runtime).routes()}, table.fallback,
+    return HttpServer({**table.handlers(), **completions}, table.fallback,
                       max_body_bytes=runtime.limits.max_body_bytes, idle_s=idle_s,
                       body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context,
                       cors=Cors(cors.allow_origins, allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,

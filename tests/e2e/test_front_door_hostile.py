@@ -142,6 +142,12 @@ def test_the_route_tables_answers_on_the_real_gateway(gw: Gateway) -> None:
             wrong = c.request(method, path, headers=admin)
             assert (wrong.status_code, wrong.headers["allow"]) == (405, allow)
             assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+        for method, path, there in (("GET", "/v1/models/", "/v1/models"),   # was model '' not found
+                                    ("GET", "/v1/models/llava-1.5-7b/", "/v1/models/llava-1.5-7b"),
+                                    ("POST", "/v1/chat/completions/", "/v1/chat/completions"),   # was a 404
+                                    ("POST", "/v1/completions/", "/v1/completions")):
+            slashed = c.request(method, path, headers=user, json={})
+            assert (slashed.status_code, slashed.headers["location"]) == (307, there), (path, slashed.text)
         unknown = c.get("/v1/nope", headers=user)
         assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "Not Found"
         assert "x-request-id" in unknown.headers
