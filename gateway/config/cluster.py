@@ -286,6 +286,7 @@ class Limits(StrictModel):
     body_timeout_s: PositiveFloat = 60.0           # a body whole this long after its headers, else 408
     max_messages: PositiveInt = 256
     max_choices: PositiveInt = 8                   # `n`: kind: openai backends only (engines give one choice)
+    max_stop_strings: PositiveInt = 16             # `stop` (OpenAI takes 4, vLLM any): each is checked every token
     max_attempts: PositiveInt = 3                  # dispatch attempts before the first token
     first_token_timeout_s: PositiveFloat = 60.0        # the longest wait for a first token, whatever is predicted
     first_token_floor_s: PositiveFloat = 10.0          # the first-token limit: max(this, factor x predicted TTFT)

@@ -142,6 +142,9 @@ class JobBuilder:
         best_of = getattr(req, "best_of", None)   # completions only
         if best_of is not None and best_of > self._limits.max_choices:
             raise InvalidRequest(f"best_of is {best_of}; the limit is {self._limits.max_choices}", param="best_of")
+        if isinstance(req.stop, list) and len(req.stop) > self._limits.max_stop_strings:
+            raise InvalidRequest(f"stop has {len(req.stop)} strings; the limit is {self._limits.max_stop_strings}",
+                                 param="stop")
         if req.stream_options is not None and not req.stream:   # as OpenAI and vLLM answer
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         return body

@@ -226,6 +226,17 @@ def test_a_stop_string_that_does_not_occur_or_comes_too_late_changes_nothing(eng
     assert never.choices[0].text == "the model answers with simulated " and never.choices[0].finish_reason == "length"
     late = c.completions.create(model=MODEL, prompt="hi", max_tokens=3, stop=["simulated"])
     assert late.choices[0].text == "the model answers " and late.choices[0].finish_reason == "length"
+    many = c.completions.create(model=MODEL, prompt="hi", max_tokens=5, stop=[f"z{k}" for k in range(16)])
+    assert many.choices[0].finish_reason == "length"   # OpenAI takes 4, vLLM any: up to limits.max_stop_strings
+
+
+def test_more_stop_strings_than_the_limit_is_a_400_naming_stop(engine: Gateway) -> None:
+    """Each stop string is checked at every token: a body of a million (well within the body limit) made an
+    engine's work per token a million times larger."""
+    resp = httpx.post(f"{engine.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [f"z{k}" for k in range(17)]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop"
+    assert "stop has 17 strings; the limit is 16" in resp.json()["error"]["message"]
 
 
 def test_no_request_gets_more_than_max_tokens_by_default(tmp_path: Path) -> None:
