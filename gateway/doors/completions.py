@@ -32,7 +32,13 @@ from gateway.doors.jobs import JobBuilder
 from gateway.doors.request_ids import new_request_id
 from gateway.pipeline.dispatch import Dispatch
 from gateway.pipeline.request_log import RequestLog, RequestRecord
-from gateway.requests.errors import InvalidRequest, MethodNotAllowed, RequestError, ShuttingDown
+from gateway.requests.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    RequestError,
+    ShuttingDown,
+    UnsupportedMediaType,
+)
 from gateway.requests.job import GenerationJob
 from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
@@ -46,7 +52,8 @@ _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
 ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat"),
                                           "/v1/completions": ("completions", "text")}
 _ALLOW = [(b"allow", b"POST")]
-_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id", b"traceparent"})
+_WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id", b"traceparent",
+                     b"content-encoding"})
 
 
 def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
@@ -54,7 +61,8 @@ def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        why = "it is not UTF-8 text" if "UTF-8" in str(exc) else str(exc)   # orjson: "...surrogates not allowed"
+        raise InvalidRequest(f"request body is not valid JSON: {why}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
@@ -105,6 +113,10 @@ class CompletionsDoor:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")
             tenant = record.caller = self._runtime.keys.check(headers.get("authorization"), admin=False)
+            encoding = headers.get("content-encoding", "identity").strip().lower()
+            if encoding != "identity":   # a gzip body read as JSON was "str is not valid UTF-8: surrogates..."
+                raise UnsupportedMediaType(f"content-encoding {encoding!r} is not supported: send the body "
+                                           "uncompressed", param="content-encoding")
             timeout_s = client_timeout(headers.get("x-request-timeout"))
             job, stream, include_usage = await self._job(kind, request.body, rid, timeout_s, tenant)
             session = headers.get("x-session-id")   # names the conversation, over the body's `user`

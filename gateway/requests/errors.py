@@ -56,6 +56,11 @@ class MethodNotAllowed(InvalidRequest):
     status = 405
 
 
+class UnsupportedMediaType(InvalidRequest):
+    status = 415
+    code = "unsupported_media_type"
+
+
 class ModelNotFound(RequestError):
     status = 404
     type = "invalid_request_error"

@@ -10,6 +10,7 @@ Three gateways, each shared by the tests of one kind:
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -145,6 +146,21 @@ def test_malformed_json_is_400(limits_gw: Gateway, path: str) -> None:
     raw = b'{"model": "llava-1.5-7b", "messages": ['
     r = post(limits_gw, path, content=raw, headers={"content-type": "application/json"})
     assert_openai_error(r, 400, type_="invalid_request_error", param=None)
+
+
+def test_a_compressed_or_non_utf8_body_is_named_as_such(limits_gw: Gateway) -> None:
+    """Both were "not valid JSON: str is not valid UTF-8: surrogates not allowed"."""
+    body = json.dumps(chat()).encode()
+    gzipped = post(limits_gw, CHAT, content=gzip.compress(body),
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    err = assert_openai_error(gzipped, 415, type_="invalid_request_error", param="content-encoding")
+    assert "content-encoding 'gzip' is not supported" in err["message"]
+    latin = post(limits_gw, CHAT, content=body.replace(b"hello", "h\u00e9llo".encode("latin-1")),
+                 headers={"content-type": "application/json"})
+    assert "not valid JSON: it is not UTF-8 text" in assert_openai_error(latin, 400, param=None)["message"]
+    identity = post(limits_gw, CHAT, content=body,
+                    headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert identity.status_code == 200, identity.text
 
 
 @pytest.mark.parametrize("raw", [b"[1, 2]", b'"a string"', b"null", b"42"])
