@@ -15,6 +15,7 @@ import base64
 import binascii
 import io
 import ipaddress
+import re
 import socket
 import warnings
 from dataclasses import dataclass, field
@@ -68,9 +69,11 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, s
             with Image.open(io.BytesIO(data)) as img:
                 fmt, (width, height) = img.format or "", img.size
                 img.verify()
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-        raise InvalidRequest(f"{where}: image has more than {Image.MAX_IMAGE_PIXELS} pixels; the limit is "
-                             f"{limits.max_image_pixels} pixels", param=where) from None
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        size = re.search(r"\((\d+) pixels\)", str(exc))   # Pillow names the size; this way it is never decoded
+        pixels = size.group(1) if size else f"more than {Image.MAX_IMAGE_PIXELS}"
+        raise InvalidRequest(f"{where}: image has {pixels} pixels; the limit is {limits.max_image_pixels} pixels",
+                             param=where) from None
     except UnidentifiedImageError:
         raise InvalidRequest(f"{where}: not a PNG, JPEG or WebP image", param=where) from None
     except Exception as exc:   # Pillow's parsers raise more than OSError on a damaged file (IndexError, struct.error)

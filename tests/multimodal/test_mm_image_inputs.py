@@ -118,7 +118,7 @@ SMALL = ImageLimits(max_images=MAX_IMAGES, max_image_bytes=MAX_IMAGE_BYTES, max_
     (b"definitely not an image" * 8, "not a PNG, JPEG or WebP"),
     (image_bytes("GIF", (16, 16)), "GIF images are not supported"),
     (image_bytes("PNG", (600, 500)), "600x500 pixels"),
-    (png_claiming(30_000, 30_000), f"the limit is {MAX_IMAGE_PIXELS} pixels"),
+    (png_claiming(30_000, 30_000), f"image has 900000000 pixels; the limit is {MAX_IMAGE_PIXELS} pixels"),
     (image_bytes("PNG", (150, 150), noise=True), f"the limit is {MAX_IMAGE_BYTES}"),
     (image_bytes("PNG", (64, 64), noise=True)[:5000], "corrupt or truncated"),
 ], ids=["undecodable", "gif", "too-many-pixels", "bomb-header", "too-many-bytes", "truncated-png"])
