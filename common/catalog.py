@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from common import yaml_files
@@ -142,31 +141,9 @@ class Catalog:
 
 def load_catalog(config_dir: Path = CONFIG_DIR) -> Catalog:
     gpu_path, model_path = config_dir / "gpus.yaml", config_dir / "models.yaml"
-    gpus: dict[str, GpuProfile] = _load(gpu_path, dict[str, GpuProfile])
-    models: dict[str, ModelProfile] = _load(model_path, dict[str, ModelProfile])
+    gpus: dict[str, GpuProfile] = yaml_files.load(gpu_path, dict[str, GpuProfile])
+    models: dict[str, ModelProfile] = yaml_files.load(model_path, dict[str, ModelProfile])
     return Catalog(
         gpus={k: g.model_copy(update={"name": k}) for k, g in gpus.items()},
         models={k: m.model_copy(update={"name": k}) for k, m in models.items()},
     )
-
-
-def _load(path: Path, target: Any) -> Any:
-    """The file as `target`; a YAML syntax error in one line (file, line, column, problem), as a command that
-    reads the catalog (`gateway plan --catalog`, a backends.yaml's `catalog:`) prints it: PyYAML's own
-    message spans five lines, the offending text and a caret among them."""
-    try:
-        return yaml_files.load(path, target)
-    except ConfigError as exc:
-        if isinstance(exc.__cause__, yaml.YAMLError):
-            raise ConfigError(f"{path}: not valid YAML: {_one_line(exc.__cause__)}") from None
-        raise
-
-
-def _one_line(exc: yaml.YAMLError) -> str:
-    """Where and what: the problem at its mark, and the construct it was in (`while parsing a flow sequence`)."""
-    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
-        return " ".join(str(exc).split())
-    mark = exc.problem_mark
-    within = (f" ({exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
-              if exc.context and exc.context_mark is not None else "")
-    return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}{within}"

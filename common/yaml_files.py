@@ -7,25 +7,67 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
 
 from common.errors import ConfigError
 
 T = TypeVar("T")
 
+# Pydantic's error types for "not a mapping" where a model or a dict was wanted: at the top level its
+# message names an internal class (`instance of ClusterFile`), which tells the file's author nothing.
+_NOT_A_MAPPING = ("model_type", "dict_type")
+_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
 
 class StrictModel(BaseModel):
-    """Base for config models: unknown keys are errors, values are immutable after loading."""
+    """Base for config models: unknown keys are errors, values are immutable after loading, and a float
+    is finite: YAML's `.inf` would turn a timeout or a limit off without a word, `.nan` fail every
+    comparison made with it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]   # PyYAML ships no type hints
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one silently, so
+    a setting written twice would take whichever came later, and the file would read as if both held."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *base` may override what it merges
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                seen = first.setdefault(key, key_node)
+            except TypeError:   # unhashable: the base class refuses it with its own message
+                continue
+            if seen is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen.start_mark.line + 1})",
+                    key_node.start_mark)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep)
+        return mapping
+
+
+def _one_line(exc: yaml.YAMLError) -> str:
+    """Where and what: the problem at its mark, and the construct it was in (`while parsing a flow sequence`).
+    PyYAML's own message spans five lines, the offending text and a caret among them, and names the
+    input `<unicode string>`; the commands that read a config print the file's path instead."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return " ".join(str(exc).split())
+    mark = exc.problem_mark
+    within = (f" ({exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
+              if exc.context and exc.context_mark is not None else "")
+    return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}{within}"
 
 
 def read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=UniqueKeyLoader)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(exc)}") from exc
 
 
 def where(data: Any, loc: tuple[int | str, ...]) -> str:
@@ -46,16 +88,26 @@ def where(data: Any, loc: tuple[int | str, ...]) -> str:
     return ".".join(parts) or "(top level)"
 
 
+def _not_a_mapping(path: Path, data: Any, errors: list[ErrorDetails]) -> str | None:
+    """The plain message for a file that is no mapping where one was wanted (empty, comments only, a
+    list); None for any other error."""
+    if len(errors) != 1 or errors[0]["loc"] != () or errors[0]["type"] not in _NOT_A_MAPPING:
+        return None
+    if data is None:
+        return f"{path}: the file is empty (no keys, at most comments)"
+    return f"{path}: expected a mapping of keys at the top level, got {_KINDS.get(type(data), type(data).__name__)}"
+
+
 def validate(path: Path, data: Any, target: type[T] | Any) -> T:
     """Validate `data` (read from `path`) as `target`; raise ConfigError listing every bad field."""
     try:
         return TypeAdapter(target).validate_python(data)  # type: ignore[no-any-return]
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where_ = where(data, err["loc"])
-            lines.append(f"{path}: {where_}: {err['msg']}")
-        raise ConfigError("\n".join(lines)) from None
+        errors = exc.errors()
+        plain = _not_a_mapping(path, data, errors)
+        if plain is not None:
+            raise ConfigError(plain) from None
+        raise ConfigError("\n".join(f"{path}: {where(data, err['loc'])}: {err['msg']}" for err in errors)) from None
 
 
 def load(path: Path, target: type[T] | Any) -> T:

@@ -41,7 +41,7 @@ from gateway.routing.policies.contracts import BackendSnapshot, CostColumns, Cos
 class HeteroServeParams(StrictModel):
     w1: float = Field(default=1.0, ge=0)
     w2: float = Field(default=1.0, ge=0)
-    w3: float = Field(default=100.0, ge=0)
+    w3: float = Field(default=100.0, ge=0, allow_inf_nan=True)   # .inf: the paper's hard veto (ge refuses .nan)
 
 
 class HeteroServe:
