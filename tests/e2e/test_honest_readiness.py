@@ -110,9 +110,14 @@ def test_non_streamed_requests_on_an_upstream_that_hangs_are_retried_once_it_is_
     try:
         with run_gateway(path, "--log-level", "info", healthy=2, timeout=60) as gw:
             assert {chat(gw).headers["x-heterogate-backend"] for _ in range(4)} == {"up", "sim"}
-            with sigstopped(upstream.pid), ThreadPoolExecutor(4) as pool:
-                replies = list(pool.map(lambda _: httpx.post(f"{gw.url}/v1/chat/completions", json=body,
-                                                             timeout=60), range(4)))
+            # a reply of 2 tokens now takes the upstream 4 s: the requests are on it when it stops
+            httpx.post(f"http://127.0.0.1:{port}/control", json={"token_delay_ms": 2000}, timeout=5).raise_for_status()
+            with ThreadPoolExecutor(4) as pool:
+                sent = [pool.submit(httpx.post, f"{gw.url}/v1/chat/completions", json=body, timeout=60)
+                        for _ in range(4)]
+                gw.wait_until(lambda: gw.backend("up")["in_flight"] > 0)
+                with sigstopped(upstream.pid):
+                    replies = [f.result() for f in sent]
             assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
             assert {r.headers["x-heterogate-backend"] for r in replies} == {"sim"}
             assert "its upstream stopped answering the gateway's probe" in gw.log_path.read_text()
