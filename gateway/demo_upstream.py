@@ -256,7 +256,8 @@ class DemoUpstream:
                     choice["text"] = f"w{i} "
                 yield event([choice])
             await asyncio.sleep(self.state["token_delay_ms"] / 1000)
-        yield event([], usage={"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n})
+        made = n * int(body.get("n") or 1)   # every choice's tokens, as vLLM counts them
+        yield event([], usage={"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made})
         yield b"data: [DONE]\n\n"
 
     def _whole(self, body: dict[str, Any], chat: bool) -> bytes:
@@ -280,7 +281,8 @@ class DemoUpstream:
         return orjson.dumps({
             "id": f"upstream-{self.state['served']}", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", ""), "choices": choices, "engine_marker": 7,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
+            "usage": {"prompt_tokens": prompt, "completion_tokens": n * len(choices),
+                      "total_tokens": prompt + n * len(choices)},
         })
 
 

@@ -211,6 +211,8 @@ def test_fields_only_an_upstream_honours_route_past_the_engines_beside_it(tmp_pa
                         **asks[i % len(asks)]}
                 resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
                 assert resp.status_code == 200, resp.text
+                if body.get("n") == 2:   # every choice's tokens (the demo upstream counted one choice's)
+                    assert resp.json()["usage"]["completion_tokens"] == 8 and len(resp.json()["choices"]) == 2
                 served.append(resp.headers["x-heterogate-backend"])
             assert set(served) == {"upstream"}
             plain = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
