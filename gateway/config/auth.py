@@ -68,8 +68,8 @@ def _tenant_keys(tenants: TenantsConfig, taken: dict[bytes, str]) -> tuple[tuple
     keys: list[bytes] = []
     owners: list[str] = []
     for name, spec in tenants.teams.items():
-        for key in _read(spec.api_keys_file, spec.api_keys_env, "api", f"gateway.tenants.teams.{name}"):
-            if key in taken:
+        for key in dict.fromkeys(_read(spec.api_keys_file, spec.api_keys_env, "api", f"gateway.tenants.teams.{name}")):
+            if key in taken:   # (a key repeated in one tenant's own list is that tenant's once)
                 raise ConfigError(f"gateway.tenants.teams.{name}: one of its keys is also {taken[key]}'s; "
                                   "a key belongs to one tenant")
             taken[key] = f"tenant {name!r}"

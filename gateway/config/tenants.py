@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, field_validator
+from pydantic import Field, field_validator
 
 from common.yaml_files import StrictModel
 from gateway.requests.job import DEFAULT_TENANT
@@ -38,9 +38,10 @@ TENANT_NAME = r"^[A-Za-z0-9._-]{1,64}$"   # a label value in /metrics and part o
 # divides each request's cost in the admission queue's tags, where an infinite one never advanced its
 # tenant's tag (that tenant always first, the others of its class starved) and a denormal one overflowed
 # them to inf and then NaN (fair queueing of the whole class gone).
-WindowLimit = Annotated[int, Field(gt=0, le=2**53)]
-Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
-Weight = Annotated[float, Field(ge=1e-3, le=1e3, allow_inf_nan=False)]
+# Strict: YAML's `true` (or `yes`, `on`) was a limit of 1 and "5" a limit of 5, where a number was meant.
+WindowLimit = Annotated[int, Field(gt=0, le=2**53, strict=True)]
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31, strict=True)]
+Weight = Annotated[float, Field(ge=1e-3, le=1e3, allow_inf_nan=False, strict=True)]
 
 
 class TenantPolicy(StrictModel):
@@ -50,7 +51,7 @@ class TenantPolicy(StrictModel):
     weight: Weight = 1.0              # weighted fair share among the tenants of one class
     # Requests admitted past a saturated pool while the tenant has fewer under way (its guaranteed
     # concurrency), unless a higher class waits; 0 (the default): none, every request waits its turn.
-    min_in_flight: NonNegativeInt = 0
+    min_in_flight: Annotated[int, Field(ge=0, strict=True)] = 0
     requests_per_minute: WindowLimit | None = None
     tokens_per_minute: WindowLimit | None = None   # prompt + completion tokens
     tokens_per_day: WindowLimit | None = None      # a daily budget, the UTC day

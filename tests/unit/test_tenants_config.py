@@ -49,6 +49,13 @@ def test_keys_name_their_tenant_and_others_are_default(tmp_path: Path, monkeypat
         ring.check("Bearer sk-search-1", admin=True)
 
 
+def test_a_key_repeated_in_its_own_tenants_list_is_that_tenants(tmp_path: Path) -> None:
+    """It stopped start-up as "one of its keys is also tenant 'beta''s", the tenant itself."""
+    (tmp_path / "beta.keys").write_text("sk-beta-1\nsk-beta-2\nsk-beta-1\n")
+    ring = KeyRing.load(AuthConfig(), tenants(teams={"beta": {"api_keys_file": str(tmp_path / "beta.keys")}}))
+    assert ring.check("Bearer sk-beta-1", admin=False) == "beta"
+
+
 def test_tenant_keys_alone_turn_keys_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HG_TEST_KEYS", "sk-a")
     ring = KeyRing.load(AuthConfig(), tenants(teams={"a": {"api_keys_env": "HG_TEST_KEYS"}}))
@@ -98,6 +105,10 @@ BAD_TENANTS = [
     pytest.param({"teams": {"a": {"api_keys_env": "X", "api_key": "sk-inline"}}}, "teams.a.api_key: Extra inputs",
                  id="inline-secret"),
     pytest.param({"on_redis_error": "maybe"}, "on_redis_error: Input should be 'open' or 'closed'", id="fail-mode"),
+    pytest.param({"default": {"requests_per_minute": True}}, "default.requests_per_minute: Input should be a valid "
+                 "integer", id="boolean-limit"),   # YAML's `true` / `yes` / `on` was a limit of 1
+    pytest.param({"default": {"tokens_per_minute": "500"}}, "default.tokens_per_minute: Input should be a valid "
+                 "integer", id="string-limit"),
 ]
 
 
