@@ -36,13 +36,17 @@ def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | Non
     p.add_argument("--backends", type=cluster_file, default=backends_default, metavar="FILE|NAME",
                    help="backends.yaml, or the name of a cluster the package ships: "
                         f"{', '.join(shipped_clusters())} (default: backends, the embedded demo cluster)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    p.add_argument("--port", type=port_number, default=8000, help="HTTP port")
-    p.add_argument("--grpc-host", default="127.0.0.1", help="control gRPC listen address (backends heartbeat here)")
-    p.add_argument("--grpc-port", type=port_number, default=50061, help="control gRPC port (0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default: %(default)s)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--grpc-host", default="127.0.0.1",
+                   help="control gRPC listen address (backends heartbeat here; default: %(default)s)")
+    p.add_argument("--grpc-port", type=port_number, default=50061,
+                   help="control gRPC port (0 = any free port; default: %(default)s)")
     p.add_argument("--policy", choices=sorted(REGISTRY), help="routing policy (default: the config's)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--engine-log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="(default: %(default)s)")
+    p.add_argument("--engine-log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="managed engines' log level (default: %(default)s)")
     p.add_argument("--redis-url", help="share cluster state with other replicas through this Redis "
                    "(default: gateway.redis.url; none: one process, state in memory)")
     p.add_argument("--workers", type=positive_int, default=1, help="gateway processes on this host (> 1 needs Redis)")

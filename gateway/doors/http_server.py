@@ -264,7 +264,8 @@ class Cors:
         elif self._any is not None:
             allow_origin = b"*"
         else:
-            refused = Forbidden(f"CORS: origin {origin.decode('latin-1')} is not allowed (gateway.cors.allow_origins)")
+            refused = Forbidden(f"CORS: origin {origin.decode('latin-1')} is not allowed (gateway.cors.allow_origins)",
+                                code="origin_not_allowed")
             given = find_header(request.headers, b"x-request-id")
             rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
             exchange.respond(403, [(b"x-request-id", rid)], orjson.dumps(openai_error_body(refused)))

@@ -119,6 +119,7 @@ def test_a_preflight_from_another_origin_is_refused(keyed: Gateway) -> None:
         resp = preflight(keyed, CHAT, origin)
         assert resp.status_code == 403, origin
         assert resp.json()["error"]["type"] == "permission_error"
+        assert resp.json()["error"]["code"] == "origin_not_allowed"   # was admin_key_required
         assert f"origin {origin} is not allowed" in resp.json()["error"]["message"]
         assert cors_headers(resp) == {} and resp.headers["x-request-id"]
 
