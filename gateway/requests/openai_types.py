@@ -135,9 +135,23 @@ def body_error(exc: ValidationError) -> InvalidRequest:
     errors = exc.errors()
     deepest = max(errors, key=lambda e: len(e["loc"]))
     where = _client_path(deepest["loc"])
-    messages = list(dict.fromkeys(e["msg"] for e in errors if _client_path(e["loc"]) == where))
+    messages = list(dict.fromkeys(_words(e) for e in errors if _client_path(e["loc"]) == where))
     message = messages[0] + "".join(", or " + m.removeprefix("Input should be ") for m in messages[1:])
     return InvalidRequest(f"{where}: {message}" if where else message, param=where or None)
+
+
+def _words(error: Any) -> str:
+    """pydantic's message in the client's terms: no class names ("or instance of ChatMessage"), no
+    "discriminator"."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    tag = str(ctx.get("discriminator", "")).strip("'")
+    if kind == "model_type":
+        return "Input should be a JSON object"
+    if kind == "union_tag_not_found":
+        return f"Input should be an object with a `{tag}` field"
+    if kind == "union_tag_invalid":
+        return f"`{tag}` should be one of {ctx['expected_tags']}, not {ctx['tag']!r}"
+    return str(error["msg"])
 
 
 def _client_path(loc: tuple[int | str, ...]) -> str:

@@ -190,14 +190,21 @@ def test_wrong_types_are_400_naming_the_field(limits_gw: Gateway, path: str, bod
 @pytest.mark.parametrize(("content", "param", "words"), [
     ([{"type": "image_url", "image_url": {}}], "messages.0.content.0.image_url.url", "Field required"),
     ([{"type": "text"}], "messages.0.content.0.text", "Field required"),
-    ([{"type": "audio"}], "messages.0.content.0", "'audio'"),
+    ([{"type": "audio"}], "messages.0.content.0", "`type` should be one of 'text', 'image_url', not 'audio'"),
+    ([{"text": "x"}], "messages.0.content.0", "an object with a `type` field"),   # was "...discriminator 'type'"
     (5, "messages.0.content", "a valid string, or a valid list"),
-], ids=["image-part-without-url", "text-part-without-text", "unknown-part", "neither-shape"])
+], ids=["image-part-without-url", "text-part-without-text", "unknown-part", "part-without-type", "neither-shape"])
 def test_a_malformed_content_part_is_named(limits_gw: Gateway, content: Any, param: str, words: str) -> None:
     """The error is the part's own, not that `content` should have been a string."""
     err = assert_openai_error(post(limits_gw, CHAT, json=chat(content)), 400, type_="invalid_request_error",
                               param=param)
     assert words in err["message"], err
+
+
+def test_a_message_that_is_no_object_is_said_so_without_class_names(limits_gw: Gateway) -> None:
+    err = assert_openai_error(post(limits_gw, CHAT, json={"model": MODEL, "messages": ["hi"]}), 400,
+                              param="messages.0")
+    assert err["message"] == "messages.0: Input should be a JSON object", err   # was "...instance of ChatMessage"
 
 
 def test_null_stream_is_not_streamed_and_what_is_not_done_is_400(limits_gw: Gateway) -> None:
