@@ -62,6 +62,16 @@ class Request:
         self.path = decode_path(raw_path)
 
 
+def origin_form(target: bytes) -> bytes:
+    """The path of an absolute-form target (`http://host:port/v1/models`, RFC 9112 §3.2.2: a server
+    must take it, and some proxies send it), "/" when it has none; any other target as it is."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    slash = rest.find(b"/")
+    return rest[slash:] if slash >= 0 else b"/"
+
+
 def decode_path(raw: bytes) -> str:
     if b"%" not in raw and raw.isascii():
         return raw.decode("ascii")
@@ -445,6 +455,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         parser = self._parser
         path, _, query = self._url.partition(b"?")
+        if not path.startswith(b"/"):
+            path = origin_form(path)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body, self._body_size = [], 0   # the pieces go now, not with the next request
         request = Request(parser.get_method().decode("ascii", "replace"), path, query, self._headers, body,

@@ -128,6 +128,19 @@ async def test_routes_match_the_percent_decoded_path_and_take_one_parameter() ->
         await conn.close()
 
 
+async def test_an_absolute_form_target_is_served_as_its_path() -> None:
+    """`GET http://host/things HTTP/1.1` (RFC 9112 §3.2.2: a server must take it; some proxies send it) was a
+    404."""
+    async with serving(table()) as s:
+        conn = await Conn.open(s.port)
+        conn.send(get(f"http://127.0.0.1:{s.port}/models/org/m?x=1") + get("HTTPS://example.com")
+                  + get("http://example.com/things", b"authorization: Bearer ok"))
+        assert (await conn.response()).json() == {"id": "org/m"}
+        assert_openai_error(await conn.response(), 404)   # its path is /, which no route has
+        assert (await conn.response()).body == b"three things"
+        await conn.close()
+
+
 async def test_a_trailing_slash_too_many_or_too_few_is_redirected() -> None:
     """Also on a {name:path} route (`/models/org/m/` was the model 'org/m/') and on the paths the server
     answers itself (the completions door's), which the table knows for this only."""
