@@ -89,7 +89,7 @@ def parse_backend(body: object) -> BackendSpec:
 def _as_change(message: str) -> str:
     """A file's error as a change's: `backends.2 (x1).gpu` names an index in the running fleet, which the
     client never wrote; `backend x1: gpu` names what it sent."""
-    return re.sub(r"backends\.\d+ \(([^)]+)\)\.?", r"backend \1: ", message).replace(": : ", ": ")
+    return re.sub(r"backends\.\d+ \(([^)]+)\)(\.?)", lambda m: f"backend {m[1]}" + (": " if m[2] else ""), message)
 
 
 class Fleet:

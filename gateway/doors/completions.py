@@ -113,8 +113,9 @@ class CompletionsDoor:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")
             tenant = record.caller = self._runtime.keys.check(headers.get("authorization"), admin=False)
-            encoding = headers.get("content-encoding", "identity").strip().lower()
-            if encoding != "identity":   # a gzip body read as JSON was "str is not valid UTF-8: surrogates..."
+            encoding = headers.get("content-encoding")   # mostly absent: nothing more to do
+            if encoding is not None and (encoding := encoding.strip().lower()) != "identity":
+                # a gzip body read as JSON was "str is not valid UTF-8: surrogates not allowed"
                 raise UnsupportedMediaType(f"content-encoding {encoding!r} is not supported: send the body "
                                            "uncompressed", param="content-encoding")
             timeout_s = client_timeout(headers.get("x-request-timeout"))

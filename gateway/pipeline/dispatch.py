@@ -178,12 +178,15 @@ class FirstTokenWatch:
         health: dict[str, bool] = {}
         for wait in list(self._waits):
             entry = self._table.get(wait.backend.id)
-            if entry is not None and (reason := self._why_end(wait, entry, now, health)) is None:
+            if entry is None:   # it left the fleet: the dispatch ends on its own
+                self._waits.discard(wait)
+                continue
+            reason = self._why_end(wait, entry, now, health)
+            if reason is None:
                 continue
             self._waits.discard(wait)
-            if entry is not None:
-                wait.reason = reason
-                wait.target.cancel()
+            wait.reason = reason
+            wait.target.cancel()
         self._handle = loop.call_later(self._every_s, self._tick) if self._waits else None
 
     def _why_end(self, wait: _Wait, entry: BackendEntry, now: float, health: dict[str, bool]) -> str | None:
