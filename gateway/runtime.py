@@ -105,6 +105,7 @@ class Runtime:
 
     def describe_backends(self) -> list[dict[str, Any]]:
         out = []
+        restarts = self.metrics.backends.restarts()
         for e in self.table.entries():
             snap = self.table.snapshot(e)
             context, context_source = self.table.context(e)
@@ -124,6 +125,10 @@ class Runtime:
                 "reachable": self.table.reachable(e.id),   # kind: openai: does the upstream answer the probe
                 # why its last probe or scrape failed (kind: openai; a heartbeat agent's scrape), None: they did not
                 "last_error": e.last_error or e.reported.scrape_error or None,
+                # managed: why its engine last stopped unasked (exit status, signal, start timeout), and how
+                # often the supervisor relaunched it
+                "last_exit": e.last_exit,
+                "restarts": restarts.get(e.id, 0) if e.managed else None,
                 "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,

@@ -3,7 +3,9 @@
 Each managed backend has a `Launcher` (`gateway.control.launchers`) that says what to run and when it is
 ready. A backend is `starting` from launch until ready (at most the launcher's start timeout, after
 which it is stopped and launched again), `ready` while it runs, `restarting` during the backoff after
-an exit, and `stopped` once the gateway stops. The backoff doubles from `backoff_min_s` to
+an exit, and `stopped` once the gateway stops. Each exit is reported in words (`exit_reason`: its status,
+the signal that killed it, or the start timeout) through `on_exit`, for /admin/backends: an engine that
+restarts for ever says why without the operator reading the logs. The backoff doubles from `backoff_min_s` to
 `backoff_max_s` and resets once a backend has stayed up for `stable_after_s`.
 
 Processes start through `gateway.control.process_guard`: each engine gets a process group of its own,
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -89,11 +92,24 @@ class Child:
     state: Lifecycle = "starting"
     process: Process | None = None
     restarts: int = 0
+    last_exit: str | None = None   # why it last stopped serving, in words (`exit_reason`)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def backend_id(self) -> str:
         return self.launcher.backend_id
+
+
+def exit_reason(code: int) -> str:
+    """An engine's exit status in words. Engines run under `process_guard`, which exits with 128 + N when
+    signal N killed the engine (the shell's convention); a negative code is a signal that killed the guard."""
+    if code < 0 or code > 128:
+        number = -code if code < 0 else code - 128
+        with contextlib.suppress(ValueError):
+            return f"exited with status {code} (killed by {signal.Signals(number).name})"
+    if code == 127:
+        return "exited with status 127 (the launch program was not found or could not start)"
+    return f"exited with status {code}"
 
 
 class Supervisor:
@@ -110,13 +126,16 @@ class Supervisor:
         stop_timeout_s: float = 10.0,
         adopted: Mapping[str, Process] | None = None,
         on_launch: Callable[[str], None] = lambda backend_id: None,
+        on_exit: Callable[[str, str], None] = lambda backend_id, reason: None,
     ) -> None:
         """`adopted`: backend id -> its running engine's guard, taken over from an earlier leader.
-        `on_launch(backend_id)`: called before each launch (the engine's identity changes hands)."""
+        `on_launch(backend_id)`: called before each launch (the engine's identity changes hands).
+        `on_exit(backend_id, reason)`: called when a backend stops serving unasked, with why in words."""
         self._children = [Child(launcher) for launcher in launchers]
         self._adopted = dict(adopted or {})
         self._on_launch = on_launch
         self._on_state = on_state
+        self._on_exit = on_exit
         self._clock = clock or MonotonicClock()
         # The guard's SIGTERM → SIGKILL delay fits inside the supervisor's own stop timeout.
         self._spawner = spawner or GuardedSpawner(grace_s=stop_timeout_s / 2)
@@ -165,21 +184,25 @@ class Supervisor:
             started = self._clock.now()
             if adopted is not None:   # already running and ready: follow it until it exits
                 child.process, adopted = adopted, None
-                code = await child.process.wait()
+                code, reason = await child.process.wait(), None
             else:
-                code = await self._launch(child, started)
+                code, reason = await self._launch(child, started)
             if self._stopping:
                 return
             if self._clock.now() - started >= self._stable_after_s:
                 backoff = self._backoff[0]
+            child.last_exit = reason or exit_reason(code)
+            self._on_exit(child.backend_id, child.last_exit)
             self._set(child, "restarting")
-            log.warning("engine_exited", backend=child.backend_id, code=code, restart_in_s=backoff)
+            log.warning("engine_exited", backend=child.backend_id, code=code, reason=child.last_exit,
+                        restart_in_s=backoff)
             await self._clock.sleep(backoff)
             backoff = min(self._backoff[1], backoff * 2)
             child.restarts += 1
 
-    async def _launch(self, child: Child, started: float) -> int:
-        """Launch the backend and wait until it exits, or stop it if it is not ready in time; its exit code."""
+    async def _launch(self, child: Child, started: float) -> tuple[int, str | None]:
+        """Launch the backend and wait until it exits, or stop it if it is not ready in time; its exit code,
+        and why in words where the code does not say (the start timeout)."""
         plan = child.launcher.plan()
         self._set(child, "starting")
         self._on_launch(child.backend_id)
@@ -189,12 +212,12 @@ class Supervisor:
             self._set(child, "ready")
             log.info("engine_ready", backend=child.backend_id, pid=process.pid,
                      start_s=round(self._clock.now() - started, 3))
-            return await process.wait()
+            return await process.wait(), None
         if process.returncode is None:
-            log.error("engine_start_timeout", backend=child.backend_id, pid=process.pid,
-                      timeout_s=child.launcher.start_timeout_s)
-            return await self._stop_process(process)
-        return process.returncode
+            timeout_s = child.launcher.start_timeout_s
+            log.error("engine_start_timeout", backend=child.backend_id, pid=process.pid, timeout_s=timeout_s)
+            return await self._stop_process(process), f"not ready within its start timeout ({timeout_s:g} s): stopped"
+        return process.returncode, None
 
     async def _wait_ready(self, child: Child, process: Process, started: float) -> bool:
         """Poll the launcher's readiness until it says yes, the process exits, or the start timeout."""

@@ -91,6 +91,9 @@ class BackendEntry:
     # kind: openai: why the gateway's last probe or scrape of it failed, one line (None: they succeeded);
     # for the operator's /admin/backends only, never read by routing
     last_error: str | None = None
+    # managed: why its engine last stopped serving unasked (`gateway.control.supervisor.exit_reason`), kept
+    # after it is back; for /admin/backends only
+    last_exit: str | None = None
     cached: BackendSnapshot | None = field(default=None, repr=False)
     blind: BackendSnapshot | None = field(default=None, repr=False)   # the snapshot failing open (`_blind`)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots

@@ -198,6 +198,11 @@ class StateTable:
         entry.snapshot = None
         return entry
 
+    def note_exit(self, backend_id: str, reason: str) -> None:
+        """A managed engine stopped serving unasked: why, in words, for the operator (never routed on)."""
+        if (entry := self._entries.get(backend_id)) is not None:
+            entry.last_exit = reason
+
     def set_lifecycle(self, backend_id: str, state: Lifecycle) -> None:
         entry = self._entries[backend_id]
         entry.lifecycle = state

@@ -76,3 +76,7 @@ def test_kill_9_during_load(tmp_path: Path) -> None:
                           json={"model": MODEL, "messages": [{"role": "user", "content": "still there?"}]})
         assert resp.status_code == 200
         gw.wait_until(lambda: gw.backend(victim["id"])["healthy"] and gw.backend(victim["id"])["pid"] != victim["pid"])
+        # /admin/backends says why it went and that it was relaunched; the others never left
+        back = gw.backend(victim["id"])
+        assert back["last_exit"] == "exited with status 137 (killed by SIGKILL)" and back["restarts"] >= 1, back
+        assert all(b["last_exit"] is None for b in gw.backends() if b["id"] != victim["id"])

@@ -203,3 +203,28 @@ async def test_stop_stops_an_adopted_engine_too() -> None:
     await until(lambda: sup.children[0].state == "ready")
     await sup.stop()
     assert adopted.signals == ["TERM"] and spawner.spawned == [] and states[-1] == ("vllm-0", "stopped")
+
+
+async def test_each_exit_is_reported_in_words() -> None:
+    clock, spawner, launcher, states = FakeClock(), FakeSpawner(), FakeLauncher(), []
+    exits: list[tuple[str, str]] = []
+    sup = Supervisor([launcher], on_state=lambda b, s: states.append((b, s)), clock=clock, spawner=spawner,
+                     backoff_min_s=1.0, on_exit=lambda b, why: exits.append((b, why)))
+    sup.start()
+    await until(lambda: len(spawner.spawned) == 2)   # never ready: stopped at the start timeout
+    launcher.is_ready = True
+    await until(lambda: sup.children[0].state == "ready")
+    await crash(spawner, 137)   # the guard's status when SIGKILL took the engine
+    await until(lambda: sup.children[0].state == "ready")
+    await crash(spawner, 127)
+    await until(lambda: sup.children[0].state == "ready")
+    await crash(spawner, 3)
+    assert [why for _, why in exits] == [
+        "not ready within its start timeout (10 s): stopped",
+        "exited with status 137 (killed by SIGKILL)",
+        "exited with status 127 (the launch program was not found or could not start)",
+        "exited with status 3",
+    ]
+    assert {b for b, _ in exits} == {"vllm-0"} and sup.children[0].last_exit == "exited with status 3"
+    await sup.stop()
+    assert len(exits) == 4   # a stop the gateway asked for is no exit to report
