@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from common.errors import ConfigError
 
@@ -19,12 +20,28 @@ _NOT_A_MAPPING = ("model_type", "dict_type")
 _KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}
 
 
+def _takes_number_not_bool(annotation: Any) -> bool:
+    """The field takes an int or a float (alone or in a union, `int | None`) and no boolean."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return bool not in args and any(a in (int, float) for a in args)
+
+
 class StrictModel(BaseModel):
-    """Base for config models: unknown keys are errors, values are immutable after loading, and a float
-    is finite: YAML's `.inf` would turn a timeout or a limit off without a word, `.nan` fail every
-    comparison made with it."""
+    """Base for config models: unknown keys are errors, values are immutable after loading, a float
+    is finite (YAML's `.inf` would turn a timeout or a limit off without a word, `.nan` fail every
+    comparison made with it), and a number is not a boolean: YAML reads `off`, `no` and `yes` as
+    booleans, which pydantic would take as 0 and 1 (`ttft_slo_s: no` a 0 s target)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None and _takes_number_not_bool(
+                cls.model_fields[info.field_name].annotation):
+            raise PydanticCustomError("number_not_bool", "a number, not {value} (YAML reads yes/no/on/off as "
+                                      "true/false)", {"value": str(value).lower()})
+        return value
 
 
 class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]   # PyYAML ships no type hints

@@ -76,6 +76,24 @@ def test_an_infinite_or_nan_float_is_refused(tmp_path: Path, body: str, where: s
     assert config_error(path) == f"{path}: {where}: Input should be a finite number"
 
 
+@pytest.mark.parametrize(("body", "where", "read"), [
+    ("gateway:\n  overload: {ttft_slo_s: no}\n", "gateway.overload.ttft_slo_s", "false"),
+    ("gateway:\n  overload: {max_queued: off}\n", "gateway.overload.max_queued", "false"),
+    ("gateway:\n  limits: {max_tokens: yes}\n", "gateway.limits.max_tokens", "true"),
+], ids=["float", "int", "limit"])
+def test_a_boolean_where_a_number_belongs_is_refused(tmp_path: Path, body: str, where: str, read: str) -> None:
+    path = write(tmp_path, body + BACKEND)   # pydantic took them as 0 and 1: a 0 s SLO, a 1-token limit
+    assert config_error(path) == (f"{path}: {where}: a number, not {read} (YAML reads yes/no/on/off as "
+                                  "true/false)")
+
+
+def test_booleans_stay_booleans_and_numbers_numbers(tmp_path: Path) -> None:
+    path = write(tmp_path, "gateway:\n  overload: {enabled: off, protect_itl: yes, ttft_slo_s: 3, max_queued: 8}\n"
+                 + BACKEND)
+    overload = load_cluster(path).settings.overload
+    assert (overload.enabled, overload.protect_itl, overload.ttft_slo_s, overload.max_queued) == (False, True, 3.0, 8)
+
+
 def test_a_catalog_with_a_nan_price_is_refused(tmp_path: Path) -> None:
     (tmp_path / "models.yaml").write_text((ROOT / "configs" / "models.yaml").read_text())
     gpus = (ROOT / "configs" / "gpus.yaml").read_text()
