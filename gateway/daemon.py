@@ -244,6 +244,15 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             except (RedisError, OSError, TimeoutError) as exc:
                 raise RedisUnreachable(f"cannot reach Redis at {redacted(options.redis_url or '')} within "
                                        f"{REDIS_START_WAIT_S:g} s: {str(exc) or repr(exc)}") from None
+        # From here on Ctrl-C and SIGTERM are a graceful stop, the start-up finishing first. A Ctrl-C before
+        # this (asyncio's own handler: the task is cancelled at its next await) is taken at the sleep, before
+        # any server exists: landing in the gRPC server's start, it left the server to shut itself down in
+        # the closing loop, an error with a traceback (one Ctrl-C in four in the second after start).
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await asyncio.sleep(0)
         http_socket = bind_http(options.host, options.port, options.reuse_port)
         try:
             control, grpc_port, grpc_door = await start_control(
@@ -297,10 +306,6 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, fleet.reload_soon)   # apply backends.yaml's `backends:` again
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
              policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name,
