@@ -214,15 +214,17 @@ class Dispatch:
     `whole()` (each ends it)."""
 
     __slots__ = ("_answered", "_ended", "_pipeline", "_stream", "backend_id", "decision", "first", "lease",
-                 "loop_deadline", "record", "request_id", "sent", "started", "streamed", "trace", "ttft_s",
+                 "loop_deadline", "record", "request_id", "sent", "streamed", "trace", "ttft_s",
                  "vision_backend_id")
 
     first: engine_pb2.GenerateChunk   # set once the first token is in hand
+    # From the request's arrival, as its client and the request log count it: the admission and overload
+    # queues' waits and the retries included (from this dispatch's routing, the TTFT histogram and alert
+    # showed a saturated gateway's clients waiting seconds as first tokens in milliseconds).
     ttft_s: float
 
     def __init__(
         self, pipeline: Pipeline, job: GenerationJob, decision: Decision, record: RequestRecord, lease: Lease,
-        started: float,
     ) -> None:
         self._pipeline = pipeline
         self.request_id = job.request_id
@@ -231,7 +233,6 @@ class Dispatch:
         self.vision_backend_id: str | None = None
         self.record = record
         self.lease = lease
-        self.started = started
         self.streamed = not job.whole   # tokens arrive as they are made: the decode time is measurable
         self._stream: AsyncIterator[engine_pb2.GenerateChunk] | None = None
         self.sent = 0.0                           # loop time the request went to its client
@@ -244,8 +245,7 @@ class Dispatch:
         p, record = self._pipeline, self.record
         now = p.clock()
         self.first = first
-        self.ttft_s = now - self.started
-        record.ttft_s = now - record.started
+        self.ttft_s = record.ttft_s = now - record.started
         record.policy = self.decision.policy
         record.prompt_tokens = len(job.token_ids) or job.prompt_tokens + job.image_tokens
         record.completion_tokens = first.index + 1
@@ -341,9 +341,10 @@ class Dispatch:
             p.breakers.on_abandon(self.backend_id)
         if completed:
             now = p.clock()
-            p.metrics.e2e_seconds.observe((self.backend_id,), now - self.started)
+            latency_s = now - self.record.started
+            p.metrics.e2e_seconds.observe((self.backend_id,), latency_s)
             if self.streamed and completed > 1:   # the request's mean inter-token time
-                p.metrics.itl_seconds.observe((self.backend_id,), (now - self.started - self.ttft_s) / (completed - 1))
+                p.metrics.itl_seconds.observe((self.backend_id,), (latency_s - self.ttft_s) / (completed - 1))
         if self.trace is not None:
             self.trace.end(completed, error)
 
@@ -564,7 +565,6 @@ class Pipeline:
         budget is spent (the last failure)."""
         assert record.deadline is not None
         deadline = record.deadline
-        started = self.clock()
         last_error: BackendFailure | None = None
         while record.attempts < self.settings.max_attempts:
             if record.attempts and not await self._backoff(record.attempts, deadline):
@@ -583,7 +583,7 @@ class Pipeline:
                 decision = None
                 continue
             try:
-                return await self._attempt(job, decision, client, record, started)
+                return await self._attempt(job, decision, client, record)
             except NoEncoder as exc:   # not the language backend's fault: the same request, on one that encodes
                 record.no_encoder = self._needs_encoder(job.model)
                 log.warning("encoders_unavailable", request_id=job.request_id, backend=backend_id, error=str(exc))
@@ -653,7 +653,7 @@ class Pipeline:
         return True
 
     async def _attempt(
-        self, job: GenerationJob, decision: Decision, client: BackendClient, record: RequestRecord, started: float,
+        self, job: GenerationJob, decision: Decision, client: BackendClient, record: RequestRecord,
     ) -> Dispatch:
         """One attempt: its `Dispatch` takes the lease, sends the request and waits for its first token
         (and its images' hand-off); if none comes, the dispatch ends here."""
@@ -664,7 +664,7 @@ class Pipeline:
         cached = self._routed(record, backend)
         dispatch = Dispatch(self, job, decision, record,
                             self.table.acquire(backend.id, job.prompt_tokens + job.image_tokens, job.max_tokens,
-                                               cached), started)
+                                               cached))
         if record.trace is not None:   # the engine's spans join the dispatch's
             dispatch.trace = record.trace.attempt(decision, record.attempts)
             job = replace(job, traceparent=dispatch.trace.traceparent)

@@ -247,10 +247,14 @@ class GatewayMetrics:
         self.decision_seconds = HistogramTable(
             "heterogate_routing_decision_seconds", "Time to choose a backend", ["policy"], _DECISION_BUCKETS
         )
-        self.ttft_seconds = HistogramTable("heterogate_ttft_seconds", "Time to first token", ["backend"],
-                                           _LATENCY_BUCKETS)
-        self.e2e_seconds = HistogramTable("heterogate_e2e_seconds", "End-to-end request latency", ["backend"],
-                                          _LATENCY_BUCKETS)
+        # Both from the request's arrival, as its client and the request log count: a saturated gateway's
+        # queueing is what an SLO alert on them must see.
+        self.ttft_seconds = HistogramTable(
+            "heterogate_ttft_seconds", "Time to first token from the request's arrival (the gateway's queues and "
+            "retries included), by the backend that answered", ["backend"], _LATENCY_BUCKETS)
+        self.e2e_seconds = HistogramTable(
+            "heterogate_e2e_seconds", "Request latency from its arrival to its last token (the gateway's queues "
+            "included)", ["backend"], _LATENCY_BUCKETS)
         # One observation per completed streamed request of two tokens or more: its mean gap between tokens,
         # (end - first token) / (tokens - 1). Per-token gaps are not seen: an engine's or upstream's tokens
         # that arrive together reach the pipeline as one chunk.

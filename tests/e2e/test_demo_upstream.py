@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import yaml
 from openai.types.chat import ChatCompletionMessageParam
 
-from testkit.harness import ROOT, free_port, run_gateway, write_config
+from testkit.harness import ROOT, free_port, metric_total, run_gateway, write_config
 
 MODEL = "llava-1.5-7b"
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +95,37 @@ def test_the_demo_upstream_answers_bad_input_with_a_clear_4xx() -> None:
             assert answer.status_code == 400 and "waiting" in answer.json()["error"]["message"], bad
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert 'vllm:num_requests_waiting{engine="0",model_name="demo-model"} 0' in metrics
+
+
+def test_time_to_first_token_in_metrics_counts_the_wait_in_the_gateways_queue(tmp_path: Path) -> None:
+    """Four streams at once on an upstream the gateway holds at a depth of one: each waits for those before
+    it in the admission queue (about a second each, 10 tokens at 100 ms), and the TTFT and end-to-end
+    histograms count that wait as the clients and the request log do (they counted from the dispatch:
+    four first tokens in milliseconds while the clients waited up to 3 s)."""
+    with demo_upstream("--token-delay-ms", "100") as url:
+        held = {"admission": {"saturated_queue_depth": 1}, "overload": {"enabled": False}}
+        config = {"model": MODEL, "gateway": held,
+                  "backends": [{"id": "slow", "kind": "openai", "role": "language", "gpu": "H100", "address": url,
+                                "upstream_model": "demo-model", "scrape": {"engine": "vllm"}}]}
+        with run_gateway(write_config(tmp_path, config), timeout=60) as gw:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 10,
+                    "stream": True}
+
+            def ttft() -> float:
+                t0 = time.monotonic()
+                with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=30) as answer:
+                    assert answer.status_code == 200
+                    lines = answer.iter_lines()
+                    next(line for line in lines if line.startswith("data: {"))
+                    first = time.monotonic() - t0
+                    for _ in lines:
+                        pass
+                return first
+
+            with ThreadPoolExecutor(4) as pool:
+                clients = list(pool.map(lambda _: ttft(), range(4)))
+            assert max(clients) > 2.0, clients   # the queue held the last one behind the others
+            counted = metric_total(gw, "heterogate_ttft_seconds_sum", backend="slow")
+            assert metric_total(gw, "heterogate_ttft_seconds_count", backend="slow") == 4
+            assert sum(clients) - 0.5 < counted <= sum(clients) + 0.1, (counted, clients)
+            assert metric_total(gw, "heterogate_e2e_seconds_sum", backend="slow") > counted + 3.0
