@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.pipeline.metrics import GatewayMetrics
-from gateway.pipeline.tenants import Ticket
+from gateway.pipeline.tenants import Tenants, Ticket
 from gateway.pipeline.tracing import RequestTrace
 from gateway.routing.prefix_index import PrefixQuery
 
@@ -67,9 +67,10 @@ class RequestRecord:
 
 
 class RequestLog:
-    def __init__(self, metrics: GatewayMetrics, default_policy: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, default_policy: str, tenants: Tenants | None = None) -> None:
         self._metrics = metrics
         self._policy = default_policy
+        self._tenants = tenants   # counts the requests refused before their tenant's ticket
         # The line's level is on (set by common.logs.configure_logging before the doors are built):
         # with it off, the line's fields are not even gathered.
         self._lines = logging.getLogger().isEnabledFor(logging.INFO)
@@ -94,6 +95,8 @@ class RequestLog:
             m.generation_tokens.inc((backend,), completion_tokens)
         if record.tenant is not None:
             record.tenant.finish(status, prompt_tokens, completion_tokens)
+        elif record.caller is not None and self._tenants is not None:
+            self._tenants.refused_before_ticket(record.caller, status)
         if record.trace is not None:
             record.trace.end(status, prompt_tokens, completion_tokens, error)
         if not self._lines:

@@ -238,6 +238,12 @@ class Tenants:
                               retry_after_s=wait_s)
         ticket.windows, ticket.amounts = charge.windows, tuple(amounts)
 
+    def refused_before_ticket(self, caller: str, status: int) -> None:
+        """A request of `caller`'s refused before it had a ticket (a 400 for its body, a 404 for its model):
+        counted among its tenant's requests by status, as its log line names the tenant."""
+        tenant = self.by_name.get(caller) or self.by_name[DEFAULT_TENANT]
+        self.requests.inc((tenant.name, str(status)))
+
     def finish(self, ticket: Ticket, status: int, prompt_tokens: int, completion_tokens: int) -> None:
         name = ticket.tenant.name
         self.requests.inc((name, str(status)))

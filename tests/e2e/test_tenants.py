@@ -104,11 +104,16 @@ def test_usage_per_tenant_in_admin_usage_and_metrics(gateway: Gateway) -> None:
     for _ in range(ALPHA_RPM + 1):   # its window may be partly used already: until it is refused
         if chat(gateway, ALPHA).status_code == 429:
             break
+    # refused before it is admitted (its body, its model): its tenant's all the same
+    bad = httpx.post(f"{gateway.url}/v1/chat/completions", headers={"authorization": f"Bearer {BETA}"}, timeout=10,
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert bad.status_code == 400
     after = usage(gateway)
     assert set(after) == {"default", "alpha", "beta", "gamma"}
     beta, alpha = after["beta"], after["alpha"]
     assert (beta["priority"], beta["weight"], beta["limits"]) == (0, 3.0, {"tokens_per_minute": 1_000_000})
-    assert beta["requests"] - before["beta"]["requests"] == 2
+    assert beta["requests"] - before["beta"]["requests"] == 3
+    assert beta["requests_by_status"]["400"] - before["beta"]["requests_by_status"].get("400", 0) == 1
     assert beta["prompt_tokens"] > before["beta"]["prompt_tokens"]
     assert beta["completion_tokens"] - before["beta"]["completion_tokens"] == 8   # max_tokens 4, twice
     window = beta["windows"]["tokens_per_minute"]
