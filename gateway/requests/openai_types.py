@@ -52,6 +52,22 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _refusal_as_text(cls, content: object) -> object:
+        """A `refusal` part (OpenAI answers a refused request with one, and a client sends the history back
+        with it) is its text, as vLLM reads it; the body goes to upstreams as sent."""
+        if not isinstance(content, list):
+            return content
+        return [_refusal_text(p) if isinstance(p, dict) and p.get("type") == "refusal" else p for p in content]
+
+
+def _refusal_text(part: dict[str, Any]) -> dict[str, Any]:
+    refusal = part.get("refusal")
+    if not isinstance(refusal, str):
+        raise PydanticCustomError("refusal_part", "a refusal part's `refusal` should be a string")
+    return {"type": "text", "text": refusal}
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -150,8 +166,11 @@ def _words(error: Any) -> str:
     if kind == "union_tag_not_found":
         return f"Input should be an object with a `{tag}` field"
     if kind == "union_tag_invalid":
-        return f"`{tag}` should be one of {ctx['expected_tags']}, not {ctx['tag']!r}"
+        return f"`{tag}` should be one of {ctx['expected_tags']}{_ALSO.get(tag, '')}, not {ctx['tag']!r}"
     return str(error["msg"])
+
+
+_ALSO = {"type": " or 'refusal'"}   # a content part's types read before validation (`ChatMessage._refusal_as_text`)
 
 
 def _client_path(loc: tuple[int | str, ...]) -> str:

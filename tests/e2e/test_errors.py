@@ -190,7 +190,8 @@ def test_wrong_types_are_400_naming_the_field(limits_gw: Gateway, path: str, bod
 @pytest.mark.parametrize(("content", "param", "words"), [
     ([{"type": "image_url", "image_url": {}}], "messages.0.content.0.image_url.url", "Field required"),
     ([{"type": "text"}], "messages.0.content.0.text", "Field required"),
-    ([{"type": "audio"}], "messages.0.content.0", "`type` should be one of 'text', 'image_url', not 'audio'"),
+    ([{"type": "audio"}], "messages.0.content.0",
+     "`type` should be one of 'text', 'image_url' or 'refusal', not 'audio'"),
     ([{"text": "x"}], "messages.0.content.0", "an object with a `type` field"),   # was "...discriminator 'type'"
     (5, "messages.0.content", "a valid string, or a valid list"),
 ], ids=["image-part-without-url", "text-part-without-text", "unknown-part", "part-without-type", "neither-shape"])

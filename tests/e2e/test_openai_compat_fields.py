@@ -89,6 +89,19 @@ def last_body(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/stats", timeout=5).json()["last_body"]
 
 
+def test_a_history_with_an_assistant_refusal_part_is_served(gateway: Gateway) -> None:
+    """OpenAI answers a refused request with a `refusal` part; a client sends it back in the history."""
+    messages = [{"role": "user", "content": "something"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+                {"role": "user", "content": "then say hello"}]
+    answer = post(gateway, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    bad = [{"role": "assistant", "content": [{"type": "refusal", "refusal": 7}]}, messages[-1]]
+    refused = post(gateway, "/v1/chat/completions", {"model": MODEL, "messages": bad, "max_tokens": 2})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "messages.0.content: a refusal part's `refusal` should be a string"
+
+
 def test_max_completion_tokens_bounds_a_text_completion(gateway: Gateway) -> None:
     """OpenAI's newer name for max_tokens bounds /v1/completions as it bounds chat (it went unread there:
     the completion ran to the gateway's default length, 16 tokens at least on the engine)."""
