@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from gateway.routing.policies import build_policy
 from loadtest.planner.evaluate import Policies
 from loadtest.planner.options import (
     MAX_WORKERS,
+    OneLineParser,
     at_least,
     count,
     inventory,
@@ -64,7 +67,7 @@ ID_STEM_CHARS = 48                      # a written id's GPU part; the config's 
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else None)
     w = p.add_argument_group("workload (a description, a simulator workload, or a gateway request log)")
     w.add_argument("--rate", type=rate, help=f"arrival rate, requests/s, at most {MAX_RATE_RPS:,.0f} (a request "
                    "log's own rate if omitted)")
@@ -124,14 +127,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 f"requests; a simulated trace holds at most {MAX_TRACE_REQUESTS:,}: shorten --duration or give "
                 "--requests")
     bad = [s for s in args.splits if s not in SPLITS]
-    if bad or not args.splits:
-        p.error(f"--splits: {', '.join(bad) or 'none given'}; choose from {', '.join(SPLITS)}")
+    if bad:
+        p.error(f"--splits: {', '.join(bad)}; choose from {', '.join(SPLITS)}")
+    if args.gpus and args.inventory and not set(args.gpus) & {g for g, _ in args.inventory}:
+        p.error(f"--gpus {','.join(args.gpus)} and --inventory {','.join(g for g, _ in args.inventory)} have no GPU "
+                "type in common: a plan takes only the GPUs of both")
+    if why := target_error(args.ttft_slo, args.itl_slo, args.time_scale, not args.no_overload):
+        p.error(why)
     for source, options in IGNORED_WITH.items():
         given = [o for o in options if getattr(args, source) is not None and getattr(args, o) != p.get_default(o)]
         if given:
             p.error(f"--{source} brings its own traffic, so {', '.join(_flag(o) for o in given)} would be ignored: "
                     "give one or the other")
     return args
+
+
+def target_error(ttft_s: float, itl_s: float, time_scale: float, overload: bool) -> str | None:
+    """Why the gateway would refuse a target the plan is simulated or written with (None: it takes them all; the
+    overload queue's count only where it is on). Each option is finite alone, but a product may not be
+    (`--itl-slo 1e306` is 1e309 ms), and half of a subnormal TTFT SLO (the overload queue's hold bound and
+    wait) is 0 s: one line naming the options, not a file that check-config refuses or pydantic's lines."""
+    scale = time_scale or 1.0
+    itl, ttft = f"--itl-slo {itl_s:g}", f"--ttft-slo {ttft_s:g}"
+    targets = [(itl, "gateway.routing.itl_target_ms", itl_target_ms(itl_s, scale))]
+    if overload:
+        targets += [(ttft, "gateway.overload.ttft_slo_s", ttft_s * scale),
+                    (ttft, "the simulated overload queue's hold_above_s and max_wait_s (TTFT SLO / 2)", ttft_s / 2),
+                    (ttft, "gateway.overload.hold_above_s and max_wait_s", ttft_s / 2 * scale)]
+    for option, target, value in targets:
+        if not (math.isfinite(value) and value > 0):
+            return (f"{option} with --time-scale {time_scale:g} makes {target} {value:g}; the gateway takes a "
+                    "finite positive number")
+    return None
+
+
+def itl_target_ms(itl_s: float, scale: float) -> float:
+    """The written inter-token target: six significant digits, not decimals, so that a float's noise goes and a
+    target under a microsecond (a tight SLO on fast engines) does not become 0 ms, which the gateway refuses."""
+    return float(f"{itl_s * 1000 * scale:.6g}")
 
 
 def _flag(dest: str) -> str:
@@ -147,7 +180,12 @@ def build_trace(args: argparse.Namespace, model: ModelProfile) -> Trace:
         return logged
     n = args.requests or max(MIN_REQUESTS, round(args.rate * args.duration))
     if args.workload is not None:
-        return named_trace(args.workload, args.rate, n, args.seed, args.arrivals)
+        trace, clipped = named_trace(args.workload, model, args.rate, n, args.seed, args.arrivals)
+        if clipped:
+            print(f"{PROG}: note: --workload {args.workload}: {clipped:,} of {n:,} prompts are clipped to what model "
+                  f"{model.name}'s context of {model.max_context} tokens leaves beside their images and output",
+                  file=sys.stderr)
+        return trace
     desc = Description(args.rate, args.image_share, args.prompt_tokens, args.output_tokens,
                        args.images_per_request, args.arrivals)
     trace = described_trace(desc, model, n, args.seed)
@@ -200,10 +238,8 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float, catalog: Pa
             entry["steal"] = True
         entry["launch"] = {"time_scale": time_scale}
         backends.append(entry)
-    # six significant digits, not decimals: a float's noise goes, and a target under a microsecond (a tight
-    # SLO on fast engines) does not become 0 ms, which the gateway refuses
     routing = {"policy": problem.policies.language, "vision_policy": problem.policies.vision,
-               "itl_target_ms": float(f"{problem.slo.itl_s * 1000 * scale:.6g}")}
+               "itl_target_ms": itl_target_ms(problem.slo.itl_s, scale)}
     queue = problem.slo.overload()
     overload = ({"ttft_slo_s": queue.ttft_slo_s * scale, "hold_above_s": queue.hold_above_s * scale,
                  "max_wait_s": queue.max_wait_s * scale}
@@ -211,6 +247,27 @@ def backends_config(plan: Plan, problem: Problem, time_scale: float, catalog: Pa
     named = {"catalog": str(catalog)} if catalog is not None else {}
     return {**named, "model": problem.model.name, "gateway": {"routing": routing, "overload": overload},
             "backends": backends}
+
+
+def shell_word(arg: str) -> str:
+    """`arg` as a shell (bash) reads it back: shlex's quoting, or $'...' with escapes where it holds a character
+    a YAML comment cannot (a newline ends the written file's header comment; a control character makes the
+    file no YAML), so that the header's command is one line that runs again as it was given."""
+    if arg.isprintable():
+        return shlex.quote(arg)
+    return "$'" + "".join(_ansi_c(c) for c in arg) + "'"
+
+
+def _ansi_c(char: str) -> str:
+    """One character inside $'...': itself where printable, else bash's escape for it."""
+    if char in "\\'":
+        return "\\" + char
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:         # a byte of the command line that is no UTF-8, as Python holds it
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x80 else f"\\U{code:08x}"
 
 
 def id_stem(gpu: str) -> str:
@@ -317,6 +374,16 @@ def as_json(result: SearchResult, problem: Problem) -> dict[str, Any]:
             "best_by_group": {g: row(e) for g, e in result.best_by_group.items()}}
 
 
+def finite_or_null(value: Any) -> Any:
+    """`value` with every float that is not finite as None: JSON has no Infinity or NaN (Python writes them, and
+    strict readers refuse the file), and a plan's tokens/$ at $0/hour or a p95 of nothing completed is one."""
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_null(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -326,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         with sigterm_raises():
-            return _plan(args, " ".join([PROG, *argv]))
+            return _plan(args, " ".join([PROG, *map(shell_word, argv)]))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; the search and its simulations are stopped", file=sys.stderr)
         return 130
@@ -347,7 +414,7 @@ def _plan(args: argparse.Namespace, command: str) -> int:
     try:
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(as_json(result, problem), indent=2) + "\n")
+            args.json.write_text(json.dumps(finite_or_null(as_json(result, problem)), indent=2, allow_nan=False) + "\n")
         if args.out is not None and result.best is not None:
             own = args.catalog.resolve()
             write_backends(args.out, result.best, problem, args.time_scale, command,

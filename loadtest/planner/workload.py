@@ -11,7 +11,9 @@ every plan replays the very same requests (the comparison between plans is paire
     output          uniform in [mean / 2, 3 · mean / 2] tokens; max_tokens (the KV reservation) is the top
     arrivals        Poisson, or the simulator's on/off bursts ("bursty")
 
-A simulator workload by name (`--workload mm_mixed`) is taken as it is. A request log is the gateway's
+A simulator workload by name (`--workload mm_mixed`) is taken as it is, fitted to the model as a description
+is: its images at the model's tokens per image, its prompts clipped to what the context leaves beside the
+images and max_tokens. A request log is the gateway's
 own JSON lines (`gateway/pipeline/request_log.py`): every served request (`"event": "request"`, status
 200) becomes one request arriving at its line's timestamp less its latency, with its prompt and
 completion tokens; a request that went through a vision backend carries images, as many as its prompt
@@ -140,8 +142,10 @@ def described_trace(desc: Description, model: ModelProfile, n: int, seed: int) -
     return Trace(at_rate(times - times[0], desc.rate_rps), described_lengths(desc, model, n, seed))
 
 
-def named_trace(workload: str, rate_rps: float, n: int, seed: int, arrivals: str = "poisson") -> Trace:
-    """One of the simulator's workloads (loadtest/sim/workloads.py) at this rate."""
+def named_trace(workload: str, model: ModelProfile, rate_rps: float, n: int, seed: int,
+                arrivals: str = "poisson") -> tuple[Trace, int]:
+    """One of the simulator's workloads (loadtest/sim/workloads.py) at this rate, fitted to the model
+    (`fitted_lengths`), and how many of its prompts the fit clipped (for the caller to say so)."""
     if workload not in workloads.WORKLOADS:
         raise WorkloadError(f"unknown workload {workload!r}; known: {', '.join(sorted(workloads.WORKLOADS))}")
     if arrivals not in ARRIVALS:
@@ -149,7 +153,32 @@ def named_trace(workload: str, rate_rps: float, n: int, seed: int, arrivals: str
     if not rate_rps > 0:
         raise WorkloadError(f"the arrival rate must be positive, not {rate_rps}")
     trace = workloads.make_trace(workload, arrivals, rate_rps, n, seed)
-    return Trace(at_rate(trace.arrival_s, rate_rps), trace.lengths)
+    lengths = fitted_lengths(trace.lengths, model, workload)
+    clipped = int((lengths.text_tokens < trace.lengths.text_tokens).sum())
+    return Trace(at_rate(trace.arrival_s, rate_rps), lengths), clipped
+
+
+def fitted_lengths(lengths: Lengths, model: ModelProfile, workload: str) -> Lengths:
+    """A simulator workload's requests as the model takes them: its images at the model's tokens per image
+    (the workloads charge LLaVA-1.5's 576), and each text prompt clipped where prompt + image tokens +
+    max_tokens would pass the context, as a described workload's are; the live gateway refuses such a request
+    (400 context_length_exceeded), so a plan must not count it. Images for a text-only model, or a request
+    that does not fit even with a 1-token prompt, are refused: the simulator cannot serve them either."""
+    per_image = tokens_per_image(model)
+    if lengths.images.any() and not per_image:
+        raise WorkloadError(f"model {model.name!r} takes no images, and workload {workload!r} has requests with "
+                            "images: give a vision model (--model) or a text workload")
+    image_tokens = lengths.images * per_image
+    room = model.max_context - image_tokens - lengths.max_output_tokens
+    if int(room.min()) < 1:
+        worst = int(np.argmin(room))
+        raise WorkloadError(f"workload {workload!r} does not fit model {model.name!r}'s context of "
+                            f"{model.max_context} tokens: a request of {int(lengths.images[worst])} images of "
+                            f"{per_image} tokens and {int(lengths.max_output_tokens[worst])} output tokens")
+    text = np.minimum(lengths.text_tokens, room).astype(np.int64)
+    prefix = None if lengths.prefix_tokens is None else np.minimum(lengths.prefix_tokens, text)
+    return Lengths(text, image_tokens.astype(np.int64), lengths.images, lengths.output_tokens,
+                   lengths.max_output_tokens, lengths.prefix_group, prefix)
 
 
 def at_rate(arrival_s: np.ndarray, rate_rps: float) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,34 @@ def test_a_plan_of_a_catalog_of_its_own_names_it_and_the_gateway_runs_on_it(tmp_
     assert yaml.safe_load(out.read_text())["catalog"] == str(catalog.resolve())
     config = load_cluster(out)
     assert {g.name for g in config.gpus.values()} == {"MI300X"} and config.gpus["mi300x-0"].price_per_hour == 0.5
+
+
+def test_the_json_of_a_free_plan_writes_null_for_its_tokens_per_dollar(tmp_path: Path) -> None:
+    """A catalog GPU at $0/hour makes tokens/$ infinite: the file says null, which every JSON reader takes."""
+    gpus = yaml.safe_load((CONFIG_DIR / "gpus.yaml").read_text())
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "gpus.yaml").write_text(yaml.safe_dump({"FREE": {**gpus["L4"], "price_per_hour": 0}}))
+    (catalog / "models.yaml").write_text((CONFIG_DIR / "models.yaml").read_text())
+    path = tmp_path / "plan.json"
+    assert cli.main(["--catalog", str(catalog), "--rate", "5", "--budget", "1", "--max-gpus", "1", "--duration", "5",
+                     "--json", str(path)]) == 0
+    ranked = json.loads(path.read_text(), parse_constant=pytest.fail)["ranked"]
+    assert ranked[0]["tokens_per_dollar"] is None and ranked[0]["tokens_per_s"] > 0
+
+
+def test_a_command_with_a_newline_writes_a_header_the_gateway_loads_and_bash_reads_back(tmp_path: Path) -> None:
+    """The header's command is one comment line (a raw newline would end the comment and break the YAML) that
+    bash splits into the very arguments given."""
+    log = tmp_path / "requests\nof\tmonday\x07.log"
+    log.write_text("".join(f'{{"event": "request", "status": 200, "timestamp": "2024-01-01T00:00:0{k}Z", '
+                           '"prompt_tokens": 20, "completion_tokens": 5}\n' for k in range(3)))
+    out = tmp_path / "plan.yaml"
+    argv = ["--trace", str(log), "--budget", "1", "--gpus", "L4", "--max-gpus", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    load_cluster(out)
+    first = out.read_text().splitlines()[0]
+    assert first.startswith("# Written by `gateway plan ") and first.endswith("`.")
+    words = subprocess.run(["bash", "-c", f"printf '%s\\0' {first[len('# Written by `gateway plan '):-2]}"],
+                           capture_output=True, check=True).stdout
+    assert words.split(b"\0")[:-1] == [a.encode() for a in argv]

@@ -19,6 +19,7 @@ from loadtest.planner.workload import MAX_RATE_RPS, MAX_TRACE_REQUESTS, Descript
 
 pytestmark = pytest.mark.timeout(120)
 
+TINY = ["--rate", "5", "--budget", "1", "--gpus", "L4", "--max-gpus", "2", "--duration", "5"]   # a search of ~1 s
 ODD = ("My GPU", "My/GPU", "A100/40GB")   # a space and slashes; the first two make the same id stem
 
 
@@ -116,3 +117,50 @@ def test_a_best_plan_under_its_rate_on_a_short_trace_is_flagged(capsys: pytest.C
     assert "is below the rate (20.0): it may sustain this 10 s trace only" in capsys.readouterr().out
     assert cli.main(args) == 0   # the default 30 s: its best plan's bound covers the rate
     assert "note:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--itl-slo", "1e306"], "--itl-slo 1e+306 with --time-scale 1 makes gateway.routing.itl_target_ms inf"),
+    (["--time-scale", "1e307"], "--itl-slo 0.1 with --time-scale 1e+307 makes gateway.routing.itl_target_ms inf"),
+    (["--ttft-slo", "5e-324"], "--ttft-slo 4.94066e-324 with --time-scale 1 makes the simulated overload queue's "
+                               "hold_above_s and max_wait_s (TTFT SLO / 2) 0"),
+    (["--ttft-slo", "1e300", "--time-scale", "1e10"],
+     "--ttft-slo 1e+300 with --time-scale 1e+10 makes gateway.overload.ttft_slo_s inf"),
+])
+def test_targets_the_gateway_would_refuse_are_one_line_naming_the_option(
+        capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    """Each option is finite, but the written target (a product of two) or half the TTFT SLO is not a finite
+    positive number: refused before the search, not written as `.inf` or refused in pydantic's six lines."""
+    err = refused(capsys, "--rate", "5", "--budget", "8", *args)
+    assert err == f"gateway plan: error: {message}; the gateway takes a finite positive number\n"
+
+
+def test_the_largest_finite_targets_write_a_file_the_gateway_loads(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    assert cli.main([*TINY, "--itl-slo", "1e300", "--ttft-slo", "1e300", "--time-scale", "1e5",
+                     "--out", str(out)]) == 0
+    assert load_cluster(out).settings.routing.itl_target_ms == pytest.approx(1e308)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpus", "H100", "--inventory", "L40S=2"], "--gpus H100 and --inventory L40S have no GPU type in common"),
+    (["--gpus", ",", "--budget", "8"], "argument --gpus: ',': give at least one name, comma-separated"),
+    (["--splits", " , ", "--budget", "8"], "argument --splits: ' , ': give at least one name, comma-separated"),
+])
+def test_gpu_choices_that_leave_no_gpu_are_refused(
+        capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    err = refused(capsys, "--rate", "5", *args)
+    assert err.startswith(f"gateway plan: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--budget", "0"], "argument --budget: must be positive, not 0"),
+    (["--inventory", "H100=0"], "argument --inventory: 'H100=0': write GPU=COUNT"),
+    (["--budget", "8", "--attainment", "1.5"], "argument --attainment: must be in [0, 1], not 1.5"),
+    (["--budget", "8", "--inventory", "H100=1"], "argument --inventory: not allowed with argument --budget"),
+    ([], "one of the arguments --budget --inventory is required"),
+])
+def test_a_refused_argument_is_one_line_without_the_usage(
+        capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    err = refused(capsys, "--rate", "5", *args)
+    assert err.startswith(f"gateway plan: error: {message}") and err.count("\n") == 1
