@@ -6,8 +6,13 @@ turns it off whatever else is set. Off, nothing of OpenTelemetry's tracing is im
 None: the request path's only cost is checking for None. On, the sampler comes from `OTEL_TRACES_SAMPLER`
 and `OTEL_TRACES_SAMPLER_ARG` (an unknown one is refused, not replaced), and the SDK (the `tracing` extra)
 reads the rest of the standard variables itself: the resource (`OTEL_SERVICE_NAME`,
-`OTEL_RESOURCE_ATTRIBUTES`), the OTLP/HTTP exporter's endpoint, headers and timeout, and the batch
-processor's queue and delays (`OTEL_BSP_*`).
+`OTEL_RESOURCE_ATTRIBUTES`) and the OTLP/HTTP exporter's endpoint, headers and timeout. The batch
+processor's queue and delays (`OTEL_BSP_*`) are read here, so that a bad one is a ConfigError naming it
+(`check`, start-up and `gateway check-config`) and not the SDK's ValueError out of start-up.
+
+At exit the spans still queued get `SHUTDOWN_S` to be exported, then are dropped: a collector that
+accepts connections and never answers would otherwise hold the exit for the exporter's timeout
+(`OTEL_EXPORTER_OTLP_TIMEOUT`, 10 s) and more, out of the drain's grace period.
 
 The provider is the process's own, not OpenTelemetry's global one: libraries that trace through the
 global provider (FastAPI's routes) stay silent. W3C `traceparent` strings are formatted here, not by a
@@ -17,17 +22,19 @@ incoming ones are parsed by the API's propagator (validation included).
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from common.errors import ConfigError
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.sampling import Sampler
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     from opentelemetry.trace import Tracer
@@ -35,6 +42,10 @@ if TYPE_CHECKING:
 _EXPORTERS = ("otlp", "console")
 _ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+# The batch processor's settings, in BatchSpanProcessor's order, with their defaults (the OpenTelemetry spec's)
+_BATCH = (("OTEL_BSP_MAX_QUEUE_SIZE", 2048), ("OTEL_BSP_SCHEDULE_DELAY", 5000),
+          ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), ("OTEL_BSP_EXPORT_TIMEOUT", 30000))
+SHUTDOWN_S = 2.0   # what the spans queued at exit get to be exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +109,42 @@ def sampler(env: Mapping[str, str] = os.environ) -> Sampler:
     return root if name == "traceidratio" else sampling.ParentBased(root)
 
 
+def _positive(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{name}: {raw!r} is not a positive whole number")
+    return value
+
+
+class Batch(NamedTuple):
+    """The batch processor's settings (`OTEL_BSP_*`), in BatchSpanProcessor's order."""
+
+    max_queue_size: int
+    schedule_delay_ms: int
+    max_export_batch_size: int
+    export_timeout_ms: int
+
+
+def batch(env: Mapping[str, str] = os.environ) -> Batch:
+    """The batch processor's settings (`OTEL_BSP_*`); ConfigError naming the variable for one the SDK
+    would refuse with a ValueError out of start-up (or, not a number, log and replace)."""
+    settings = Batch(*(_positive(env, name, default) for name, default in _BATCH))
+    if settings.max_export_batch_size > settings.max_queue_size:
+        raise ConfigError(f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE: {settings.max_export_batch_size} is larger than "
+                          f"the queue (OTEL_BSP_MAX_QUEUE_SIZE, {settings.max_queue_size})")
+    return settings
+
+
 def check(env: Mapping[str, str] = os.environ) -> list[str]:
-    """The exporters the environment asks for, once its exporters, OTLP protocol and sampler are known
-    to be ones this process can use (ConfigError naming the variable); start-up checks this first."""
+    """The exporters the environment asks for, once its exporters, OTLP protocol, sampler and batch
+    processor are known to be ones this process can use (ConfigError naming the variable); start-up checks
+    this first."""
     names = exporters(env)
     if not names:
         return names
@@ -109,7 +153,16 @@ def check(env: Mapping[str, str] = os.environ) -> list[str]:
     if "otlp" in names and protocol != "http/protobuf":
         raise ConfigError(f"{variable}: {protocol!r}; traces are exported over http/protobuf only")
     sampler(env)
+    batch(env)
     return names
+
+
+def _shut_down(provider: TracerProvider, timeout_s: float) -> None:
+    """Export what is queued, for at most `timeout_s`: the SDK's own shutdown waits out the exporter's
+    timeout (and its retries) on a collector that never answers. Its threads are daemons: left behind."""
+    worker = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
 
 
 def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> TraceSetup | None:
@@ -128,8 +181,9 @@ def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> Trac
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service}))
-    chosen = sampler(env)
-    provider = TracerProvider(sampler=chosen, resource=resource)   # shut down at exit: what is queued is exported
+    chosen, settings = sampler(env), batch(env)
+    provider = TracerProvider(sampler=chosen, resource=resource, shutdown_on_exit=False)
+    atexit.register(_shut_down, provider, SHUTDOWN_S)   # at exit what is queued is exported, for SHUTDOWN_S
     processors = []
     for name in names:
         exporter: SpanExporter
@@ -139,15 +193,16 @@ def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> Trac
             exporter = OTLPSpanExporter()
         else:
             exporter = ConsoleSpanExporter()
-        processors.append(BatchSpanProcessor(exporter))
+        processors.append(BatchSpanProcessor(exporter, *settings))
         provider.add_span_processor(processors[-1])
     return TraceSetup(provider.get_tracer(scope), chosen, resource, InstrumentationScope(scope), tuple(processors))
 
 
-def traceparent(trace_id: int, span_id: int) -> str:
-    """The W3C `traceparent` header naming span `span_id` of trace `trace_id` as the callee's parent
-    (sampled: only sampled requests are traced and pass theirs on)."""
-    return f"00-{trace_id:032x}-{span_id:016x}-01"
+def traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:
+    """The W3C `traceparent` header naming span `span_id` of trace `trace_id` as the callee's parent, with
+    its sampled flag: an unsampled request passes its trace on too, so the callee's logs and its own
+    sampler see the same trace as the gateway's."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
 
 
 def parent(header: str | None) -> Context | None:

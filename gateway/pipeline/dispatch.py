@@ -239,7 +239,7 @@ class Dispatch:
         self.loop_deadline: float | None = None   # the deadline its client's timers count to (`backend_fault`)
         self._answered = False   # the breaker has its success: the first token came
         self._ended = False
-        self.trace: AttemptTrace | None = None   # its spans, when the request is traced
+        self.trace: AttemptTrace | None = None   # tracing on: its spans (none unsampled) and traceparent
 
     def _first_token(self, first: engine_pb2.GenerateChunk, job: GenerationJob) -> None:
         p, record = self._pipeline, self.record

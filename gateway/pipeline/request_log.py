@@ -59,7 +59,7 @@ class RequestRecord:
     no_encoder: tuple[str, ...] = ()     # backends that need an encoder, after none could encode its images
     model: str = ""                      # the model it asked for (its served name), once validated
     traceparent: str | None = None       # the client's W3C trace context header, if it sent one
-    trace: RequestTrace | None = None    # its spans, when tracing is on and it is sampled (gateway.pipeline.tracing)
+    trace: RequestTrace | None = None    # tracing on: its spans, or unsampled its trace id only
 
     def attempt(self, backend_id: str) -> None:
         self.attempts += 1

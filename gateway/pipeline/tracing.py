@@ -8,8 +8,11 @@
         ├── first_token          from the dispatch to its first token (hand-off wait included)
         └── stream               from the first token to the stream's end
 
-The pipeline calls a `RequestTrace` at each stage; a request has one only when tracing is on and the
-sampler keeps it, so with tracing off every stage costs a check for None. Attributes follow the GenAI
+The pipeline calls a `RequestTrace` at each stage; a request has one only when tracing is on, so with
+tracing off every stage costs a check for None. One the sampler leaves out is an `UnsampledTrace`: no
+spans, but each dispatch still passes the trace on (W3C Trace Context, as Envoy does): its traceparent,
+the sampled flag off, in the client's trace when the client sent one, so an upstream's logs and its own
+sampler see the trace the client started. Attributes follow the GenAI
 semantic conventions where they fit (`gen_ai.operation.name`, `gen_ai.request.model`, `gen_ai.usage.*`);
 the gateway's own are under `heterogate.`. They are few on purpose: the exporter's encoding costs ~5 µs
 of CPU per attribute, and what the request log line already says (limits, addresses) is left out.
@@ -73,9 +76,9 @@ class Tracing:
         """A new span's ids in trace `trace_id`."""
         return self._span_context(trace_id, random.getrandbits(64) or 1, False, self._flags)
 
-    def request(self, job: GenerationJob, traceparent: str | None, age_s: float) -> RequestTrace | None:
+    def request(self, job: GenerationJob, traceparent: str | None, age_s: float) -> RequestTrace:
         """The trace of a request that arrived `age_s` ago, under the client's `traceparent` if it sent
-        one; None when the sampler leaves it out."""
+        one; an `UnsampledTrace` when the sampler leaves it out."""
         model = str(job.body.get("model") or "")
         operation = _OPERATIONS.get(job.kind, job.kind)
         name = f"{operation} {model}".strip()
@@ -86,7 +89,7 @@ class Tracing:
         # for a request left out.
         sampled = self._setup.sampler.should_sample(remote, trace_id, name, self.server)
         if sampled.decision is not self._sampled:
-            return None
+            return UnsampledTrace(trace_id)
         attributes: Attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
                                   "heterogate.request_id": job.request_id}
         if job.images:
@@ -151,7 +154,7 @@ class RequestTrace:
             "heterogate.backend": backend.id, "heterogate.attempt": number}, now)
         return self._attempt
 
-    def encode(self, backend_id: str, request: engine_pb2.EncodeRequest) -> EncodeTrace:
+    def encode(self, backend_id: str, request: engine_pb2.EncodeRequest) -> EncodeTrace | None:
         """An encode of the request's images on `backend_id` (and their hand-off), under the latest
         attempt; `request` carries its traceparent."""
         parent = self._attempt.context if self._attempt is not None else self.context
@@ -169,6 +172,29 @@ class RequestTrace:
             attributes["error.type"] = str(status)
         self._tracing.emit(self.name, self.context, self._parent, self._tracing.server, attributes, self.started_ns,
                            time.time_ns(), (error or f"HTTP {status}") if status >= 500 else None)
+
+
+class UnsampledTrace(RequestTrace):
+    """A request the sampler left out: no spans, and each dispatch's traceparent in its trace with the
+    sampled flag off. Its encodes carry none: vision backends are the gateway's own engines, which trace
+    only sampled requests (backends/engine_tracing.py)."""
+
+    __slots__ = ("_trace_id",)
+
+    def __init__(self, trace_id: int) -> None:   # nothing of RequestTrace's: none of its spans is made
+        self._trace_id = trace_id
+
+    def admission(self, waited_s: float) -> None:
+        pass
+
+    def attempt(self, decision: Decision, number: int) -> AttemptTrace:
+        return UnsampledAttempt(tracing.traceparent(self._trace_id, random.getrandbits(64) or 1, sampled=False))
+
+    def encode(self, backend_id: str, request: engine_pb2.EncodeRequest) -> None:
+        return None
+
+    def end(self, status: int, prompt_tokens: int, completion_tokens: int, error: str | None) -> None:
+        pass
 
 
 class AttemptTrace:
@@ -221,3 +247,18 @@ class EncodeTrace:
                           "heterogate.embedding_bytes": reply.embedding_bytes}
         t = self._tracing
         t.emit(self.name, self.context, self._parent, t.client, attributes, self._started_ns, time.time_ns(), error)
+
+
+class UnsampledAttempt(AttemptTrace):
+    """A dispatch of an unsampled request: its traceparent only."""
+
+    __slots__ = ()
+
+    def __init__(self, traceparent: str) -> None:   # nothing of AttemptTrace's: no span is made
+        self.traceparent = traceparent
+
+    def first_token(self, first: engine_pb2.GenerateChunk) -> None:
+        pass
+
+    def end(self, completed: int, error: BaseException | None) -> None:
+        pass

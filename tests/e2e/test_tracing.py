@@ -3,13 +3,14 @@ on 127.0.0.1 (tests/otlp_collector.py), and one request's spans form the documen
 (gateway/pipeline/tracing.py): under the client's traceparent, the request's span; under it the routing
 decision and the attempt; under the attempt the first token, the stream, the images' encode, and the
 spans of the engines that served it (backends/engine_tracing.py). A `kind: openai` upstream receives the
-attempt's traceparent as an HTTP header.
+attempt's traceparent as an HTTP header, and one for a request the sampler left out too (flag off).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -178,6 +179,42 @@ def test_a_request_without_traceparent_starts_its_own_trace(
     assert root.parent_id == ""
     sent = upstream.traceparents[before]
     assert sent is not None and sent.startswith(f"00-{root.trace_id}-")
+
+
+def unsampled(trace_id: str) -> re.Pattern[str]:
+    """A traceparent in trace `trace_id` with the sampled flag off, under a span of the gateway's own."""
+    return re.compile(rf"00-{trace_id}-(?!{CLIENT_SPAN})(?!0{{16}})[0-9a-f]{{16}}-00")
+
+
+def test_an_unsampled_client_trace_is_passed_on_to_the_upstream_with_the_flag_off(
+    openai_gw: Gateway, upstream: Upstream,
+) -> None:
+    """W3C Trace Context: the gateway's sampler (parent-based) leaves the request out, and the upstream
+    still gets a traceparent in the client's trace, so that its logs name the trace the client started."""
+    trace_id = "6bf92f3577b34da6a3ce929d0e0e4738"
+    before = len(upstream.traceparents)
+    body = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{openai_gw.url}{CHAT}", json=body, timeout=30,
+                   headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-00"})
+    assert r.status_code == 200, r.text
+    sent = upstream.traceparents[before]
+    assert sent is not None and unsampled(trace_id).fullmatch(sent), sent
+
+
+def test_a_request_the_ratio_sampler_leaves_out_passes_a_new_trace_on(
+    tmp_path: Path, collector: tuple[Collector, str], upstream: Upstream,
+) -> None:
+    config = write_config(tmp_path, {"model": "llava-1.5-7b", "served_model_name": "mock", "backends": [
+        {"id": "up0", "kind": "openai", "role": "language", "gpu": "H100", "address": upstream.url}]})
+    env = {**tracing_env(collector[1]), "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+           "OTEL_TRACES_SAMPLER_ARG": "0.0"}
+    with run_gateway(config, healthy=0, env=env) as gw:
+        gw.wait_until(lambda: httpx.get(f"{gw.url}/ready", timeout=2).status_code == 200)
+        before = len(upstream.traceparents)
+        body = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(f"{gw.url}{CHAT}", json=body, timeout=30).status_code == 200
+        sent = upstream.traceparents[before]
+    assert sent is not None and unsampled("(?!0{32})[0-9a-f]{32}").fullmatch(sent), sent
 
 
 def test_an_image_request_traces_encode_hand_off_and_both_engines(
