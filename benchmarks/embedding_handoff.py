@@ -54,9 +54,9 @@ from benchmarks.bench_cluster import stop_process  # noqa: E402
 from benchmarks.loadgen import percentile  # noqa: E402
 from common import perf_model  # noqa: E402
 from common.catalog import Catalog, ModelProfile, load_catalog  # noqa: E402
+from common.event_loop import run  # noqa: E402
 from common.logs import configure_logging  # noqa: E402
 from common.wire import control_pb2_grpc, engine_pb2, engine_pb2_grpc  # noqa: E402
-from gateway.cli import run  # noqa: E402
 from gateway.control.heartbeat_service import ControlService  # noqa: E402
 from gateway.routing.signals import LocalSignals  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402

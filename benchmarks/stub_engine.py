@@ -31,9 +31,9 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from backends.engine_session import EngineSession, RequestFailed, generate_call  # noqa: E402
+from common.event_loop import run  # noqa: E402
 from common.heartbeat_sender import HeartbeatSender  # noqa: E402
 from common.wire import control_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
-from gateway.cli import run  # noqa: E402
 
 _WORDS = ("the", "model", "answers", "with", "simulated", "tokens", "from", "a", "heterogeneous", "cluster")
 KV_TOTAL_BYTES = 50 << 30
