@@ -29,7 +29,6 @@ from redis.exceptions import RedisError
 from common import tracing
 from common.errors import HeteroGateError
 from common.grpc_keepalive import keepalive
-from common.wire import control_pb2_grpc
 from gateway.config.auth import KeyRing
 from gateway.config.autoscaling import POOL_ROLES
 from gateway.config.cluster import ClusterConfig, LaunchSpec
@@ -37,7 +36,7 @@ from gateway.control.adoption import find_adoptable
 from gateway.control.autoscaler import Autoscaler
 from gateway.control.control_auth import ControlAuth, is_loopback
 from gateway.control.fleet import Fleet
-from gateway.control.heartbeat_service import ControlService
+from gateway.control.heartbeat_service import ControlService, add_control_service
 from gateway.control.launchers import (
     LaunchContext,
     build_launchers,
@@ -112,7 +111,7 @@ async def start_control(
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_bytes),
                                       ("grpc.so_reuseport", int(reuse_port)), *keepalive().server_options()])
     service = ControlService(runtime.signals, auth=auth)
-    control_pb2_grpc.add_ControlServicer_to_server(service, server)
+    add_control_service(server, service)
     door = await add_front_door(server, runtime) if front_door else None
     address = f"{host}:{port}"
     try:

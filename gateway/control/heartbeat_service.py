@@ -1,17 +1,25 @@
 """gRPC Control service: backends push their state on one long-lived stream each.
 
 Every stream passes `ControlAuth` first (cluster token, engine identity, address moves); a refused
-stream ends with UNAUTHENTICATED or PERMISSION_DENIED and the reason, and changes nothing.
+stream ends with UNAUTHENTICATED or PERMISSION_DENIED and the reason, and changes nothing. The token is
+checked on a stream's first message, whatever it holds, before any answer; then a message that names
+no backend, or bytes that are no BackendState (with `add_control_service`'s decoder), end the stream
+with INVALID_ARGUMENT, and one that names a backend the gateway does not have with NOT_FOUND.
+
+Each stream reports under a key of its own (`StateTable.reporting_on`): heartbeat sequence numbers
+order one stream's messages, so a message on another stream cannot wedge a backend's with a large seq.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
 from common.engine_scraper import KV_SOURCES
+from common.grpc_decoding import lenient, register
 from common.metric_tables import KvSource
 from common.wire import control_pb2, control_pb2_grpc
 from gateway.control.control_auth import ControlAuth
@@ -55,21 +63,35 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self._signals = signals
         self._table = signals.table
         self._auth = auth or ControlAuth()
+        self._streams = itertools.count(1)   # each stream's key in the table (`reporting_on`)
 
     async def Connect(
-        self, request_iterator: AsyncIterator[control_pb2.BackendState], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[control_pb2.BackendState | None], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[control_pb2.GatewayMessage]:
+        """`request_iterator` yields None for bytes that are no BackendState (`add_control_service`)."""
         interval_ms = int(self._table.heartbeat_interval_s * 1000)
         metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        backend_id, address = "", ""
+        stream = next(self._streams)
+        backend_id: str | None = None   # as named by the stream (None: not yet)
+        address = ""
         # Checked once the first message is in: a refusal sent before the client's first write lands
         # reaches the client as a failed write (INTERNAL), not as the refusal.
         async for msg in request_iterator:
-            if msg.backend_id != backend_id or msg.address != address:
+            if backend_id is None:   # the first message, whatever it holds
                 refusal = self._auth.authenticate(metadata)
                 if refusal is not None:
                     log.warning("heartbeat_refused", peer=context.peer(), reason=refusal.message)
                     await context.abort(refusal.code, refusal.message)
+            if msg is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "the message is no heterogate.control.v1.BackendState")
+                return
+            if not msg.backend_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "the heartbeat names no backend: set backend_id to its id in the gateway's "
+                                    "backends file")
+                return
+            if msg.backend_id != backend_id or msg.address != address:
                 known = self._table.get(msg.backend_id)
                 if known is None:
                     await context.abort(
@@ -84,5 +106,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 if msg.backend_id != backend_id:
                     log.info("backend_connected", backend=msg.backend_id, address=msg.address)
                 backend_id, address = msg.backend_id, msg.address
-            self._signals.heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
+            with self._table.reporting_on(stream):
+                self._signals.heartbeat(backend_id, msg.seq, msg.address, reported_from(msg))
             yield control_pb2.GatewayMessage(ack_seq=msg.seq, heartbeat_interval_ms=interval_ms)
+
+
+def add_control_service(server: grpc.aio.Server, service: ControlService) -> None:
+    """As control_pb2_grpc.add_ControlServicer_to_server registers `service`, but with a lenient decoder:
+    bytes that are no BackendState reach the servicer as None and end the stream with INVALID_ARGUMENT once
+    it is authenticated, not with UNKNOWN and a logged traceback (`common.grpc_decoding`)."""
+    handlers = {"Connect": grpc.stream_stream_rpc_method_handler(
+        service.Connect, request_deserializer=lenient(control_pb2.BackendState),
+        response_serializer=control_pb2.GatewayMessage.SerializeToString)}
+    register(server, control_pb2.DESCRIPTOR.services_by_name["Control"].full_name, handlers)

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
+from common.grpc_decoding import lenient, register
 from common.wire import control_pb2, inference_pb2, inference_pb2_grpc
 from gateway.doors.client_errors import client_message, retry_after
 from gateway.doors.jobs import JobBuilder
@@ -110,7 +110,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest | None, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateReply]:
-        """`request` None: bytes that are no GenerateRequest (`_decoded`): INVALID_ARGUMENT."""
+        """`request` None: bytes that are no GenerateRequest (`common.grpc_decoding`): INVALID_ARGUMENT."""
         # the client's id where it is a sane token, as `x-request-id` over HTTP (it goes into logs and replies)
         record = RequestRecord(new_request_id((request.request_id if request else "") or None), "grpc")
         record.traceparent = dict(context.invocation_metadata() or ()).get("traceparent")   # W3C trace context
@@ -157,14 +157,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                   completion_tokens=usage.completion_tokens if usage else 0)
 
 
-def _decoded(raw: bytes) -> inference_pb2.GenerateRequest | None:
-    try:
-        request: inference_pb2.GenerateRequest = inference_pb2.GenerateRequest.FromString(raw)
-    except DecodeError:
-        return None
-    return request
-
-
 async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> InferenceService:
     """Inference + health (overall and per service) + reflection on the gateway's gRPC server; returns
     the inference service (the daemon drains it when it stops)."""
@@ -172,11 +164,9 @@ async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> Inference
     # As inference_pb2_grpc.add_InferenceServicer_to_server registers it, but with a decoder that hands
     # the servicer None for bytes that are no message: a 400's INVALID_ARGUMENT, not UNKNOWN and a traceback.
     handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
-        door.Generate, request_deserializer=_decoded,
+        door.Generate, request_deserializer=lenient(inference_pb2.GenerateRequest),
         response_serializer=inference_pb2.GenerateReply.SerializeToString)}
-    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
+    register(server, inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name, handlers)
     health_servicer = door.health = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

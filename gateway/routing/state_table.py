@@ -36,8 +36,9 @@ Each lease also holds an inter-token deadline (`common.itl_slack`, against
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 from common import perf_model
@@ -58,6 +59,12 @@ from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Role
 from gateway.routing.policies.first_token import first_token_features
 from gateway.routing.snapshots import FixedFigures, build_snapshot, fixed_figures
+
+# How far below the last seq a report that came on no Control stream is still a reordered message, and
+# dropped (StateTable.apply_heartbeat). Such reports (another replica's, read back through Redis) are at
+# most a refresh or two behind: a sender coalesces pokes for 5 ms, so a refresh (at most 1 s) holds at
+# most 200 of its messages. Further below is a new count, taken.
+REORDER_WINDOW = 256
 
 
 def _open_to(entry: BackendEntry, priority: int) -> bool:
@@ -106,6 +113,8 @@ class StateTable:
         # per model, where its backends are of both kinds: its engines (kind: engine), which honour fewer of
         # a request's fields than its kind: openai backends (`engines_beside_upstreams`)
         self._mixed: dict[str | None, tuple[str, ...]] = {}
+        self._stream: object | None = None   # the Control stream of the heartbeat being applied (`reporting_on`)
+        self._owners: dict[str, object] = {}   # per backend, the Control stream whose report is current
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -126,6 +135,7 @@ class StateTable:
                              kv_capacity_tokens=kv_capacity_tokens, models=frozenset(models), changes=self._changes,
                              min_priority=min_priority)
         self._reserved.pop(backend_id, None)
+        self._owners.pop(backend_id, None)
         self._cut.discard(backend_id)
         if min_priority is not None:
             self._reserved[backend_id] = min_priority
@@ -147,6 +157,7 @@ class StateTable:
         self._draining.discard(backend_id)
         self._reserved.pop(backend_id, None)
         self._reachable.pop(backend_id, None)
+        self._owners.pop(backend_id, None)
         self._changes.discard(backend_id)
         self._roles = {e.role for e in self._entries.values()}
         self._pools.clear()
@@ -172,6 +183,16 @@ class StateTable:
     def was_cut(self, backend_id: str) -> bool:
         return backend_id in self._cut
 
+    @contextlib.contextmanager
+    def reporting_on(self, stream: object) -> Iterator[None]:
+        """The heartbeats applied inside came on the Control stream `stream` (a value of its own, equal to
+        no other stream's): see `apply_heartbeat`."""
+        self._stream = stream
+        try:
+            yield
+        finally:
+            self._stream = None
+
     def apply_heartbeat(
         self, backend_id: str, seq: int, address: str, reported: Reported, at: float | None = None
     ) -> BackendEntry | None:
@@ -179,16 +200,38 @@ class StateTable:
         out-of-order message.
 
         Sequence numbers order the messages of one sender (engines start theirs at their start time
-        in µs, so a restarted engine's are larger than its predecessor's). A message from another
-        sender (another pid or address) is always taken: a backend whose heartbeats were taken over by
-        some other process recovers as soon as its own engine heartbeats again.
+        in µs and count up by one a message), to drop a stale or reordered one. No single message may
+        wedge a backend, though: one with the engine's pid and address and the largest seq would
+        otherwise make every later message of the engine look stale until it restarts. So:
+
+        - On the control port the sender is the Control stream (`reporting_on`): a stream's messages
+          must count up, and one on another stream than the stream whose report is current is taken
+          whatever its seq (its sender counts anew) and makes that stream current. gRPC keeps a
+          stream's messages in order, so nothing is lost: an impostor's message displaces one report,
+          and the engine's next message, on its own stream, takes its backend back.
+        - A report that came on no stream (another replica's, through Redis; the gateway's own
+          scraper's) is ordered against the last one of the same pid and address: dropped at or
+          within REORDER_WINDOW below it (read again, or reordered between replicas), taken further
+          below (a new count, or one after a bogus seq).
+        A message from another sender (another pid or address) is always taken: a backend whose
+        heartbeats were taken over by some other process recovers as soon as its own engine heartbeats
+        again.
         """
         entry = self._entries.get(backend_id)
         if entry is None:
             return None
-        same_sender = reported.pid == entry.reported.pid and (not address or address == entry.address)
-        if same_sender and seq <= entry.reported.seq:
+        last, stream = entry.reported.seq, self._stream
+        if stream is not None:
+            stale = stream == self._owners.get(backend_id) and seq <= last
+        else:
+            same_sender = reported.pid == entry.reported.pid and (not address or address == entry.address)
+            stale = same_sender and last - REORDER_WINDOW <= seq <= last
+        if stale:
             return None
+        if stream is None:
+            self._owners.pop(backend_id, None)
+        else:
+            self._owners[backend_id] = stream
         if reported.max_model_len != entry.reported.max_model_len:
             self._largest_context.clear()
         entry.reported = reported
