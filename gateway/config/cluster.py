@@ -383,7 +383,7 @@ class ClusterFile(StrictModel):
         port both started, the second failed to listen and was restarted for ever, reported ready by the
         first one's answer to its probe. (Two entries may name one upstream: a server with LoRA adapters,
         each entry renaming its model with `upstream_model`.)"""
-        for what, key in (("backend id", lambda b: b.id), ("launch.port", _command_port)):
+        for what, key in (("backend id", lambda b: b.id), ("launch.port", command_port)):
             seen: dict[object, int] = {}
             for i, b in enumerate(backends):
                 if (k := key(b)) is None:
@@ -394,7 +394,8 @@ class ClusterFile(StrictModel):
         return backends
 
 
-def _command_port(b: BackendSpec) -> int | None:
+def command_port(b: BackendSpec) -> int | None:
+    """The port a managed kind: openai engine is told to serve on (None: not one, or a free one chosen)."""
     return b.launch.port if isinstance(b.launch, CommandLaunchSpec) else None
 
 

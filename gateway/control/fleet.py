@@ -47,9 +47,16 @@ from pydantic import ValidationError
 
 from common.errors import ConfigError
 from gateway.config.autoscaling import POOL_ROLES
-from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, load_cluster
+from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, command_port, load_cluster
 from gateway.control.engine_identities import EngineIdentities
-from gateway.control.launchers import LaunchContext, Launcher, check_launchable, free_port, managed_address
+from gateway.control.launchers import (
+    CommandLauncher,
+    LaunchContext,
+    Launcher,
+    check_launchable,
+    free_port,
+    managed_address,
+)
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import UpstreamMonitor
 from gateway.requests.errors import InvalidRequest, RequestError
@@ -116,6 +123,9 @@ class Fleet:
         self._weights = runtime.config.torch_weights   # the tokenizer the runtime loaded at start-up
         self._drains: dict[str, asyncio.Task[None]] = {}
         self._removals: dict[str, asyncio.Task[None]] = {}
+        # removed by a reload to be added again as the file now says: their entry stays in the running file
+        # until its successor takes its place (without it, the one language backend's file is invalid)
+        self._replacing: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self._holder: asyncio.Task[Any] | None = None   # the task applying a change now (`exclusive`)
@@ -149,6 +159,14 @@ class Fleet:
             leaving = " (being removed: add it again once it is gone)" if spec.id in self._removals else ""
             raise FleetConflict(f"backend {spec.id!r} is already in the fleet{leaving}")
         config = self._validated([*self.config.raw.backends, spec])
+        port = command_port(spec)
+        holder = next((i for i, launcher in self._launchers.items()
+                       if isinstance(launcher, CommandLauncher) and launcher.port == port), None)
+        # the running engines' ports, the file's or one chosen free (`_validated` runs no validator of the file's,
+        # which refuses a port given twice at start-up)
+        if port is not None and holder is not None:
+            raise InvalidRequest(f"launch.port {port} is taken twice ({holder}, {spec.id}): the second engine could "
+                                 "not listen, and its probe would be answered by the first", code="invalid_backend")
         self._apply_add(config, spec)
         return spec.id
 
@@ -186,9 +204,14 @@ class Fleet:
         work at all (the gateway could serve nothing); one model of several may be left without (it is
         named degraded in /ready)."""
         leaving = {backend_id, *self._drains, *self._removals}
-        if not any(b.role in POOL_ROLES["language"] for b in self.config.raw.backends if b.id not in leaving):
+        table = self._runtime.table
+        left = [b.id for b in self.config.raw.backends if b.role in POOL_ROLES["language"] and b.id not in leaving]
+        serving = [i for i in left if (e := table.get(i)) is not None and table.is_healthy(e)]
+        me = table.get(backend_id)
+        if not left or (not serving and me is not None and table.is_healthy(me)):   # a starting one does not serve
             raise FleetConflict(f"{change} {backend_id!r} would leave no backend serving language work "
-                                "(role language or both): the gateway could serve nothing; add one first")
+                                "(role language or both): the gateway could serve nothing; add one first"
+                                + (f" (or wait: {', '.join(left)} not serving yet)" if left else ""))
 
     def _keeps_lowest_class(self, backend_id: str, change: str) -> None:
         """FleetConflict where taking `backend_id` out of service would leave the lowest tenant class
@@ -249,6 +272,7 @@ class Fleet:
             return
         log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed, restored=restored)
         changed += restored
+        self._replacing.update(changed)
         leaving = {backend_id: self._removals.get(backend_id) or self._start_removal(backend_id)
                    for backend_id in (*gone, *changed)}
         for backend_id in new:
@@ -322,7 +346,8 @@ class Fleet:
             self._launchers[spec.id] = launcher
             if (supervisor := self._supervisor()) is not None:
                 supervisor.add(launcher)
-        self._set_backends([*self.config.raw.backends, spec])
+        self._set_backends([*(b for b in self.config.raw.backends if b.id != spec.id), spec])
+        self._replacing.discard(spec.id)
         log.info("backend_added", backend=spec.id, kind=spec.kind, role=spec.role, gpu=spec.gpu,
                  managed=spec.launch is not None)
 
@@ -379,7 +404,8 @@ class Fleet:
             self._runtime.upstreams.pop(backend_id, None)
             self._runtime.metrics.forget_backend(backend_id)
             self._identities.forget(backend_id)   # its engine is stopped: the leader stops announcing it
-            self._set_backends([b for b in self.config.raw.backends if b.id != backend_id])
+            if backend_id not in self._replacing:   # else `_apply_add` puts its successor in its place
+                self._set_backends([b for b in self.config.raw.backends if b.id != backend_id])
             log.info("backend_removed", backend=backend_id)
         finally:
             self._removals.pop(backend_id, None)

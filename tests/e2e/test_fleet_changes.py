@@ -160,6 +160,18 @@ def test_an_added_openai_engine_the_gateway_launches_starts_serves_and_is_remove
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert served.status_code == 200 and served.headers["x-heterogate-backend"] == "vllm-0", served.text
         assert admin(gw, "DELETE", "/vllm-0").status_code == 409   # the last language backend serving
+        # a port another engine holds (its probe would answer for the new one): refused as start-up refuses it
+        busy = gw.backend("vllm-0")["address"].rsplit(":", 1)[1]
+        twice = admin(gw, "POST", "", {"id": "vllm-1", "kind": "openai", "gpu": "L40S",
+                                        "launch": {"command": command, "port": int(busy)}})
+        assert twice.status_code == 400 and f"launch.port {busy} is taken twice" in twice.text, twice.text
+        # one that has not started serving is no reason to let the last serving one go
+        never = [sys.executable, "-c", "import sys, time; time.sleep(60)", "{port}"]
+        assert admin(gw, "POST", "", {"id": "slow-0", "kind": "openai", "gpu": "L40S",
+                                       "launch": {"command": never}}).status_code == 201
+        not_yet = admin(gw, "DELETE", "/vllm-0")
+        assert not_yet.status_code == 409 and "slow-0 not serving yet" in not_yet.text, not_yet.text
+        assert admin(gw, "DELETE", "/slow-0").status_code == 202
         assert admin(gw, "POST", "", engine("h100-1")).status_code == 201
         gw.wait_until(lambda: gw.backend("h100-1")["healthy"], timeout=30)
         assert admin(gw, "DELETE", "/vllm-0").status_code == 202
@@ -200,6 +212,22 @@ def test_sighup_applies_the_files_backends_and_refuses_an_invalid_file(tmp_path:
         assert ids(gw) == ["l40s-0", "a100-0"] or ids(gw) == ["a100-0", "l40s-0"]
         served = {chat(gw, f"restored-{i}").headers["x-heterogate-backend"] for i in range(12)}
         assert "a100-0" in served
+
+
+def test_sighup_that_changes_the_only_backend_replaces_it(tmp_path: Path) -> None:
+    """The one language backend changed in the file: drained, then added again as the file says. The
+    removal's fleet without it was refused as a file (no backend for language work), which killed the
+    reload with the backend gone from the table: nothing served until a restart."""
+    path = cluster(tmp_path, engine("only-0"))
+    with run_gateway(path) as gw:
+        data = yaml.safe_load(path.read_text())
+        data["backends"] = [engine("only-0", "A100-80GB")]
+        path.write_text(yaml.safe_dump(data))
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: ids(gw) == ["only-0"] and gw.backend("only-0")["gpu"] == "A100-80GB"
+                      and gw.backend("only-0")["healthy"], timeout=60)
+        assert chat(gw, "replaced").status_code == 200
+        assert "Task exception was never retrieved" not in gw.log_path.read_text()
 
 
 def test_an_engine_stopped_with_requests_in_flight_ends_them_and_they_restart(tmp_path: Path) -> None:
