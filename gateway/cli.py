@@ -54,7 +54,9 @@ def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | Non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gateway",
+    # No abbreviations: a worker's command line is the parent's less `--workers`, and `--worker 2` (argparse
+    # read it as --workers) stayed in it, so every worker started workers of its own, without end.
+    p = argparse.ArgumentParser(prog="gateway", allow_abbrev=False,
                                 description="HeteroGate: the front door of a heterogeneous GPU cluster",
                                 epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits; "
                                        f"`gateway {PLAN} --help`: which GPUs in which roles for a workload; "
@@ -206,7 +208,12 @@ def _main(argv: list[str]) -> None:
 
 
 def check_workers(workers: int, redis_url: str | None, port: int, grpc_port: int) -> None:
-    """Workers share state only through Redis and share ports only when the ports are fixed."""
+    """Workers share state only through Redis and share ports only when the ports are fixed; a worker
+    starts none of its own."""
+    from gateway.replicas.workers import WORKER_ENV
+
+    if workers > 1 and os.environ.get(WORKER_ENV):
+        raise ConfigError(f"--workers {workers} in a worker: a worker starts no workers of its own")
     if workers > 1 and redis_url is None:
         raise ConfigError(f"--workers {workers} needs Redis (--redis-url or gateway.redis.url): "
                           "worker processes share cluster state only through it")

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
 import sys
 
 import structlog
+
+from gateway.control.process_guard import ask_for_parent_death_signal
 
 log = structlog.get_logger("workers")
 
@@ -73,7 +76,8 @@ async def run_workers(argv: list[str], count: int) -> int:
         nonlocal failed
         first = True
         while not stop.is_set():
-            proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env)
+            proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env,
+                                                        preexec_fn=functools.partial(_stop_with, os.getpid()))
             log.info("worker_started", worker=i, pid=proc.pid)
             code = await _run_until_stopped(proc, stop)
             if stop.is_set():
@@ -90,6 +94,14 @@ async def run_workers(argv: list[str], count: int) -> int:
 
     await asyncio.gather(*(keep(i) for i in range(count)))
     return 1 if failed else 0
+
+
+def _stop_with(parent: int) -> None:
+    """In a worker before it runs: SIGTERM (a graceful stop) when the parent dies, even by SIGKILL; killed
+    that way, the workers served on, and a new gateway on the same ports shared them with the orphans."""
+    ask_for_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:   # the parent died before the line above took effect
+        os._exit(1)
 
 
 async def _run_until_stopped(proc: asyncio.subprocess.Process, stop: asyncio.Event) -> int:

@@ -26,6 +26,7 @@ import pytest
 
 from common.control_credentials import ENV_ENGINE_IDENTITY, IDENTITY_METADATA
 from common.wire import control_pb2, control_pb2_grpc
+from gateway.replicas.workers import WORKER_ENV
 from testkit.harness import ROOT, Gateway, free_port, long_request_id, metric_total, run_gateway, write_config
 from tests.replicas.redis_helpers import SYSTEM_REDIS, redis_prefix, redis_server
 
@@ -365,9 +366,38 @@ def test_workers_share_ports_and_state(tmp_path: Path) -> None:
                     assert r.status_code == 200, r.text
                 served = dict(worker_requests(gw) for _ in range(30))   # by worker
                 assert len(served) == 2 and sum(served.values()) == 40 and min(served.values()) > 0, served
+                # the parent killed outright: its workers stop too (they served on, orphaned, sharing the
+                # ports with whatever gateway started next)
+                pid = gw.process.pid
+                workers = [int(w) for w in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+                assert len(workers) == 2, workers
+                gw.process.kill()
+                gw.process.wait()
+                gw.wait_until(lambda: not any(running(w) for w in workers), timeout=30)
     finally:
         engine.kill()
         engine.wait()
+
+
+def running(pid: int) -> bool:
+    """The process exists and is no zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_starts_no_workers_and_no_option_is_abbreviated(tmp_path: Path) -> None:
+    """`--worker 2` was read as `--workers 2` and stayed in each worker's command line (which drops only
+    `--workers`): every worker started two more, without end."""
+    config = cluster(tmp_path, "n", "hgtest:none:")
+    base = [sys.executable, "-m", "gateway.cli", "--backends", str(config), "--redis-url", SYSTEM_REDIS,
+            "--port", str(free_port()), "--grpc-port", str(free_port())]
+    short = subprocess.run([*base, "--worker", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert short.returncode == 2 and "unrecognized arguments: --worker 2" in short.stderr, short.stderr
+    nested = subprocess.run([*base, "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, WORKER_ENV: "1"})
+    assert nested.returncode == 2 and "a worker starts no workers of its own" in nested.stderr, nested.stderr
 
 
 def test_workers_without_redis_is_a_start_up_error(tmp_path: Path) -> None:
