@@ -53,9 +53,28 @@ def load_grpc_tls(config: TlsConfig) -> GrpcTls | None:
         return None
     cert = read_pem(config.grpc.cert_file, "gateway.tls.grpc.cert_file")
     key = read_pem(config.grpc.key_file, "gateway.tls.grpc.key_file")
+    # grpc reads them only when the port is added, and says no more than that it failed (start-up read it
+    # as a port in use), so they are loaded here first, as the HTTP door's are
+    server_context(config.grpc.cert_file, config.grpc.key_file, "gateway.tls.grpc")
     ca_file = config.ca_file or config.grpc.cert_file
     read_pem(ca_file, "gateway.tls.ca_file")
+    try:   # a file of no certificate (a key given as the CA) left every launched engine unable to connect
+        ssl.create_default_context(cafile=str(ca_file))
+    except ssl.SSLError as exc:
+        raise ConfigError(f"gateway.tls.ca_file: {ca_file} holds no CA certificate the engines could trust: "
+                          f"{exc.reason or exc}") from None
     return GrpcTls(cert, key, ca_file)
+
+
+def server_context(cert_file: Path, key_file: Path, setting: str) -> ssl.SSLContext:
+    """A server context of this certificate and key; ConfigError naming `setting` where they do not load
+    (a broken certificate, a key of another certificate, the two swapped)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise ConfigError(f"{setting}: the certificate and key do not load: {exc.reason or exc}") from None
+    return context
 
 
 def http_ssl_context(config: TlsConfig) -> ssl.SSLContext | None:
@@ -65,9 +84,4 @@ def http_ssl_context(config: TlsConfig) -> ssl.SSLContext | None:
         return None
     read_pem(config.http.cert_file, "gateway.tls.http.cert_file")
     read_pem(config.http.key_file, "gateway.tls.http.key_file")
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(config.http.cert_file, config.http.key_file)
-    except ssl.SSLError as exc:
-        raise ConfigError(f"gateway.tls.http: the certificate and key do not load: {exc.reason or exc}") from None
-    return context
+    return server_context(config.http.cert_file, config.http.key_file, "gateway.tls.http")

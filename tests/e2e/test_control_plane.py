@@ -180,3 +180,28 @@ def test_an_engine_that_cannot_reach_the_control_port_says_why(tmp_path: Path) -
                                         if '"gateway_unreachable"' in line and '"warning"' in line], timeout=40)
         assert all(b["state"] == "starting" for b in gw.backends())
     assert "UNAVAILABLE" in warned[0] and "127.0.0.1" in warned[0]
+
+
+@pytest.mark.parametrize("flaw", ["key of another certificate", "swapped", "key as the CA"])
+def test_grpc_tls_files_that_do_not_load_stop_start_up_and_check_config_naming_them(tmp_path: Path, flaw: str) -> None:
+    """grpc reads its key pair only when the port is added and says no more than that it failed: start-up
+    blamed the port ("address in use"), and check-config said OK; a key given as the CA let the gateway
+    start with every engine it launched unable to connect."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert, key = self_signed(tmp_path / "a")
+    _, other_key = self_signed(tmp_path / "b")
+    grpc_tls = {"cert_file": str(cert), "key_file": str(other_key if flaw == "key of another certificate" else key)}
+    if flaw == "swapped":
+        grpc_tls = {"cert_file": str(key), "key_file": str(cert)}
+    tls: dict[str, Any] = {"grpc": grpc_tls, **({"ca_file": str(key)} if flaw == "key as the CA" else {})}
+    config = write_config(tmp_path, {
+        "model": MODEL, "gateway": {"tls": tls},
+        "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}}],
+    })
+    named = ("gateway.tls.ca_file" if flaw == "key as the CA"
+             else "gateway.tls.grpc: the certificate and key do not load")
+    assert named in start_up_error(tmp_path, config)
+    checked = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2 and named in checked.stderr, checked.stderr
