@@ -39,6 +39,7 @@ SAMPLES = 10_000
 MULTIMODAL = {"coco": False, "mm_mixed": True}     # image workloads → heavy-tailed image count (as in WORKLOADS)
 COCO_SIZES = ((640, 480), (480, 640), (640, 427), (427, 640))   # the commonest COCO image shapes
 IMAGE_POOL = 8                                     # distinct images, drawn once: per-request PNGs would load the client
+MIN_CONTEXT = 256                                  # below, no prompt is left beside a typical answer
 TIMEOUT_S = (10.0, 300.0)                          # (connect, read between bytes)
 _WORDS = ("gpu", "cluster", "request", "token", "image", "memory", "routing", "latency", "queue", "batch",
           "vision", "language", "model", "bandwidth", "compute", "cache", "prefill", "decode", "the", "a")
@@ -51,6 +52,21 @@ def fraction(text: str) -> float:
     return value
 
 
+def seed_number(text: str) -> int:
+    value = int(text)
+    if value < 0:   # numpy's generators take no negative seed (every user then failed, a traceback a request)
+        raise argparse.ArgumentTypeError(f"{text} is negative; a seed is 0 or more")
+    return value
+
+
+def context_tokens(text: str) -> int:
+    value = int(text)
+    if value < MIN_CONTEXT:   # prompts are clipped to what the context leaves beside images and output
+        raise argparse.ArgumentTypeError(f"{text} is below {MIN_CONTEXT} tokens: every prompt would be clipped "
+                                         "to nothing (give the served model's context)")
+    return value
+
+
 @events.init_command_line_parser.add_listener
 def add_options(parser: LocustArgumentParser) -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mm_mixed",
@@ -59,9 +75,10 @@ def add_options(parser: LocustArgumentParser) -> None:
                         help="share of requests with images (default: the workload's own; on a text workload "
                              "that share becomes COCO 'describe this image' requests)")
     parser.add_argument("--stream-fraction", type=fraction, default=0.5, help="share of streamed requests")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (the simulator's seeds are 0, 1, ...)")
+    parser.add_argument("--seed", type=seed_number, default=0,
+                        help="workload seed (the simulator's seeds are 0, 1, ...)")
     parser.add_argument("--model", default="llava-1.5-7b", help="model name sent in every request")
-    parser.add_argument("--max-context", type=int, default=4096, help="the model's context, to clip prompts")
+    parser.add_argument("--max-context", type=context_tokens, default=4096, help="the model's context, to clip prompts")
     parser.add_argument("--api-key", default="", is_secret=True, help="bearer key, if the gateway requires one")
 
 

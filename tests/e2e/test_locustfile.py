@@ -29,3 +29,15 @@ def test_locust_headless_run(demo_gateway: Gateway, tmp_path: Path) -> None:
         assert count.get(("POST", name), 0) > 0, f"no {name!r} requests:\n{output}"
     assert count[("TTFT", "text stream")] > 0 and count[("TTFT", "image stream")] > 0, output
     assert int(rows[("", "Aggregated")]["Failure Count"]) == 0, output
+
+
+@pytest.mark.parametrize(("option", "value", "words"), [("--seed", "-1", "a seed is 0 or more"),
+                                                         ("--max-context", "100", "below 256 tokens")])
+def test_a_bad_option_is_one_line_before_any_user_starts(option: str, value: str, words: str) -> None:
+    """A negative seed failed in numpy at the test's start: every user then raised on every request
+    (9,444 tracebacks in 6 s); a context of 100 clipped every prompt to nothing without a word."""
+    cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "1", "-t", "2s",
+           "--host", "http://127.0.0.1:9", option, value]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
