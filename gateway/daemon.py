@@ -299,8 +299,6 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     autoscaler = None if scaling.mode == "off" else Autoscaler(runtime, None if replication else fleet, scaling)
     if autoscaler is not None:
         runtime.metrics.registry.register(autoscaler.collector())
-    runtime.metrics.backends.restarts = lambda: {
-        c.backend_id: c.restarts for c in getattr(supervision.supervisor, "children", ())}
     server = create_server(runtime, config.settings.keep_alive.client_idle_s, ssl_context, fleet)
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()

@@ -105,7 +105,6 @@ class Runtime:
 
     def describe_backends(self) -> list[dict[str, Any]]:
         out = []
-        restarts = self.metrics.backends.restarts()
         for e in self.table.entries():
             snap = self.table.snapshot(e)
             context, context_source = self.table.context(e)
@@ -128,7 +127,7 @@ class Runtime:
                 # managed: why its engine last stopped unasked (exit status, signal, start timeout), and how
                 # often the supervisor relaunched it
                 "last_exit": e.last_exit,
-                "restarts": restarts.get(e.id, 0) if e.managed else None,
+                "restarts": e.restarts if e.managed else None,
                 "breaker": self.pipeline.breakers.state(e.id).value,
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import platform
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -41,8 +41,6 @@ _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
 class BackendCollector(Collector):
     def __init__(self, table: StateTable) -> None:
         self._table = table
-        # Restarts per managed backend, from the supervisor once it runs (a callable: read at scrape time).
-        self.restarts: Callable[[], Mapping[str, int]] = dict
 
     def collect(self) -> Iterator[Metric]:
         labels = ["backend", "role", "gpu"]
@@ -95,7 +93,6 @@ class BackendCollector(Collector):
             ),
         }
         now = self._table.clock()
-        restarts = self.restarts()
         for e in self._table.entries():
             values = [e.id, e.role, e.gpu.name]
             snap = self._table.snapshot(e)
@@ -117,7 +114,7 @@ class BackendCollector(Collector):
             if e.last_heartbeat is not None:
                 families["age"].add_metric(values, max(0.0, now - e.last_heartbeat))
             if e.managed:
-                families["restarts"].add_metric(values, restarts.get(e.id, 0))
+                families["restarts"].add_metric(values, e.restarts)
         yield from families.values()
         fail_open = GaugeMetricFamily(
             "heterogate_routing_failing_open", "1 when every candidate's metrics are stale and routing uses "

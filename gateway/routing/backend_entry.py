@@ -94,6 +94,7 @@ class BackendEntry:
     # managed: why its engine last stopped serving unasked (`gateway.control.supervisor.exit_reason`), kept
     # after it is back; for /admin/backends only
     last_exit: str | None = None
+    restarts: int = 0   # managed: its engine's exits the supervisor relaunched it after (kept through a drain)
     cached: BackendSnapshot | None = field(default=None, repr=False)
     blind: BackendSnapshot | None = field(default=None, repr=False)   # the snapshot failing open (`_blind`)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots

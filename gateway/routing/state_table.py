@@ -242,9 +242,11 @@ class StateTable:
         return entry
 
     def note_exit(self, backend_id: str, reason: str) -> None:
-        """A managed engine stopped serving unasked: why, in words, for the operator (never routed on)."""
+        """A managed engine stopped serving unasked, to be relaunched: why, in words, for the operator
+        (never routed on)."""
         if (entry := self._entries.get(backend_id)) is not None:
             entry.last_exit = reason
+            entry.restarts += 1
 
     def set_lifecycle(self, backend_id: str, state: Lifecycle) -> None:
         entry = self._entries[backend_id]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from testkit.harness import demo_config, run_gateway
+from testkit.harness import demo_config, metric_total, run_gateway
 
 MODEL = "llava-1.5-7b"
 TOTAL, CONCURRENCY = 300, 48
@@ -80,3 +80,11 @@ def test_kill_9_during_load(tmp_path: Path) -> None:
         back = gw.backend(victim["id"])
         assert back["last_exit"] == "exited with status 137 (killed by SIGKILL)" and back["restarts"] >= 1, back
         assert all(b["last_exit"] is None for b in gw.backends() if b["id"] != victim["id"])
+        # drained, its engine stopped: the count stays (it fell to 0, a counter reset to Prometheus)
+        restarts = back["restarts"]
+        assert metric_total(gw, "heterogate_backend_restarts_total", backend=victim["id"]) == restarts
+        drained = httpx.post(f"{gw.url}/admin/backends/{victim['id']}/drain", timeout=10)
+        assert drained.status_code == 202, drained.text
+        gw.wait_until(lambda: gw.backend(victim["id"])["state"] == "stopped", timeout=30)
+        assert gw.backend(victim["id"])["restarts"] == restarts
+        assert metric_total(gw, "heterogate_backend_restarts_total", backend=victim["id"]) == restarts
