@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -107,7 +108,37 @@ def run_gateway(
     https_ca: Path | None = None, env: dict[str, str] | None = None,
 ) -> Iterator[Gateway]:
     """Run `gateway --backends config` until the block ends; wait until `healthy` backends heartbeat.
-    `https_ca`: the HTTP door speaks TLS with a certificate from this CA."""
+    `https_ca`: the HTTP door speaks TLS with a certificate from this CA. Free ports are picked, then
+    bound by the gateway: another process may take one in between (an engine's ephemeral port, another
+    test's), so a start that cannot bind its ports is tried again on others, at most BIND_TRIES times."""
+    want = healthy if healthy is not None else len(yaml.safe_load(config.read_text())["backends"])
+    for attempt in range(1, BIND_TRIES + 1):
+        gw = _launch(config, extra, admin_key, https_ca, env)
+        try:
+            gw.wait_until(functools.partial(_ready, gw, want), timeout=timeout)   # every test's gateway waits here
+        except _PortTaken:
+            if attempt == BIND_TRIES:
+                raise
+            continue
+        except BaseException:
+            _stop(gw.process)
+            raise
+        break
+    try:
+        yield gw
+    finally:
+        _stop(gw.process)
+
+
+BIND_TRIES = 3
+
+
+class _PortTaken(RuntimeError):
+    """The gateway could not bind a port picked free a moment before."""
+
+
+def _launch(config: Path, extra: tuple[str, ...], admin_key: str | None, https_ca: Path | None,
+            env: dict[str, str] | None) -> Gateway:
     port, grpc_port = free_ports(2)
     log_path = config.parent / "gateway.log"
     cmd = [sys.executable, "-m", "gateway.cli", "--backends", str(config), "--port", str(port),
@@ -116,28 +147,30 @@ def run_gateway(
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     scheme = "https" if https_ca else "http"
     verify = ssl.create_default_context(cafile=str(https_ca)) if https_ca else True
-    gw = Gateway(proc, f"{scheme}://127.0.0.1:{port}", grpc_port, log_path, admin_key, verify)
+    return Gateway(proc, f"{scheme}://127.0.0.1:{port}", grpc_port, log_path, admin_key, verify)
+
+
+def _ready(gw: Gateway, want: int) -> bool:
+    if gw.process.poll() is not None:
+        tail = gw.log_tail()
+        if f"cannot bind the HTTP port 127.0.0.1:{gw.url.rsplit(':', 1)[1]}" in tail or (
+                "cannot bind the control gRPC port" in tail and str(gw.grpc_port) in tail):
+            raise _PortTaken(tail)
+        raise RuntimeError(f"gateway exited with {gw.process.returncode}:\n{tail}")
     try:
-        want = healthy if healthy is not None else len(yaml.safe_load(config.read_text())["backends"])
+        return sum(b["healthy"] for b in gw.backends()) >= want
+    except httpx.HTTPError:
+        return False
 
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {proc.returncode}:\n{gw.log_tail()}")
-            try:
-                return sum(b["healthy"] for b in gw.backends()) >= want
-            except httpx.HTTPError:
-                return False
 
-        gw.wait_until(ready, timeout=timeout)   # polled often: every gateway a test starts waits here
-        yield gw
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # --- Fault injection, metrics and SSE helpers for the integration / end-to-end tests -------------
