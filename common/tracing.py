@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -196,6 +197,20 @@ def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> Trac
         processors.append(BatchSpanProcessor(exporter, *settings))
         provider.add_span_processor(processors[-1])
     return TraceSetup(provider.get_tracer(scope), chosen, resource, InstrumentationScope(scope), tuple(processors))
+
+
+# A W3C traceparent of version 00, and the longest tracestate passed on (the spec's 512 characters): what a
+# gateway that traces nothing forwards as its client sent it, and nothing else
+_TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+MAX_TRACESTATE = 512
+
+
+def pass_through(header: str, state: str | None) -> tuple[str, str] | None:
+    """The client's traceparent and tracestate to pass on as they are (tracing off), or None for a
+    traceparent that is no W3C one (a tracestate too long is dropped, as the spec lets a hop do)."""
+    if _TRACEPARENT.fullmatch(header) is None or header[3:35] == "0" * 32 or header[36:52] == "0" * 16:
+        return None
+    return header, state if state is not None and len(state) <= MAX_TRACESTATE else ""
 
 
 def traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:

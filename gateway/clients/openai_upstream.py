@@ -245,8 +245,9 @@ class OpenAIUpstreamClient:
             raise self._failure(exc, started) from None
 
     def _request_headers(self, job: GenerationJob) -> tuple[tuple[str, str], ...]:
-        if job.traceparent:   # the dispatch's span: the upstream's spans join the request's trace
-            return (*self._headers, ("x-request-id", job.request_id), ("traceparent", job.traceparent))
+        if job.traceparent:   # the dispatch's span (or the client's): the upstream's spans join the request's trace
+            headers = (*self._headers, ("x-request-id", job.request_id), ("traceparent", job.traceparent))
+            return (*headers, ("tracestate", job.tracestate)) if job.tracestate else headers
         return (*self._headers, ("x-request-id", job.request_id))
 
     def _failure(self, exc: OSError, started: bool) -> BackendFailure:

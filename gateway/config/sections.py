@@ -142,7 +142,7 @@ class CorsConfig(StrictModel):
     # those the gateway reads, and those the OpenAI (and every Stainless-made) JavaScript SDK adds to each request
     allow_headers: list[str] = Field(default_factory=lambda: [
         "authorization", "content-type", "x-request-id", "x-request-timeout", "x-session-id", "traceparent",
-        "x-stainless-*"])
+        "tracestate", "x-stainless-*"])
     expose_headers: list[str] = Field(default_factory=lambda: [
         "x-request-id", "x-heterogate-backend", "x-heterogate-vision-backend", "retry-after", "x-should-retry"])
     max_age_s: NonNegativeInt = 600       # how long a browser may keep a preflight's answer

@@ -53,7 +53,7 @@ ENDPOINTS: dict[str, tuple[str, Kind]] = {"/v1/chat/completions": ("chat", "chat
                                           "/v1/completions": ("completions", "text")}
 _ALLOW = [(b"allow", b"POST")]
 _WANTED = frozenset({b"authorization", b"x-request-id", b"x-request-timeout", b"x-session-id", b"traceparent",
-                     b"content-encoding"})
+                     b"tracestate", b"content-encoding"})
 
 
 def parse(model: type[S], raw: bytes) -> tuple[S, dict[str, Any]]:
@@ -108,7 +108,8 @@ class CompletionsDoor:
     async def _serve(self, request: Request, exchange: Exchange, *, path: str, endpoint: str, kind: Kind) -> None:
         headers = {k.decode(): v.decode("latin-1") for k, v in request.headers if k in _WANTED}
         rid = new_request_id(headers.get("x-request-id"))
-        record = RequestRecord(rid, endpoint, traceparent=headers.get("traceparent"))   # W3C trace context
+        record = RequestRecord(rid, endpoint, traceparent=headers.get("traceparent"),   # W3C trace context
+                               tracestate=headers.get("tracestate"))
         try:
             if request.method != "POST":
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}; use POST")

@@ -113,7 +113,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """`request` None: bytes that are no GenerateRequest (`common.grpc_decoding`): INVALID_ARGUMENT."""
         # the client's id where it is a sane token, as `x-request-id` over HTTP (it goes into logs and replies)
         record = RequestRecord(new_request_id((request.request_id if request else "") or None), "grpc")
-        record.traceparent = dict(context.invocation_metadata() or ()).get("traceparent")   # W3C trace context
+        metadata = dict(context.invocation_metadata() or ())
+        record.traceparent, record.tracestate = metadata.get("traceparent"), metadata.get("tracestate")   # W3C
         status, error, usage = 499, None, None   # closed early: the client went away
         this = asyncio.current_task()
         assert this is not None

@@ -51,6 +51,7 @@ from typing import Any
 
 import structlog
 
+from common.tracing import MAX_TRACESTATE, pass_through
 from common.wire import engine_pb2
 from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EncoderClient, EngineClients
 from gateway.clients.engine_fields import refused_fields
@@ -529,6 +530,9 @@ class Pipeline:
         record.model = job.model or ""
         if self.tracing is not None and record.trace is None:
             record.trace = self.tracing.request(job, record.traceparent, self.clock() - record.started)
+        elif self.tracing is None and record.traceparent and (
+                passed := pass_through(record.traceparent, record.tracestate)):
+            job = replace(job, traceparent=passed[0], tracestate=passed[1])   # tracing off: the client's, as sent
         job = self.tenants.fitted(job)
         ticket = record.tenant = self.tenants.ticket(job)
         closed = record.closed = self.table.closed_to(ticket.tenant.policy.priority)
@@ -667,7 +671,8 @@ class Pipeline:
                                                cached))
         if record.trace is not None:   # the engine's spans join the dispatch's
             dispatch.trace = record.trace.attempt(decision, record.attempts)
-            job = replace(job, traceparent=dispatch.trace.traceparent)
+            state = record.tracestate if record.tracestate and len(record.tracestate) <= MAX_TRACESTATE else ""
+            job = replace(job, traceparent=dispatch.trace.traceparent, tracestate=state)
         if backend.role == "vision":
             self.metrics.stolen_requests.labels(backend.id).inc()
         try:

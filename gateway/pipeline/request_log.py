@@ -59,6 +59,7 @@ class RequestRecord:
     no_encoder: tuple[str, ...] = ()     # backends that need an encoder, after none could encode its images
     model: str = ""                      # the model it asked for (its served name), once validated
     traceparent: str | None = None       # the client's W3C trace context header, if it sent one
+    tracestate: str | None = None        # and its vendors' state, passed on as sent
     trace: RequestTrace | None = None    # tracing on: its spans, or unsampled its trace id only
 
     def attempt(self, backend_id: str) -> None:

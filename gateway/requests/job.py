@@ -61,8 +61,10 @@ class GenerationJob:
     # The completions generated (`n`, or a completion's `best_of` where larger; kind: openai upstreams
     # only): each may take max_tokens.
     choices: int = 1
-    # W3C trace context of the dispatch span, passed on to the backend ("" untraced: gateway.pipeline.tracing).
+    # W3C trace context passed on to the backend: the dispatch span's (gateway.pipeline.tracing), with tracing
+    # off the client's as it sent it ("": none), and the client's tracestate
     traceparent: str = field(default="", compare=False)
+    tracestate: str = field(default="", compare=False)
     # Where each image sits: the bytes of `prompt` before it (none given: every image before the text).
     image_places: tuple[int, ...] = ()
 

@@ -26,7 +26,7 @@ APP, OTHER_APP, EVIL = "https://app.example.com", "http://localhost:5173", "http
 CHAT = "/v1/chat/completions"
 MAX_BODY_BYTES = 4096
 EXPOSED = "x-request-id, x-heterogate-backend, x-heterogate-vision-backend, retry-after, x-should-retry"
-ALLOWED_HEADERS = "authorization, content-type, x-request-id, x-request-timeout, x-session-id, traceparent"
+ALLOWED_HEADERS = "authorization, content-type, x-request-id, x-request-timeout, x-session-id, traceparent, tracestate"
 
 pytestmark = pytest.mark.timeout(120)
 

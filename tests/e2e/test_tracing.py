@@ -47,6 +47,7 @@ class Upstream:
 
     def __init__(self) -> None:
         self.traceparents: list[str | None] = []
+        self.tracestates: list[str | None] = []
         upstream = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,6 +67,7 @@ class Upstream:
             def do_POST(self) -> None:
                 request = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 upstream.traceparents.append(self.headers.get("traceparent"))
+                upstream.tracestates.append(self.headers.get("tracestate"))
                 n = int(request.get("max_tokens") or TOKENS)
                 base = {"id": "up-1", "model": "mock", "created": 0}
                 if not request.get("stream"):
@@ -199,6 +201,33 @@ def test_an_unsampled_client_trace_is_passed_on_to_the_upstream_with_the_flag_of
     assert r.status_code == 200, r.text
     sent = upstream.traceparents[before]
     assert sent is not None and unsampled(trace_id).fullmatch(sent), sent
+
+
+def test_the_clients_tracestate_is_passed_on(openai_gw: Gateway, upstream: Upstream) -> None:
+    before = len(upstream.tracestates)
+    body = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{openai_gw.url}{CHAT}", json=body, timeout=30, headers={
+        "traceparent": f"00-7bf92f3577b34da6a3ce929d0e0e4736-{CLIENT_SPAN}-01", "tracestate": "congo=t61rcWkgMzE"})
+    assert r.status_code == 200, r.text
+    assert upstream.tracestates[before] == "congo=t61rcWkgMzE"
+
+
+def test_with_tracing_off_the_clients_trace_context_is_passed_on_as_sent(tmp_path: Path, upstream: Upstream) -> None:
+    """A gateway that traces nothing is a hop like any proxy: the upstream's spans (vLLM with
+    --otlp-traces-endpoint) join the client's trace; they were cut off from it. A header that is no W3C
+    traceparent is not passed on."""
+    config = write_config(tmp_path, {"model": "llava-1.5-7b", "served_model_name": "mock", "backends": [
+        {"id": "up0", "kind": "openai", "role": "language", "gpu": "H100", "address": upstream.url}]})
+    with run_gateway(config, healthy=0) as gw:   # no OTEL_* variables: tracing off
+        gw.wait_until(lambda: httpx.get(f"{gw.url}/ready", timeout=2).status_code == 200)
+        body = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        client = f"00-8bf92f3577b34da6a3ce929d0e0e4735-{CLIENT_SPAN}-01"
+        sent: list[tuple[str | None, str | None]] = []
+        for headers in ({"traceparent": client, "tracestate": "congo=t61rcWkgMzE"}, {"traceparent": "nonsense"}, {}):
+            before = len(upstream.traceparents)
+            assert httpx.post(f"{gw.url}{CHAT}", json=body, headers=headers, timeout=30).status_code == 200
+            sent.append((upstream.traceparents[before], upstream.tracestates[before]))
+    assert sent == [(client, "congo=t61rcWkgMzE"), (None, None), (None, None)]
 
 
 def test_a_request_the_ratio_sampler_leaves_out_passes_a_new_trace_on(
