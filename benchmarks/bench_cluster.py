@@ -10,7 +10,6 @@ the variant experiments, by `launch` (the same, with another command in place of
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ if str(ROOT) not in sys.path:   # run as a script from anywhere
 
 import httpx  # noqa: E402
 
-from testkit.harness import Gateway, free_port, run_gateway, write_config  # noqa: E402
+from testkit.harness import Gateway, free_port, run_gateway, stop_process, write_config  # noqa: E402
 
 EngineKind = Literal["stub", "sim"]
 MODEL = "llava-1.5-7b"
@@ -55,16 +54,6 @@ def cluster_config(engine: EngineKind, addresses: list[str]) -> dict[str, Any]:
         backends = [{"id": f"e{i}", "role": "language", "gpu": "H100", "launch": {"time_scale": 0}}
                     for i in range(len(addresses))]
     return {"model": MODEL, "gateway": {"routing": {"policy": "heteroserve"}}, "backends": backends}
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @contextmanager

@@ -121,13 +121,13 @@ def run_gateway(
                 raise
             continue
         except BaseException:
-            _stop(gw.process)
+            stop_process(gw.process)
             raise
         break
     try:
         yield gw
     finally:
-        _stop(gw.process)
+        stop_process(gw.process)
 
 
 BIND_TRIES = 3
@@ -163,11 +163,12 @@ def _ready(gw: Gateway, want: int) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM, and SIGKILL if it is still running `timeout_s` later."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
