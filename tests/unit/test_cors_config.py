@@ -25,7 +25,7 @@ def test_off_by_default_with_the_gateways_own_headers(tmp_path: Path) -> None:
     assert settings.allow_origins == [] and not settings.allow_credentials and settings.max_age_s == 600
     assert settings.allow_methods == ["GET", "POST", "DELETE"]
     assert settings.allow_headers == ["authorization", "content-type", "x-request-id", "x-request-timeout",
-                                      "x-session-id", "traceparent", "x-stainless-*"]
+                                      "x-session-id", "traceparent", "tracestate", "x-stainless-*"]
     assert settings.expose_headers == ["x-request-id", "x-heterogate-backend", "x-heterogate-vision-backend",
                                        "retry-after", "x-should-retry"]
 
