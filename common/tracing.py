@@ -202,7 +202,12 @@ def setup(scope: str, service: str, env: Mapping[str, str] = os.environ) -> Trac
 # A W3C traceparent of version 00, and the longest tracestate passed on (the spec's 512 characters): what a
 # gateway that traces nothing forwards as its client sent it, and nothing else
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-MAX_TRACESTATE = 512
+_MAX_TRACESTATE = 512
+
+
+def tracestate(state: str | None) -> str:
+    """The client's tracestate to pass on: as sent, or "" for none or one too long (the spec lets a hop drop it)."""
+    return state if state is not None and len(state) <= _MAX_TRACESTATE else ""
 
 
 def pass_through(header: str, state: str | None) -> tuple[str, str] | None:
@@ -210,7 +215,7 @@ def pass_through(header: str, state: str | None) -> tuple[str, str] | None:
     traceparent that is no W3C one (a tracestate too long is dropped, as the spec lets a hop do)."""
     if _TRACEPARENT.fullmatch(header) is None or header[3:35] == "0" * 32 or header[36:52] == "0" * 16:
         return None
-    return header, state if state is not None and len(state) <= MAX_TRACESTATE else ""
+    return header, tracestate(state)
 
 
 def traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:

@@ -159,12 +159,12 @@ class Fleet:
             leaving = " (being removed: add it again once it is gone)" if spec.id in self._removals else ""
             raise FleetConflict(f"backend {spec.id!r} is already in the fleet{leaving}")
         config = self._validated([*self.config.raw.backends, spec])
-        port = command_port(spec)
-        holder = next((i for i, launcher in self._launchers.items()
-                       if isinstance(launcher, CommandLauncher) and launcher.port == port), None)
         # the running engines' ports, the file's or one chosen free (`_validated` runs no validator of the file's,
         # which refuses a port given twice at start-up)
-        if port is not None and holder is not None:
+        port = command_port(spec)
+        holder = port and next((i for i, launcher in self._launchers.items()
+                                if isinstance(launcher, CommandLauncher) and launcher.port == port), None)
+        if holder:
             raise InvalidRequest(f"launch.port {port} is taken twice ({holder}, {spec.id}): the second engine could "
                                  "not listen, and its probe would be answered by the first", code="invalid_backend")
         self._apply_add(config, spec)

@@ -51,7 +51,7 @@ from typing import Any
 
 import structlog
 
-from common.tracing import MAX_TRACESTATE, pass_through
+from common.tracing import pass_through, tracestate
 from common.wire import engine_pb2
 from gateway.clients.engine_client import HANDOFF_TIMEOUT, BackendClient, EncoderClient, EngineClients
 from gateway.clients.engine_fields import refused_fields
@@ -671,8 +671,7 @@ class Pipeline:
                                                cached))
         if record.trace is not None:   # the engine's spans join the dispatch's
             dispatch.trace = record.trace.attempt(decision, record.attempts)
-            state = record.tracestate if record.tracestate and len(record.tracestate) <= MAX_TRACESTATE else ""
-            job = replace(job, traceparent=dispatch.trace.traceparent, tracestate=state)
+            job = replace(job, traceparent=dispatch.trace.traceparent, tracestate=tracestate(record.tracestate))
         if backend.role == "vision":
             self.metrics.stolen_requests.labels(backend.id).inc()
         try:
