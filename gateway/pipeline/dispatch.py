@@ -532,7 +532,7 @@ class Pipeline:
             record.trace = self.tracing.request(job, record.traceparent, self.clock() - record.started)
         elif self.tracing is None and record.traceparent and (
                 passed := pass_through(record.traceparent, record.tracestate)):
-            job = replace(job, traceparent=passed[0], tracestate=passed[1])   # tracing off: the client's, as sent
+            job = job.traced(*passed)   # tracing off: the client's, as sent
         job = self.tenants.fitted(job)
         ticket = record.tenant = self.tenants.ticket(job)
         closed = record.closed = self.table.closed_to(ticket.tenant.policy.priority)
@@ -671,7 +671,7 @@ class Pipeline:
                                                cached))
         if record.trace is not None:   # the engine's spans join the dispatch's
             dispatch.trace = record.trace.attempt(decision, record.attempts)
-            job = replace(job, traceparent=dispatch.trace.traceparent, tracestate=tracestate(record.tracestate))
+            job = job.traced(dispatch.trace.traceparent, tracestate(record.tracestate))
         if backend.role == "vision":
             self.metrics.stolen_requests.labels(backend.id).inc()
         try:

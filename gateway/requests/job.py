@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 from typing import Any, Literal
 
 from common.wire import engine_pb2
@@ -78,6 +79,13 @@ class GenerationJob:
         or + 1 when the client left max_tokens to the gateway."""
         return self.prompt_tokens + self.image_tokens + (self.max_tokens if self.max_tokens_asked else 1)
 
+    def traced(self, traceparent: str, tracestate: str) -> GenerationJob:
+        """This job with the W3C trace context a dispatch passes on. Every traced dispatch makes one, so
+        it is copied field by field (about 1 µs) and not by `dataclasses.replace` (about 4 µs)."""
+        job = GenerationJob(*_FIELDS(self))
+        job.traceparent, job.tracestate = traceparent, tracestate
+        return job
+
     def for_context(self, max_context: int) -> GenerationJob:
         """This job as sent to a backend of `max_context`: an unasked max_tokens fits the room left."""
         room = max_context - self.prompt_tokens - self.image_tokens
@@ -99,3 +107,6 @@ class GenerationJob:
         return RequestProfile(
             self.request_id, self.prompt_tokens + self.image_tokens, self.max_tokens, self.image_tokens
         )
+
+
+_FIELDS = attrgetter(*(f.name for f in fields(GenerationJob)))   # in __init__'s order
