@@ -287,7 +287,8 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     supervision = Supervision(
         lambda adopted: Supervisor(fleet.launchers(), on_state=runtime.table.set_lifecycle,
                                    stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s), adopted=adopted,
-                                   on_launch=auth.identities.launched, on_exit=runtime.table.note_exit),
+                                   on_launch=auth.identities.launched, on_exit=runtime.table.note_exit,
+                                   on_spawn=runtime.table.note_process),
         replication.lease if replication else None, engines_silent(runtime, managed),
         takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic,
         on_term=auth.identities.set_launching,

@@ -118,7 +118,8 @@ class Runtime:
                 # starting / restarting / stopped (managed, by the supervisor), else healthy / unhealthy
                 "state": e.lifecycle if e.lifecycle not in SERVING else
                 ("healthy" if self.table.is_healthy(e) else "unhealthy"),
-                "pid": None if e.lifecycle == "stopped" else e.reported.pid or None,   # the engine's own, as it reports
+                # the engine's own as it reports it, else the process the supervisor runs for it
+                "pid": None if e.lifecycle == "stopped" else e.reported.pid or e.process_pid or None,
                 "healthy": self.table.is_healthy(e),
                 "draining": self.table.is_draining(e.id),   # no new requests (fleet changes at runtime)
                 "reachable": self.table.reachable(e.id),   # kind: openai: does the upstream answer the probe

@@ -127,15 +127,18 @@ class Supervisor:
         adopted: Mapping[str, Process] | None = None,
         on_launch: Callable[[str], None] = lambda backend_id: None,
         on_exit: Callable[[str, str], None] = lambda backend_id, reason: None,
+        on_spawn: Callable[[str, int], None] = lambda backend_id, pid: None,
     ) -> None:
         """`adopted`: backend id -> its running engine's guard, taken over from an earlier leader.
         `on_launch(backend_id)`: called before each launch (the engine's identity changes hands).
-        `on_exit(backend_id, reason)`: called when a backend stops serving unasked, with why in words."""
+        `on_exit(backend_id, reason)`: called when a backend stops serving unasked, with why in words.
+        `on_spawn(backend_id, pid)`: its process is running (launched or adopted), for /admin/backends."""
         self._children = [Child(launcher) for launcher in launchers]
         self._adopted = dict(adopted or {})
         self._on_launch = on_launch
         self._on_state = on_state
         self._on_exit = on_exit
+        self._on_spawn = on_spawn
         self._clock = clock or MonotonicClock()
         # The guard's SIGTERM → SIGKILL delay fits inside the supervisor's own stop timeout.
         self._spawner = spawner or GuardedSpawner(grace_s=stop_timeout_s / 2)
@@ -184,6 +187,7 @@ class Supervisor:
             started = self._clock.now()
             if adopted is not None:   # already running and ready: follow it until it exits
                 child.process, adopted = adopted, None
+                self._on_spawn(child.backend_id, child.process.pid)
                 code, reason = await child.process.wait(), None
             else:
                 code, reason = await self._launch(child, started)
@@ -207,6 +211,7 @@ class Supervisor:
         self._set(child, "starting")
         self._on_launch(child.backend_id)
         process = child.process = await self._spawner.spawn(plan.argv, plan.env, outlive_parent=plan.outlive_parent)
+        self._on_spawn(child.backend_id, process.pid)
         log.info("engine_launched", backend=child.backend_id, pid=process.pid, restarts=child.restarts)
         if await self._wait_ready(child, process, started):
             self._set(child, "ready")

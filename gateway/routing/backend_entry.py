@@ -95,6 +95,9 @@ class BackendEntry:
     # after it is back; for /admin/backends only
     last_exit: str | None = None
     restarts: int = 0   # managed: its engine's exits the supervisor relaunched it after (kept through a drain)
+    # managed: the process the supervisor runs for it (0: none yet), for /admin/backends where the engine
+    # does not report its own pid (a launched `kind: openai` engine, read by scraping)
+    process_pid: int = 0
     cached: BackendSnapshot | None = field(default=None, repr=False)
     blind: BackendSnapshot | None = field(default=None, repr=False)   # the snapshot failing open (`_blind`)
     changes: set[str] | None = field(default=None, repr=False)   # the table's ids of dropped snapshots

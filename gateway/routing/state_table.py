@@ -247,6 +247,12 @@ class StateTable:
         if (entry := self._entries.get(backend_id)) is not None:
             entry.last_exit = reason
             entry.restarts += 1
+            entry.process_pid = 0
+
+    def note_process(self, backend_id: str, pid: int) -> None:
+        """The supervisor runs process `pid` for this managed backend (never routed on)."""
+        if (entry := self._entries.get(backend_id)) is not None:
+            entry.process_pid = pid
 
     def set_lifecycle(self, backend_id: str, state: Lifecycle) -> None:
         entry = self._entries[backend_id]

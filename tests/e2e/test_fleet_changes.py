@@ -155,6 +155,8 @@ def test_an_added_openai_engine_the_gateway_launches_starts_serves_and_is_remove
                                         "launch": {"command": command, "probe_interval_s": 0.1}})
         assert added.status_code == 201, added.text
         gw.wait_until(lambda: gw.backend("vllm-0")["state"] == "healthy", timeout=60)
+        pid = gw.backend("vllm-0")["pid"]   # not in its metrics: the process the gateway runs for it
+        assert pid and b"tests.fake_openai_server" in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
         assert admin(gw, "POST", "/h100-0/drain").status_code == 202
         served = httpx.post(f"{gw.url}/v1/chat/completions", headers=gw.admin_headers, timeout=30, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
