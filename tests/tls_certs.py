@@ -12,11 +12,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 
-def self_signed(directory: Path, name: str = "gateway", dns: str = "localhost", ip: str | None = "127.0.0.1") -> (
-    tuple[Path, Path]
-):
-    """Write `name`.crt and `name`.key (EC P-256, one day, naming `dns` and `ip`) under `directory`;
-    return their paths."""
+def self_signed(directory: Path, name: str = "gateway", dns: str = "localhost", ip: str | None = "127.0.0.1",
+                starts: datetime.timedelta = datetime.timedelta(minutes=-5),
+                ends: datetime.timedelta = datetime.timedelta(days=1)) -> tuple[Path, Path]:
+    """Write `name`.crt and `name`.key (EC P-256, valid from now + `starts` to now + `ends`, naming `dns`
+    and `ip`) under `directory`; return their paths."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
@@ -25,8 +25,8 @@ def self_signed(directory: Path, name: str = "gateway", dns: str = "localhost", 
         .subject_name(subject).issuer_name(subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now + starts)
+        .not_valid_after(now + ends)
         .add_extension(x509.SubjectAlternativeName([
             x509.DNSName(dns), *([x509.IPAddress(ipaddress.ip_address(ip))] if ip else []),
         ]), critical=False)

@@ -1,6 +1,7 @@
 """TLS for the gateway's doors: the HTTP door, and the gRPC server that carries both the gRPC front door
 and the control port (one listener). Certificates are PEM files named in the config and read once at
-start-up; a file that cannot be read stops the gateway with an error naming the setting.
+start-up; a file that cannot be read, or a certificate out of its validity dates (expired, or not valid
+yet), stops the gateway with an error naming the setting: clients and engines would refuse the handshake.
 
     gateway:
       tls:
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
+from cryptography import x509
 
 from common.errors import ConfigError
 from gateway.config.sections import TlsConfig
@@ -63,7 +66,24 @@ def load_grpc_tls(config: TlsConfig) -> GrpcTls | None:
     except ssl.SSLError as exc:
         raise ConfigError(f"gateway.tls.ca_file: {ca_file} holds no CA certificate the engines could trust: "
                           f"{exc.reason or exc}") from None
+    check_dates(ca_file, "gateway.tls.ca_file")
     return GrpcTls(cert, key, ca_file)
+
+
+def check_dates(cert_file: Path, setting: str, now: datetime | None = None) -> None:
+    """ConfigError naming `setting` where the first certificate in `cert_file` (the server's own, or the
+    CA) is expired or not valid yet at `now` (default: this moment)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+    except ValueError as exc:   # a file the ssl module took that does not start with a certificate
+        raise ConfigError(f"{setting}: {cert_file} does not start with a PEM certificate: {exc}") from None
+    now = now or datetime.now(UTC)
+    if now > cert.not_valid_after_utc:
+        raise ConfigError(f"{setting}: the certificate in {cert_file} expired on "
+                          f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: renew it")
+    if now < cert.not_valid_before_utc:
+        raise ConfigError(f"{setting}: the certificate in {cert_file} is not valid until "
+                          f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (is this machine's clock right?)")
 
 
 def server_context(cert_file: Path, key_file: Path, setting: str) -> ssl.SSLContext:
@@ -74,6 +94,7 @@ def server_context(cert_file: Path, key_file: Path, setting: str) -> ssl.SSLCont
         context.load_cert_chain(cert_file, key_file)
     except ssl.SSLError as exc:
         raise ConfigError(f"{setting}: the certificate and key do not load: {exc.reason or exc}") from None
+    check_dates(cert_file, setting)
     return context
 
 

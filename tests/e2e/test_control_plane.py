@@ -7,6 +7,7 @@ not move. A missing secret stops start-up with an error naming the setting."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import subprocess
 import sys
@@ -201,6 +202,36 @@ def test_grpc_tls_files_that_do_not_load_stop_start_up_and_check_config_naming_t
     })
     named = ("gateway.tls.ca_file" if flaw == "key as the CA"
              else "gateway.tls.grpc: the certificate and key do not load")
+    assert named in start_up_error(tmp_path, config)
+    checked = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2 and named in checked.stderr, checked.stderr
+
+
+@pytest.mark.parametrize("flaw", ["http certificate expired", "grpc certificate not valid yet", "ca expired"])
+def test_certificates_out_of_their_dates_stop_start_up_and_check_config(tmp_path: Path, flaw: str) -> None:
+    """An expired certificate loaded, and the gateway served a door every client's handshake refuses (an
+    expired CA: every engine it launched unable to connect), while check-config said OK."""
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    cert, key = self_signed(tmp_path / "good")
+    dates = ({"starts": datetime.timedelta(hours=2), "ends": datetime.timedelta(days=2)} if "not valid yet" in flaw
+             else {"starts": datetime.timedelta(days=-30), "ends": datetime.timedelta(days=-1)})
+    bad_cert, bad_key = self_signed(tmp_path / "bad", **dates)
+    pair = {"cert_file": str(bad_cert), "key_file": str(bad_key)}
+    tls: dict[str, Any] = {
+        "http certificate expired": {"http": pair},
+        "grpc certificate not valid yet": {"grpc": pair},
+        "ca expired": {"grpc": {"cert_file": str(cert), "key_file": str(key)}, "ca_file": str(bad_cert)},
+    }[flaw]
+    config = write_config(tmp_path, {
+        "model": MODEL, "gateway": {"tls": tls},
+        "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}}],
+    })
+    setting = {"http certificate expired": "gateway.tls.http", "grpc certificate not valid yet": "gateway.tls.grpc",
+               "ca expired": "gateway.tls.ca_file"}[flaw]
+    named = f"{setting}: the certificate in {bad_cert} " + ("is not valid until" if "not valid yet" in flaw
+                                                            else "expired on")
     assert named in start_up_error(tmp_path, config)
     checked = subprocess.run([sys.executable, "-m", "gateway.cli", "check-config", str(config)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
