@@ -329,6 +329,7 @@ class Fleet:
             port = spec.launch.port or free_port()
             address = managed_address(port)
         register_backend(runtime.table, config, spec, address)
+        runtime.metrics.backend_added(spec.id)
         if spec.kind == "openai":
             runtime.upstreams[spec.id] = upstream_of(config, spec)
         if address is not None:

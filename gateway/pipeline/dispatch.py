@@ -343,9 +343,10 @@ class Dispatch:
         if completed:
             now = p.clock()
             latency_s = now - self.record.started
-            p.metrics.e2e_seconds.observe((self.backend_id,), latency_s)
+            backend = p.metrics.live(self.backend_id),
+            p.metrics.e2e_seconds.observe(backend, latency_s)
             if self.streamed and completed > 1:   # the request's mean inter-token time
-                p.metrics.itl_seconds.observe((self.backend_id,), (latency_s - self.ttft_s) / (completed - 1))
+                p.metrics.itl_seconds.observe(backend, (latency_s - self.ttft_s) / (completed - 1))
         if self.trace is not None:
             self.trace.end(completed, error)
 
@@ -596,7 +597,7 @@ class Pipeline:
                 if not exc.retryable:
                     raise
                 last_error = exc
-                self.metrics.retries.labels(backend_id).inc()
+                self.metrics.retries.labels(self.metrics.live(backend_id)).inc()
                 log.warning("dispatch_failed", request_id=job.request_id, backend=backend_id, error=str(exc))
             decision = None
         if self.clock() >= deadline:
@@ -642,7 +643,7 @@ class Pipeline:
                 if record.attempts >= self.settings.max_attempts:
                     raise
                 record.failed.append(dispatch.backend_id)
-                self.metrics.retries.labels(dispatch.backend_id).inc()
+                self.metrics.retries.labels(self.metrics.live(dispatch.backend_id)).inc()
                 log.warning("restarting_after_midstream_failure", request_id=job.request_id,
                             backend=dispatch.backend_id, error=str(exc))
             dispatch = await self._dispatch(job, record, self.profile(job, record), None)
@@ -848,7 +849,7 @@ class Pipeline:
                     raise
                 last_error = exc
                 record.failed.append(vision_id)
-                self.metrics.retries.labels(vision_id).inc()
+                self.metrics.retries.labels(self.metrics.live(vision_id)).inc()
                 log.warning("encode_failed", request_id=job.request_id, backend=vision_id, error=str(exc))
                 continue
             self.breakers.on_success(vision_id)

@@ -35,6 +35,9 @@ from gateway.routing.state_table import StateTable
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Inter-token times: a fast GPU's decode step is a few ms, a slow tier's or a loaded batch's tens to hundreds.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+# The backend label of what a request did on a backend that has since left the fleet (its drain ran out
+# and the request was cut, and ended after the removal): counted, without bringing the backend's series back.
+REMOVED = "(removed)"
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
 
 
@@ -223,6 +226,7 @@ class BreakerCollector(Collector):
 class GatewayMetrics:
     def __init__(self, table: StateTable) -> None:
         self._table = table
+        self.removed: set[str] = set()   # backends whose series were forgotten (`forget_backend`), until re-added
         disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide in prometheus_client; no registry of ours wants them
         self.registry = CollectorRegistry()
         r = self.registry
@@ -301,6 +305,15 @@ class GatewayMetrics:
                        self.stolen_requests):
             metric.remove(backend_id)   # no-op where it has no series
         self.oom_vetoes.pop(backend_id, None)
+        self.removed.add(backend_id)
+
+    def backend_added(self, backend_id: str) -> None:
+        """A backend joined the fleet at runtime (perhaps under the id of one removed earlier)."""
+        self.removed.discard(backend_id)
+
+    def live(self, backend_id: str) -> str:
+        """The backend label to count a request's work under: `REMOVED` for a backend no longer in the fleet."""
+        return REMOVED if backend_id in self.removed else backend_id
 
     def watch_breakers(self, tripped: Callable[[str], bool]) -> None:
         """Export the breakers' state (the pipeline, which owns them, is built after the metrics)."""

@@ -87,9 +87,9 @@ class RequestLog:
         record.finished = True
         prompt_tokens = prompt_tokens or record.prompt_tokens
         completion_tokens = completion_tokens or record.completion_tokens
-        backend = record.backends[-1] if record.backends else "none"
-        policy = record.policy or self._policy
         m = self._metrics
+        backend = m.live(record.backends[-1]) if record.backends else "none"
+        policy = record.policy or self._policy
         m.requests.inc((record.endpoint, record.model, policy, backend, str(status)))
         if prompt_tokens or completion_tokens:
             m.prompt_tokens.inc((backend,), prompt_tokens)
