@@ -98,7 +98,8 @@ class CompletionsDoor:
         self._runtime = runtime
         self._jobs = JobBuilder(runtime)
         self._model_name = self._jobs.model_name
-        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name, runtime.pipeline.tenants)
+        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name, runtime.pipeline.tenants,
+                                   runtime.pipeline.tracing)
 
     def routes(self) -> dict[str, Handler]:
         # partial, not a wrapping coroutine: one frame fewer to pass through on every resume

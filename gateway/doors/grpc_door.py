@@ -67,7 +67,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
         self._jobs = JobBuilder(runtime)
-        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name, runtime.pipeline.tenants)
+        self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name, runtime.pipeline.tenants,
+                                   runtime.pipeline.tracing)
         self._calls: set[asyncio.Task[Any]] = set()   # the Generate calls under way
         self._cut: set[asyncio.Task[Any]] = set()     # those `drain` cancelled (not their clients)
         self._stopping: str | None = None             # set when the gateway stops: why calls are refused or cut

@@ -28,7 +28,7 @@ import structlog
 
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.tenants import Tenants, Ticket
-from gateway.pipeline.tracing import RequestTrace
+from gateway.pipeline.tracing import RequestTrace, Tracing
 from gateway.routing.prefix_index import PrefixQuery
 
 log = structlog.get_logger("http")
@@ -68,10 +68,12 @@ class RequestRecord:
 
 
 class RequestLog:
-    def __init__(self, metrics: GatewayMetrics, default_policy: str, tenants: Tenants | None = None) -> None:
+    def __init__(self, metrics: GatewayMetrics, default_policy: str, tenants: Tenants | None = None,
+                 tracing: Tracing | None = None) -> None:
         self._metrics = metrics
         self._policy = default_policy
         self._tenants = tenants   # counts the requests refused before their tenant's ticket
+        self._tracing = tracing   # tracing on: a span for each request refused before the pipeline
         # The line's level is on (set by common.logs.configure_logging before the doors are built):
         # with it off, the line's fields are not even gathered.
         self._lines = logging.getLogger().isEnabledFor(logging.INFO)
@@ -98,6 +100,8 @@ class RequestLog:
             record.tenant.finish(status, prompt_tokens, completion_tokens)
         elif record.caller is not None and self._tenants is not None:
             self._tenants.refused_before_ticket(record.caller, status)
+        if record.trace is None and self._tracing is not None:   # refused before the pipeline traced it
+            record.trace = self._tracing.refused(record, time.monotonic() - record.started)
         if record.trace is not None:
             record.trace.end(status, prompt_tokens, completion_tokens, error)
         if not self._lines:

@@ -1,6 +1,7 @@
 """The spans of one request's path through the pipeline, when tracing is on (`common.tracing`).
 
-    chat <model>                 the request, from its arrival to its log line (SERVER; GenAI attributes)
+    chat <model>                 the request, from its arrival to its log line (SERVER; GenAI attributes);
+                                 the only span of one the door refuses before the pipeline (a 400, 401, 404)
     ├── admission                its wait in the admission queue (only when it waited)
     ├── route                    one decision: policy, chosen backend, its cost terms
     └── attempt <backend>        one dispatch (CLIENT): its traceparent goes to the engine or upstream
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext, SpanKind
 
     from common.wire import engine_pb2
+    from gateway.pipeline.request_log import RequestRecord
 
-_OPERATIONS = {"chat": "chat", "text": "text_completion"}
+_OPERATIONS = {"chat": "chat", "text": "text_completion", "completions": "text_completion"}   # by kind or endpoint
 Attributes = dict[str, Any]
 
 
@@ -79,8 +81,24 @@ class Tracing:
     def request(self, job: GenerationJob, traceparent: str | None, age_s: float) -> RequestTrace:
         """The trace of a request that arrived `age_s` ago, under the client's `traceparent` if it sent
         one; an `UnsampledTrace` when the sampler leaves it out."""
-        model = str(job.body.get("model") or "")
-        operation = _OPERATIONS.get(job.kind, job.kind)
+        trace = self._root(_OPERATIONS.get(job.kind, job.kind), str(job.body.get("model") or ""), job.request_id,
+                           traceparent, age_s)
+        if trace.sampled:
+            if job.images:
+                trace.attributes["heterogate.images"] = len(job.images)
+            if job.tenant != DEFAULT_TENANT:
+                trace.attributes["heterogate.tenant"] = job.tenant
+        return trace
+
+    def refused(self, record: RequestRecord, age_s: float) -> RequestTrace:
+        """The trace of a request refused before it reached the pipeline (bad input, a key refused, an
+        unknown model): its one span, which `RequestTrace.end` exports with its status."""
+        operation = _OPERATIONS.get(record.endpoint, record.endpoint)
+        return self._root(operation, record.model, record.request_id, record.traceparent, age_s)
+
+    def _root(self, operation: str, model: str, request_id: str, traceparent: str | None, age_s: float) -> (
+        RequestTrace
+    ):
         name = f"{operation} {model}".strip()
         remote = tracing.parent(traceparent)
         parent = self._current(remote).get_span_context() if remote is not None else None
@@ -90,12 +108,9 @@ class Tracing:
         sampled = self._setup.sampler.should_sample(remote, trace_id, name, self.server)
         if sampled.decision is not self._sampled:
             return UnsampledTrace(trace_id)
-        attributes: Attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-                                  "heterogate.request_id": job.request_id}
-        if job.images:
-            attributes["heterogate.images"] = len(job.images)
-        if job.tenant != DEFAULT_TENANT:
-            attributes["heterogate.tenant"] = job.tenant
+        attributes: Attributes = {"gen_ai.operation.name": operation, "heterogate.request_id": request_id}
+        if model:   # "": refused before its model was read
+            attributes["gen_ai.request.model"] = model
         return RequestTrace(self, self.context(trace_id), parent, name, attributes, time.time_ns() - int(age_s * 1e9))
 
     def emit(
@@ -120,6 +135,7 @@ class RequestTrace:
     """One request's spans (see the module's docstring)."""
 
     __slots__ = ("_attempt", "_parent", "_tracing", "attributes", "context", "name", "started_ns")
+    sampled = True   # its spans are exported (an `UnsampledTrace`: none)
 
     def __init__(self, owner: Tracing, context: SpanContext, parent: SpanContext | None, name: str,
                  attributes: Attributes, started_ns: int) -> None:
@@ -180,6 +196,7 @@ class UnsampledTrace(RequestTrace):
     only sampled requests (backends/engine_tracing.py)."""
 
     __slots__ = ("_trace_id",)
+    sampled = False
 
     def __init__(self, trace_id: int) -> None:   # nothing of RequestTrace's: none of its spans is made
         self._trace_id = trace_id

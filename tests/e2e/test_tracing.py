@@ -183,6 +183,27 @@ def test_a_request_without_traceparent_starts_its_own_trace(
     assert sent is not None and sent.startswith(f"00-{root.trace_id}-")
 
 
+@pytest.mark.parametrize(("body", "status"), [
+    ({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+    ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+])
+def test_a_request_refused_before_the_pipeline_is_a_span_in_the_clients_trace(
+    openai_gw: Gateway, collector: tuple[Collector, str], body: dict[str, Any], status: int,
+) -> None:
+    """A client following its 400 or 404 finds it in its trace: the request's span with the status (a
+    client error, not a failed span), where it had none."""
+    received, _ = collector
+    trace_id = f"{status:032x}"
+    r = httpx.post(f"{openai_gw.url}{CHAT}", json=body, timeout=30,
+                   headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01", "x-request-id": f"refused-{status}"})
+    assert r.status_code == status, r.text
+    root = received.wait(lambda: next(iter(received.trace(trace_id)), None))
+    assert (root.name, root.parent_id, root.kind) == ("chat", CLIENT_SPAN, "server")
+    assert root.attributes["http.response.status_code"] == status
+    assert root.attributes["error.type"] == str(status) and not root.failed
+    assert root.attributes["heterogate.request_id"] == f"refused-{status}"
+
+
 def unsampled(trace_id: str) -> re.Pattern[str]:
     """A traceparent in trace `trace_id` with the sampled flag off, under a span of the gateway's own."""
     return re.compile(rf"00-{trace_id}-(?!{CLIENT_SPAN})(?!0{{16}})[0-9a-f]{{16}}-00")
