@@ -101,7 +101,8 @@ class RequestLog:
         elif record.caller is not None and self._tenants is not None:
             self._tenants.refused_before_ticket(record.caller, status)
         if record.trace is None and self._tracing is not None:   # refused before the pipeline traced it
-            record.trace = self._tracing.refused(record, time.monotonic() - record.started)
+            record.trace = self._tracing.refused(record.endpoint, record.model, record.request_id, record.traceparent,
+                                                 time.monotonic() - record.started)
         if record.trace is not None:
             record.trace.end(status, prompt_tokens, completion_tokens, error)
         if not self._lines:

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext, SpanKind
 
     from common.wire import engine_pb2
-    from gateway.pipeline.request_log import RequestRecord
 
 _OPERATIONS = {"chat": "chat", "text": "text_completion", "completions": "text_completion"}   # by kind or endpoint
 Attributes = dict[str, Any]
@@ -90,11 +89,12 @@ class Tracing:
                 trace.attributes["heterogate.tenant"] = job.tenant
         return trace
 
-    def refused(self, record: RequestRecord, age_s: float) -> RequestTrace:
+    def refused(self, endpoint: str, model: str, request_id: str, traceparent: str | None, age_s: float) -> (
+        RequestTrace
+    ):
         """The trace of a request refused before it reached the pipeline (bad input, a key refused, an
         unknown model): its one span, which `RequestTrace.end` exports with its status."""
-        operation = _OPERATIONS.get(record.endpoint, record.endpoint)
-        return self._root(operation, record.model, record.request_id, record.traceparent, age_s)
+        return self._root(_OPERATIONS.get(endpoint, endpoint), model, request_id, traceparent, age_s)
 
     def _root(self, operation: str, model: str, request_id: str, traceparent: str | None, age_s: float) -> (
         RequestTrace
