@@ -286,7 +286,9 @@ class StateTable:
 
     def assume_alive(self, backend_id: str) -> None:
         """Keep a backend a candidate without a heartbeat (failing open while shared state is away)."""
-        self._entries[backend_id].last_heartbeat = self.clock()
+        entry = self._entries[backend_id]
+        entry.last_heartbeat = self.clock()
+        entry.snapshot = None   # the pools re-read its heartbeat (kept, it left them once its last one aged)
 
     def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0, cached_tokens: int = 0) -> Lease:
         """`cached_tokens`: of the prompt, those the backend's prefix cache is predicted to hold: only the

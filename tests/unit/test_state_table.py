@@ -95,3 +95,21 @@ def test_backends_kept_for_a_class_are_closed_to_the_classes_below_it() -> None:
     t.register("h100-2", "language", gpu, address=None, managed=True)   # registered again, open to all
     t.unregister("h100-1")
     assert t.closed_to(0) == ()
+
+
+def test_a_backend_assumed_alive_stays_a_candidate_past_its_last_heartbeat() -> None:
+    """Shared state away: a replica keeps the backends it heard of only through Redis alive. The pool read
+    the heartbeat once: each backend it did not route to since dropped out of the candidates while
+    /ready and /admin/backends called it healthy, and requests got 503 with a healthy backend held."""
+    now = [1.0]
+    t = StateTable(catalog().model("llava-1.5-7b"), 0.1, 3, clock=lambda: now[0])
+    for backend_id, gpu in (("h100-0", "H100"), ("l40s-0", "L40S")):
+        t.register(backend_id, "language", catalog().gpu(gpu), address=None, managed=True)
+        t.apply_heartbeat(backend_id, 1, f"{backend_id}:7000", Reported(seq=1, pid=1))
+    assert sorted(b.id for b in t.candidates(("language",), now=now[0])) == ["h100-0", "l40s-0"]
+    for _ in range(20):   # two seconds of the replica's refresh ticks, well past the miss limit
+        now[0] += 0.1
+        for backend_id in ("h100-0", "l40s-0"):
+            t.assume_alive(backend_id)
+        assert t.is_healthy(t.get("l40s-0"))  # type: ignore[arg-type]
+        assert sorted(b.id for b in t.candidates(("language",), now=now[0])) == ["h100-0", "l40s-0"]
