@@ -83,6 +83,7 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.config.sections import RedisConfig
@@ -104,11 +105,14 @@ RETRY_MIN_S, RETRY_MAX_S = 0.1, 1.0
 
 
 def connect(config: RedisConfig, url: str) -> Redis:
-    """One pooled client per process; every call bounded by `timeout_ms`, no hidden retries."""
+    """One pooled client per process; every call bounded by `timeout_ms`. A call that fails to connect
+    or finds its connection closed is retried once, at once, on a new connection: a pooled connection
+    outlives a Redis restart, and each would otherwise fail once when next used, seconds after Redis is
+    back. A timeout is not retried (that would double the bound)."""
     timeout_s = config.timeout_ms / 1000
     return Redis.from_url(
         url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0), health_check_interval=0,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), health_check_interval=0,
     )
 
 
