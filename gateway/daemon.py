@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from common import tracing
 from common.errors import HeteroGateError
@@ -240,6 +240,11 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
             structlog.contextvars.bind_contextvars(replica=replication.replica_id)
             try:
                 await replication.reachable(REDIS_START_WAIT_S)
+            except (AuthenticationError, ResponseError) as exc:
+                hint = (" (a Redis that asks for a password takes it in the URL: redis://:PASSWORD@HOST:PORT/0)"
+                        if isinstance(exc, AuthenticationError) else "")
+                raise RedisUnreachable(f"Redis at {redacted(options.redis_url or '')} refused this gateway: "
+                                       f"{exc}{hint}") from None
             except (RedisError, OSError, TimeoutError) as exc:
                 raise RedisUnreachable(f"cannot reach Redis at {redacted(options.redis_url or '')} within "
                                        f"{REDIS_START_WAIT_S:g} s: {str(exc) or repr(exc)}") from None

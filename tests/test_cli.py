@@ -18,6 +18,7 @@ import pytest
 
 import common
 from testkit.harness import free_ports
+from tests.replicas.redis_helpers import redis_server
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60
@@ -166,6 +167,22 @@ def test_a_replica_that_cannot_reach_redis_exits_naming_it_and_launches_nothing(
     assert result.returncode == 1, result.stderr
     assert f"cannot reach Redis at redis://ops:***@127.0.0.1:{without_redis.port}/0" in result.stderr
     assert "hunter2" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
+def test_a_replica_that_redis_refuses_exits_at_once_saying_why() -> None:
+    """A Redis that asks for a password, given none, or a database it does not have: the replica tried
+    for its whole start-up wait, then said it could not reach Redis ("HELLO must be called with the client
+    already authenticated"), never that a password was missing."""
+    with redis_server(password="sekret") as (_, port, _server):
+        refused = {f"redis://127.0.0.1:{port}/0": "a password takes it in the URL",
+                   f"redis://:sekret@127.0.0.1:{port}/99": "DB index is out of range"}
+        for url, words in refused.items():
+            result = finish(start("--backends", "configs/backends.yaml", "--port", "0", "--grpc-port", "0",
+                                  "--redis-url", url))
+            assert result.returncode == 1, result.stderr
+            assert "refused this gateway" in result.stderr and words in result.stderr, result.stderr
+            assert "sekret" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_workers_that_cannot_reach_redis_end_the_command_as_one_replica_does(without_redis: WithoutRedis) -> None:

@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from gateway.control.engine_identities import EngineIdentities
 from gateway.control.launchers import free_port
@@ -44,7 +44,8 @@ class Replication:
 
     async def reachable(self, wait_s: float, retry_s: float = 0.5) -> None:
         """Redis answers within `wait_s`, else the last error (a replica that cannot reach it at start-up
-        could never lead or launch, and would serve nothing)."""
+        could never lead or launch, and would serve nothing). A refusal from Redis itself (a password
+        missing or wrong, a database it does not have) is raised at once: waiting does not change it."""
         timeout_s = self.runtime.config.settings.redis.timeout_ms / 1000
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -52,6 +53,8 @@ class Replication:
             try:
                 await asyncio.wait_for(self.redis.ping(), timeout_s)
                 return
+            except (AuthenticationError, ResponseError):
+                raise
             except (RedisError, OSError, TimeoutError):
                 if loop.time() + retry_s >= deadline:
                     raise

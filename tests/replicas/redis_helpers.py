@@ -39,19 +39,23 @@ def redis_prefix(name: str, url: str = SYSTEM_REDIS) -> Iterator[str]:
 
 
 @contextmanager
-def redis_server(port: int | None = None) -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
-    """A private redis-server without persistence on a free port (killed afterwards)."""
+def redis_server(port: int | None = None, password: str | None = None) -> (
+    Iterator[tuple[str, int, subprocess.Popen[bytes]]]
+):
+    """A private redis-server without persistence on a free port (killed afterwards); with `password`, one
+    that asks for it (the URL given is without it)."""
     binary = shutil.which("redis-server")
     assert binary is not None, "redis-server is not installed"
     port = port or free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
+    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
+                             *(("--requirepass", password) if password else ())],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         deadline = time.monotonic() + 10
         while True:
             try:
-                with redis.Redis.from_url(url, socket_timeout=0.5) as r:
+                with redis.Redis.from_url(url, socket_timeout=0.5, password=password) as r:
                     r.ping()
                 break
             except redis.ConnectionError:
