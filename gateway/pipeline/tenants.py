@@ -188,6 +188,15 @@ class Tenants:
         self.limiter_errors = CounterTable("heterogate_tenant_limiter_errors", "Charges the limits' store could "
                                            "not answer (Redis away), by what was done: admitted or refused",
                                            ["outcome"])
+        # Each series that can count exists from the start, at 0: an alert's rate() over a series that
+        # appears with its first count misses that count (HeteroGateTenantLimitsUnchecked).
+        limited = [tenant for tenant in self.by_name.values() if tenant.limits]
+        if limited:
+            self.limiter_errors.inc(("refused" if self.fail_closed else "admitted",), 0.0)
+        for tenant in limited:
+            reasons = {lim.reason for lim in tenant.limits} | ({"limiter_unavailable"} if self.fail_closed else set())
+            for reason in sorted(reasons):
+                self.rate_limited.inc((tenant.name, reason), 0.0)
 
     def fitted(self, job: GenerationJob) -> GenerationJob:
         """The job, its max_tokens lowered to what its tenant's token limits leave beside its prompt where

@@ -96,7 +96,7 @@ async def test_over_a_limit_is_openais_429_and_other_tenants_are_untouched() -> 
     assert body["type"] == "requests" and body["code"] == "rate_limit_exceeded"
     assert "tenant 'a' on requests per minute: limit 2, used 2, requested 1" in body["message"]
     await t.charge(t.ticket(job("b")))
-    assert t.rate_limited.items() == [(("a", "requests_per_minute"), 1.0)]
+    assert t.rate_limited.items() == [(("a", "requests_per_minute"), 1.0), (("b", "requests_per_minute"), 0.0)]
 
 
 async def test_tokens_are_charged_at_their_bound_and_corrected_by_usage_at_the_end() -> None:
@@ -182,3 +182,16 @@ def test_a_key_of_no_tenant_is_the_default_tenants() -> None:
     assert t.ticket(job("default")).name == "default"
     ticket = t.ticket(job("a", prompt_tokens=10, max_tokens=5))
     assert (ticket.share.flow.weight, ticket.share.flow.priority, ticket.share.cost) == (3, 2, 15)
+
+
+def test_the_refusal_series_exist_at_zero_before_the_first_refusal() -> None:
+    """An alert's rate() misses the count a series appears with: each series a tenant's limits can
+    count is there, at 0, from the start (and none for a tenant without limits)."""
+    t = tenants(Clock(T0), a={"requests_per_minute": 2, "tokens_per_day": 1000}, b={})
+    assert sorted(t.rate_limited.items()) == [(("a", "requests_per_minute"), 0.0), (("a", "tokens_per_day"), 0.0)]
+    assert t.limiter_errors.items() == [(("admitted",), 0.0)]   # on_redis_error: open, the default
+    closed = Tenants(TenantsConfig.model_validate({"on_redis_error": "closed", "teams": {
+        "a": {"api_keys_env": "UNUSED", "requests_per_minute": 2}}}), MemoryLimitStore(Clock(T0)))
+    assert sorted(closed.rate_limited.items()) == [(("a", "limiter_unavailable"), 0.0),
+                                                   (("a", "requests_per_minute"), 0.0)]
+    assert closed.limiter_errors.items() == [(("refused",), 0.0)]
