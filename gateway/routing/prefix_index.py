@@ -72,7 +72,8 @@ not, and a system prompt ahead of different images is a shared prefix (its full 
 
 Replicas (`share`, with `--redis-url`): each replica publishes what it routed and applies what the
 others routed (gateway.replicas.shared_state, every refresh), so every replica predicts from what all
-of them sent to each backend, a refresh late; text is then hashed the same in every process.
+of them sent to each backend, a refresh late, and counts their requests in the predicted counters that
+keep_i compares with the engine's (which count them all); text is then hashed the same in every process.
 
 Limits: the index knows only what the gateways routed (a replica learns its peers' routing a refresh
 late); it counts a request's blocks as cached from the moment it is routed, before the engine has
@@ -187,10 +188,20 @@ class PrefixIndex:
 
     def peer_routed(self, backend_id: str, blocks: Sequence[int], session: int | None, prompt_tokens: int) -> None:
         """Another replica routed a prompt of these blocks to `backend_id`: it holds them next, as if
-        routed here (this replica's predicted counters are not touched)."""
+        routed here. Its tokens and the hits this index predicts for it there (by blocks, as `record`
+        counts them) join the predicted counters: the engine's counters, which keep_i compares them
+        with, count every replica's requests."""
         b = self._backends.get(backend_id)
-        if b is not None:
-            self._touch(b, blocks, session, prompt_tokens)
+        if b is None:
+            return
+        held_by, bit, matched = self._holders.get, 1 << b.bit, 0
+        for block in blocks:
+            if not held_by(block, 0) & bit:
+                break
+            matched += 1
+        b.predicted_queries += prompt_tokens
+        b.predicted_hits += cached_tokens(matched * self.block_tokens, prompt_tokens)
+        self._touch(b, blocks, session, prompt_tokens)
 
     def add_backend(self, backend_id: str, capacity_tokens: int) -> None:
         bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)

@@ -492,3 +492,25 @@ def test_an_images_place_is_the_rendered_prompt_before_it() -> None:
     assert data[:first].decode().endswith("Be brief. Ünïcode counts in bytes.\nuser: Compare ")
     assert data[first:second] == b"and"
     assert data[:third].decode().endswith("assistant: Two cats.\nuser: ") and data[third:] == b"And this?"
+
+
+def test_a_peers_requests_count_in_the_prediction_as_they_do_in_the_engines_counters() -> None:
+    """Replicas: an engine's counters cover every replica's requests, so the prediction they are compared
+    with (keep_i) must too. Counting only its own, the replica that got every other turn of a
+    conversation (each a hit) predicted more hits than the engine found and shrank its index while the
+    engine's KV was far from full; its peer, with the first turns (misses), kept its whole index."""
+    index = PrefixIndex(BLOCK_TOKENS)
+    index.add_backend("a", 100_000)
+    index.observe("a", 0, 0)
+    turns = [index.hashes(text(*"abcdefghij"[:n]), (), 16 * n + 8) for n in (4, 6, 8, 10)]
+    queries = hits = 0
+    for n, blocks in enumerate(turns):
+        prompt = len(blocks) * 16 + 8
+        held = 0 if n == 0 else len(turns[n - 1]) * 16   # the engine finds the previous turn's blocks
+        if n % 2 == 0:   # a peer routed it
+            index.peer_routed("a", blocks, None, prompt)
+        else:
+            index.record(index.lookup(blocks, "", prompt), "a", 100_000)
+        queries, hits = queries + prompt, hits + held
+    described = index.describe("a")
+    assert (described["predicted_query_tokens"], described["predicted_hit_tokens"]) == (queries, hits)
