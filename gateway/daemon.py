@@ -191,6 +191,10 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
                         "reaches it may send requests, read /admin and /metrics, and add, drain and remove backends "
                         "(gateway.auth.api_keys_file or api_keys_env turns keys on, admin_keys_file or "
                         "admin_keys_env guards the admin routes)")
+    if keys.enabled and not keys.admin:
+        warnings.append("API keys are on (gateway.auth or gateway.tenants) and no admin key is set: every key gets "
+                        "403 on /metrics, /admin/* and /dashboard, so nothing can scrape or change this gateway "
+                        "(gateway.auth.admin_keys_file or admin_keys_env sets admin keys)")
     warnings += autoscaling_warnings(config)
     if settings.autoscaling.mode == "manage" and options.redis_url is not None:
         warnings.append("gateway.autoscaling.mode is manage, but with replicas (--redis-url or gateway.redis.url) "

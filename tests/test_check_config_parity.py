@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,20 @@ def test_what_check_config_accepts_starts_and_warns_alike(tmp_path: Path) -> Non
         assert httpx.get(f"{gw.url}/health", timeout=5).status_code == 200
         log = gw.log_path.read_text()
         assert "start_up_warning" in log and "beyond loopback, with no API keys" in log
+
+
+def test_api_keys_without_an_admin_key_are_warned_of() -> None:
+    """Tenants' keys and no admin key: every key got 403 on /metrics and /admin/*, and nothing said so."""
+    env = {"HG_TEST_KEYS": "sk-team-a", "HETEROGATE_CLUSTER_TOKEN": "parity-token"}
+    with tempfile.TemporaryDirectory() as tmp:
+        teams = {"tenants": {"teams": {"a": {"api_keys_env": "HG_TEST_KEYS"}}}}
+        check = run_cli("check-config", str(config(Path(tmp), [LANGUAGE], **teams)), env=env)
+        assert check.returncode == 0, check.stderr
+        assert "warning: API keys are on (gateway.auth or gateway.tenants) and no admin key is set" in check.stderr
+        admin = {**teams, "auth": {"admin_keys_env": "HG_TEST_ADMIN"}}
+        check = run_cli("check-config", str(config(Path(tmp), [LANGUAGE], **admin)),
+                        env={**env, "HG_TEST_ADMIN": "sk-x"})
+        assert check.returncode == 0 and "warning" not in check.stderr, check.stderr
 
 
 def test_check_config_takes_the_file_once() -> None:
