@@ -6,8 +6,9 @@ server answers as vLLM does (or SGLang, `--engine sglang`) on the routes the gat
     GET  /v1/models             the model (`--model`), with `max_model_len` when `--max-model-len` is given
     POST /v1/chat/completions   streamed (SSE, usage last, `data: [DONE]`) and not; `n` choices; a request
     POST /v1/completions        with `tools` gets a call of its first tool, one with `logprobs` logprobs
-    GET  /metrics               the engine's Prometheus gauges (queue, running, KV use and capacity): what
-                                the gateway's `scrape:` and `heterogate-agent` read
+    GET  /metrics               the engine's Prometheus gauges (queue, running, KV use and capacity) and its
+                                requests' end-to-end latency (sum, count): what the gateway's `scrape:` and
+                                `heterogate-agent` read
     GET  /health                200
 
 A completion is `max_tokens` placeholder words ("w0 w1 ..."), one every `--token-delay-ms`. To watch
@@ -49,6 +50,9 @@ METRICS = {
         'vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} 0.25\n'
         "# TYPE vllm:cache_config_info gauge\n"
         'vllm:cache_config_info{{block_size="16",num_gpu_blocks="4096",engine="0"}} 1.0\n'
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        'vllm:e2e_request_latency_seconds_sum{{engine="0",model_name="{model}"}} {e2e_sum}\n'
+        'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{model}"}} {e2e_count}\n'
     ),
     "sglang": (
         "# TYPE sglang:num_queue_reqs gauge\n"
@@ -57,6 +61,9 @@ METRICS = {
         'sglang:num_running_reqs{{model_name="{model}"}} {running}\n'
         "# TYPE sglang:token_usage gauge\n"
         'sglang:token_usage{{model_name="{model}"}} 0.25\n'
+        "# TYPE sglang:e2e_request_latency_seconds histogram\n"
+        'sglang:e2e_request_latency_seconds_sum{{model_name="{model}"}} {e2e_sum}\n'
+        'sglang:e2e_request_latency_seconds_count{{model_name="{model}"}} {e2e_count}\n'
     ),
 }
 DEFAULT_MAX_TOKENS = 8          # a request without max_tokens gets this many words
@@ -118,7 +125,8 @@ class DemoUpstream:
         self.state: dict[str, Any] = {
             "waiting": 0, "running": 0, "fail": 0, "fail_delay_ms": 0, "metrics_status": 200, "served": 0,
             "token_delay_ms": options.token_delay_ms, "max_tokens": [], "last_body": None,
-            "last_authorization": None, "pid": os.getpid(), "arrivals": [], "checked": [], **(stats or {}),
+            "last_authorization": None, "pid": os.getpid(), "arrivals": [], "checked": [], "e2e_sum": 0.0,
+            "e2e_count": 0, **(stats or {}),
         }
         self.metrics_text = "".join(line for line in METRICS[options.engine].splitlines(keepends=True)
                                     if options.cache_info or "cache_config_info" not in line)
@@ -213,15 +221,19 @@ class DemoUpstream:
                 return
         state["served"] += 1
         state["max_tokens"].append(body.get("max_tokens"))
+        started = time.monotonic()
         if not body.get("stream"):
             await asyncio.sleep(n_tokens(body) * state["token_delay_ms"] / 1000)
             exchange.respond(200, [], self._whole(body, chat))
-            return
-        exchange.start_stream(200, [(b"content-type", SSE), (b"cache-control", b"no-cache")])
-        async for event in self._stream(body, chat):
-            exchange.send(event)
-            await exchange.drain()
-        exchange.end_stream()
+        else:
+            exchange.start_stream(200, [(b"content-type", SSE), (b"cache-control", b"no-cache")])
+            async for event in self._stream(body, chat):
+                exchange.send(event)
+                await exchange.drain()
+            exchange.end_stream()
+        # the served requests' latency, as vLLM's histogram sums it (what the gateway's scrape reads)
+        state["e2e_sum"] += time.monotonic() - started
+        state["e2e_count"] += 1
 
     async def _stream(self, body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
         """Compact JSON events as vLLM writes them, with an extra field a relay must keep."""

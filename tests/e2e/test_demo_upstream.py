@@ -78,6 +78,9 @@ def test_the_official_client_through_the_gateway_in_front_of_the_demo_upstream(t
             httpx.post(f"{url}/control", json={"waiting": 7}, timeout=5).raise_for_status()
             gw.wait_until(lambda: gw.backend("demo-vllm")["queue_depth"] == 7)
             assert httpx.get(f"{url}/stats", timeout=5).json()["last_body"]["model"] == "demo-model"
+            assert 'vllm:e2e_request_latency_seconds_count{engine="0",model_name="demo-model"} 3' in httpx.get(
+                f"{url}/metrics", timeout=5).text   # the three completions above
+            assert "engine_metrics_missing" not in gw.log_path.read_text()   # it reads as vLLM's
 
 
 def test_the_demo_upstream_answers_bad_input_with_a_clear_4xx() -> None:
