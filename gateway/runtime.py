@@ -242,9 +242,10 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     prefix = routing.prefix_cache
     if prefix.enabled:
         pipeline.prefixes = index = PrefixIndex(prefix.block_tokens, prefix.max_blocks_per_backend)
-        for entry in table.entries():
-            per_token = config.model_of(entry.id).profile.kv_bytes_per_token
-            index.add_backend(entry.id, table.kv_capacity(entry)[1] // per_token)
+        for entry in table.entries():   # the backends a prompt can be routed to
+            if entry.takes_language:
+                per_token = config.model_of(entry.id).profile.kv_bytes_per_token
+                index.add_backend(entry.id, table.kv_capacity(entry)[1] // per_token)
         metrics.registry.register(PrefixCollector(index, table))
         pipeline.encoders = EncoderIndex(prefix.images_per_encoder)
     metrics.watch_breakers(lambda backend_id: pipeline.breakers.state(backend_id) is not State.CLOSED)

@@ -336,7 +336,7 @@ class Fleet:
             runtime.clients.ensure(spec.id, address)
         index = runtime.pipeline.prefixes
         entry = runtime.table.get(spec.id)
-        if index is not None and entry is not None and spec.id not in index:
+        if index is not None and entry is not None and entry.takes_language and spec.id not in index:
             index.add_backend(spec.id, runtime.table.kv_capacity(entry)[1]
                               // config.model_of(spec.id).profile.kv_bytes_per_token)
         self._monitor.watch(config, spec, address if port is not None else None)

@@ -107,6 +107,11 @@ class BackendEntry:
         return self.peer.in_flight
 
     @property
+    def takes_language(self) -> bool:
+        """It may prefill and decode: a language or monolithic backend, or a vision one that steals."""
+        return self.role != "vision" or self.steal
+
+    @property
     def snapshot(self) -> BackendSnapshot | None:
         """None = stale, rebuilt on next read; dropping it tells the table's column pools too."""
         return self.cached

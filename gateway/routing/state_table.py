@@ -529,7 +529,7 @@ class StateTable:
         if found is None:
             found = self._largest_context[model] = max(
                 (self.context(e)[0] for e in self._entries.values()
-                 if (e.role != "vision" or e.steal) and _serves_model(e, model)), default=0
+                 if e.takes_language and _serves_model(e, model)), default=0
             )
         return found
 

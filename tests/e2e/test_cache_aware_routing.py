@@ -250,6 +250,11 @@ def test_isolated_tenants_share_no_cached_image_embedding(isolated: Gateway) -> 
     assert send("alpha") == (1, 0)
     assert send("alpha") == (0, 1)
     assert send("beta") == (1, 0)
+    # a vision backend that takes no language work has no prompt prefix index (it showed an empty one)
+    assert isolated.backend("l4-v")["prefix_cache"] is None
+    assert 'backend="l4-v"' not in "".join(line for line in httpx.get(
+        f"{isolated.url}/metrics", headers=isolated.admin_headers, timeout=5).text.splitlines()
+        if line.startswith("heterogate_prefix_"))
 
 
 def test_isolated_tenants_share_no_cached_prefix(isolated: Gateway) -> None:
