@@ -10,7 +10,8 @@ the Encode call returns, or, when the request names no engine, returned in the r
 Embedding cache: the last `cache_images` images' embeddings, keyed by their content hash
 (`common.prefix_blocks.content_digest`, the gateway's too) and evicted least recently used first.
 An image found there is not encoded again: a batch encodes only the images it does not hold (each
-distinct image once), and a batch of hits costs no encode at all. The engine counts them
+distinct image once), and a request whose images it holds every one of is answered at once, without
+waiting for a batch (a cached image was held for the batch window). The engine counts them
 (`embedding_cache_hits`, in its heartbeats; `images_cached` in each reply), and the gateway, which
 remembers which encoder got which image, prices such a hit as no encode (`encode_cost`). Memory: the
 simulated encoder's embeddings hold no payload (made on delivery); a torch encoder's hold their
@@ -44,6 +45,7 @@ class EncodeJob:
     done: asyncio.Future[engine_pb2.EncodeReply]
     tokens: int = field(init=False)
     images: int = field(init=False)
+    keys: list[int] = field(default_factory=list)   # its images' cache keys (content digest, salted); none: no cache
 
     def __post_init__(self) -> None:
         self.tokens = sum(img.tokens for img in self.request.images)
@@ -84,9 +86,15 @@ class VisionExecutor:
 
     async def encode(self, request: engine_pb2.EncodeRequest) -> engine_pb2.EncodeReply:
         job = EncodeJob(request, time.monotonic(), asyncio.get_running_loop().create_future())
-        self._queue.append(job)
         self.backlog_tokens += job.tokens
-        self._on_change()
+        if self.cache_images:
+            job.keys = [salted_digest(content_digest(img.data), request.cache_salt) for img in request.images]
+        if job.keys and all(key in self._cache for key in job.keys):
+            # every image cached: answered now, not after the batch window (nothing to encode)
+            self._settle(job, job.queued_s, (self._cached(job.keys), [True] * job.images, None))
+        else:
+            self._queue.append(job)
+            self._on_change()
         try:
             return await job.done
         finally:
@@ -116,9 +124,9 @@ class VisionExecutor:
         caller has left is not encoded again. Any other failure is the encoder's own (a device error) and would
         fail every job again: it fails the batch at once. A failure fails requests, never the engine."""
         images = [img for job in jobs for img in job.request.images]
-        salts = [job.request.cache_salt for job in jobs for _ in job.request.images]
+        keys = [key for job in jobs for key in job.keys]
         try:
-            encoded, hits = await self._encode_uncached(images, salts)
+            encoded, hits = await self._encode_uncached(images, keys)
         except INPUT_ERRORS as exc:
             if len(jobs) == 1:
                 self._settle(jobs[0], start, ([], [], exc))
@@ -152,16 +160,22 @@ class VisionExecutor:
             task.add_done_callback(self._delivering.discard)
         self._on_change()
 
-    async def _encode_uncached(self, images: list[engine_pb2.Image], salts: list[str]) -> (
+    def _cached(self, keys: list[int]) -> list[EncodedImage]:
+        """The cached embeddings of these keys, each now the most recently used."""
+        cache = self._cache
+        for key in keys:
+            cache.move_to_end(key)
+        return [cache[key] for key in keys]
+
+    async def _encode_uncached(self, images: list[engine_pb2.Image], keys: list[int]) -> (
         tuple[list[EncodedImage], list[bool]]
     ):
         """The batch's embeddings in order, and which the encoder did not make (found in the cache, or
         the same image as an earlier one of the batch); the encoder runs on the distinct images the
-        cache does not hold (not at all when it holds every one)."""
+        cache does not hold (not at all when it holds every one). `keys`: the images' cache keys."""
         if not self.cache_images:
             return (await self.encoder.encode_batch(images))[0], [False] * len(images)
         cache = self._cache
-        keys = [salted_digest(content_digest(img.data), salt) for img, salt in zip(images, salts, strict=True)]
         held = {key: cache[key] for key in keys if key in cache}
         missing: dict[int, engine_pb2.Image] = {}
         hits = []   # per image: not run through the encoder (cached, or the same as an earlier one of the batch)

@@ -84,3 +84,21 @@ async def test_an_image_is_cached_only_under_its_requests_cache_salt() -> None:
         await vision.run_batch()
         cached.append((await call).images_cached)
     assert cached == [0, 0, 1, 0] and encoder.encoded == [b"cat"] * 3
+
+
+async def test_a_request_of_cached_images_is_answered_without_waiting_for_a_batch() -> None:
+    """Its images held, there is nothing to encode: it got its reply only when the next batch ran (after
+    the batch window, 50 ms by default), as a miss does."""
+    encoder = CountingEncoder()
+    vision = VisionExecutor(encoder, lambda _to, _emb: asyncio.sleep(0), cache_images=4)
+    await encode(vision, b"cat")
+    call = asyncio.ensure_future(vision.encode(engine_pb2.EncodeRequest(request_id="again", images=[image(b"cat")])))
+    reply = await asyncio.wait_for(call, 5)   # no run_batch: nothing queued for one
+    assert reply.images_cached == 1 and len(reply.embeddings) == 1 and not vision.pending
+    assert (vision.embedding_cache_hits, vision.backlog_tokens) == (1, 0)
+    mixed = asyncio.ensure_future(vision.encode(engine_pb2.EncodeRequest(
+        request_id="mixed", images=[image(b"cat"), image(b"dog")])))
+    await asyncio.sleep(0)
+    assert vision.pending and not mixed.done()   # one image to encode: it waits for its batch
+    await vision.run_batch()
+    assert (await mixed).images_cached == 1 and encoder.encoded == [b"cat", b"dog"]
