@@ -133,7 +133,8 @@ class Runtime:
                 "queue_depth": snap.queue_depth,
                 "waiting": e.reported.waiting,
                 "running": e.reported.running,
-                "in_flight": e.in_flight,
+                "in_flight": e.in_flight,   # language requests (prefill and decode) this gateway has there
+                "encoding_image_tokens": e.vision_in_flight_tokens,   # image tokens of its encodes there now
                 "peer_in_flight": e.peer_in_flight,   # other replicas' (shared through Redis)
                 "kv_free_bytes": snap.kv_free_bytes,
                 "kv_total_bytes": snap.kv_total_bytes,

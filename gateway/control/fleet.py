@@ -371,7 +371,7 @@ class Fleet:
         while (entry := table.get(backend_id)) is not None and (entry.in_flight or entry.vision_in_flight_tokens):
             if loop.time() >= deadline:
                 log.warning("backend_drain_timeout", backend=backend_id, in_flight=entry.in_flight,
-                            timeout_s=self._drain_timeout_s)
+                            encoding_image_tokens=entry.vision_in_flight_tokens, timeout_s=self._drain_timeout_s)
                 if backend_id in self._launchers or backend_id in self._removals:   # stopped or let go now
                     table.cut(backend_id)
                 break

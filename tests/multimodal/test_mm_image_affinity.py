@@ -101,8 +101,10 @@ def test_a_repeated_image_goes_to_the_encoder_that_holds_it_unless_it_is_overloa
         # Six new images on the first encoder (both idle: a tie, the first); meanwhile the picture goes
         # to the second, the first being busy.
         first = busy(gw, pool, VISION_A, *(image(100 + k) for k in range(6)))
+        assert gw.backend(VISION_A)["encoding_image_tokens"] == 6 * 576   # the encode under way, as admin shows it
         assert ask(gw, picture) == VISION_B
         assert first.result() == VISION_A
+        assert gw.backend(VISION_A)["encoding_image_tokens"] == 0
         # Both idle again: the picture goes back where its embedding is (a tie would pick the first)...
         hits = gw.backend(VISION_B)["embedding_cache_hits"]
         assert ask(gw, picture) == VISION_B
