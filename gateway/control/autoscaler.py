@@ -383,7 +383,7 @@ class Autoscaler:
         template = pick_template(pool, self.scaler.pools[pool], fleet.config.raw.backends)
         taken = {b.id for b in fleet.config.raw.backends}
         backend_id = next(i for n in self._numbers if (i := f"{pool}-auto-{n}") not in taken)
-        fleet.add({**template.model_dump(mode="json"), "id": backend_id, "gpu": gpu})
+        fleet.add({**template.model_dump(mode="json"), "id": backend_id, "gpu": gpu}, scaled=True)
         self._added[pool][backend_id] = gpu
         self._arriving.add(backend_id)
         log.info("autoscale_added", pool=pool, backend=backend_id, gpu=gpu, template=template.id)

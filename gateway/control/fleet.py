@@ -126,6 +126,8 @@ class Fleet:
         # removed by a reload to be added again as the file now says: their entry stays in the running file
         # until its successor takes its place (without it, the one language backend's file is invalid)
         self._replacing: set[str] = set()
+        # added by the autoscaler (`add(scaled=True)`): the scaler's, not the file's, so a reload keeps them
+        self._scaled: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self._holder: asyncio.Task[Any] | None = None   # the task applying a change now (`exclusive`)
@@ -150,9 +152,9 @@ class Fleet:
             finally:
                 self._holder = None
 
-    def add(self, body: object) -> str:
+    def add(self, body: object, *, scaled: bool = False) -> str:
         """Add one backend (its id returned); refused whole when invalid. As `drain` and `remove`, called
-        with the fleet held (`exclusive`)."""
+        with the fleet held (`exclusive`). `scaled`: the autoscaler's engine, which a reload keeps."""
         self._allowed()
         spec = parse_backend(body)
         if any(b.id == spec.id for b in self.config.raw.backends):
@@ -168,6 +170,8 @@ class Fleet:
             raise InvalidRequest(f"launch.port {port} is taken twice ({holder}, {spec.id}): the second engine could "
                                  "not listen, and its probe would be answered by the first", code="invalid_backend")
         self._apply_add(config, spec)
+        if scaled:
+            self._scaled.add(spec.id)
         return spec.id
 
     def drain(self, backend_id: str) -> None:
@@ -248,7 +252,9 @@ class Fleet:
         path = self.config.path
         try:
             wanted = load_cluster(path, self.config.catalog)
-            target = self._validated(wanted.raw.backends)
+            named = {b.id for b in wanted.raw.backends}
+            scaled = [b for b in self.config.raw.backends if b.id in self._scaled and b.id not in named]
+            target = self._validated([*wanted.raw.backends, *scaled])   # the scaler's engines stay
         except (ConfigError, RequestError) as exc:
             log.error("config_reload_refused", path=str(path), error=str(exc))
             return
@@ -411,6 +417,7 @@ class Fleet:
         finally:
             self._removals.pop(backend_id, None)
             self._drains.pop(backend_id, None)
+            self._scaled.discard(backend_id)
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         self._background.add(task)

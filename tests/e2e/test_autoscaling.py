@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,11 @@ def test_a_burst_grows_the_vision_pool_and_the_scale_down_drains_losing_nothing(
             gw.wait_until(lambda i=backend_id: gw.backend(i)["healthy"], timeout=60)
         assert metric_total(gw, "heterogate_pool_desired_replicas", pool="vision") == 3
         gw.wait_until(lambda: metric_total(gw, "heterogate_pool_replicas", pool="vision") == 3, timeout=10)
+        # a SIGHUP of the unchanged file keeps the scaler's engines (it drained and stopped them mid-burst)
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: "config_reload_unchanged" in gw.log_path.read_text(), timeout=30)
+        assert {"vision-auto-0", "vision-auto-1"} <= set(vision_ids(gw)) and not any(
+            e.get("event") == "config_reload" for e in log_events(gw))
         served = len(burst.statuses)
         gw.wait_until(lambda: len(burst.statuses) >= served + 8, timeout=120)   # both encoders at work
         statuses = burst.stop()
