@@ -860,7 +860,10 @@ class Pipeline:
             raise NoEncoder(str(last_error) if last_error is not None else "no healthy vision backend")
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
             raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
-        raise NoBackendAvailable("no healthy vision backend is available for the request's images; retry later")
+        # healthy in /admin/backends, but their breakers let nothing through: say so, not "no healthy backend"
+        held = [b for b in self.breakers.blocked() if (e := self.table.get(b)) is not None and e.role in VISION_ROLES]
+        why = f" (circuit breaker open after failures: {', '.join(sorted(held))})" if held else ""
+        raise NoBackendAvailable(f"no healthy vision backend is available for the request's images{why}; retry later")
 
     def _self_encoding(self, backend_id: str, role: Role) -> bool:
         """Whether a language-pool backend takes a request's images without the vision pool: a `both`

@@ -28,7 +28,13 @@ from gateway.pipeline.dispatch import Pipeline, PipelineSettings
 from gateway.pipeline.metrics import GatewayMetrics
 from gateway.pipeline.overload import OverloadGate
 from gateway.pipeline.request_log import RequestLog, RequestRecord
-from gateway.requests.errors import BackendFailure, BackendTimeout, DeadlineExceeded, InvalidRequest
+from gateway.requests.errors import (
+    BackendFailure,
+    BackendTimeout,
+    DeadlineExceeded,
+    InvalidRequest,
+    NoBackendAvailable,
+)
 from gateway.requests.images import ImageInput
 from gateway.requests.job import GenerationJob, Handoff
 from gateway.routing.backend_entry import Reported
@@ -334,6 +340,20 @@ async def test_every_encode_failing_fails_the_request_not_the_language_backend()
     assert err.value.backend_id in {"v1", "v2"} and not err.value.retryable
     assert rec.attempts == 1, "the language backend was not at fault: not re-dispatched"
     assert r.breakers.state("lang") is State.CLOSED and r.in_flight("lang") == (0, 0, 0)
+
+
+async def test_no_encoder_because_its_breaker_is_open_says_so() -> None:
+    """The encoder is healthy (its heartbeats come), its breaker open: the 503 said "no healthy vision
+    backend" while /admin/backends said healthy."""
+    r = rig({"lang": "language", "v1": "vision"}, breaker=BreakerConfig(failure_threshold=1, open_s=60.0))
+    r.fleet.scripts = {"lang": serves}
+    r.fleet.encode_fails = {"v1"}
+    with pytest.raises(BackendFailure):
+        await r.pipeline.start(job(images=1), record(r))
+    assert r.breakers.state("v1") is State.OPEN and r.table.is_healthy(r.table.get("v1"))  # type: ignore[arg-type]
+    with pytest.raises(NoBackendAvailable) as err:
+        await r.pipeline.start(job("r2", images=1), record(r, "r2"))
+    assert "(circuit breaker open after failures: v1)" in err.value.message, err.value.message
 
 
 async def test_a_cancelled_request_releases_its_lease_and_counts_nothing() -> None:
