@@ -611,6 +611,7 @@ class Pipeline:
             + (f" (not the engines {', '.join(record.unable)}: they cannot honour its fields)" if record.unable else "")
             + (f" (not {', '.join(record.no_encoder)}: no vision backend could encode its images for them)"
                if record.no_encoder else "")
+            + self._breakers_open(vision=False)
             + "; retry later"
         )
 
@@ -860,10 +861,15 @@ class Pipeline:
             raise NoEncoder(str(last_error) if last_error is not None else "no healthy vision backend")
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
             raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
-        # healthy in /admin/backends, but their breakers let nothing through: say so, not "no healthy backend"
-        held = [b for b in self.breakers.blocked() if (e := self.table.get(b)) is not None and e.role in VISION_ROLES]
-        why = f" (circuit breaker open after failures: {', '.join(sorted(held))})" if held else ""
-        raise NoBackendAvailable(f"no healthy vision backend is available for the request's images{why}; retry later")
+        raise NoBackendAvailable("no healthy vision backend is available for the request's images"
+                                 f"{self._breakers_open(vision=True)}; retry later")
+
+    def _breakers_open(self, *, vision: bool) -> str:
+        """Why a pool whose backends /admin/backends calls healthy took nothing: their breakers, open
+        after failures (words for a 503; "" when none is)."""
+        held = sorted(b for b in self.breakers.blocked() if (e := self.table.get(b)) is not None and (
+            e.role in VISION_ROLES if vision else e.takes_language))
+        return f" (circuit breaker open after failures: {', '.join(held)})" if held else ""
 
     def _self_encoding(self, backend_id: str, role: Role) -> bool:
         """Whether a language-pool backend takes a request's images without the vision pool: a `both`

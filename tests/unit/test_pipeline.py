@@ -356,6 +356,16 @@ async def test_no_encoder_because_its_breaker_is_open_says_so() -> None:
     assert "(circuit breaker open after failures: v1)" in err.value.message, err.value.message
 
 
+async def test_no_language_backend_because_its_breaker_is_open_says_so() -> None:
+    r = rig({"a": "language"}, max_attempts=1, breaker=BreakerConfig(failure_threshold=1, open_s=60.0))
+    r.fleet.scripts = {"a": fails}
+    with pytest.raises(BackendFailure):
+        await r.pipeline.start(job(), record(r))
+    with pytest.raises(NoBackendAvailable) as err:
+        await r.pipeline.start(job("r2"), record(r, "r2"))
+    assert "(circuit breaker open after failures: a)" in err.value.message, err.value.message
+
+
 async def test_a_cancelled_request_releases_its_lease_and_counts_nothing() -> None:
     r = rig({"a": "language"}, breaker=BreakerConfig(failure_threshold=1, open_s=1.0))
     r.fleet.scripts = {"a": hangs}
