@@ -196,6 +196,9 @@ class Scaler:
         if st.high_since is not None and st.high_load_s >= self._up_delay_s and desired < ceiling:
             target, why = self._step_up(scaling, st, d, wanted, capacity, now)
             if min(target, ceiling) > desired:   # not a step already asked for (export mode: nothing applies it)
+                if target > ceiling:   # the log says why the pool gets fewer than the need asks for
+                    why += (f"; {target} wanted, capped at {ceiling} "
+                            f"({'max' if ceiling == scaling.max else 'the GPUs the inventory has left'})")
                 desired, reason = min(target, ceiling), why
         elif desired > floor:
             fewer, reason = self._step_down(scaling, st, wanted, now, _serving_at(d, desired),

@@ -109,6 +109,10 @@ def test_a_burst_gets_several_engines_in_one_step_within_max_step_max_and_the_in
     for bound, desired in [({"max_step": 2}, 3), ({"max": 4}, 4)]:
         bounded = Scaler(config(vision={**wide, **bound}), clock)
         assert run(bounded, clock, 11, surge)[-1] == desired
+    capped = Scaler(config(vision={**wide, "max": 4}), clock)
+    run(capped, clock, 2, surge)
+    clock.now += 1
+    assert "; 6 wanted, capped at 4 (max)" in capped.decide(surge)["vision"].reason
     assert Scaler(config(), clock).decide(surge)["vision"].desired == 1            # the spell's first tick
     inventory = Scaler(config(vision=wide), clock)
     assert run(inventory, clock, 11, burst(1, 1, 5 * 4096 + 100, addable=2, removable=0))[-1] == 3
