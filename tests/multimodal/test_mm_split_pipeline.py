@@ -266,26 +266,29 @@ def test_a_reused_request_id_does_not_pick_up_a_stale_embedding(gw: Gateway) -> 
     The gateway honours x-request-id and passes it to the engines as the hand-off key. An embedding
     already waiting at the language engine under that id (a late delivery for an earlier request that
     used the same id; planted here over gRPC) is then taken by the new request, whose Generate starts
-    at once on someone else's image instead of waiting for its own (≥ the 25 ms aligned-batch wait).
+    at once on someone else's image instead of waiting for its own (≥ the 25 ms aligned-batch wait). Each
+    request's image is one no encoder holds: a cached one is answered without that wait.
     """
 
-    def handoff_wait(request_id: str) -> float:
+    def handoff_wait(request_id: str, seed: int) -> float:
         count0 = metric_total(gw, "heterogate_handoff_wait_seconds_count", backend=LANGUAGE)
         sum0 = metric_total(gw, "heterogate_handoff_wait_seconds_sum", backend=LANGUAGE)
-        r = post_chat(gw, CASES["one-png"], request_id=request_id)
+        messages = [{"role": "user", "content": [text_part("What is in this picture?"),
+                                                 image_part(url_of(PNG, (64, 48), seed=seed))]}]
+        r = post_chat(gw, messages, request_id=request_id)
         assert r.status_code == 200, r.text
         assert metric_total(gw, "heterogate_handoff_wait_seconds_count", backend=LANGUAGE) - count0 == 1
         return metric_total(gw, "heterogate_handoff_wait_seconds_sum", backend=LANGUAGE) - sum0
 
     # Control: a fresh id waits for its own embedding (encode starts after the 25 ms aligned-batch wait).
-    fresh = handoff_wait("fresh-request-id-1")
+    fresh = handoff_wait("fresh-request-id-1", 9_001)
     assert fresh >= 0.01, fresh
     rid = "reused-request-id-1"
     with grpc.insecure_channel(gw.backend(LANGUAGE)["address"], options=GRPC_OPTIONS) as channel:
         engine_pb2_grpc.EngineStub(channel).DeliverEmbedding(engine_pb2.Embedding(
             request_id=rid, image_index=0, tokens=IMAGE_TOKENS, hidden=4096, dtype="float16",
             data=bytes(EMBEDDING_BYTES)), timeout=10)
-    waited = handoff_wait(rid)
+    waited = handoff_wait(rid, 9_002)
     assert waited >= 0.01, (
         f"the language engine waited {waited * 1000:.2f} ms for this request's image (a fresh id: "
         f"{fresh * 1000:.1f} ms): it used a stale embedding delivered under the same request id")
