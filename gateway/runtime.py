@@ -193,6 +193,13 @@ def pipeline_settings(settings: GatewaySettings) -> PipelineSettings:
     )
 
 
+def index_backend(index: PrefixIndex, table: StateTable, config: ClusterConfig, entry: BackendEntry) -> None:
+    """Give the prefix index a backend a prompt can be routed to (at start-up and when one is added at
+    runtime), sized by its KV capacity in tokens; one that takes no language work is left out."""
+    if entry.takes_language and entry.id not in index:
+        index.add_backend(entry.id, table.kv_capacity(entry)[1] // config.model_of(entry.id).profile.kv_bytes_per_token)
+
+
 def register_backend(table: StateTable, config: ClusterConfig, spec: BackendSpec, address: str | None) -> None:
     """One entry of backends.yaml into the table: at start-up, and when the fleet changes at runtime."""
     table.register(
@@ -243,10 +250,8 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     prefix = routing.prefix_cache
     if prefix.enabled:
         pipeline.prefixes = index = PrefixIndex(prefix.block_tokens, prefix.max_blocks_per_backend)
-        for entry in table.entries():   # the backends a prompt can be routed to
-            if entry.takes_language:
-                per_token = config.model_of(entry.id).profile.kv_bytes_per_token
-                index.add_backend(entry.id, table.kv_capacity(entry)[1] // per_token)
+        for entry in table.entries():
+            index_backend(index, table, config, entry)
         metrics.registry.register(PrefixCollector(index, table))
         pipeline.encoders = EncoderIndex(prefix.images_per_encoder)
     metrics.watch_breakers(lambda backend_id: pipeline.breakers.state(backend_id) is not State.CLOSED)

@@ -60,7 +60,7 @@ from gateway.control.launchers import (
 from gateway.control.supervisor import Supervisor
 from gateway.control.upstream_monitor import UpstreamMonitor
 from gateway.requests.errors import InvalidRequest, RequestError
-from gateway.runtime import Runtime, has_encoders, register_backend, upstream_of
+from gateway.runtime import Runtime, has_encoders, index_backend, register_backend, upstream_of
 
 log = structlog.get_logger("fleet")
 
@@ -342,9 +342,8 @@ class Fleet:
             runtime.clients.ensure(spec.id, address)
         index = runtime.pipeline.prefixes
         entry = runtime.table.get(spec.id)
-        if index is not None and entry is not None and entry.takes_language and spec.id not in index:
-            index.add_backend(spec.id, runtime.table.kv_capacity(entry)[1]
-                              // config.model_of(spec.id).profile.kv_bytes_per_token)
+        if index is not None and entry is not None:
+            index_backend(index, runtime.table, config, entry)
         self._monitor.watch(config, spec, address if port is not None else None)
         if spec.launch is not None:   # every engine the gateway launches, as at start-up (managed_ids)
             self._identities.draw(spec.id)

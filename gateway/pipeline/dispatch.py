@@ -343,7 +343,7 @@ class Dispatch:
         if completed:
             now = p.clock()
             latency_s = now - self.record.started
-            backend = p.metrics.live(self.backend_id),
+            backend = (p.metrics.live(self.backend_id),)   # its label: "(removed)" once it left the fleet
             p.metrics.e2e_seconds.observe(backend, latency_s)
             if self.streamed and completed > 1:   # the request's mean inter-token time
                 p.metrics.itl_seconds.observe(backend, (latency_s - self.ttft_s) / (completed - 1))
