@@ -38,7 +38,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     launch = {"time_scale": 1.0, "memory_utilization": 0.25}
     config = write_config(tmp_path_factory.mktemp("cache_aware"), {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": b, "role": "language", "gpu": "A100-80GB", "launch": launch} for b in BACKENDS],
     })
     with run_gateway(config) as gateway:
@@ -144,7 +144,7 @@ def test_affinity_gives_way_when_the_cached_backend_is_overloaded(gw: Gateway) -
 def cold_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     config = write_config(tmp_path_factory.mktemp("cold_cache"), {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": "a100-a", "role": "language", "gpu": "A100-80GB", "launch": {"time_scale": 1.0}}],
     })
     with run_gateway(config) as gateway:
@@ -173,7 +173,7 @@ def test_a_cold_engines_first_misses_do_not_turn_the_index_off(cold_gw: Gateway)
 def monolithic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """One engine that encodes its own images (role both): what it caches is what the test reads."""
     config = write_config(tmp_path_factory.mktemp("image_places"), {
-        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": "h100-both", "role": "both", "gpu": "H100", "launch": {}}]})
     with run_gateway(config) as gateway:
         yield gateway
@@ -220,7 +220,7 @@ def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     (tmp / "cluster.token").write_text("cluster-secret\n")
     config = write_config(tmp, {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100,
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
                     "auth": {"admin_keys_file": str(tmp / "admin.keys"),
                              "cluster_token_file": str(tmp / "cluster.token")},
                     "tenants": {"isolate_prefix_cache": True, "teams": {

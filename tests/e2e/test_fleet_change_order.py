@@ -87,6 +87,7 @@ def test_with_replicas_a_sighup_on_an_unchanged_file_is_a_quiet_no_op(tmp_path: 
     """A change is still refused there, as an error naming why."""
     with redis_prefix("fleet-reload") as prefix:
         path = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100,
+                                                                   "heartbeat_miss_limit": 20,
                                                                    "redis": {"key_prefix": prefix}},
                                        "backends": [engine("l40s-0", "L40S")]})
         with run_gateway(path, "--redis-url", SYSTEM_REDIS, "--log-level", "info") as gw:

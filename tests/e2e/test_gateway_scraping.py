@@ -17,7 +17,7 @@ def test_scraped_backend_is_healthy_and_follows_its_metrics(tmp_path: Path) -> N
     try:
         config = write_config(tmp_path, {
             "model": MODEL,
-            "gateway": {"heartbeat_interval_ms": 100},
+            "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
             "backends": [{"id": "scraped", "kind": "openai", "gpu": "L40S", "address": url,
                           "scrape": {"engine": "vllm", "interval_ms": 100}}],
         })

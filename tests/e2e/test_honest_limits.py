@@ -39,7 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     extra: dict[str, dict[str, Any]] = {"short": {"kv_capacity_tokens": 60_000}, "plain": {"max_model_len": 40_000}}
     config = write_config(tmp, {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100,
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
                     "limits": {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_tokens": 16_384}},
         "backends": [{"id": bid, "kind": "openai", "gpu": "L40S", "address": urls[bid],
                       "scrape": {"engine": ENGINES[bid][1], "interval_ms": 100}, **extra.get(bid, {})}

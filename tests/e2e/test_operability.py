@@ -34,7 +34,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
     vision_port = free_port()
     config = write_config(tmp, {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [
             {"id": "lang-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}},
             {"id": VISION, "role": "vision", "gpu": "L40S", "address": f"127.0.0.1:{vision_port}"},

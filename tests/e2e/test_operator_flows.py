@@ -38,7 +38,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     config = write_config(tmp, {
         "model": MODEL,
         "gateway": {
-            "heartbeat_interval_ms": 100,
+            "heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
             "auth": {"admin_keys_file": str(tmp / "admin.keys"), "cluster_token_file": str(tmp / "cluster.token")},
             "tenants": {"teams": {
                 "large": {"api_keys_file": str(tmp / "large.keys"), "tokens_per_minute": 100},

@@ -51,7 +51,7 @@ def test_admin_pids_and_the_replica_on_every_request_line(tmp_path: Path) -> Non
         with redis_prefix("views") as prefix:
             config = write_config(tmp_path, {
                 "model": MODEL,
-                "gateway": {"heartbeat_interval_ms": 100, "redis": {"key_prefix": prefix}},
+                "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20, "redis": {"key_prefix": prefix}},
                 "backends": [
                     {"id": "h100-0", "gpu": "H100", "launch": {"time_scale": 0.05}},
                     {"id": "scraped", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",

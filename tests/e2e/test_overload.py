@@ -31,7 +31,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp: Path = tmp_path_factory.mktemp("overload")
     config = write_config(tmp, {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100,
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
                     "overload": {"enabled": True, "ttft_slo_s": 1.0, "hold_above_s": 0.2, "max_wait_s": 0.8,
                                  "max_queued": 16}},
         "backends": [{"id": f"l40s-{k}", "role": "language", "gpu": "L40S", "launch": {"time_scale": 1.0}}

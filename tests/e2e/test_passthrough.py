@@ -47,7 +47,7 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway
     url = f"http://127.0.0.1:{port}"
     engine = spawn("tests.fake_openai_server", "--port", str(port), "--api-key", KEY)
     config = write_config(tmp, {
-        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": "recorder", "kind": "openai", "gpu": "H100", "address": url,
                       "upstream_model": UPSTREAM_MODEL, "api_key_env": "HG_TEST_UPSTREAM_KEY",
                       "scrape": {"engine": "vllm", "interval_ms": 100}}],
@@ -167,7 +167,7 @@ def test_an_isolated_tenants_salt_reaches_the_upstream(tmp_path: Path) -> None:
         (tmp_path / f"{name}.keys").write_text(f"{secret}\n")
     config = write_config(tmp_path, {
         "model": MODEL, "gateway": {
-            "heartbeat_interval_ms": 100,
+            "heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
             "auth": {"admin_keys_file": str(tmp_path / "admin.keys"),
                      "cluster_token_file": str(tmp_path / "cluster.keys")},
             "tenants": {"isolate_prefix_cache": True,
@@ -197,7 +197,7 @@ def test_fields_only_an_upstream_honours_route_past_the_engines_beside_it(tmp_pa
     port = free_port()
     engine = spawn("tests.fake_openai_server", "--port", str(port))
     config = write_config(tmp_path, {
-        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.2}},
                      {"id": "a100-0", "role": "language", "gpu": "A100-80GB", "launch": {"time_scale": 0.2}},
                      {"id": "upstream", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",

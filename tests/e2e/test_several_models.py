@@ -28,7 +28,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
     config = write_config(tmp, {
         "model": LLAVA, "aliases": ["llava"],
         "models": [{"name": LLAMA, "catalog": "llama-2-7b", "aliases": ["llama-chat"]}],
-        "gateway": {"heartbeat_interval_ms": 100},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [
             {"id": "llava-0", "gpu": "H100", "launch": fast},
             {"id": "llava-1", "gpu": "A100-80GB", "launch": fast},

@@ -24,7 +24,8 @@ MODEL = "llava-1.5-7b"
 
 def cluster(tmp: Path, drain_s: float) -> Path:
     # time_scale 20: a token every ~0.1-0.2 s, so a long answer outlasts a short drain
-    return write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "drain_timeout_s": drain_s},
+    return write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
+                                                          "drain_timeout_s": drain_s},
                               "backends": [{"id": "h100-0", "gpu": "H100", "launch": {"time_scale": 20.0}}]})
 
 

@@ -274,7 +274,8 @@ def test_an_image_request_traces_encode_hand_off_and_both_engines(
     the gateway's attempt (the language engine) and encode (the vision engine) spans."""
     received, endpoint = collector
     launch = {"time_scale": 0.05}
-    config = write_config(tmp_path, {"model": "llava-1.5-7b", "gateway": {"heartbeat_interval_ms": 100}, "backends": [
+    gateway = {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20}
+    config = write_config(tmp_path, {"model": "llava-1.5-7b", "gateway": gateway, "backends": [
         {"id": "lang-0", "role": "language", "gpu": "H100", "launch": launch},
         {"id": "vis-0", "role": "vision", "gpu": "RTX-4090", "launch": launch}]})
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"

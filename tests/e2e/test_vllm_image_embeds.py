@@ -36,7 +36,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
     config = write_config(tmp, {
         "model": MODEL,
         # the fake upstream decodes the embeddings but runs no model: simulated ones are fine here
-        "gateway": {"heartbeat_interval_ms": 100, "stealing": {"enabled": False}, "simulated_embeddings": True},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
+                    "stealing": {"enabled": False}, "simulated_embeddings": True},
         "backends": [
             {"id": VISION, "role": "vision", "gpu": "RTX-4090", "launch": {"time_scale": 0.2}},
             {"id": UPSTREAM, "kind": "openai", "gpu": "A100-80GB", "address": url, "image_embeds": True,

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def test_an_idle_engine_stream_outlives_the_gateways_pings(tmp_path: Path) -> None:
     config = write_config(tmp_path, {
-        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100},
+        "model": MODEL, "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": "h100-0", "gpu": "H100", "launch": {"time_scale": 0.05}}],
     })
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_image_requests_go_to_a_both_engine_when_no_encoder_is_left(tmp_path: Path) -> None:
     config = write_config(tmp_path, {
         "model": MODEL,
-        "gateway": {"heartbeat_interval_ms": 100, "stealing": {"enabled": False}},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20, "stealing": {"enabled": False}},
         "backends": [
             {"id": "h100-0", "role": "language", "gpu": "H100", "launch": {}},
             {"id": "l40s-b", "role": "both", "gpu": "L40S", "launch": {}},

@@ -28,7 +28,7 @@ SHARED = "You answer questions about the refund policy, briefly and politely, ci
 def gw(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     cfg = write_config(tmp_path_factory.mktemp("torch-prefix"), {
         "model": TINY,
-        "gateway": {"heartbeat_interval_ms": 100},
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": b, "role": "language", "gpu": "H100", "launch": launch(tiny_model_dir)}
                      for b in BACKENDS],
     })
