@@ -60,6 +60,7 @@ from gateway.config.autoscaling import (
 )
 from gateway.control.fleet import Fleet
 from gateway.requests.errors import RequestError
+from gateway.routing.backend_entry import BackendEntry
 from gateway.routing.policies.first_token import predicted_ttft_s
 from gateway.routing.state_table import StateTable
 from gateway.runtime import Runtime
@@ -112,13 +113,18 @@ def pressure(scaling: PoolScaling, demand: PoolDemand) -> float:
     return wanted / demand.serving
 
 
+def pool_members(table: StateTable, pool: Pool) -> list[BackendEntry]:
+    """The pool's engines in `table`: its roles', not draining (starting ones included)."""
+    roles = POOL_ROLES[pool]
+    return [e for e in table.entries() if e.role in roles and not table.is_draining(e.id)]
+
+
 def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting: int = 0, arriving: int = 0,
                 leaving: int = 0, addable: int | None = None, removable: int | None = None) -> PoolDemand:
     """The pool's demand as `table` shows it now: its members not draining (starting ones included), the
     healthy ones, and their backlogs; for the language pool also the requests they hold plus `waiting`
     (at admission) and the best healthy engine's predicted time to first token."""
-    roles = POOL_ROLES[pool]
-    members = [e for e in table.entries() if e.role in roles and not table.is_draining(e.id)]
+    members = pool_members(table, pool)
     serving = [e for e in members if table.is_healthy(e)]
     snaps = [table.snapshot(e) for e in members]
     if pool == "vision":
@@ -293,6 +299,10 @@ class Autoscaler:
         self._leaving: dict[str, Pool] = {}   # removed, still in the table
         self._numbers = itertools.count()
 
+    @property
+    def table(self) -> StateTable:
+        return self._runtime.table
+
     def collector(self) -> Collector:
         return _PoolCollector(self)
 
@@ -401,7 +411,8 @@ class Autoscaler:
 
 
 class _PoolCollector(Collector):
-    """The scaler's last decision per pool, read at scrape time."""
+    """The scaler's last decision per pool, and the engines each pool holds now, read at scrape time: a
+    step applied, or an admin call's drain, shows at once, not a tick (`interval_s`) later."""
 
     def __init__(self, autoscaler: Autoscaler) -> None:
         self._autoscaler = autoscaler
@@ -414,6 +425,6 @@ class _PoolCollector(Collector):
                                  "(1 or more: high)", labels=["pool"])
         for pool, decision in self._autoscaler.decisions.items():
             desired.add_metric([pool], decision.desired)
-            current.add_metric([pool], decision.current)
+            current.add_metric([pool], len(pool_members(self._autoscaler.table, pool)))
             load.add_metric([pool], decision.pressure)
         yield from (desired, current, load)

@@ -78,3 +78,23 @@ def test_the_exported_desired_count_returns_to_min_after_a_burst(tmp_path: Path)
         gw.wait_until(lambda: desired() == 1, timeout=30)
         assert metric_total(gw, "heterogate_pool_replicas", pool="language") == 1
         assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
+
+
+def test_the_pools_engines_count_shows_a_drain_at_once_not_a_tick_later(tmp_path: Path) -> None:
+    """heterogate_pool_replicas is read at scrape time: with a decision a minute apart, an admin drain
+    showed in it only at the next one."""
+    config = write_config(tmp_path, {
+        "model": MODEL,
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
+                    "autoscaling": {"mode": "export", "interval_s": 60, "pools": {"language": {"min": 1, "max": 4}}}},
+        "backends": [{"id": f"l40s-{k}", "role": "language", "gpu": "L40S", "launch": {}} for k in range(2)],
+    })
+    with run_gateway(config) as gw:
+        def replicas() -> float:
+            return metric_total(gw, "heterogate_pool_replicas", pool="language")
+
+        assert gw.wait_until(lambda: replicas() == 2, timeout=10)
+        drained = httpx.post(f"{gw.url}/admin/backends/l40s-1/drain", headers=gw.admin_headers, timeout=10)
+        assert drained.status_code == 202, drained.text
+        assert gw.wait_until(lambda: replicas() == 1, timeout=10)
+        assert metric_total(gw, "heterogate_pool_desired_replicas", pool="language") == 2   # the minute's decision
