@@ -37,8 +37,10 @@ def guarded_engine(tmp: Path) -> Iterator[tuple[int, int]]:
             stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
+        # until the engine has exec'd: a forked child's cmdline is the guard's, which names the engine too, and
+        # while the exec replaces it /proc may read empty (adoption then saw no engine there)
         while not (children := Path(f"/proc/{guard.pid}/task/{guard.pid}/children").read_text().split()) or \
-                b"backends.engine" not in Path(f"/proc/{children[0]}/cmdline").read_bytes():   # forked, not yet exec'd
+                not exec_done(Path(f"/proc/{children[0]}/cmdline").read_bytes()):
             assert time.monotonic() < deadline, "the guard started no engine"
             time.sleep(0.05)
         yield guard.pid, int(children[0])
@@ -46,6 +48,10 @@ def guarded_engine(tmp: Path) -> Iterator[tuple[int, int]]:
         if guard.poll() is None:
             guard.terminate()
         guard.wait(15)
+
+
+def exec_done(cmdline: bytes) -> bool:
+    return b"backends.engine" in cmdline and b"process_guard" not in cmdline
 
 
 def admitting(digests: dict[str, str]) -> EngineIdentities:
