@@ -842,7 +842,8 @@ class Pipeline:
                 reply = await self._encode_on(vision_id, client, request, job.image_tokens, record.deadline,
                                               record.trace)
             except BaseException as exc:
-                if isinstance(exc, BackendFailure) and self.backend_fault(exc, vision_id, record):
+                if isinstance(exc, BackendFailure) and self.backend_fault(exc, vision_id, record) \
+                        and not self._queued_too_long(exc, vision_id):
                     self.breakers.on_failure(vision_id)
                 else:
                     self.breakers.on_abandon(vision_id)
@@ -860,9 +861,17 @@ class Pipeline:
         if self._encodes_itself(job, [language.id, *record.failed, *record.closed, *record.unable]):
             raise NoEncoder(str(last_error) if last_error is not None else "no healthy vision backend")
         if last_error is not None:   # the language backend is fine: do not re-dispatch it for this
-            raise BackendFailure(str(last_error), backend_id=last_error.backend_id, retryable=False)
+            kind = BackendTimeout if isinstance(last_error, BackendTimeout) else BackendFailure
+            raise kind(last_error.message, backend_id=last_error.backend_id, retryable=False)
         raise NoBackendAvailable("no healthy vision backend is available for the request's images"
                                  f"{self._breakers_open(vision=True)}; retry later")
+
+    def _queued_too_long(self, error: BackendFailure, vision_id: str) -> bool:
+        """An encode that timed out on a vision backend whose heartbeats still come: queued behind a
+        burst, not broken (an engine that hangs stops heartbeating and leaves the pool by that), so no
+        fault for its breaker, which would turn the whole pool away from requests it can serve."""
+        entry = self.table.get(vision_id)
+        return isinstance(error, BackendTimeout) and entry is not None and self.table.is_healthy(entry)
 
     def _breakers_open(self, *, vision: bool) -> str:
         """Why a pool whose backends /admin/backends calls healthy took nothing: their breakers, open
@@ -904,6 +913,9 @@ class Pipeline:
         except BaseException as exc:
             if encode is not None:
                 encode.end(None, exc)
+            if isinstance(exc, BackendTimeout) and timeout_s == self.settings.handoff_timeout_s:
+                raise BackendTimeout(f"backend {backend_id}: the images' encode did not finish within "
+                                     f"{timeout_s:g} s (gateway.handoff_timeout_s)", backend_id=backend_id) from None
             raise
         finally:
             self.table.release_vision(encoding, tokens)
