@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
+import structlog
 from pydantic import ValidationError
 
 from gateway.doors.client_errors import client_view, error_headers, error_json
@@ -45,6 +46,8 @@ from gateway.requests.openai_types import ChatCompletionRequest, CompletionReque
 from gateway.runtime import Runtime
 
 S = TypeVar("S", ChatCompletionRequest, CompletionRequest)
+
+log = structlog.get_logger("gateway.http")
 
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
@@ -100,6 +103,16 @@ class CompletionsDoor:
         self._model_name = self._jobs.model_name
         self._requests = RequestLog(runtime.metrics, runtime.pipeline.policy.name, runtime.pipeline.tenants,
                                    runtime.pipeline.tracing)
+
+    def refused_while_read(self, path: bytes, status: int, request_id: str, message: str) -> None:
+        """A completion request the server refused before its handler (a body over the limit or too slow,
+        headers too large): counted and logged as every request is. Other paths' refusals: a log line."""
+        served = ENDPOINTS.get(path.decode("latin-1"))
+        if served is None:
+            log.warning("http_request_refused", path=path.decode("latin-1")[:256], status=status,
+                        request_id=request_id, error=message)
+            return
+        self._requests.finish(RequestRecord(request_id, served[0]), status, error=message)
 
     def routes(self) -> dict[str, Handler]:
         # partial, not a wrapping coroutine: one frame fewer to pass through on every resume

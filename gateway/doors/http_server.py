@@ -554,6 +554,8 @@ class _Connection(asyncio.Protocol):
         given = find_header(self._headers, b"x-request-id")
         rid = new_request_id(given.decode("latin-1") if given is not None else None).encode()
         body = error_body(status, message)
+        if self._server.on_refused is not None:
+            self._server.on_refused(self._url.partition(b"?")[0], status, rid.decode(), message)
         headers = [(b"content-type", _JSON), (b"x-request-id", rid)]
         if self._server.cors is not None:   # the headers read so far: enough for `Origin`, unless it came late
             headers.extend(self._server.cors.headers(self._headers) or ())
@@ -627,14 +629,21 @@ class _Connection(asyncio.Protocol):
             self._transport.abort()
 
 
+# Told of each request refused while it was read (413, 408, 431, 414, 400): its path as sent (up to the
+# query; what was read of it), status, request id and message. No handler ever sees such a request.
+OnRefused = Callable[[bytes, int, str, str], None]
+
+
 class HttpServer:
     """Serves `routes` (exact paths) with their handlers, and every other path with `fallback`; with
-    `cors`, CORS on every path (`Cors`)."""
+    `cors`, CORS on every path (`Cors`); `on_refused` hears of the requests refused while read."""
 
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, max_body_bytes: int, idle_s: float,
-                 body_timeout_s: float, ssl_context: ssl.SSLContext | None = None, cors: Cors | None = None) -> None:
+                 body_timeout_s: float, ssl_context: ssl.SSLContext | None = None, cors: Cors | None = None,
+                 on_refused: OnRefused | None = None) -> None:
         self.routes = routes
         self.cors = cors
+        self.on_refused = on_refused
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
         self.idle_s = idle_s

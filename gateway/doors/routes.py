@@ -92,7 +92,8 @@ def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext |
                   fleet: Fleet | None = None) -> HttpServer:
     """The front door: the completions door's handlers, and the route table for every other path."""
     table = route_table(runtime, fleet)
-    completions = CompletionsDoor(runtime).routes()
+    door = CompletionsDoor(runtime)
+    completions = door.routes()
     table.served_elsewhere(completions)
     cors = runtime.config.settings.cors
     return HttpServer({**table.handlers(), **completions}, table.fallback,
@@ -100,4 +101,5 @@ def create_server(runtime: Runtime, idle_s: float, ssl_context: ssl.SSLContext |
                       body_timeout_s=runtime.limits.body_timeout_s, ssl_context=ssl_context,
                       cors=Cors(cors.allow_origins, allow_methods=cors.allow_methods, allow_headers=cors.allow_headers,
                                 expose_headers=cors.expose_headers, max_age_s=cors.max_age_s,
-                                allow_credentials=cors.allow_credentials) if cors.allow_origins else None)
+                                allow_credentials=cors.allow_credentials) if cors.allow_origins else None,
+                      on_refused=door.refused_while_read)

@@ -69,7 +69,7 @@ def limits_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         },
         "backends": [{"id": "l4-0", "gpu": "L4", "launch": {"time_scale": 1.0}}],
     })
-    with run_gateway(config) as gw:
+    with run_gateway(config, "--log-level", "info") as gw:   # the request lines
         yield gw
 
 
@@ -297,8 +297,19 @@ def test_completions_prompt_over_the_limit_is_400_naming_prompt(limits_gw: Gatew
 
 
 def test_body_over_max_body_bytes_is_413(limits_gw: Gateway) -> None:
-    r = post(limits_gw, CHAT, json=chat("y" * (MAX_BODY_BYTES + 100)))
+    """... and counted and logged as every request is (no handler sees it: there was no trace of it)."""
+    before = metric_total(limits_gw, "heterogate_requests_total", endpoint="chat", status="413")
+    rid = "too-large-body"
+    r = post(limits_gw, CHAT, json=chat("y" * (MAX_BODY_BYTES + 100)), headers={"x-request-id": rid})
     assert_openai_error(r, 413, type_="invalid_request_error", code="payload_too_large")
+    assert metric_total(limits_gw, "heterogate_requests_total", endpoint="chat", status="413") == before + 1
+
+    def logged() -> list[dict[str, Any]]:
+        lines = [json.loads(ln) for ln in limits_gw.log_path.read_text().splitlines() if ln.startswith("{")]
+        return [ln for ln in lines if ln.get("event") == "request" and ln.get("request_id") == rid]
+
+    line = limits_gw.wait_until(logged, timeout=5)[0]
+    assert line["status"] == 413 and "limit" in line["error"], line
 
 
 def test_grpc_door_honours_max_body_bytes_and_max_prompt_tokens(limits_gw: Gateway) -> None:
