@@ -157,7 +157,7 @@ def check_config(argv: list[str]) -> None:
     config = checked.config
     models = ", ".join(config.models.models)
     print(f"{config.path}: OK ({'models' if len(config.models) > 1 else 'model'} {models}, "
-          f"{len(config.raw.backends)} backends)")
+          f"{len(config.raw.backends)} backend{'' if len(config.raw.backends) == 1 else 's'})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -88,6 +88,32 @@ def test_check_config_rejects_a_broken_file(tmp_path: Path, backend: str, field:
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize(("section", "field"), [
+    # each was accepted: a negative image count refused every image request at run time
+    ("images: {max_images: -1}", "gateway.images.max_images"),
+    ("images: {max_image_bytes: 0}", "gateway.images.max_image_bytes"),
+    ("images: {max_image_pixels: -4}", "gateway.images.max_image_pixels"),
+    ("images: {fetch_timeout_s: -5}", "gateway.images.fetch_timeout_s"),
+    ("limits: {default_max_tokens: 5000}", "default_max_tokens (5000) is above max_tokens (4096)"),
+])
+def test_check_config_rejects_limits_out_of_range(tmp_path: Path, section: str, field: str) -> None:
+    bad = tmp_path / "backends.yaml"
+    bad.write_text(f"model: llava-1.5-7b\ngateway:\n  {section}\nbackends:\n  - {{id: l4-0, gpu: L4, launch: {{}}}}\n")
+    result = gateway("check-config", str(bad))
+    assert result.returncode == 2 and field in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_config_counts_one_backend_as_one(tmp_path: Path) -> None:
+    one = tmp_path / "backends.yaml"   # a cap below the built-in default (256) cuts that default, as before
+    one.write_text("model: llava-1.5-7b\ngateway:\n  images: {max_images: 0}   # text only\n"
+                   "  limits: {max_tokens: 64}\n"
+                   "backends:\n  - {id: l4-0, gpu: L4, launch: {}}\n")
+    result = gateway("check-config", str(one))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{one}: OK (model llava-1.5-7b, 1 backend)"
+
+
 def ctrl_c_default() -> None:
     """SIGINT as a terminal leaves it (a test run in the background inherits it ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -293,6 +293,14 @@ class Limits(StrictModel):
     first_token_ttft_factor: PositiveFloat = 4.0       # (the pipeline's `predicted_ttft_s`), at most the timeout
     request_timeout_s: PositiveFloat = 600.0       # server maximum; clients may ask for less (x-request-timeout)
 
+    @model_validator(mode="after")
+    def _default_within_max(self) -> Limits:
+        """An explicit default above the cap contradicts it; the built-in one is cut to the cap."""
+        if "default_max_tokens" in self.model_fields_set and self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is above max_tokens ({self.max_tokens}), "
+                             "the most a request may ask for")
+        return self
+
 
 class KeepAliveConfig(StrictModel):
     """Idle keep-alive on both sides of the gateway.

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from PIL import Image, UnidentifiedImageError
+from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
 from common.catalog import ModelProfile
 from common.prefix_blocks import content_digest, salted_digest
@@ -35,12 +36,12 @@ MAX_ASPECT_RATIO = 200   # Qwen2-VL's smart_resize refuses longer sides than thi
 
 
 class ImageLimits(StrictModel):
-    max_images: int = 8                    # per request
-    max_image_bytes: int = 10 << 20
-    max_image_pixels: int = 4096 * 4096
+    max_images: NonNegativeInt = 8         # per request; 0: text only
+    max_image_bytes: PositiveInt = 10 << 20
+    max_image_pixels: PositiveInt = 4096 * 4096
     remote_urls: bool = False              # fetch http(s) image URLs at all
     allow_private_addresses: bool = False  # let remote URLs reach loopback/private/link-local hosts
-    fetch_timeout_s: float = 5.0
+    fetch_timeout_s: PositiveFloat = 5.0
 
 
 @dataclass(frozen=True, slots=True)
