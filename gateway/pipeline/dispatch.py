@@ -668,9 +668,12 @@ class Pipeline:
         record.attempt(backend.id)
         self.breakers.on_dispatch(backend.id)
         cached = self._routed(record, backend)
+        # images encoded on another backend: no prefill there before their embeddings come (a `both` engine
+        # encodes its own, GPU time ahead of the prompt's prefill)
+        elsewhere = bool(job.images) and client.handoff != "none" and backend.role != "both"
         dispatch = Dispatch(self, job, decision, record,
                             self.table.acquire(backend.id, job.prompt_tokens + job.image_tokens, job.max_tokens,
-                                               cached))
+                                               cached, awaiting_inputs=elsewhere))
         if record.trace is not None:   # the engine's spans join the dispatch's
             dispatch.trace = record.trace.attempt(decision, record.attempts)
             job = job.traced(dispatch.trace.traceparent, tracestate(record.tracestate))
@@ -740,6 +743,7 @@ class Pipeline:
             if client.handoff == "inline":   # encode first: the embeddings go in the request
                 dispatch.vision_backend_id, reply = await self._encode(job, key, backend, "", record)
                 job = replace(job, embeddings=tuple(reply.embeddings))
+                self.table.inputs_delivered(dispatch.lease)
             stream = self._send(dispatch, job, client, record)
             task = asyncio.current_task()
             assert task is not None
@@ -764,6 +768,7 @@ class Pipeline:
                 if encoding.exception() is not None:
                     raise encoding.exception()  # type: ignore[misc]
                 self.watch.arm(wait)
+                self.table.inputs_delivered(dispatch.lease)
             try:
                 first = await first_read
             except asyncio.CancelledError:

@@ -145,3 +145,6 @@ class Lease:
     first_token_features: tuple[float, ...] = ()   # the first-token model's, at dispatch (common.calibration)
     stall_mark: tuple[float, int] | None = None    # the backend's stall clock at its first token
     entry: BackendEntry | None = None         # the entry it counts in (one of that id registered later: not it)
+    max_tokens: int = 0
+    awaiting_inputs: bool = False             # its images' embeddings are still to come: not prefilling yet
+    mostly_cached: bool = False               # most of its prompt predicted cached there: no p̂ sample

@@ -290,33 +290,61 @@ class StateTable:
         entry.last_heartbeat = self.clock()
         entry.snapshot = None   # the pools re-read its heartbeat (kept, it left them once its last one aged)
 
-    def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0, cached_tokens: int = 0) -> Lease:
+    def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0, cached_tokens: int = 0,
+                awaiting_inputs: bool = False) -> Lease:
         """`cached_tokens`: of the prompt, those the backend's prefix cache is predicted to hold: only the
         rest joins its prefill backlog, its stall clock and the lease's prefill (the KV reservation is
-        the whole prompt + max_tokens)."""
+        the whole prompt + max_tokens). `awaiting_inputs`: the engine cannot start its prefill before
+        its images' embeddings come (`inputs_delivered`): until then it is in flight and holds its KV,
+        but is no prefill backlog, and a stall cannot delay its tokens (its inter-token slack starts
+        then). Counted at once, a burst of image requests waiting on a slow encoder
+        read as seconds of prefill on an idle language engine: the overload gate turned text requests
+        away with 429, and each image request's encode wait taught p̂ as its prefill (4x too slow)."""
         entry = self._entries[backend_id]
-        prefilled = prompt_tokens - cached_tokens
         decided = entry.cached or entry.blind   # the snapshot the decision read (none: no first-token sample)
-        features = () if decided is None else first_token_features(decided, prefilled, prompt_tokens + max_tokens)
+        prefilled = prompt_tokens - cached_tokens
         entry.in_flight += 1
-        entry.prefilling += 1
-        entry.prefill_backlog_tokens += prefilled
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
+        lease = Lease(backend_id, prefilled, prompt_tokens + max_tokens, 0, 0.0, entry=entry, max_tokens=max_tokens,
+                      awaiting_inputs=awaiting_inputs, mostly_cached=2 * cached_tokens > prompt_tokens)
+        if not awaiting_inputs:
+            self._start_prefill(entry, lease, decided)
         entry.snapshot = None
-        # tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
-        # on this request's own few tokens. 0 (no prefill sample) for a prompt predicted more than half
-        # cached: its first token is mostly what the engine spends on any request, and where the prediction
-        # is wrong the tokens it prefilled are not these; divided by the few predicted uncached, either made
-        # a hit's sample many times the backend's prefill time (an H100 learned 14x its rate over one
-        # conversation, and new prompts went to an idle L40S). A short shared prefix (a system prompt
-        # ahead of long questions) still leaves samples, or p̂ would never leave its prior there.
-        mostly_cached = 2 * cached_tokens > prompt_tokens
-        ahead = 0 if mostly_cached else entry.prefill_backlog_tokens + entry.peer.prefill_backlog_tokens
+        return lease
+
+    def inputs_delivered(self, lease: Lease) -> None:
+        """The embeddings of an `awaiting_inputs` lease reached its engine: its prefill is queued from now,
+        and its first-token sample counts from now, with what is ahead of it now."""
+        if not lease.awaiting_inputs:
+            return
+        lease.awaiting_inputs = False
+        entry = self._registered(lease.entry)
+        if entry is None or lease.first_token_s is not None:
+            return
+        self._start_prefill(entry, lease, self.snapshot(entry))
+        entry.snapshot = None
+
+    def _start_prefill(self, entry: BackendEntry, lease: Lease, seen: BackendSnapshot | None) -> None:
+        """`lease`'s prompt joins the backlog and the stall clock. `seen`: the backend as the request found
+        it (none: no first-token model sample).
+
+        Tokens ahead: the other replicas' backlog too (as last shared), or p̂ would blame their prompts' wait
+        on this request's own few tokens. 0 (no prefill sample) for a prompt predicted more than half
+        cached: its first token is mostly what the engine spends on any request, and where the prediction
+        is wrong the tokens it prefilled are not these; divided by the few predicted uncached, either made
+        a hit's sample many times the backend's prefill time (an H100 learned 14x its rate over one
+        conversation, and new prompts went to an idle L40S). A short shared prefix (a system prompt
+        ahead of long questions) still leaves samples, or p̂ would never leave its prior there."""
+        lease.first_token_features = () if seen is None else first_token_features(seen, lease.prompt_tokens,
+                                                                                  lease.reserve_tokens)
+        entry.prefilling += 1
+        entry.prefill_backlog_tokens += lease.prompt_tokens
+        lease.tokens_ahead = 0 if lease.mostly_cached else entry.prefill_backlog_tokens + \
+            entry.peer.prefill_backlog_tokens
         speed = entry.speed
-        deadline = entry.slack.add(prefilled, max_tokens, speed.prefill.value, speed.decode_floor_s,
-                                   speed.stall_factor, speed.stall_per_prompt_s)
-        return Lease(backend_id, prefilled, prompt_tokens + max_tokens, ahead, self.clock(), None, deadline,
-                     features, entry=entry)
+        lease.itl_deadline = entry.slack.add(lease.prompt_tokens, lease.max_tokens, speed.prefill.value,
+                                             speed.decode_floor_s, speed.stall_factor, speed.stall_per_prompt_s)
+        lease.dispatched_s = self.clock()
 
     def first_token(self, lease: Lease) -> None:
         """The lease's first token arrived: its prompt leaves the backlog and its TTFT teaches p̂."""
@@ -326,8 +354,11 @@ class StateTable:
         entry = self._registered(lease.entry)
         if entry is None:
             return
-        self._end_prefill(entry, lease)
-        entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead, lease.first_token_features)
+        if lease.awaiting_inputs:   # came before the gateway heard of the delivery: no start to time it from
+            lease.awaiting_inputs = False
+        else:
+            self._end_prefill(entry, lease)
+            entry.speed.first_token(now - lease.dispatched_s, lease.tokens_ahead, lease.first_token_features)
         lease.stall_mark = entry.slack.mark()
         entry.snapshot = None
 
@@ -342,7 +373,8 @@ class StateTable:
         entry.slack.remove(lease.itl_deadline)
         lease.itl_deadline = None
         if lease.first_token_s is None:
-            self._end_prefill(entry, lease)
+            if not lease.awaiting_inputs:   # still waiting for its embeddings, it was no backlog
+                self._end_prefill(entry, lease)
         elif completion_tokens:
             stalls = None if lease.stall_mark is None else entry.slack.stalls_since(lease.stall_mark)
             entry.speed.completed(lease.prompt_tokens, completion_tokens, self.clock() - lease.first_token_s, stalls)

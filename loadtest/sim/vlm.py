@@ -127,11 +127,25 @@ class VlmEngine(BatchEngine):
 
 
 class GatewayLeaseEngine(VlmEngine):
-    """A vision-language engine whose lease is the live gateway's whole one: the prompt's tokens (image
-    tokens included) join the prefill backlog, prompt + max_tokens are reserved, the inter-token slack
-    is taken. The planner's predictions need it: the live gateway's policy and overload queue read them."""
+    """A vision-language engine whose lease is the live gateway's whole one: prompt + max_tokens are
+    reserved from the dispatch, and the prompt's tokens (image tokens included) join the prefill backlog
+    and the inter-token slack once its embeddings are here from another engine (at once for a text
+    request or a `both` engine's own images), as the live pipeline's `StateTable.inputs_delivered`. The
+    planner's predictions need it: the live gateway's policy and overload queue read them."""
 
     def acquire(self, i: int, now: float) -> None:
         lengths = self.rec.lengths
         self._leases[i] = self.gateway.at(now).acquire(self.id, int(lengths.input_tokens[i]),
-                                                       int(lengths.max_output_tokens[i]))
+                                                       int(lengths.max_output_tokens[i]),
+                                                       awaiting_inputs=self.awaits_embeddings(i))
+
+    def awaits_embeddings(self, i: int) -> bool:
+        """Request i's images are encoded elsewhere (a `both` engine encodes its own: GPU time ahead of a
+        prompt's prefill, counted from the dispatch, as live)."""
+        return bool(self.rec.lengths.image_tokens[i]) and self.role != "both"
+
+    def submit(self, i: int, now: float) -> float | None:
+        lease = self._leases.get(i)
+        if lease is not None:
+            self.gateway.at(now).inputs_delivered(lease)
+        return super().submit(i, now)
