@@ -212,15 +212,16 @@ class Supervisor:
         self._on_launch(child.backend_id)
         process = child.process = await self._spawner.spawn(plan.argv, plan.env, outlive_parent=plan.outlive_parent)
         self._on_spawn(child.backend_id, process.pid)
-        log.info("engine_launched", backend=child.backend_id, pid=process.pid, restarts=child.restarts)
+        # the process guard's pid (its engine's own is the one /admin/backends shows, once it reports it)
+        log.info("engine_launched", backend=child.backend_id, guard_pid=process.pid, restarts=child.restarts)
         if await self._wait_ready(child, process, started):
             self._set(child, "ready")
-            log.info("engine_ready", backend=child.backend_id, pid=process.pid,
+            log.info("engine_ready", backend=child.backend_id, guard_pid=process.pid,
                      start_s=round(self._clock.now() - started, 3))
             return await process.wait(), None
         if process.returncode is None:
             timeout_s = child.launcher.start_timeout_s
-            log.error("engine_start_timeout", backend=child.backend_id, pid=process.pid, timeout_s=timeout_s)
+            log.error("engine_start_timeout", backend=child.backend_id, guard_pid=process.pid, timeout_s=timeout_s)
             return await self._stop_process(process), f"not ready within its start timeout ({timeout_s:g} s): stopped"
         return process.returncode, None
 
