@@ -38,7 +38,7 @@ from common.catalog import ModelProfile
 from common.wire import engine_pb2
 from gateway.clients.image_embeds import with_image_embeds
 from gateway.clients.upstream_http import UpstreamPool, UpstreamResponse
-from gateway.requests.errors import BackendFailure, BackendTimeout, InvalidRequest
+from gateway.requests.errors import BackendFailure, BackendTimeout, InvalidRequest, RequestError
 from gateway.requests.job import GenerationJob, Handoff
 from gateway.requests.openai_format import completion_id
 
@@ -264,15 +264,33 @@ class OpenAIUpstreamClient:
         """A response other than 200 → the gateway's error for it (the body read for its message, by
         loop time `until`)."""
         message = _error_message(await resp.read(until))
-        what = f"backend {self.backend_id}: HTTP {resp.status}: {message}"
-        if resp.status == 429:
-            raise UpstreamRateLimited(what, backend_id=self.backend_id, retry_after_s=_retry_after_s(resp.headers),
-                                      said=message)
+        raise self._refusal(resp.status, message, retry_after_s=_retry_after_s(resp.headers))
+
+    def _refusal(self, status: int | None, message: str, *, retry_after_s: float = 1.0,
+                 retryable: bool = True) -> RequestError:
+        """The gateway's error for an upstream's refusal with HTTP `status` (a response's, or the `code` of
+        an error event in its stream; None: it named none) and its `message`."""
+        what = f"backend {self.backend_id}: " + (f"HTTP {status}: {message}" if status else message)
+        if status == 429:
+            limited = UpstreamRateLimited(what, backend_id=self.backend_id, retry_after_s=retry_after_s, said=message)
+            limited.retryable = retryable
+            return limited
         # 401/403: the gateway's credentials for this backend; 404: a model (`upstream_model`) or route this
         # upstream does not serve, though the gateway routed the model to it. Not the client's request.
-        if resp.status >= 500 or resp.status in (401, 403, 404):
-            raise BackendFailure(what, backend_id=self.backend_id)
-        raise InvalidRequest(f"upstream rejected the request: {message}")
+        if status is None or not 400 <= status < 500 or status in (401, 403, 404):
+            return BackendFailure(what, backend_id=self.backend_id, retryable=retryable)
+        return InvalidRequest(f"upstream rejected the request: {message}")
+
+    def _stream_error(self, event: dict[str, Any], first: bool) -> RequestError:
+        """An error event in a stream, in either shape `_error_message` reads: vLLM and SGLang send one after
+        their 200 with the HTTP status as its `code` (400 for a prompt found too long once streaming), the
+        client's error as much as a 400 reply would be: not retried elsewhere, no fault of the backend."""
+        error = event.get("error")
+        fields = error if isinstance(error, dict) else event
+        message = fields.get("message") or (error if isinstance(error, str) else None) or "error"
+        code = fields.get("code")
+        status = int(code) if isinstance(code, int | str) and str(code).isdigit() else None
+        return self._refusal(status, str(message), retryable=first)
 
     def _whole(self, raw: bytes, job: GenerationJob) -> engine_pb2.GenerateChunk:
         """A non-streamed reply → one chunk carrying the upstream's body as it came, with the gateway's id
@@ -332,7 +350,12 @@ class OpenAIUpstreamClient:
                 if payload == b"[DONE]":
                     finished = True
                     break
-                text, finish, usage, event = self._event(payload, index == 0)
+                try:
+                    text, finish, usage, event = self._event(payload, index == 0)
+                except RequestError:   # what came before it in this read reaches the client first
+                    if batch:
+                        yield _joined(batch, index - 1)
+                    raise
                 if event is not None:
                     index += 1
                     if finish:
@@ -361,10 +384,8 @@ class OpenAIUpstreamClient:
         """One SSE payload → (text, finish reason, usage, the event when it has choices)."""
         try:
             event = orjson.loads(payload)
-            if "error" in event:
-                message = event["error"].get("message", "error")
-                raise BackendFailure(f"backend {self.backend_id}: {message}", backend_id=self.backend_id,
-                                     retryable=first)
+            if "error" in event or event.get("object") == "error":
+                raise self._stream_error(event, first)
             choices: list[Any] = event.get("choices") or []
             if len(choices) == 1:   # the usual event: one choice, read without a pass over a list
                 choice = choices[0]

@@ -36,6 +36,7 @@ class Engine:
 
     def __init__(self) -> None:
         self.refusal: tuple[int, dict[str, Any], dict[str, str]] | None = None
+        self.stream_error: tuple[int, dict[str, Any]] | None = None   # (words before it, the error event)
         self.requests = 0
 
     def app(self) -> web.Application:
@@ -63,6 +64,14 @@ class Engine:
                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
+        if self.stream_error is not None:   # as vLLM and SGLang report an error found once streaming: after the 200
+            words, error = self.stream_error
+            events = [{"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "model": SERVED,
+                       "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+                      for w in text.split()[:words]]
+            await resp.write(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in [*events, error])
+                             + b"data: [DONE]\n\n")   # one write: one read at the gateway
+            return resp
         for i, word in enumerate(text.split()):
             choice = {"index": 0, "delta": {"content": word}, "finish_reason": "stop" if i else None}
             event = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 0, "model": SERVED,
@@ -244,3 +253,38 @@ def test_an_upstream_that_rate_limits_is_busy_not_broken(tmp_path: Path) -> None
         engine.refusal = None
         resp = chat(gw, False)
         assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("engine_name", sorted(ERROR_BODIES))
+def test_an_error_event_in_a_stream_is_the_clients_400_not_the_backends_fault(engine_name: str, tmp_path: Path) -> None:
+    """vLLM and SGLang answer some refusals with a 200 whose stream holds only an error event, its HTTP
+    status as `code`. It was a backend failure: retried, a 502 naming the backend (SGLang's shape: "stream
+    ended without a finish reason"), a fault for the breaker: five such requests opened it and the next
+    request got 503."""
+    engine = Engine()
+    engine.stream_error = (0, ERROR_BODIES[engine_name])
+    with serving(engine) as url, run_gateway(config(tmp_path, url, breaker=True), healthy=0) as gw:
+        gw.wait_until(lambda: gw.backend("up")["reachable"])
+        for _ in range(6):
+            resp = chat(gw, True)
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["message"] == f"upstream rejected the request: {TOO_LONG}"
+        assert engine.requests == 6   # none retried
+        assert gw.backend("up")["breaker"] == "closed"
+        engine.stream_error = None
+        assert chat(gw, True).status_code == 200
+
+
+def test_tokens_read_with_a_mid_stream_error_event_reach_the_client_before_it(tmp_path: Path) -> None:
+    """Two words and an engine's error event in one read: the words were dropped, the error came alone."""
+    engine = Engine()
+    engine.stream_error = (2, {"error": {"message": "CUDA out of memory", "type": "InternalServerError",
+                                         "param": None, "code": 500}})
+    with serving(engine) as url, run_gateway(config(tmp_path, url), healthy=0) as gw:
+        gw.wait_until(lambda: gw.backend("up")["reachable"])
+        resp = chat(gw, True)
+    assert resp.status_code == 200   # the stream had begun
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    words = [e["choices"][0]["delta"].get("content") for e in events if e.get("choices")]
+    assert "".join(w or "" for w in words) == "hellothere", resp.text
+    assert events[-1]["error"]["type"] == "backend_error", resp.text
