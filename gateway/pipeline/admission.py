@@ -1,9 +1,10 @@
 """The admission queue: where requests wait when every backend is saturated, served by weighted fair share.
 
 Bounded (`max_waiting`; beyond it a request gets 429 with Retry-After at once), and every waiter
-leaves with 429 at its own deadline (its request's, at most `max_wait_s` away). Capacity is signalled
-by the pipeline whenever a request finishes; the head of the queue re-checks saturation and goes,
-the rest keep waiting.
+leaves with `Overloaded` at its own deadline (its request's, at most `max_wait_s` away): 429, or 504
+`deadline_exceeded` where the request's own deadline was the sooner (`Pipeline.start` tells them
+apart). Capacity is signalled by the pipeline whenever a request finishes; the head of the queue
+re-checks saturation and goes, the rest keep waiting.
 
 Who is the head: each tenant is a `Flow` with a priority class and a weight
 (gateway/config/tenants.py). Classes are strict: while a request of a higher class waits, no lower

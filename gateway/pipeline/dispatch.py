@@ -70,6 +70,7 @@ from gateway.requests.errors import (
     BackendTimeout,
     DeadlineExceeded,
     NoBackendAvailable,
+    Overloaded,
 )
 from gateway.requests.job import GenerationJob
 from gateway.routing.backend_entry import BackendEntry, Lease
@@ -546,18 +547,27 @@ class Pipeline:
         profile = self.profile(job, record)
         admitted = self._admitted(profile, job.context_tokens, job.model, closed)
         gate = self.overload
-        if gate is not None and (gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
-            # held: route when released
-            if await gate.wait(profile, lambda: self.routable(self.clock(), closed, job.model), deadline):
-                admitted = self._admitted(profile, job.context_tokens, job.model, closed)
+        try:
+            if gate is not None and (
+                    gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
+                # held: route when released
+                if await gate.wait(profile, lambda: self.routable(self.clock(), closed, job.model), deadline):
+                    admitted = self._admitted(profile, job.context_tokens, job.model, closed)
+            guaranteed = False
+            if admitted is None:
+                waiting = self.clock()
+                try:
+                    guaranteed = await self.admission.wait_for_capacity(
+                        functools.partial(self.saturated, job.model, closed), deadline, ticket.share)
+                finally:
+                    if record.trace is not None:
+                        record.trace.admission(self.clock() - waiting)
+        except Overloaded as exc:
+            if self.clock() >= deadline:   # its own deadline, not a queue's limit, ran out while it waited
+                raise DeadlineExceeded(f"the request's deadline of {deadline - record.started:.3g} s passed while "
+                                       f"it waited for admission: {exc.message}") from None
+            raise
         if admitted is None:
-            waiting = self.clock()
-            try:
-                guaranteed = await self.admission.wait_for_capacity(
-                    functools.partial(self.saturated, job.model, closed), deadline, ticket.share)
-            finally:
-                if record.trace is not None:
-                    record.trace.admission(self.clock() - waiting)
             if guaranteed and self.admission.config.guaranteed_first_token:
                 admitted = self.route_language(profile, closed, job.context_tokens, job.model, SOONEST_FIRST_TOKEN)
         return await self._dispatch(job, record, profile, admitted)

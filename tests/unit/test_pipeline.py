@@ -34,6 +34,7 @@ from gateway.requests.errors import (
     DeadlineExceeded,
     InvalidRequest,
     NoBackendAvailable,
+    Overloaded,
 )
 from gateway.requests.images import ImageInput
 from gateway.requests.job import GenerationJob, Handoff
@@ -405,6 +406,40 @@ async def test_a_non_streamed_request_restarts_after_a_midstream_failure() -> No
     assert dispatch.backend_id == "b" and chunks[-1].finish_reason == "stop"
     assert rec.attempts == 2 and rec.failed == ["a"]
     assert r.in_flight("a") == r.in_flight("b") == (0, 0, 0)
+
+
+async def test_a_request_whose_own_deadline_passes_in_the_admission_queue_gets_504_not_429() -> None:
+    """The admission queue gives up on a request at its own deadline or after `max_wait_s`, whichever is
+    sooner: the first is the request's time running out (504 deadline_exceeded, as every other place
+    answers it), the second the queue's limit (429 overloaded, retry later)."""
+    r = rig({"a": "language"})
+    r.pipeline.admission = AdmissionQueue(AdmissionConfig(saturated_queue_depth=1, max_wait_s=5.0), r.clock)
+    go = asyncio.Event()
+
+    async def held_back(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        await go.wait()
+        async for c in serves(call, fleet):
+            yield c
+
+    r.fleet.scripts["a"] = held_back
+    first = asyncio.create_task(r.pipeline.start(job("r1"), record(r, "r1")))
+    await until(lambda: len(r.fleet.calls) == 1)
+    impatient = asyncio.create_task(r.pipeline.start(job("r2", timeout_s=1.0), record(r, "r2")))
+    patient = asyncio.create_task(r.pipeline.start(job("r3", timeout_s=60.0), record(r, "r3")))
+    await until(lambda: r.pipeline.admission.waiting == 2)
+    r.clock.advance(1.5)
+    r.pipeline.admission.notify()
+    with pytest.raises(DeadlineExceeded) as err:
+        await asyncio.wait_for(impatient, 5)
+    assert err.value.status == 504 and "waited for admission" in err.value.message
+    r.clock.advance(5.0)
+    r.pipeline.admission.notify()
+    with pytest.raises(Overloaded) as refused:
+        await asyncio.wait_for(patient, 5)
+    assert refused.value.status == 429
+    go.set()
+    assert len(await drain(await asyncio.wait_for(first, 5))) == 3
+    assert len(r.fleet.calls) == 1 and r.in_flight("a") == (0, 0, 0)
 
 
 # --- the overload queue ---------------------------------------------------------------------------------
