@@ -255,10 +255,14 @@ class StateTable:
             entry.process_pid = pid
 
     def set_lifecycle(self, backend_id: str, state: Lifecycle) -> None:
+        """A managed engine's state as its supervisor sees it. One that stops serving takes its queue
+        with it: its last report's waiting, running and vision backlog would otherwise stay in the
+        operator's view and in the autoscaler's demand until a relaunched engine reports."""
         entry = self._entries[backend_id]
         entry.lifecycle = state
         if state != "ready":
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
+            entry.reported = replace(entry.reported, waiting=0, running=0, vision_backlog=0)
         entry.snapshot = None   # the pools re-read its row
 
     def set_reachable(self, backend_id: str, answers: bool | None) -> None:

@@ -46,6 +46,20 @@ def test_a_relaunched_backend_is_no_candidate_until_ready_again() -> None:
     assert [b.id for b in t.candidates(("language",))] == ["h100-0"]
 
 
+def test_an_engine_that_stops_serving_takes_its_queue_with_it() -> None:
+    """Its last report's gauges are not left standing (the operator's view, the autoscaler's demand);
+    its counters are kept."""
+    t = table()
+    t.apply_heartbeat("h100-0", 1, "127.0.0.1:7000", Reported(seq=1, pid=1, waiting=5, running=3, vision_backlog=900,
+                                                               tokens_generated=4_000, requests_completed=20))
+    entry = t.get("h100-0")
+    assert entry is not None and t.snapshot(entry).queue_depth == 8 and t.snapshot(entry).vision_backlog == 900
+    t.set_lifecycle("h100-0", "restarting")
+    snap = t.snapshot(entry)
+    assert (snap.queue_depth, snap.vision_backlog, entry.reported.waiting, entry.reported.running) == (0, 0, 0, 0)
+    assert (entry.reported.tokens_generated, entry.reported.requests_completed) == (4_000, 20)
+
+
 def test_a_snapshot_holds_each_signal_in_the_field_of_its_name() -> None:
     """Every input of a snapshot set to a value of its own: each field must show the one it is named for."""
     model, gpu = catalog().model("llava-1.5-7b"), catalog().gpu("L40S")
