@@ -185,6 +185,8 @@ class Engine:
                     chunk.finish_reason = token.finish_reason
                     chunk.usage.prompt_tokens = prompt_tokens
                     chunk.usage.completion_tokens = count
+                    if token.cached_tokens is not None:
+                        chunk.usage.cached_tokens = token.cached_tokens
                 yield chunk
         except SequenceTooLarge as exc:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None

@@ -26,6 +26,7 @@ class Token:
     text: str
     index: int
     finish_reason: str | None = None   # "stop" | "length" on the last token
+    cached_tokens: int | None = None   # on the last token: prompt tokens its prefix cache held (None: no cache)
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,4 +130,5 @@ class SimulatedExecutor:
             elif seq.done:   # it left the batch this step: at max_tokens, else its natural end (EOS)
                 text += detok.finish() if detok is not None else ""
                 finish = "length" if seq.generated >= seq.max_tokens else "stop"
-            self._streams.publish(seq, Token(text, index, finish))
+            cached = seq.cached_tokens if finish is not None and self.batcher.prefix_cache is not None else None
+            self._streams.publish(seq, Token(text, index, finish, cached))

@@ -241,7 +241,8 @@ class TorchLanguageExecutor:
         if finish is not None:
             self.batcher.cancel(seq)   # leaves the batch (its KV reservation freed) at the next step
             self._streams.completed(time.monotonic() - live.admitted)
-        self._streams.publish(seq, Token(text, len(live.out) - 1, finish))
+        cached = live.take.reused if finish is not None and live.take is not None else None
+        self._streams.publish(seq, Token(text, len(live.out) - 1, finish, cached))
 
     def _release_gone(self, stepping: set[Sequence]) -> None:
         """Free the slot of every sequence outside `stepping` (the sequences that run, or will run, a step):

@@ -15,11 +15,12 @@ A completion is `max_tokens` placeholder words ("w0 w1 ..."), one every `--token
 the gateway react to a busy or failing engine, `POST /control` with any of {"waiting": 40, "running": 3,
 "fail": 2, "fail_delay_ms": 0, "token_delay_ms": 5, "metrics_status": 500} sets what /metrics reports
 (or the status it fails with), fails the next `fail` completions with 503 (each after `fail_delay_ms`)
-and changes the pace; `GET /stats` shows what it served: counts, arrival times (`time.monotonic()`),
-the `max_tokens` asked, the last body and Authorization header. `--api-key K` refuses /v1/* requests
-without `Authorization: Bearer K` (401), as `vllm serve --api-key` does. It runs on the gateway's own
-HTTP server and only the gateway's runtime dependencies; it listens on 127.0.0.1 unless `--host` says
-otherwise.
+and changes the pace; {"cached_tokens": 12} adds `prompt_tokens_details` with that many cached tokens to
+every usage (as `vllm serve --enable-prompt-tokens-details` does); `GET /stats` shows what it served:
+counts, arrival times (`time.monotonic()`), the `max_tokens` asked, the last body and Authorization header.
+`--api-key K` refuses /v1/* requests without `Authorization: Bearer K` (401), as `vllm serve --api-key`
+does. It runs on the gateway's own HTTP server and only the gateway's runtime dependencies; it listens
+on 127.0.0.1 unless `--host` says otherwise.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ METRICS = {
     ),
 }
 DEFAULT_MAX_TOKENS = 8          # a request without max_tokens gets this many words
-CONTROLS = ("waiting", "running", "fail", "fail_delay_ms", "token_delay_ms", "metrics_status")
+CONTROLS = ("waiting", "running", "fail", "fail_delay_ms", "token_delay_ms", "metrics_status", "cached_tokens")
 
 # A check every completion body passes before it is served: what it returns is kept in /stats under
 # "checked"; a ValueError is answered 400 with its message.
@@ -124,6 +125,7 @@ class DemoUpstream:
         self.check_body = check_body
         self.state: dict[str, Any] = {
             "waiting": 0, "running": 0, "fail": 0, "fail_delay_ms": 0, "metrics_status": 200, "served": 0,
+            "cached_tokens": None,
             "token_delay_ms": options.token_delay_ms, "max_tokens": [], "last_body": None,
             "last_authorization": None, "pid": os.getpid(), "arrivals": [], "checked": [], "e2e_sum": 0.0,
             "e2e_count": 0, **(stats or {}),
@@ -254,7 +256,7 @@ class DemoUpstream:
                 **call["function"], "arguments": ""}}]}, "finish_reason": None}])
             yield event([{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]},
                           "finish_reason": "tool_calls"}])
-            yield event([], usage={"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5})
+            yield event([], usage=self._usage(prompt, 5))
             yield b"data: [DONE]\n\n"
             return
         for i in range(n):
@@ -269,7 +271,7 @@ class DemoUpstream:
                 yield event([choice])
             await asyncio.sleep(self.state["token_delay_ms"] / 1000)
         made = n * int(body.get("n") or 1)   # every choice's tokens, as vLLM counts them
-        yield event([], usage={"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made})
+        yield event([], usage=self._usage(prompt, made))
         yield b"data: [DONE]\n\n"
 
     def _whole(self, body: dict[str, Any], chat: bool) -> bytes:
@@ -293,9 +295,14 @@ class DemoUpstream:
         return orjson.dumps({
             "id": f"upstream-{self.state['served']}", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", ""), "choices": choices, "engine_marker": 7,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": n * len(choices),
-                      "total_tokens": prompt + n * len(choices)},
+            "usage": self._usage(prompt, n * len(choices)),
         })
+
+    def _usage(self, prompt: int, made: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+        if self.state["cached_tokens"] is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": min(int(self.state["cached_tokens"]), prompt)}
+        return usage
 
 
 async def not_found(request: Request, exchange: Exchange) -> None:

@@ -85,12 +85,14 @@ class ImageSpan(_message.Message):
     def __init__(self, start: _Optional[int] = ..., length: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "index", "finish_reason", "usage", "embedding_wait_s", "relay", "tag")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0finference.proto\x12\x17heterogate.inference.v1\"5\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"\xba\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x32\n\x08messages\x18\x02 \x03(\x0b\x32 .heterogate.inference.v1.Message\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x17\n\x0fhas_temperature\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xa3\x01\n\rGenerateReply\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x16\n\x0evision_backend\x18\x07 \x01(\t2k\n\tInference\x12^\n\x08Generate\x12(.heterogate.inference.v1.GenerateRequest\x1a&.heterogate.inference.v1.GenerateReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0finference.proto\x12\x17heterogate.inference.v1\"5\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"\xba\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x32\n\x08messages\x18\x02 \x03(\x0b\x32 .heterogate.inference.v1.Message\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x17\n\x0fhas_temperature\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xd1\x01\n\rGenerateReply\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x16\n\x0evision_backend\x18\x07 \x01(\t\x12\x1a\n\rcached_tokens\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_cached_tokens2k\n\tInference\x12^\n\x08Generate\x12(.heterogate.inference.v1.GenerateRequest\x1a&.heterogate.inference.v1.GenerateReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,7 +36,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=100
   _globals['_GENERATEREQUEST']._serialized_end=286
   _globals['_GENERATEREPLY']._serialized_start=289
-  _globals['_GENERATEREPLY']._serialized_end=452
-  _globals['_INFERENCE']._serialized_start=454
-  _globals['_INFERENCE']._serialized_end=561
+  _globals['_GENERATEREPLY']._serialized_end=498
+  _globals['_INFERENCE']._serialized_start=500
+  _globals['_INFERENCE']._serialized_end=607
 # @@protoc_insertion_point(module_scope)

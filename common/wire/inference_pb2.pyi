@@ -35,7 +35,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., has_temperature: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "backend", "vision_backend")
+    __slots__ = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "backend", "vision_backend", "cached_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateReply(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VISION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: str
     prompt_tokens: int
@@ -50,4 +51,5 @@ class GenerateReply(_message.Message):
     request_id: str
     backend: str
     vision_backend: str
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., backend: _Optional[str] = ..., vision_backend: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., backend: _Optional[str] = ..., vision_backend: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

@@ -307,8 +307,7 @@ class OpenAIUpstreamClient:
                                  backend_id=self.backend_id) from None
         relay = _Relay(completion_id(job.kind, job.request_id), self._reply_model(job))
         chunk = engine_pb2.GenerateChunk(text=text, index=0, finish_reason=finish, relay=relay.swapped(raw, reply))
-        chunk.usage.prompt_tokens = usage.get("prompt_tokens", 0)
-        chunk.usage.completion_tokens = usage.get("completion_tokens", 0)
+        _read_usage(usage, chunk.usage)
         return chunk
 
     async def _chunks(
@@ -369,15 +368,16 @@ class OpenAIUpstreamClient:
                     else:
                         batch.append((text, relay.event(payload, event)))
                 if usage and held is not None:
-                    held.usage.prompt_tokens = usage.get("prompt_tokens", 0)
-                    held.usage.completion_tokens = usage.get("completion_tokens", 0)
+                    _read_usage(usage, held.usage)
             if batch:
                 yield _joined(batch, index - 1)
         if held is None:
             raise BackendFailure(f"backend {self.backend_id}: stream ended without a finish reason",
                                  backend_id=self.backend_id, retryable=index == 0)
-        if not held.usage.completion_tokens:
+        if not held.usage.completion_tokens:   # no usage came: the gateway's counts
             held.usage.completion_tokens = index
+        if not held.usage.prompt_tokens:
+            held.usage.prompt_tokens = job.prompt_tokens + job.image_tokens
         yield held
 
     def _event(self, payload: bytes, first: bool) -> tuple[str, str, dict[str, Any], dict[str, Any] | None]:
@@ -401,6 +401,19 @@ class OpenAIUpstreamClient:
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+def _read_usage(usage: dict[str, Any], into: engine_pb2.Usage) -> None:
+    """An upstream's usage object into the chunk's; its `prompt_tokens_details.cached_tokens` (vLLM with
+    `--enable-prompt-tokens-details`, SGLang, OpenAI) kept for the client's usage and the request log."""
+    try:
+        into.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        into.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(cached := details.get("cached_tokens"), int) and cached >= 0:
+            into.cached_tokens = cached
+    except (TypeError, ValueError, AttributeError):
+        pass   # a malformed usage object: the gateway's counts stand
 
 
 def _text(choice: dict[str, Any]) -> str:

@@ -41,7 +41,15 @@ from gateway.requests.errors import (
     UnsupportedMediaType,
 )
 from gateway.requests.job import GenerationJob
-from gateway.requests.openai_format import DONE, ChunkWriter, Kind, completion_body, error_event, usage
+from gateway.requests.openai_format import (
+    DONE,
+    ChunkWriter,
+    Kind,
+    cached_tokens,
+    completion_body,
+    error_event,
+    usage_of,
+)
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
 from gateway.runtime import Runtime
 
@@ -176,13 +184,13 @@ class CompletionsDoor:
         if len(chunks) == 1 and last.relay:   # an upstream's whole reply, already in the client's shape
             body = last.relay
         else:
-            use = usage(last.usage.prompt_tokens, last.usage.completion_tokens)
+            use = usage_of(last.usage)
             text = "".join(c.text for c in chunks)
             body = orjson.dumps(completion_body(kind, job.request_id, job.model or self._model_name, text,
                                                 last.finish_reason, use))
         exchange.respond(200, backend_headers(dispatch), body)   # the client first, the log line after
         self._requests.finish(record, 200, prompt_tokens=last.usage.prompt_tokens,
-                              completion_tokens=last.usage.completion_tokens)
+                              completion_tokens=last.usage.completion_tokens, cached_tokens=cached_tokens(last.usage))
 
     async def _stream(self, exchange: Exchange, kind: Kind, job: GenerationJob, include_usage: bool,
                       record: RequestRecord) -> None:
@@ -200,7 +208,7 @@ class CompletionsDoor:
                 last = chunk
             tail = DONE
             if include_usage:
-                tail = w.usage(usage(last.usage.prompt_tokens, last.usage.completion_tokens)) + DONE
+                tail = w.usage(usage_of(last.usage)) + DONE
             status = 200
         except RequestError as exc:   # after the first token the status is sent: the error goes in the stream
             status, error = exc.status, exc.message
@@ -219,4 +227,5 @@ class CompletionsDoor:
             if tail is not None:   # the client first, the log line after
                 exchange.end_stream(tail)
             self._requests.finish(record, status, prompt_tokens=last.usage.prompt_tokens,
-                                  completion_tokens=last.usage.completion_tokens, error=error)
+                                  completion_tokens=last.usage.completion_tokens,
+                                  cached_tokens=cached_tokens(last.usage), error=error)

@@ -26,6 +26,7 @@ from gateway.pipeline.request_log import RequestLog, RequestRecord
 from gateway.requests.errors import InvalidRequest, RequestError, ShuttingDown, grpc_code_name
 from gateway.requests.images import FORMATS
 from gateway.requests.job import GenerationJob
+from gateway.requests.openai_format import cached_tokens
 from gateway.requests.openai_types import ChatCompletionRequest, CompletionRequest, body_error
 from gateway.runtime import Runtime
 
@@ -137,6 +138,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if chunk.finish_reason:
                     reply.prompt_tokens = chunk.usage.prompt_tokens
                     reply.completion_tokens = chunk.usage.completion_tokens
+                    if (cached := cached_tokens(chunk.usage)) is not None:
+                        reply.cached_tokens = cached
                     usage = chunk.usage
                 yield reply
             status = 200
@@ -156,7 +159,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._cut.discard(this)
             self._requests.finish(record, status, error=error,
                                   prompt_tokens=usage.prompt_tokens if usage else 0,
-                                  completion_tokens=usage.completion_tokens if usage else 0)
+                                  completion_tokens=usage.completion_tokens if usage else 0,
+                                  cached_tokens=cached_tokens(usage) if usage else None)
 
 
 async def add_front_door(server: grpc.aio.Server, runtime: Runtime) -> InferenceService:

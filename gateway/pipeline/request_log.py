@@ -80,10 +80,12 @@ class RequestLog:
 
     def finish(
         self, record: RequestRecord, status: int, *, prompt_tokens: int = 0, completion_tokens: int = 0,
-        error: str | None = None,
+        cached_tokens: int | None = None, error: str | None = None,
     ) -> None:
         """Count and log the request once; later calls for the same record are no-ops. Token counts
-        left at 0 (no final usage came) are the record's."""
+        left at 0 (no final usage came) are the record's. `cached_tokens`: of the prompt, those the
+        engine found in its prefix cache (None: it did not say), logged beside the prefix index's
+        prediction for that backend."""
         if record.finished:
             return
         record.finished = True
@@ -113,6 +115,8 @@ class RequestLog:
             vision_backends=record.vision_backends, policy=policy,
             latency_s=round(time.monotonic() - record.started, 4),
             ttft_s=None if record.ttft_s is None else round(record.ttft_s, 4),
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, error=error,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens,
+            predicted_cached_tokens=record.prefix.cached.get(record.backends[-1], 0)
+            if record.prefix is not None and record.backends else None, error=error,
             tenant=record.tenant.name if record.tenant is not None else record.caller, model=record.model or None,
         )

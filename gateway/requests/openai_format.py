@@ -7,18 +7,33 @@ from typing import Any, Literal
 
 import orjson
 
+from common.wire import engine_pb2
 from gateway.requests.errors import RequestError, openai_error_body
 
 Kind = Literal["chat", "text"]
 DONE = b"data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` where the engine said how much of the
+    prompt its prefix cache held (as vLLM's with `--enable-prompt-tokens-details`)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def cached_tokens(u: engine_pb2.Usage) -> int | None:
+    """Of the prompt, the tokens the engine found in its prefix cache; None where it did not say."""
+    return u.cached_tokens if u.HasField("cached_tokens") else None
+
+
+def usage_of(u: engine_pb2.Usage) -> dict[str, Any]:
+    return usage(u.prompt_tokens, u.completion_tokens, cached_tokens(u))
 
 
 def completion_id(kind: Kind, request_id: str) -> str:
@@ -26,7 +41,7 @@ def completion_id(kind: Kind, request_id: str) -> str:
 
 
 def completion_body(
-    kind: Kind, request_id: str, model: str, text: str, finish_reason: str, usage_: dict[str, int]
+    kind: Kind, request_id: str, model: str, text: str, finish_reason: str, usage_: dict[str, Any]
 ) -> dict[str, Any]:
     if kind == "chat":
         choice: dict[str, Any] = {
@@ -74,7 +89,7 @@ class ChunkWriter:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
         return self._event([choice])
 
-    def usage(self, usage_: dict[str, int]) -> bytes:
+    def usage(self, usage_: dict[str, Any]) -> bytes:
         return self._event([], usage=usage_)
 
 

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from testkit.harness import (
@@ -41,7 +42,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [{"id": b, "role": "language", "gpu": "A100-80GB", "launch": launch} for b in BACKENDS],
     })
-    with run_gateway(config) as gateway:
+    with run_gateway(config, "--log-level", "info") as gateway:
         yield gateway
 
 
@@ -92,6 +93,30 @@ def test_each_conversations_second_turn_lands_where_its_first_turn_went(gw: Gate
         assert 0 < cache["predicted_hit_rate"] < 1 and 0 < cache["reported_hit_rate"] < 1
     assert metric_total(gw, "heterogate_prefix_predicted_hit_tokens_total") > 0
     assert metric_total(gw, "heterogate_prefix_index_source", source="engine") == len(BACKENDS)
+
+
+def test_usage_says_how_much_of_the_prompt_the_engine_found_cached(gw: Gateway) -> None:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`, from the engine, streamed or not; the
+    request's log line has it beside the index's prediction for the backend it went to."""
+    history = [{"role": "system", "content": system_prompt("usage")}]
+    first = chat(gw, turn(history, "First question?"), headers={"x-request-id": "usage-first"}).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] < 500   # a system prompt not seen before
+    body = {"model": MODEL, "messages": turn(history, "Second question?"), "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers={"x-request-id": "usage-second"},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    events = [orjson.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    second = events[-1]["usage"]
+    assert 1_500 <= second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"], second
+
+    def line(rid: str) -> dict[str, Any] | None:
+        found = [orjson.loads(ln) for ln in gw.log_path.read_bytes().splitlines() if ln.startswith(b"{")]
+        return next((f for f in found if f.get("event") == "request" and f.get("request_id") == rid), None)
+
+    logged = gw.wait_until(lambda: line("usage-second"), timeout=10)
+    assert logged["cached_tokens"] == second["prompt_tokens_details"]["cached_tokens"]
+    assert logged["predicted_cached_tokens"] >= 1_500
 
 
 def test_a_named_session_sticks_even_when_its_text_changes(gw: Gateway) -> None:

@@ -138,6 +138,21 @@ def test_several_choices_stream_to_their_end(upstream: tuple[Gateway, str]) -> N
     assert texts == {i: "w0 w1 w2 w3 " for i in range(3)} and finishes == {i: "length" for i in range(3)}
 
 
+def test_the_upstreams_cached_tokens_reach_the_client_streamed_and_not(upstream: tuple[Gateway, str]) -> None:
+    """`usage.prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details): the
+    gateway rebuilds a stream's usage event from what it counts, and keeps the upstream's figure."""
+    gw, url = upstream
+    httpx.post(f"{url}/control", json={"cached_tokens": 7}, timeout=5).raise_for_status()
+    whole = client(gw).chat.completions.create(model=MODEL, messages=MESSAGES[:2], max_tokens=3)
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == 7
+    events = list(client(gw).chat.completions.create(model=MODEL, messages=MESSAGES[:2], max_tokens=3, stream=True,
+                                                     stream_options={"include_usage": True}))
+    usage = events[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 7 and usage.completion_tokens == 3
+
+
 def test_models_by_id(upstream: tuple[Gateway, str]) -> None:
     gw, _ = upstream
     assert client(gw).models.retrieve(MODEL).id == MODEL

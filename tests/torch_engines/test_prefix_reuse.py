@@ -53,6 +53,11 @@ def test_a_shared_prefix_goes_back_to_its_engine_which_reuses_it_exactly(gw: Gat
     assert cache["source"] == "engine" and cache["predicted_hit_tokens"] >= 128
     other = next(b for b in BACKENDS if b != home)
     assert gw.backend(other)["prefix_cache"]["reported_hit_tokens"] == 0
+    # and the client is told: OpenAI's usage.prompt_tokens_details.cached_tokens, the slot's reused tokens
+    third = client(gw).chat.completions.create(model=TINY, messages=[{"role": "user", "content": SHARED + "Books?"}],
+                                               max_tokens=2, temperature=0)
+    assert third.usage is not None and third.usage.prompt_tokens_details is not None
+    assert 128 <= (third.usage.prompt_tokens_details.cached_tokens or 0) < third.usage.prompt_tokens
 
 
 def test_a_prompt_of_token_ids_is_the_model_input_itself(gw: Gateway, tiny_model_dir: Path) -> None:
