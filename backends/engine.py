@@ -219,6 +219,7 @@ class Engine:
             msg.tokens_generated = load.tokens_generated
             msg.requests_completed = load.requests_completed
             msg.prefix_cache_queries, msg.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
+            msg.kv_block_tokens = load.kv_block_tokens
         if self.vision is not None:
             msg.vision_backlog = self.vision.backlog_tokens
             msg.images_encoded = self.vision.images_encoded

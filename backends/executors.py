@@ -66,6 +66,7 @@ class LoadReport:
     max_model_len: int                 # the longest sequence (prompt + completion) the engine takes
     prefix_cache_queries: int = 0      # prompt tokens admitted (vLLM's prefix_cache_queries)
     prefix_cache_hits: int = 0         # of them, found in the prefix cache
+    kv_block_tokens: int = 0           # tokens a block of its prefix cache holds (0: it keeps none)
 
 
 class InvalidInput(ValueError):

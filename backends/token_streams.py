@@ -69,4 +69,5 @@ class TokenStreams:
             kv_total_bytes=b.kv_capacity_bytes, mean_service_s=self.measured_service_s, max_model_len=max_model_len,
             tokens_generated=self.tokens_generated, requests_completed=self.requests_completed,
             prefix_cache_queries=queries, prefix_cache_hits=hits,
+            kv_block_tokens=b.prefix_cache.block_tokens if b.prefix_cache is not None else 0,
         )

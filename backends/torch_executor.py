@@ -37,6 +37,7 @@ from backends.torch_models import LoadedModel
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
 from common.errors import ConfigError
+from common.prefix_blocks import BLOCK_TOKENS
 
 
 @dataclass(eq=False)
@@ -126,7 +127,7 @@ class TorchLanguageExecutor:
 
     def load(self) -> LoadReport:
         return replace(self._streams.load(self.kv.max_len), prefix_cache_queries=self.prefixes.queries,
-                       prefix_cache_hits=self.prefixes.hits)
+                       prefix_cache_hits=self.prefixes.hits, kv_block_tokens=BLOCK_TOKENS)
 
     def generate(self, request: GenerateInput) -> AsyncIterator[Token]:
         live = self._prepare(request)

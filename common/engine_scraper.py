@@ -235,6 +235,7 @@ class MetricsAgent:
             kv_capacity_source=KV_SOURCES[source],
             prefix_cache_queries=m.prefix_cache_queries,
             prefix_cache_hits=m.prefix_cache_hits,
+            kv_block_tokens=m.kv_block_tokens or 0,
             scrape_error=self.last_error or (self._stale_error() if saturated else ""),
         )
 

@@ -138,6 +138,7 @@ class EngineMetrics:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0          # cumulative tokens; 0 where the engine does not export them
     prefix_cache_hits: int = 0
+    kv_block_tokens: int | None = None     # tokens a KV block holds (its prefix cache's granularity)
     missing: frozenset[str] = frozenset()  # metrics of the table absent from the text (or rejected)
     rejected: tuple[tuple[str, str], ...] = ()   # (metric, the absurd value) dropped from this scrape
 
@@ -166,6 +167,7 @@ def parse(engine: str | EngineTable, text: str, previous: EngineMetrics | None =
         missing.add(table.kv_usage[0])
     usage = _by_rank(samples.get(usage_name, []) if usage_name else [], table)
     capacity = _capacity(samples, table, rejected)
+    block = _block_tokens(samples, table, rejected)
     total, free, kv_usage = _kv(capacity, {r: min(1.0, max(0.0, u)) for r, u in usage.items()})
 
     latency_sum, latency_count, mean = _service(samples, table, previous)
@@ -183,6 +185,7 @@ def parse(engine: str | EngineTable, text: str, previous: EngineMetrics | None =
         generation_tokens=int(_sum(samples.get(table.generation_tokens or "", []), table.copy_labels)),
         prefix_cache_queries=int(_sum(samples.get(table.prefix_queries or "", []), table.copy_labels)),
         prefix_cache_hits=int(_sum(samples.get(table.prefix_hits or "", []), table.copy_labels)),
+        kv_block_tokens=block,
         missing=frozenset(missing),
         rejected=tuple(sorted(rejected.items())),
     )
@@ -264,6 +267,17 @@ def _capacity(samples: Mapping[str, Series], table: EngineTable, rejected: dict[
         counts = _by_rank(samples.get(table.num_blocks_gauge, []), table)
         return {r: int(sizes[r]) * int(counts[r]) for r in sizes.keys() & counts.keys()}
     return {}
+
+
+def _block_tokens(samples: Mapping[str, Series], table: EngineTable, rejected: dict[str, str]) -> int | None:
+    """Tokens a KV block holds: the block size label of `cache_info`, else the block size gauge; the
+    largest where ranks differ (None: the engine does not say, or says something absurd)."""
+    sizes: list[int] = []
+    if table.cache_info and table.cache_info in samples and not any(k.startswith(table.cache_info) for k in rejected):
+        sizes = [s for labels, _ in samples[table.cache_info] if (s := _int(labels.get(table.block_size_label)))]
+    if not sizes and table.block_size_gauge:
+        sizes = [int(v) for v in _by_rank(samples.get(table.block_size_gauge, []), table).values() if v >= 1]
+    return max(sizes) if sizes and max(sizes) > 0 else None
 
 
 def _info_capacity(series: Series, table: EngineTable) -> dict[str, int]:

@@ -278,14 +278,16 @@ class EnginePrefixCache:
 
     def match(self, blocks: Sequence[int], prompt_tokens: int) -> int:
         """Prompt tokens of this prompt already cached: its longest run of leading blocks that are
-        pinned or cached."""
+        pinned or cached, in whole blocks short of the prompt's last token (vLLM v1 looks up at most
+        the prompt less one token, in whole blocks)."""
         hit = 0
         pinned, free = self.pinned, self.free
         for block in blocks:
             if block not in pinned and block not in free:
                 break
             hit += 1
-        return cached_tokens(hit * self.block_tokens, prompt_tokens)
+        tokens = cached_tokens(hit * self.block_tokens, prompt_tokens)
+        return tokens - tokens % self.block_tokens
 
     def admit(self, blocks: Sequence[int], prompt_tokens: int) -> int:
         """A sequence starts: count its query and hit, pin its blocks; returns its cached tokens."""

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x15heterogate.control.v1\"i\n\nGpuProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tflops\x18\x02 \x01(\x01\x12\x15\n\rbandwidth_gbs\x18\x03 \x01(\x01\x12\x0e\n\x06hbm_gb\x18\x04 \x01(\x01\x12\x16\n\x0eprice_per_hour\x18\x05 \x01(\x01\"\xef\x05\n\x0c\x42\x61\x63kendState\x12\x12\n\nbackend_id\x18\x01 \x01(\t\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.heterogate.control.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12.\n\x03gpu\x18\x05 \x01(\x0b\x32!.heterogate.control.v1.GpuProfile\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x15\n\rkv_free_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ekv_total_bytes\x18\t \x01(\x04\x12\x16\n\x0evision_backlog\x18\n \x01(\r\x12\x16\n\x0emean_service_s\x18\x0b \x01(\x01\x12\x0b\n\x03seq\x18\x0c \x01(\x04\x12\r\n\x05steal\x18\r \x01(\x08\x12\x18\n\x10tokens_generated\x18\x0e \x01(\x04\x12\x1a\n\x12requests_completed\x18\x0f \x01(\x04\x12\x16\n\x0eimages_encoded\x18\x10 \x01(\x04\x12\x0b\n\x03pid\x18\x11 \x01(\r\x12\x16\n\x0esteal_episodes\x18\x12 \x01(\x04\x12\x15\n\rtokens_stolen\x18\x13 \x01(\x04\x12\x1c\n\x14\x65mbedding_bytes_sent\x18\x14 \x01(\x04\x12\x15\n\rmax_model_len\x18\x15 \x01(\r\x12\x43\n\x12kv_capacity_source\x18\x16 \x01(\x0e\x32\'.heterogate.control.v1.KvCapacitySource\x12\x1c\n\x14prefix_cache_queries\x18\x17 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x18 \x01(\x04\x12\x1c\n\x14\x65mbedding_cache_hits\x18\x19 \x01(\x04\x12#\n\x16\x65mbedding_cache_images\x18\x1a \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0cscrape_error\x18\x1b \x01(\tB\x19\n\x17_embedding_cache_images\"@\n\x0eGatewayMessage\x12\x0f\n\x07\x61\x63k_seq\x18\x01 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r*O\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_LANGUAGE\x10\x01\x12\x0f\n\x0bROLE_VISION\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*\x95\x01\n\x10KvCapacitySource\x12\"\n\x1eKV_CAPACITY_SOURCE_UNSPECIFIED\x10\x00\x12\x1d\n\x19KV_CAPACITY_SOURCE_ENGINE\x10\x01\x12\x1d\n\x19KV_CAPACITY_SOURCE_CONFIG\x10\x02\x12\x1f\n\x1bKV_CAPACITY_SOURCE_ESTIMATE\x10\x03\x32\x64\n\x07\x43ontrol\x12Y\n\x07\x43onnect\x12#.heterogate.control.v1.BackendState\x1a%.heterogate.control.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x15heterogate.control.v1\"i\n\nGpuProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tflops\x18\x02 \x01(\x01\x12\x15\n\rbandwidth_gbs\x18\x03 \x01(\x01\x12\x0e\n\x06hbm_gb\x18\x04 \x01(\x01\x12\x16\n\x0eprice_per_hour\x18\x05 \x01(\x01\"\x88\x06\n\x0c\x42\x61\x63kendState\x12\x12\n\nbackend_id\x18\x01 \x01(\t\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.heterogate.control.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12.\n\x03gpu\x18\x05 \x01(\x0b\x32!.heterogate.control.v1.GpuProfile\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x15\n\rkv_free_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ekv_total_bytes\x18\t \x01(\x04\x12\x16\n\x0evision_backlog\x18\n \x01(\r\x12\x16\n\x0emean_service_s\x18\x0b \x01(\x01\x12\x0b\n\x03seq\x18\x0c \x01(\x04\x12\r\n\x05steal\x18\r \x01(\x08\x12\x18\n\x10tokens_generated\x18\x0e \x01(\x04\x12\x1a\n\x12requests_completed\x18\x0f \x01(\x04\x12\x16\n\x0eimages_encoded\x18\x10 \x01(\x04\x12\x0b\n\x03pid\x18\x11 \x01(\r\x12\x16\n\x0esteal_episodes\x18\x12 \x01(\x04\x12\x15\n\rtokens_stolen\x18\x13 \x01(\x04\x12\x1c\n\x14\x65mbedding_bytes_sent\x18\x14 \x01(\x04\x12\x15\n\rmax_model_len\x18\x15 \x01(\r\x12\x43\n\x12kv_capacity_source\x18\x16 \x01(\x0e\x32\'.heterogate.control.v1.KvCapacitySource\x12\x1c\n\x14prefix_cache_queries\x18\x17 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x18 \x01(\x04\x12\x1c\n\x14\x65mbedding_cache_hits\x18\x19 \x01(\x04\x12#\n\x16\x65mbedding_cache_images\x18\x1a \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0cscrape_error\x18\x1b \x01(\t\x12\x17\n\x0fkv_block_tokens\x18\x1c \x01(\rB\x19\n\x17_embedding_cache_images\"@\n\x0eGatewayMessage\x12\x0f\n\x07\x61\x63k_seq\x18\x01 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r*O\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_LANGUAGE\x10\x01\x12\x0f\n\x0bROLE_VISION\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*\x95\x01\n\x10KvCapacitySource\x12\"\n\x1eKV_CAPACITY_SOURCE_UNSPECIFIED\x10\x00\x12\x1d\n\x19KV_CAPACITY_SOURCE_ENGINE\x10\x01\x12\x1d\n\x19KV_CAPACITY_SOURCE_CONFIG\x10\x02\x12\x1f\n\x1bKV_CAPACITY_SOURCE_ESTIMATE\x10\x03\x32\x64\n\x07\x43ontrol\x12Y\n\x07\x43onnect\x12#.heterogate.control.v1.BackendState\x1a%.heterogate.control.v1.GatewayMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=967
-  _globals['_ROLE']._serialized_end=1046
-  _globals['_KVCAPACITYSOURCE']._serialized_start=1049
-  _globals['_KVCAPACITYSOURCE']._serialized_end=1198
+  _globals['_ROLE']._serialized_start=992
+  _globals['_ROLE']._serialized_end=1071
+  _globals['_KVCAPACITYSOURCE']._serialized_start=1074
+  _globals['_KVCAPACITYSOURCE']._serialized_end=1223
   _globals['_GPUPROFILE']._serialized_start=40
   _globals['_GPUPROFILE']._serialized_end=145
   _globals['_BACKENDSTATE']._serialized_start=148
-  _globals['_BACKENDSTATE']._serialized_end=899
-  _globals['_GATEWAYMESSAGE']._serialized_start=901
-  _globals['_GATEWAYMESSAGE']._serialized_end=965
-  _globals['_CONTROL']._serialized_start=1200
-  _globals['_CONTROL']._serialized_end=1300
+  _globals['_BACKENDSTATE']._serialized_end=924
+  _globals['_GATEWAYMESSAGE']._serialized_start=926
+  _globals['_GATEWAYMESSAGE']._serialized_end=990
+  _globals['_CONTROL']._serialized_start=1225
+  _globals['_CONTROL']._serialized_end=1325
 # @@protoc_insertion_point(module_scope)

@@ -43,7 +43,7 @@ class GpuProfile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tflops: _Optional[float] = ..., bandwidth_gbs: _Optional[float] = ..., hbm_gb: _Optional[float] = ..., price_per_hour: _Optional[float] = ...) -> None: ...
 
 class BackendState(_message.Message):
-    __slots__ = ("backend_id", "role", "address", "model", "gpu", "queue_depth", "running", "kv_free_bytes", "kv_total_bytes", "vision_backlog", "mean_service_s", "seq", "steal", "tokens_generated", "requests_completed", "images_encoded", "pid", "steal_episodes", "tokens_stolen", "embedding_bytes_sent", "max_model_len", "kv_capacity_source", "prefix_cache_queries", "prefix_cache_hits", "embedding_cache_hits", "embedding_cache_images", "scrape_error")
+    __slots__ = ("backend_id", "role", "address", "model", "gpu", "queue_depth", "running", "kv_free_bytes", "kv_total_bytes", "vision_backlog", "mean_service_s", "seq", "steal", "tokens_generated", "requests_completed", "images_encoded", "pid", "steal_episodes", "tokens_stolen", "embedding_bytes_sent", "max_model_len", "kv_capacity_source", "prefix_cache_queries", "prefix_cache_hits", "embedding_cache_hits", "embedding_cache_images", "scrape_error", "kv_block_tokens")
     BACKEND_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class BackendState(_message.Message):
     EMBEDDING_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_CACHE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     SCRAPE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     backend_id: str
     role: Role
     address: str
@@ -98,7 +99,8 @@ class BackendState(_message.Message):
     embedding_cache_hits: int
     embedding_cache_images: int
     scrape_error: str
-    def __init__(self, backend_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., gpu: _Optional[_Union[GpuProfile, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., kv_total_bytes: _Optional[int] = ..., vision_backlog: _Optional[int] = ..., mean_service_s: _Optional[float] = ..., seq: _Optional[int] = ..., steal: _Optional[bool] = ..., tokens_generated: _Optional[int] = ..., requests_completed: _Optional[int] = ..., images_encoded: _Optional[int] = ..., pid: _Optional[int] = ..., steal_episodes: _Optional[int] = ..., tokens_stolen: _Optional[int] = ..., embedding_bytes_sent: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_source: _Optional[_Union[KvCapacitySource, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., embedding_cache_hits: _Optional[int] = ..., embedding_cache_images: _Optional[int] = ..., scrape_error: _Optional[str] = ...) -> None: ...
+    kv_block_tokens: int
+    def __init__(self, backend_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., gpu: _Optional[_Union[GpuProfile, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., kv_total_bytes: _Optional[int] = ..., vision_backlog: _Optional[int] = ..., mean_service_s: _Optional[float] = ..., seq: _Optional[int] = ..., steal: _Optional[bool] = ..., tokens_generated: _Optional[int] = ..., requests_completed: _Optional[int] = ..., images_encoded: _Optional[int] = ..., pid: _Optional[int] = ..., steal_episodes: _Optional[int] = ..., tokens_stolen: _Optional[int] = ..., embedding_bytes_sent: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_source: _Optional[_Union[KvCapacitySource, str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., embedding_cache_hits: _Optional[int] = ..., embedding_cache_images: _Optional[int] = ..., scrape_error: _Optional[str] = ..., kv_block_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
     __slots__ = ("ack_seq", "heartbeat_interval_ms")

@@ -51,6 +51,7 @@ def reported_from(msg: control_pb2.BackendState) -> Reported:
         kv_source=KV_SOURCE_NAMES.get(msg.kv_capacity_source),
         prefix_cache_queries=msg.prefix_cache_queries,
         prefix_cache_hits=msg.prefix_cache_hits,
+        kv_block_tokens=msg.kv_block_tokens,
         embedding_cache_hits=msg.embedding_cache_hits,
         embedding_cache_images=msg.embedding_cache_images if msg.HasField("embedding_cache_images") else None,
         scrape_error=msg.scrape_error,

@@ -43,6 +43,7 @@ class Reported:
     kv_source: KvSource | None = None         # None: the sender does not say
     prefix_cache_queries: int = 0             # cumulative prompt tokens (vLLM's counter); 0: not reported
     prefix_cache_hits: int = 0                # of them, found in the engine's prefix cache
+    kv_block_tokens: int = 0                  # tokens a block of its KV (and prefix cache) holds; 0: not said
     embedding_cache_hits: int = 0             # vision: images found in the engine's embedding cache
     embedding_cache_images: int | None = None  # vision: embeddings its cache keeps at most; None: not said
     scrape_error: str = ""                    # a heartbeat agent: why its last scrape of the engine failed

@@ -35,7 +35,9 @@ go back (a restarted engine) empty the backend's LRU: its cache is empty too.
 Blocks of 64 tokens by default (`gateway.routing.prefix_cache.block_tokens`), four of an engine's
 16-token blocks: a hit is counted in whole blocks of the index, so up to 63 tokens of a cached prefix
 go uncounted (under 3% of a 2,500-token prompt), and the hashing, the walk and the LRU touches are a
-quarter of what 16-token blocks cost (routing cost in docs/ROUTING.md).
+quarter of what 16-token blocks cost (routing cost in docs/ROUTING.md). An engine that reports its own
+KV block size (`Reported.kv_block_tokens`) is credited the whole blocks of it a hit fills, as it caches
+them: a backend of 128-token blocks saves 256 tokens of a 320-token hit, not 320.
 
 Cost: the prompt is hashed once a request (its retries reuse the hashes); a lookup walks the
 prompt's blocks once, keeping the backends that hold every block so far as a bit mask (one dict
@@ -141,6 +143,7 @@ class _Backend:
     evicted: float = 0.0                # blocks evicted, over the window
     wanted: float = 0.0                 # of them, brought back by a later prompt
     evicted_at: int = 0                 # the index's blocks placed (anywhere) at its last eviction
+    granule: int = 0                    # tokens a block of the engine's KV holds, as it reports (0: not said)
 
     @property
     def source(self) -> Source:
@@ -268,7 +271,10 @@ class PrefixIndex:
         if session:
             key = session_key(session, stable=self.stable)
             for b in _members(held_by(key, 0), by_bit):
-                if (hit := cached_tokens(b.lru.get(key) or 0, prompt_tokens)) > cached.get(b.id, 0):
+                hit = cached_tokens(b.lru.get(key) or 0, prompt_tokens)
+                if b.granule > 1:
+                    hit -= hit % b.granule
+                if hit > cached.get(b.id, 0):
                     if by_blocks is None:
                         by_blocks = dict(cached)
                     cached[b.id] = hit
@@ -384,6 +390,8 @@ class PrefixIndex:
         engine's whole history as its first reading)."""
         if entry.last_heartbeat is not None:
             self.observe(entry.id, entry.reported.prefix_cache_queries, entry.reported.prefix_cache_hits)
+            if (b := self._backends.get(entry.id)) is not None:
+                b.granule = entry.reported.kv_block_tokens
 
     def observe(self, backend_id: str, queries: int, hits: int) -> None:
         """The engine's prefix-cache counters as last reported (cumulative tokens; 0, 0: none yet, or it
@@ -439,6 +447,7 @@ class PrefixIndex:
             "blocks": len(b.lru),
             "capacity_blocks": b.lru.capacity,
             "keep": b.keep,
+            "engine_block_tokens": b.granule or None,   # the engine's KV block, which hits are counted in
             "evicted_reuse": self.evicted_reuse(backend_id),
             "predicted_query_tokens": b.predicted_queries,
             "predicted_hit_tokens": b.predicted_hits,
@@ -457,11 +466,17 @@ class PrefixIndex:
 
 
 def _credit(cached: dict[str, int], mask: int, by_bit: list[_Backend], tokens: int, prompt_tokens: int) -> None:
-    """The backends of `mask` hold the prompt's first `tokens` tokens."""
+    """The backends of `mask` hold the prompt's first `tokens` tokens: each saves as many of them as
+    fill whole blocks of its engine's KV (the engine keeps whole blocks only)."""
     hit = cached_tokens(tokens, prompt_tokens)
     if hit:
         for b in _members(mask, by_bit):
-            cached[b.id] = hit
+            granule = b.granule
+            if granule > 1:
+                if saved := hit - hit % granule:
+                    cached[b.id] = saved
+            else:
+                cached[b.id] = hit
 
 
 def _members(mask: int, by_bit: list[_Backend]) -> Iterable[_Backend]:

@@ -229,3 +229,14 @@ def test_trtllm_capacity_from_block_gauges() -> None:
     assert (m.kv_total_tokens, m.kv_free_tokens) == (128_000, 32_000)
     assert m.mean_service_s == pytest.approx(1.5)
     assert TABLES["trtllm"].metrics_path == "/prometheus/metrics"
+
+
+def test_the_kv_block_size_is_read_where_the_engine_says_it() -> None:
+    """The prefix cache keeps whole blocks: vLLM's cache_config_info block_size, SGLang's page_size,
+    TensorRT-LLM's tokens-per-block gauge; None where the engine does not say."""
+    assert parse("vllm", VLLM_DP2).kv_block_tokens == 16
+    sglang = ('sglang:num_queue_reqs{tp_rank="0"} 0\nsglang:num_running_reqs{tp_rank="0"} 0\n'
+              'sglang:token_usage{tp_rank="0"} 0\n')
+    assert parse("sglang", sglang + 'sglang:cache_config_info{num_pages="50",page_size="64"} 1\n').kv_block_tokens == 64
+    assert parse("sglang", sglang).kv_block_tokens is None
+    assert parse("trtllm", TRTLLM).kv_block_tokens == 32

@@ -89,6 +89,7 @@ def test_each_conversations_second_turn_lands_where_its_first_turn_went(gw: Gate
     for backend in BACKENDS:
         cache = described[backend]
         assert cache["source"] == "engine"   # the simulated engines report vLLM's counters in heartbeats
+        assert cache["engine_block_tokens"] == 16   # and their KV block, which hits are counted in
         assert cache["predicted_hit_tokens"] > 0 and cache["reported_hit_tokens"] > 0
         assert 0 < cache["predicted_hit_rate"] < 1 and 0 < cache["reported_hit_rate"] < 1
     assert metric_total(gw, "heterogate_prefix_predicted_hit_tokens_total") > 0

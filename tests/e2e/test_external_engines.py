@@ -127,6 +127,9 @@ def test_agents_report_context_and_kv_capacity_with_their_sources(cluster: Clust
     assert b["ext-vllm"]["kv_total_bytes"] == 4096 * 16 * bpt
     assert (b["ext-vllm"]["kv_capacity_source"], b["ext-sglang"]["kv_capacity_source"]) == ("engine", "config")
     assert b["ext-sglang"]["kv_total_bytes"] == 100_000 * bpt
+    # the KV block the engine's prefix cache counts in, from its cache_config_info (the SGLang one's has none)
+    blocks = [b[x]["prefix_cache"]["engine_block_tokens"] for x in ("ext-vllm", "ext-sglang")]
+    assert blocks == [16, None]
     r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x" * 4 * 8000, "max_tokens": 4},
                    timeout=30)
     assert r.status_code == 200 and r.headers["x-heterogate-backend"] == "ext-vllm", r.text

@@ -329,6 +329,31 @@ def test_the_default_index_counts_hits_in_blocks_of_64_tokens() -> None:
     assert query.cached == {"a": 320}
 
 
+def test_a_hit_counts_the_whole_blocks_of_the_engines_kv_it_fills() -> None:
+    """An engine whose KV blocks are not the index's (128 tokens, or 48) caches only whole blocks of
+    its own: once it says its block size, a hit is what fills them; before, the index's count stands."""
+    table = StateTable(catalog().model("llava-1.5-7b"), heartbeat_interval_s=0.2, clock=lambda: 100.0)
+    index = PrefixIndex()
+    for b in ("big", "odd", "quiet"):
+        table.register(b, "language", catalog().gpu("L40S"), address="http://x", managed=False, external=True)
+        index.add_backend(b, 100_000)
+    prompt = "".join(f"{j:063d}-" for j in range(20))    # 320 tokens, five index blocks
+    blocks = index.hashes(prompt, (), 320)
+    for b in ("big", "odd", "quiet"):
+        index.record(index.lookup(blocks, "", 320), b, 100_000)
+    for b, size in (("big", 128), ("odd", 48), ("quiet", 0)):
+        table.apply_heartbeat(b, 1, "http://x", Reported(kv_block_tokens=size))
+        entry = table.get(b)
+        assert entry is not None
+        index.read(entry)
+    query = index.lookup(index.hashes(prompt + "y" * 400, (), 420), "", 420)
+    assert query.cached == {"big": 256, "odd": 288, "quiet": 320}
+    assert index.describe("big")["engine_block_tokens"] == 128
+    assert index.describe("quiet")["engine_block_tokens"] is None
+    # the prompt itself again: at most all but its last token, in whole engine blocks
+    assert index.lookup(blocks, "", 320).cached == {"big": 256, "odd": 288, "quiet": 319}
+
+
 def test_an_image_before_the_text_is_named_by_its_content_so_a_repeated_image_with_the_same_text_is_a_hit() -> None:
     index = PrefixIndex()   # 64-token blocks
     index.add_backend("a", 100_000)
