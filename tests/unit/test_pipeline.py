@@ -106,6 +106,15 @@ def fails_after(seconds: float) -> Script:
     return script
 
 
+def serves_when(go: asyncio.Event) -> Script:
+    """Serves once `go` is set."""
+    async def script(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        await go.wait()
+        async for c in serves(call, fleet):
+            yield c
+    return script
+
+
 async def hangs(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
     """Never answers; cut only by whoever gives up on it."""
     await asyncio.Event().wait()
@@ -415,13 +424,7 @@ async def test_a_request_whose_own_deadline_passes_in_the_admission_queue_gets_5
     r = rig({"a": "language"})
     r.pipeline.admission = AdmissionQueue(AdmissionConfig(saturated_queue_depth=1, max_wait_s=5.0), r.clock)
     go = asyncio.Event()
-
-    async def held_back(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        await go.wait()
-        async for c in serves(call, fleet):
-            yield c
-
-    r.fleet.scripts["a"] = held_back
+    r.fleet.scripts["a"] = serves_when(go)
     first = asyncio.create_task(r.pipeline.start(job("r1"), record(r, "r1")))
     await until(lambda: len(r.fleet.calls) == 1)
     impatient = asyncio.create_task(r.pipeline.start(job("r2", timeout_s=1.0), record(r, "r2")))
@@ -452,13 +455,7 @@ async def test_a_request_held_by_the_overload_queue_is_sent_when_the_one_ahead_h
     gate = r.pipeline.overload = OverloadGate(
         OverloadConfig(ttft_slo_s=100.0, hold_above_s=1e-9, max_wait_s=50.0, protect_itl=False), r.clock, 10.0)
     go = asyncio.Event()
-
-    async def held_back(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        await go.wait()
-        async for c in serves(call, fleet):
-            yield c
-
-    r.fleet.scripts["a"] = held_back
+    r.fleet.scripts["a"] = serves_when(go)
     first = asyncio.create_task(r.pipeline.start(job("r1"), record(r, "r1")))
     await until(lambda: len(r.fleet.calls) == 1)
     second = asyncio.create_task(r.pipeline.start(job("r2"), record(r, "r2")))
