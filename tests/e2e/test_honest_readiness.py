@@ -64,10 +64,11 @@ def test_metrics_failing_while_the_upstream_answers_fails_open(tmp_path: Path) -
         assert resp.headers["x-heterogate-backend"] == "up"
         assert metric_total(gw, "heterogate_routing_failing_open") == 1
         assert gw.backend("up")["reachable"] is True
+        assert gw.backend("up")["state"] == "reachable"   # it serves: not shown as down
         assert ready(gw).status_code == 200 and ready(gw, "HEAD").status_code == 200
         httpx.post(f"{url}/control", json={"metrics_status": 200}, timeout=5).raise_for_status()
         gw.wait_until(lambda: gw.backend("up")["healthy"])
-        assert chat(gw).status_code == 200
+        assert chat(gw).status_code == 200 and gw.backend("up")["state"] == "healthy"
         assert metric_total(gw, "heterogate_routing_failing_open") == 0
 
 
@@ -76,6 +77,7 @@ def test_an_upstream_that_stops_fails_requests_at_once_and_is_not_ready(tmp_path
         assert chat(gw).status_code == 200 and ready(gw).status_code == 200
         stop(upstream)
         gw.wait_until(lambda: gw.backend("up").get("reachable") is False)
+        assert gw.backend("up")["state"] == "unhealthy"
         resp = chat(gw)
         assert resp.status_code == 503, resp.text   # not a 429 after the request's deadline
         assert resp.json()["error"]["code"] != "overloaded"

@@ -88,7 +88,8 @@ function renderBackends(backends, metrics, rates) {
     const tr = document.createElement("tr");
     tr.dataset.backend = b.id;
     // A drained backend takes no new requests on purpose (a managed engine then stops): not shown as down.
-    tr.className = b.draining ? "draining" : b.healthy ? "healthy" : "down";
+    // reachable: an upstream that answers its probe without fresh load figures; it serves.
+    tr.className = b.draining ? "draining" : b.healthy ? "healthy" : b.state === "reachable" ? "reachable" : "down";
     const kvUsed = b.kv_total_bytes ? 1 - b.kv_free_bytes / b.kv_total_bytes : 0;
     const speed = b.learned_speed || {};
     cell(tr, b.id);
