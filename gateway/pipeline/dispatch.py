@@ -551,7 +551,8 @@ class Pipeline:
             if gate is not None and (
                     gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
                 # held: route when released
-                if await gate.wait(profile, lambda: self.routable(self.clock(), closed, job.model), deadline):
+                if await gate.wait(profile, lambda: self.routable(self.clock(), closed, job.model), deadline,
+                                   ticket.tenant.policy.priority):
                     admitted = self._admitted(profile, job.context_tokens, job.model, closed)
             guaranteed = False
             if admitted is None:

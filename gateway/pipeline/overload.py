@@ -34,6 +34,12 @@ long prompt) is held against that idle prediction instead: it goes once some bac
 ahead of it. A request with images is never held: its first token waits on the vision pool's encode
 too, which the prediction does not model (the admission queue still applies to it).
 
+Tenants' classes. Held requests go by their tenant's priority class first (gateway/config/tenants.py),
+as in the admission queue: a higher class's request is released, as soon as a backend can take it,
+before any lower class's, whatever their deadlines; within a class, earliest start deadline first.
+Weights (fair share within a class) apply in the admission queue only, and a full queue
+(`max_queued`) refuses a request of any class.
+
 `OverloadQueue` is the pure part, on explicit times: the decisions (hold or go, where it may go,
 refuse, release), the EDF heap and the completion rate. The live gateway wraps it in `OverloadGate`
 (asyncio waiters woken as first tokens come and requests end; gateway/pipeline/dispatch.py); the
@@ -48,7 +54,7 @@ import contextlib
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -106,8 +112,10 @@ def takers(candidates: Candidates, profile: RequestProfile, hold_above_s: float,
 
 @dataclass(order=True, slots=True)
 class Held(Generic[T]):
-    """One held request: its start deadline (the heap's order, then arrival) and what its holder needs."""
+    """One held request: its tenant's class (higher first), its start deadline, its arrival (the heap's
+    order), and what its holder needs."""
 
+    rank: int   # minus its tenant's priority class: a higher class is held ahead of every lower one
     due: float
     seq: int
     profile: RequestProfile = field(compare=False)
@@ -126,6 +134,7 @@ class OverloadQueue(Generic[T]):
         self._seq = itertools.count()
         self._ends: deque[float] = deque(maxlen=config.rate_window)   # recent completion times
         self._last_due = -math.inf   # no held request's start deadline is later (while any is held)
+        self._ranks: Counter[int] = Counter()   # held requests per class (rank)
 
     @property
     def held(self) -> int:
@@ -158,26 +167,33 @@ class OverloadQueue(Generic[T]):
         return decision if within is candidates else choose(within)
 
     def offer(self, item: T, profile: RequestProfile, goes: bool, now: float,
-              deadline: float = math.inf) -> Held[T] | None:
+              deadline: float = math.inf, priority: int = 0) -> Held[T] | None:
         """A request arrives; `goes`: some backend can take it (`goes`). None: it goes now (nobody is
         held, and it can; or it has images, whose first token waits on the vision pool, which the
-        prediction does not model); else it is held, in the returned place. Raises `Overloaded` when the
-        queue is full or, with `refuse_at_once`, it is predicted not to start in time."""
+        prediction does not model); else it is held, in the returned place: behind the held requests of
+        its tenant's `priority` class or a higher one that are due sooner, ahead of every lower class.
+        Raises `Overloaded` when the queue is full or, with `refuse_at_once`, it is predicted not to
+        start in time."""
         if profile.image_tokens or (not self._held and goes):
             return None
         due = min(now + self.window_s, deadline)
         if self._held >= self.config.max_queued:
             raise Overloaded(f"{self.why()}, and {self._held} requests are held", retry_after_s=self.retry_after_s(now))
+        rank = -priority
         if self.config.refuse_at_once:
-            ahead = self._held if due >= self._last_due else sum(1 for h in self._heap if h.queued and h.due <= due)
+            if self._ranks.keys() <= {rank} and due >= self._last_due:   # one class, this one due last
+                ahead = self._held
+            else:
+                ahead = sum(1 for h in self._heap if h.queued and (h.rank, h.due) <= (rank, due))
             wait = self.expected_wait_s(now, ahead)
             if now + wait > due:
                 raise Overloaded(f"{self.why()}, and the {ahead} requests held ahead of this one would take about "
                                  f"{wait:.2g} s to start, past its start deadline",
                                  retry_after_s=self.retry_after_s(now))
-        held = Held(due, next(self._seq), profile, item)
+        held = Held(rank, due, next(self._seq), profile, item)
         heapq.heappush(self._heap, held)
         self._held += 1
+        self._ranks[rank] += 1
         self._last_due = max(self._last_due, due)
         return held
 
@@ -188,7 +204,7 @@ class OverloadQueue(Generic[T]):
                 f"{self.config.hold_above_s:g} s{itl})")
 
     def head(self) -> Held[T] | None:
-        """The held request of the earliest start deadline (then arrival)."""
+        """The held request of the highest class, then the earliest start deadline, then arrival."""
         heap = self._heap
         while heap and not heap[0].queued:
             heapq.heappop(heap)
@@ -199,11 +215,20 @@ class OverloadQueue(Generic[T]):
         if held.queued:
             held.queued = False
             self._held -= 1
+            self._ranks[held.rank] -= 1
+            if not self._ranks[held.rank]:
+                del self._ranks[held.rank]
             if not self._held:
                 self._last_due = -math.inf
 
     def expired(self, now: float) -> list[Held[T]]:
-        """Take out and return the held requests whose start deadline has come (they are the heads)."""
+        """Take out and return the held requests whose start deadline has come: the heads while one class
+        is held, else found among them all (a lower class's may come before a higher one's)."""
+        if len(self._ranks) > 1:
+            out = sorted(h for h in self._heap if h.queued and h.due <= now)
+            for h in out:
+                self.take(h)
+            return out
         out = []
         while (head := self.head()) is not None and head.due <= now:
             self.take(head)
@@ -248,12 +273,12 @@ class OverloadGate:
         return self.queue.held
 
     async def wait(self, profile: RequestProfile, candidates: Callable[[], Iterable[BackendSnapshot]],
-                   deadline: float) -> bool:
+                   deadline: float, priority: int = 0) -> bool:
         """Return when the request may go to a backend (True if it was held); raise Overloaded if it
         cannot. `candidates`: the language candidates as the table stands."""
         queue = self.queue
         now = self._clock()
-        held = queue.offer(asyncio.Event(), profile, queue.goes(candidates(), profile), now, deadline)
+        held = queue.offer(asyncio.Event(), profile, queue.goes(candidates(), profile), now, deadline, priority)
         if held is None:
             return False
         try:

@@ -129,6 +129,28 @@ def test_held_requests_leave_earliest_start_deadline_first_then_in_arrival_order
     assert q.held == 0
 
 
+def test_a_higher_tenant_class_is_released_first_and_a_lower_ones_deadline_still_comes() -> None:
+    q: OverloadQueue[str] = OverloadQueue(config(refuse_at_once=True))
+    for name, deadline in (("low-soon", 0.3), ("low-late", 10.0)):
+        q.offer(name, request(name), False, now=0.0, deadline=deadline)
+    q.offer("high", request("high"), False, now=0.0, deadline=0.9, priority=1)
+    head = q.head()
+    assert head is not None and head.item == "high"   # ahead of every class-0 request, whatever its deadline
+    # the class-0 request due first is refused at its start deadline though it is not the head
+    assert [h.item for h in q.expired(0.35)] == ["low-soon"] and q.held == 2
+    # refuse_at_once counts only what is ahead of the newcomer: its class and higher ones, due sooner
+    for t in (-0.65, -0.4, -0.15, 0.1):
+        q.finished(t)   # three completions a second: one start every 1/3 s
+    q.offer("high-2", request("high-2"), False, now=0.35, deadline=1.2, priority=1)   # 1 ahead: 0.67 s, in time
+    with pytest.raises(Overloaded):   # 2 ahead (not low-late, due later): 1 s, past its deadline
+        q.offer("low-2", request("low-2"), False, now=0.35, deadline=1.2)
+    order = []
+    while (head := q.head()) is not None:
+        q.take(head)
+        order.append(head.item)
+    assert order == ["high", "high-2", "low-late"] and q.held == 0
+
+
 def test_the_start_deadline_is_the_wait_bound_or_the_requests_own_deadline() -> None:
     config = OverloadConfig(enabled=True, ttft_slo_s=2.0, hold_above_s=1.5, max_wait_s=1.0)
     q: OverloadQueue[str] = OverloadQueue(config)
