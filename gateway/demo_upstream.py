@@ -18,8 +18,8 @@ the gateway react to a busy or failing engine, `POST /control` with any of {"wai
 and changes the pace; {"cached_tokens": 12} adds `prompt_tokens_details` with that many cached tokens to
 every usage (as `vllm serve --enable-prompt-tokens-details` does); `GET /stats` shows what it served:
 counts, arrival times (`time.monotonic()`), the `max_tokens` asked, the last body and Authorization header.
-`--api-key K` refuses /v1/* requests without `Authorization: Bearer K` (401), as `vllm serve --api-key`
-does. It runs on the gateway's own HTTP server and only the gateway's runtime dependencies; it listens
+`--api-key K` refuses /v1/* requests (/v1/models too) without `Authorization: Bearer K` (401), as `vllm
+serve --api-key` does. It runs on the gateway's own HTTP server and only the gateway's runtime dependencies; it listens
 on 127.0.0.1 unless `--host` says otherwise.
 """
 
@@ -165,6 +165,10 @@ class DemoUpstream:
         if not self._method(request, exchange, "GET"):
             return
         options = self.options
+        authorization = find_header(request.headers, b"authorization")
+        if options.api_key is not None and authorization != f"Bearer {options.api_key}".encode("latin-1"):
+            exchange.respond(401, [], _error_body(401, "Unauthorized"))   # every /v1 route, as vLLM's --api-key
+            return
         card: dict[str, Any] = {"id": options.model, "object": "model", "created": 1, "owned_by": options.engine}
         if options.max_model_len is not None:
             card["max_model_len"] = options.max_model_len

@@ -58,12 +58,16 @@ def make_probe(client: httpx.AsyncClient) -> Callable[[str], Awaitable[bool]]:
 
 
 async def probe_error(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
-    """Why GET url is no sign of a live server: no HTTP answer within `timeout_s`, or a 5xx; None when it
-    answered below 500 (the server is up, whatever it says)."""
+    """Why GET url is no sign of a server that will serve the gateway: no HTTP answer within `timeout_s`,
+    a 5xx, or 401/403 (it refuses the gateway's key, as it will every request); None when it answered
+    otherwise below 500 (the server is up, whatever it says)."""
     try:
         status = (await client.get(url, timeout=timeout_s)).status_code
     except httpx.HTTPError as exc:
         return f"probe GET {url}: {type(exc).__name__}: {exc}".rstrip(": ")
+    if status in (401, 403):
+        return (f"probe GET {url}: HTTP {status}: the upstream refuses the gateway's key "
+                "(the backend's api_key / api_key_env)")
     return f"probe GET {url}: HTTP {status}" if status >= 500 else None
 
 

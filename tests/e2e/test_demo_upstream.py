@@ -85,11 +85,12 @@ def test_the_official_client_through_the_gateway_in_front_of_the_demo_upstream(t
 
 def test_the_demo_upstream_answers_bad_input_with_a_clear_4xx() -> None:
     with demo_upstream("--api-key", "k1", "--max-model-len", "4096") as url:
-        models = httpx.get(f"{url}/v1/models", timeout=5).json()["data"]
+        keyed = {"authorization": "Bearer k1"}
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers=keyed, timeout=5).json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [("demo-model", 4096)]
         body = {"model": "demo-model", "prompt": "hi", "max_tokens": 2}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=5).status_code == 401
-        keyed = {"authorization": "Bearer k1"}
         assert httpx.post(f"{url}/v1/completions", json=body, headers=keyed, timeout=5).status_code == 200
         not_json = httpx.post(f"{url}/v1/completions", content=b"{nope", headers=keyed, timeout=5)
         assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]["message"]

@@ -95,6 +95,25 @@ def test_nothing_listening_is_not_ready_and_fails_at_once(tmp_path: Path, scrape
         assert httpx.head(f"{gw.url}/health", timeout=5).status_code == 200   # the process itself is fine
 
 
+def test_an_upstream_that_refuses_the_gateways_key_is_not_ready_and_says_why(tmp_path: Path) -> None:
+    """A wrong api_key: the upstream answers every request 401. Its probe (sent with the key) says so:
+    no candidate, /ready 503, and last_error names the key, where it was counted as up and ready."""
+    port = free_port()
+    upstream = spawn("tests.fake_openai_server", "--port", str(port), "--api-key", "right-key")
+    path = write_config(tmp_path, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
+        {"id": "up", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}", "api_key": "wrong-key"}]})
+    try:
+        with run_gateway(path, healthy=0, timeout=60) as gw:
+            gw.wait_until(lambda: gw.backend("up").get("reachable") is False, timeout=30)
+            described = gw.backend("up")
+            assert described["state"] == "unhealthy" and "HTTP 401" in described["last_error"]
+            assert "api_key" in described["last_error"]
+            assert ready(gw).status_code == 503
+            assert chat(gw).status_code == 503
+    finally:
+        stop(upstream)
+
+
 def test_non_streamed_requests_on_an_upstream_that_hangs_are_retried_once_it_is_found_unreachable(
     tmp_path: Path,
 ) -> None:
