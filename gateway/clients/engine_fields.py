@@ -28,7 +28,8 @@ STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
 # Values that ask for the default: OpenAI's, and vLLM's own "off" (`top_k: -1`, `repetition_penalty: 1`), which
 # clients such as LiteLLM and LangChain send whatever the backend
 _NO_REQUEST: dict[str, Any] = {"n": 1, "best_of": 1, "tool_choice": "none", "response_format": {"type": "text"},
-                               "top_k": -1, "repetition_penalty": 1, "service_tier": "auto"}
+                               "top_k": -1, "repetition_penalty": 1, "service_tier": "auto",
+                               "modalities": ["text"]}
 
 
 # Fields whose 0 asks something: a seed of 0, and a completion's `logprobs: 0` (the sampled token's own)

@@ -13,8 +13,10 @@ def test_plain_requests_and_fields_that_ask_nothing_pass() -> None:
             "temperature": 0.2, "top_p": 0.9, "stop": ["\n"], "user": "u-1", "n": 1, "logprobs": False,
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0,
             "seed": None, "stream_options": {"include_usage": True}, "echo": False,
-            "top_k": -1, "repetition_penalty": 1.0, "service_tier": "auto"}   # vLLM's "off", OpenAI's default
+            "top_k": -1, "repetition_penalty": 1.0, "service_tier": "auto",   # vLLM's "off", OpenAI's default
+            "modalities": ["text"]}
     assert refused_fields(body) == []
+    assert refused_fields({"model": "m", "messages": [], "modalities": ["text", "audio"]}) == ["modalities"]
     check_engine_can_honour(body)
     assert refused_fields({"model": "m", "prompt": "hi", "echo": False, "stream": None, "best_of": 1}, chat=False) == []
 
