@@ -68,6 +68,10 @@ async def run_workers(argv: list[str], count: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # A reload asked of the parent (README: `kill -HUP $GATEWAY_PID`): workers share one fleet and refuse
+    # runtime changes; without a handler the signal's default action stopped every worker and engine.
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.error(
+        "config_reload_refused", error="--workers: the fleet cannot change at runtime; restart to apply the file"))
     cmd = worker_argv(argv)
     env = {**os.environ, WORKER_ENV: "1"}
     failed = False

@@ -366,6 +366,13 @@ def test_workers_share_ports_and_state(tmp_path: Path) -> None:
                     assert r.status_code == 200, r.text
                 served = dict(worker_requests(gw) for _ in range(30))   # by worker
                 assert len(served) == 2 and sum(served.values()) == 40 and min(served.values()) > 0, served
+                # a reload asked of the parent is refused, said in the log; nothing stops
+                gw.process.send_signal(signal.SIGHUP)
+                gw.wait_until(lambda: "config_reload_refused" in gw.log_path.read_text(), timeout=10)
+                assert gw.process.poll() is None
+                r = httpx.post(f"{gw.url}/v1/completions", json={"model": "mock", "prompt": "hi", "max_tokens": 2},
+                               timeout=10)
+                assert r.status_code == 200, r.text
                 # the parent killed outright: its workers stop too (they served on, orphaned, sharing the
                 # ports with whatever gateway started next)
                 pid = gw.process.pid
