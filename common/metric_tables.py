@@ -277,7 +277,7 @@ def _block_tokens(samples: Mapping[str, Series], table: EngineTable, rejected: d
         sizes = [s for labels, _ in samples[table.cache_info] if (s := _int(labels.get(table.block_size_label)))]
     if not sizes and table.block_size_gauge:
         sizes = [int(v) for v in _by_rank(samples.get(table.block_size_gauge, []), table).values() if v >= 1]
-    return max(sizes) if sizes and max(sizes) > 0 else None
+    return max(sizes, default=None)
 
 
 def _info_capacity(series: Series, table: EngineTable) -> dict[str, int]:

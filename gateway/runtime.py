@@ -120,7 +120,7 @@ class Runtime:
                 # load figures, no `scrape:` or a stale one: it serves, routed on the gateway's own counts)
                 "state": e.lifecycle if e.lifecycle not in SERVING else
                 "healthy" if self.table.is_healthy(e) else
-                "reachable" if e.external and self.table.reachable(e.id) is True else "unhealthy",
+                "reachable" if self.table.answers_unheard(e) else "unhealthy",
                 # the engine's own as it reports it, else the process the supervisor runs for it
                 "pid": None if e.lifecycle == "stopped" else e.reported.pid or e.process_pid or None,
                 "healthy": self.table.is_healthy(e),

@@ -437,7 +437,12 @@ class StateTable:
         now = self.clock() if now is None else now
         return sum(1 for e in self._entries.values() if e.role in roles and e.id not in self._draining
                    and _serves_model(e, model) and (priority is None or _open_to(e, priority)) and (
-                       self.is_healthy(e, now) or (e.external and serves(e) and self._reachable.get(e.id) is True)))
+                       self.is_healthy(e, now) or self.answers_unheard(e)))
+
+    def answers_unheard(self, entry: BackendEntry) -> bool:
+        """A kind: openai upstream that answers the probe, whatever its metrics say: it serves (counted
+        ready, shown `reachable` while not heard from)."""
+        return entry.external and serves(entry) and self._reachable.get(entry.id) is True
 
     def _serves(self, entry: BackendEntry) -> bool:
         """May be routed to at all: a launched engine once ready, and not an upstream found unreachable."""
