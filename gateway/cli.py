@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -171,6 +174,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130) from None
 
 
+@contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Ctrl-C while the gateway's modules load is noted and raised once they have: a KeyboardInterrupt
+    inside an extension module's initialisation (grpc's Cython core) comes out as an ImportError with a
+    traceback that `main` cannot tell from a broken install."""
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def _main(argv: list[str]) -> None:
     # The subcommand is peeled off before argparse so that `gateway --backends X` keeps parsing exactly as before.
     if argv[:1] == ["--version"]:   # before anything heavy is imported
@@ -180,18 +198,21 @@ def _main(argv: list[str]) -> None:
         check_config(argv[1:])
         return
     if argv[:1] == [PLAN]:
-        from loadtest.planner.cli import main as plan  # the simulator and numpy: loaded for this subcommand only
+        with ctrl_c_deferred():
+            from loadtest.planner.cli import main as plan  # the simulator and numpy: loaded for this subcommand only
 
         raise SystemExit(plan(argv[1:]))
     if argv[:1] == [DEMO_UPSTREAM]:
-        from gateway import demo_upstream  # only this subcommand needs it
+        with ctrl_c_deferred():
+            from gateway import demo_upstream  # only this subcommand needs it
 
         demo_upstream.main(argv[1:])
         return
-    from common.event_loop import run
-    from common.logs import configure_logging
-    from gateway.daemon import CannotStart, serve
-    from gateway.replicas.workers import CANNOT_START, WORKER_ENV, run_workers
+    with ctrl_c_deferred():
+        from common.event_loop import run
+        from common.logs import configure_logging
+        from gateway.daemon import CannotStart, serve
+        from gateway.replicas.workers import CANNOT_START, WORKER_ENV, run_workers
 
     args = parse_args(argv)
     configure_logging(args.log_level)
