@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Tag, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from common.errors import ConfigError
@@ -18,6 +18,15 @@ T = TypeVar("T")
 # message names an internal class (`instance of ClusterFile`), which tells the file's author nothing.
 _NOT_A_MAPPING = ("model_type", "dict_type")
 _KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
+_TAG_MARK = "~"   # starts the name of a union member's tag, which pydantic puts in the error's path
+
+
+def union_tag(name: str) -> Tag:
+    """The tag of one member of a discriminated union, left out of the field paths errors name: in the
+    file the member's fields sit where the union is (`launch.time_scale`, not `launch.engine.time_scale`)."""
+    return Tag(_TAG_MARK + name)
 
 
 def _takes_number_not_bool(annotation: Any) -> bool:
@@ -92,6 +101,8 @@ def where(data: Any, loc: tuple[int | str, ...]) -> str:
     parts: list[str] = []
     node = data
     for key in loc:
+        if isinstance(key, str) and key.startswith(_TAG_MARK):
+            continue
         part = str(key)
         if isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
             node = node[key]

@@ -14,7 +14,6 @@ from pydantic import (
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
-    Tag,
     field_validator,
     model_validator,
 )
@@ -22,7 +21,7 @@ from pydantic import (
 from common import yaml_files
 from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
 from common.errors import ConfigError
-from common.yaml_files import StrictModel
+from common.yaml_files import StrictModel, union_tag
 from gateway.config.auth import AuthConfig
 from gateway.config.autoscaling import POOL_ROLES, AutoscalingConfig, check_min, check_reference_request, pick_template
 from gateway.config.models import MODEL_NAME, ModelNames, ModelSpec, ServedModel
@@ -131,13 +130,16 @@ class CommandLaunchSpec(StrictModel):
         return self
 
 
+_ENGINE, _COMMAND = union_tag("engine"), union_tag("command")
+
+
 def _launch_kind(value: Any) -> str:
     command = isinstance(value, CommandLaunchSpec) or (isinstance(value, dict) and "command" in value)
-    return "command" if command else "engine"
+    return _COMMAND.tag if command else _ENGINE.tag
 
 
 Launch = Annotated[
-    Annotated[LaunchSpec, Tag("engine")] | Annotated[CommandLaunchSpec, Tag("command")],
+    Annotated[LaunchSpec, _ENGINE] | Annotated[CommandLaunchSpec, _COMMAND],
     Discriminator(_launch_kind),
 ]
 

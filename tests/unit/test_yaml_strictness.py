@@ -87,6 +87,18 @@ def test_a_boolean_where_a_number_belongs_is_refused(tmp_path: Path, body: str, 
                                   "true/false)")
 
 
+@pytest.mark.parametrize(("launch", "where"), [
+    ("{time_scale: fast}", "launch.time_scale: Input should be a valid number"),
+    ('{command: "serve {port}", porta: 3}', "launch.porta: Extra inputs are not permitted"),
+    ("5", "launch: Input should be a valid dictionary"),
+], ids=["engine", "command", "no-mapping"])
+def test_an_error_in_launch_names_the_key_as_written(tmp_path: Path, launch: str, where: str) -> None:
+    """`launch` is one of two kinds (an engine the gateway runs, or a command): the error's path named
+    the kind as if it were a key (`launch.engine.time_scale`, where the file has `launch.time_scale`)."""
+    path = write(tmp_path, f"backends:\n  - {{id: h100-0, role: language, gpu: H100, launch: {launch}}}\n")
+    assert config_error(path).startswith(f"{path}: backends.0 (h100-0).{where}")
+
+
 def test_booleans_stay_booleans_and_numbers_numbers(tmp_path: Path) -> None:
     path = write(tmp_path, "gateway:\n  overload: {enabled: off, protect_itl: yes, ttft_slo_s: 3, max_queued: 8}\n"
                  + BACKEND)
