@@ -693,19 +693,9 @@ class Pipeline:
         try:
             if job.images:
                 first, job = await self._first_with_images(dispatch, job, client, record)
-            else:   # read in this task: no task, and no loop turn, per request
-                stream = self._send(dispatch, job, client, record)
-                task = asyncio.current_task()
-                assert task is not None
-                wait = self.watch.watch(task, backend, job, dispatch.sent)
-                try:
-                    first = await anext(stream)
-                except asyncio.CancelledError:
-                    if wait.reason is None or task.uncancel() > 0:   # the client left
-                        raise
-                    raise self._silent(backend.id, wait.reason) from None
-                finally:
-                    self.watch.stop(wait)
+            else:
+                stream = self._send(dispatch, job, client, record)   # sets dispatch.sent
+                first = await self._first_chunk(stream, backend, job, dispatch.sent)
         except BaseException as exc:
             error = exc
             if isinstance(exc, StopAsyncIteration):
@@ -755,18 +745,8 @@ class Pipeline:
                 dispatch.vision_backend_id, reply = await self._encode(job, key, backend, "", record)
                 job = replace(job, embeddings=tuple(reply.embeddings))
                 self.table.inputs_delivered(dispatch.lease)
-            stream = self._send(dispatch, job, client, record)
-            task = asyncio.current_task()
-            assert task is not None
-            wait = self.watch.watch(task, backend, job, dispatch.sent)
-            try:
-                return await anext(stream), job
-            except asyncio.CancelledError:
-                if wait.reason is None or task.uncancel() > 0:
-                    raise
-                raise self._silent(backend.id, wait.reason) from None
-            finally:
-                self.watch.stop(wait)
+            stream = self._send(dispatch, job, client, record)   # sets dispatch.sent
+            return await self._first_chunk(stream, backend, job, dispatch.sent), job
         # The language engine waits long enough for every vision attempt (a re-encode must still land).
         stream = self._send(dispatch, job, client, record, key, self.settings.handoff_timeout_s
                             * self.settings.max_attempts)
@@ -790,11 +770,29 @@ class Pipeline:
             dispatch.vision_backend_id, _ = await encoding
         finally:
             self.watch.stop(wait)
-            pending = [t for t in (first_read, encoding) if not t.done()]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)   # the stream must be idle to close it
+            for task in (first_read, encoding):
+                task.cancel()   # nothing, where done
+            # The stream must be idle to close it; the exception of the half not raised is read here.
+            await asyncio.gather(first_read, encoding, return_exceptions=True)
         return first, job
+
+    async def _first_chunk(
+        self, stream: AsyncIterator[engine_pb2.GenerateChunk], backend: BackendSnapshot, job: GenerationJob,
+        sent: float | None,
+    ) -> engine_pb2.GenerateChunk:
+        """The stream's first chunk, read in this task (no task, and no loop turn, per request) under the
+        first-token watch: a watch that fires cancels the read, answered as the backend's silence."""
+        task = asyncio.current_task()
+        assert task is not None
+        wait = self.watch.watch(task, backend, job, sent)
+        try:
+            return await anext(stream)
+        except asyncio.CancelledError:
+            if wait.reason is None or task.uncancel() > 0:   # the client left
+                raise
+            raise self._silent(backend.id, wait.reason) from None
+        finally:
+            self.watch.stop(wait)
 
     @staticmethod
     def _silent(backend_id: str, reason: str) -> BackendTimeout:

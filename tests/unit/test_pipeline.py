@@ -10,6 +10,7 @@ real client raises (BackendFailure, BackendTimeout, InvalidRequest).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 from collections.abc import AsyncIterator, Callable
@@ -350,6 +351,27 @@ async def test_every_encode_failing_fails_the_request_not_the_language_backend()
     assert err.value.backend_id in {"v1", "v2"} and not err.value.retryable
     assert rec.attempts == 1, "the language backend was not at fault: not re-dispatched"
     assert r.breakers.state("lang") is State.CLOSED and r.in_flight("lang") == (0, 0, 0)
+
+
+async def test_an_encode_and_a_language_attempt_failing_together_leave_no_exception_unread() -> None:
+    """Both halves of a split request failing in the same turn: the one not raised was a task whose
+    exception was never retrieved ("Task exception was never retrieved" in the log, per request)."""
+    r = rig({"lang": "language", "v1": "vision"}, max_attempts=1)
+    r.fleet.scripts = {"lang": fails}
+    r.fleet.encode_fails = {"v1"}
+    unread: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+    try:
+        with pytest.raises(BackendFailure):
+            await r.pipeline.start(job(images=1), record(r))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert r.fleet.encodes == ["v1"] and r.fleet.backends_called() == ["lang"]
+    assert unread == []
 
 
 async def test_no_encoder_because_its_breaker_is_open_says_so() -> None:
