@@ -89,6 +89,15 @@ class _Sampling(_Body):
     # length it asked for, on completions too (ignored there, it would silently get the default length)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
+    @field_validator("max_tokens", "max_completion_tokens", "n", "seed", "best_of", mode="before", check_fields=False)
+    @classmethod
+    def _past_64_bits(cls, value: Any) -> Any:
+        """The JSON parser reads an integer past 64 bits as a float (1e+30): said as too large, where the
+        strict integer check would say it is no integer."""
+        if type(value) is float and value.is_integer() and abs(value) >= 2 ** 64:
+            raise PydanticCustomError("int_too_large", "too large: an integer of at most 64 bits")
+        return value
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 

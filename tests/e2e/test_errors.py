@@ -278,6 +278,15 @@ def test_max_tokens_over_the_limit_is_400(limits_gw: Gateway, path: str, body: d
     assert str(MAX_TOKENS) in err["message"]
 
 
+@pytest.mark.parametrize(("path", "field"), [(CHAT, "max_tokens"), (CHAT, "seed"), (COMPLETIONS, "best_of")])
+def test_an_integer_past_64_bits_is_said_to_be_too_large(limits_gw: Gateway, path: str, field: str) -> None:
+    """Read as a float by the JSON parser, it was "Input should be a valid integer"."""
+    body = chat() if path == CHAT else completion()
+    r = post(limits_gw, path, json={**body, field: 10 ** 30})
+    err = assert_openai_error(r, 400, type_="invalid_request_error", param=field)
+    assert "too large" in err["message"], err
+
+
 def test_max_tokens_at_the_limit_is_accepted(limits_gw: Gateway) -> None:
     rid = short_request_id(20)   # the engine stops it early: the test is about admission, not length
     r = post(limits_gw, COMPLETIONS, json=completion(max_tokens=MAX_TOKENS), headers={"x-request-id": rid})
