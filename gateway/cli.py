@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
 def ctrl_c_deferred() -> Iterator[None]:
     """Ctrl-C while the gateway's modules load is noted and raised once they have: a KeyboardInterrupt
     inside an extension module's initialisation (grpc's Cython core) comes out as an ImportError with a
-    traceback that `main` cannot tell from a broken install."""
+    traceback that `main` cannot tell from a broken install. An ignored SIGINT (a background job) stays so."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield
+        return
     pressed: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
     try:
