@@ -293,6 +293,17 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
                   auth.identities, drain_timeout_s=config.settings.drain_timeout_s, own_ports=own_ports(options),
                   refused=None if replication is None else "the fleet cannot change at runtime while replicas share "
                   "state (--redis-url): restart the replicas with the new backends file")
+    async def hand_over() -> bool:
+        """Engines that outlive this replica, and another replica seen to adopt them (a rolling restart):
+        their heartbeats move to it first (this replica's ports close, the requests drained: they reconnect
+        to the engines' port it shares), as it adopts only engines it hears. Not `--workers`, which stop
+        together (the engines would outlive them all until `engine_orphan_s`)."""
+        if options.reuse_port or not (adoptable and replication is not None and replication.shared.up
+                                      and replication.shared.peer_count):
+            return False
+        await asyncio.gather(*(door.stop(grace=1.0) for door in (engines_door, control) if door is not None))
+        return True
+
     supervision = Supervision(
         lambda adopted: Supervisor(fleet.launchers(), on_state=runtime.table.set_lifecycle,
                                    stop_timeout_s=max(2.0, config.settings.engine_stop_timeout_s), adopted=adopted,
@@ -302,7 +313,8 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
         takeover_wait_s=config.settings.engine_start_timeout_s, clock=time.monotonic,
         on_term=auth.identities.set_launching,
         adopt=lambda taken: find_adoptable(runtime.table, [b for b in adoptable if b not in taken],
-                                           auth.identities.verify))
+                                           auth.identities.verify),
+        hand_over=hand_over)
     # gateway.autoscaling: the pools' desired sizes on /metrics; applied through the fleet in manage mode
     # (not with replicas, whose fleet is fixed)
     scaling = config.settings.autoscaling

@@ -262,3 +262,12 @@ class Supervisor:
         """Stop every managed process and wait for all of them."""
         self._stopping = True
         await asyncio.gather(*(self._stop_child(c) for c in self._children))
+
+    async def leave(self) -> None:
+        """Stop supervising and leave the processes running: guards launched to outlive this gateway
+        (replicas) serve on, for the replica that adopts them (gateway/replicas/leadership.py)."""
+        self._stopping = True
+        tasks = [c.task for c in self._children if c.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

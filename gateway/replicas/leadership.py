@@ -16,6 +16,11 @@ a missing key, so the incumbent wins after a Redis restart. A leader that finds 
 another replica stops its engines at once. Limit: a leader cut off from a Redis that the others still
 reach keeps its engines while another takes over, until it sees Redis again.
 
+A leader that stops (SIGTERM) while it sees other replicas hands its engines over: it leaves them
+running, releases the lease, and the next leader adopts them as above; the last replica to stop
+stops them. Replicas that all stop at once may each see the others and leave the engines running:
+those exit by themselves once no replica hears them (`engine_orphan_s`).
+
 Each renewal also announces, under `P identities`, the digests of the identities the leader gives its
 engines (engine_identities.py): the script writes them only for the holder, so every replica can
 check the current leader's engines and a deposed leader cannot overwrite them. It replaces the hash
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Protocol
 
 import structlog
@@ -67,6 +72,7 @@ ANNOUNCE_TTL_MS = round(RedisConfig().engine_keys_ttl_s * 1000)   # the configur
 class Supervised(Protocol):
     def start(self) -> None: ...
     async def stop(self) -> None: ...
+    async def leave(self) -> None: ...
 
 
 class LeaderLease:
@@ -114,16 +120,22 @@ class Supervision:
         engines_silent: Callable[[Collection[str]], bool], takeover_wait_s: float, clock: Callable[[], float],
         on_term: Callable[[bool, Collection[str]], None] = lambda leading, adopted: None,
         adopt: Callable[[Collection[str]], Mapping[str, Process]] = lambda adopted: {},
+        hand_over: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         """`make_supervisor(adopted)`: the supervisor of one term, given the engines adopted from the
         previous leader (backend id -> its process guard). `adopt(adopted)`: the previous leader's
         engines, other than those, that can be adopted now (with a lease only). `engines_silent(adopted)`:
         no managed backend but those is heartbeating. `on_term(True, adopted)` when this replica takes
         the engines over (before launching), `on_term(False, ())` when it stops supervising them (their
-        identities follow: control_auth.ControlAuth.identities)."""
+        identities follow: control_auth.ControlAuth.identities). `hand_over()`, awaited when this replica
+        stops as leader: True where its engines outlive it and another replica is there to adopt them
+        (and now hears them), so they are left
+        running (a rolling restart of the leader fails no other replica's requests) and the lease is
+        released for that replica to take at once."""
         self._make = make_supervisor
         self._adopt = adopt
         self._on_term = on_term
+        self._hand_over = hand_over
         self._lease = lease
         self._engines_silent = engines_silent
         self._takeover_wait_s = takeover_wait_s
@@ -147,7 +159,10 @@ class Supervision:
                 await self._tick(self._lease, stop)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), tick_s)
-        await self._step_down()
+        leave = False
+        if self._hand_over is not None and self._lease is not None and self.leading:
+            leave = await self._hand_over()
+        await self._step_down(leave=leave)
         if self._lease is not None:
             await self._lease.release()
 
@@ -201,8 +216,13 @@ class Supervision:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await lease.renew()
 
-    async def _step_down(self) -> None:
+    async def _step_down(self, leave: bool = False) -> None:
+        """Stop the engines, or with `leave` leave them running for the next leader to adopt."""
         if self.supervisor is not None:
             supervisor, self.supervisor = self.supervisor, None
-            await supervisor.stop()
+            if leave:
+                await supervisor.leave()
+                log.info("engines_handed_over", replica=self._lease.holder if self._lease else None)
+            else:
+                await supervisor.stop()
             self._on_term(False, ())

@@ -230,6 +230,30 @@ def test_leader_killed_under_load_the_survivor_keeps_serving_and_adopts_the_engi
     assert gone([new["pid"], l40s], timeout_s=20), "the survivor's SIGTERM left an engine running"
 
 
+def test_leader_stopped_under_load_hands_its_engines_to_the_other_replica(tmp_path: Path) -> None:
+    """A rolling restart: the leader's SIGTERM stopped the engines every replica routes to (the other
+    replica's requests failed while it launched them again); now it leaves them running and frees the
+    lease, the other replica adopts them, and no request fails."""
+    with redis_prefix("handover") as prefix, ExitStack() as stack:
+        a, b = (stack.enter_context(run_gateway(cluster(tmp_path, f"r{i}", prefix, leader_lease_ms=1500),
+                                                "--redis-url", SYSTEM_REDIS, "--log-level", "info", healthy=2))
+                for i in range(2))
+        ports = {a.grpc_port, b.grpc_port}
+        before = engine_processes(ports)
+        assert sorted(before) == ["h100-0", "l40s-0"]
+        with load(b, b, b, b) as (results, _):
+            time.sleep(0.5)
+            a.process.send_signal(signal.SIGTERM)
+            assert a.process.wait(timeout=60) == 0
+            b.wait_until(lambda: b.log_path.read_text().count("engine_adopted") == 2, timeout=30)
+            time.sleep(0.5)
+        failures = [r for r in results if r != 200]
+        print(f"leader SIGTERMed under load: {len(results)} requests to the other replica, failures: {failures[:5]}")
+        assert failures == [] and len(results) > 0
+        assert "engines_handed_over" in a.log_path.read_text()
+        assert engine_processes(ports) == before, "the engines were stopped and launched again"
+
+
 def test_engines_that_no_replica_hears_exit_by_themselves(tmp_path: Path) -> None:
     with redis_prefix("orphans") as prefix, \
             replicas(tmp_path, prefix, SYSTEM_REDIS, 2, leader_lease_ms=1500, engine_orphan_s=2) as (a, b):
@@ -334,6 +358,8 @@ def test_workers_with_managed_engines_any_worker_admits_them_and_the_next_leader
             again = gw.wait_until(lambda: both_workers_see(set(after["h100-0"])), timeout=60, interval=0.2)
             assert int(stat(int(stat(again["h100-0"][0])[1]))[1]) != leader
             check(again, old_identity)
+        # the workers stop together: the leader hands its engines to no other worker, it stops them
+        assert gone([p for pids in again.values() for p in pids], timeout_s=5), "engines outlived the workers"
 
 
 def test_workers_share_ports_and_state(tmp_path: Path) -> None:

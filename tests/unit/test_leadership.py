@@ -23,7 +23,7 @@ class Engines:
     running: int = 0    # sets of engines running at once, over every instance
 
     def __init__(self) -> None:
-        self.started = self.stopped = False
+        self.started = self.stopped = self.left = False
 
     def start(self) -> None:
         Engines.running += 1
@@ -32,6 +32,10 @@ class Engines:
     async def stop(self) -> None:
         Engines.running -= 1
         self.stopped = True
+
+    async def leave(self) -> None:   # still running, adopted by the next leader: not a set of their own
+        Engines.running -= 1
+        self.left = True
 
 
 async def test_lease_is_exclusive_renewed_by_its_holder_only_and_retaken_when_missing() -> None:
@@ -93,6 +97,42 @@ async def test_only_one_replica_supervises_and_the_other_takes_over_when_it_stop
             await run_b
             await redis.aclose()
         assert made["b"][0].stopped and lease_free(prefix)
+
+
+@pytest.mark.parametrize("peer_seen", [True, False])
+async def test_a_leader_that_stops_hands_its_engines_over_only_to_a_replica_it_sees(peer_seen: bool) -> None:
+    """Stopped while another replica is there to adopt them, the leader leaves its engines running (they
+    served that replica's requests, which failed when it stopped them) and frees the lease; the last
+    replica stops them."""
+    with redis_prefix("handover") as prefix:
+        redis = connect(RedisConfig(), SYSTEM_REDIS)
+        made: list[Engines] = []
+
+        def make(adopted: object) -> Engines:
+            made.append(Engines())
+            return made[-1]
+
+        lease = LeaderLease(redis, prefix + "leader", "a", LEASE_MS, 1.0)
+        async def hand_over() -> bool:
+            return peer_seen
+
+        leader = Supervision(make, lease, lambda adopted: True, takeover_wait_s=5.0, clock=time.monotonic,
+                             hand_over=hand_over)
+        stop = asyncio.Event()
+        running = asyncio.create_task(leader.run(stop))
+        try:
+            for _ in range(40):
+                if leader.leading:
+                    break
+                await asyncio.sleep(0.05)
+            assert leader.leading
+        finally:
+            stop.set()
+            await running
+            await redis.aclose()
+        (engines,) = made
+        assert (engines.left, engines.stopped) == ((True, False) if peer_seen else (False, True))
+        assert not leader.leading and lease_free(prefix)
 
 
 def lease_free(prefix: str) -> bool:

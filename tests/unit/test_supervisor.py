@@ -228,3 +228,19 @@ async def test_each_exit_is_reported_in_words() -> None:
     assert {b for b, _ in exits} == {"vllm-0"} and sup.children[0].last_exit == "exited with status 3"
     await sup.stop()
     assert len(exits) == 4   # a stop the gateway asked for is no exit to report
+
+
+async def test_leave_stops_supervising_and_signals_nothing() -> None:
+    """A leader handing its engines over: they run on, and an exit afterwards launches nothing."""
+    clock, spawner, launcher, states = FakeClock(), FakeSpawner(), FakeLauncher(), []
+    sup = supervisor_of(launcher, clock, spawner, states)
+    sup.start()
+    launcher.is_ready = True
+    await until(lambda: ("vllm-0", "ready") in states)
+    await sup.leave()
+    (process,) = spawner.spawned
+    assert process.signals == [] and process.returncode is None
+    process.exit(0)
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert len(spawner.spawned) == 1 and states[-1] == ("vllm-0", "ready")
