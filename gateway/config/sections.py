@@ -42,9 +42,10 @@ class OverloadConfig(StrictModel):
     A held request must leave by its start deadline, arrival + min(max_wait_s, ttft_slo_s -
     hold_above_s) (sooner if its own deadline is): released then, its first token can still come
     within `ttft_slo_s`. One still held at its start deadline gets 429 with Retry-After; one that finds
-    `max_queued` held gets it at once, and so, with `refuse_at_once`, does one that the requests ahead
-    of it, at the rate requests have been completing, would take past its start deadline (off: that
-    estimate refused requests that would have started in time). A request goes, at once or when
+    `max_queued` held gets it at once (unless it takes a lower tenant class's place), and so, with
+    `refuse_at_once`, does one that the requests ahead of it, at the rate requests have been
+    completing, would take past its start deadline (off: that estimate refused requests that would
+    have started in time). A request goes, at once or when
     released, to one of the backends that take it (`gateway.pipeline.overload.taking`)."""
 
     enabled: bool = True

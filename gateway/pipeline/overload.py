@@ -37,8 +37,10 @@ too, which the prediction does not model (the admission queue still applies to i
 Tenants' classes. Held requests go by their tenant's priority class first (gateway/config/tenants.py),
 as in the admission queue: a higher class's request is released, as soon as a backend can take it,
 before any lower class's, whatever their deadlines; within a class, earliest start deadline first.
-Weights (fair share within a class) apply in the admission queue only, and a full queue
-(`max_queued`) refuses a request of any class.
+A request that finds the queue full (`max_queued`) takes the place of a lower class's held request,
+of the lowest class held the one due last (refused with 429 then, as it would have been at once had it
+come second); with none below its class it is refused. Weights (fair share within a class) apply in
+the admission queue only.
 
 `OverloadQueue` is the pure part, on explicit times: the decisions (hold or go, where it may go,
 refuse, release), the EDF heap and the completion rate. The live gateway wraps it in `OverloadGate`
@@ -121,13 +123,17 @@ class Held(Generic[T]):
     profile: RequestProfile = field(compare=False)
     item: T = field(compare=False)
     queued: bool = field(compare=False, default=True)
+    pushed_out: bool = field(compare=False, default=False)   # its place taken by a higher class's request
 
 
 class OverloadQueue(Generic[T]):
     """The overload queue's decisions on explicit times; `T` is what the caller keeps per held request."""
 
-    def __init__(self, config: OverloadConfig) -> None:
+    def __init__(self, config: OverloadConfig, on_push_out: Callable[[Held[T]], None] = lambda held: None) -> None:
+        """`on_push_out(held)`: `held` was taken out of the full queue for a higher class's request (its
+        holder refuses it)."""
         self.config = config
+        self._on_push_out = on_push_out
         self.window_s = min(config.max_wait_s, config.ttft_slo_s - config.hold_above_s)
         self._heap: list[Held[T]] = []
         self._held = 0
@@ -172,14 +178,19 @@ class OverloadQueue(Generic[T]):
         held, and it can; or it has images, whose first token waits on the vision pool, which the
         prediction does not model); else it is held, in the returned place: behind the held requests of
         its tenant's `priority` class or a higher one that are due sooner, ahead of every lower class.
-        Raises `Overloaded` when the queue is full or, with `refuse_at_once`, it is predicted not to
-        start in time."""
+        In a full queue it takes the place of a lower class's request (`on_push_out`). Raises
+        `Overloaded` when the queue is full of its class and higher ones or, with `refuse_at_once`, it is
+        predicted not to start in time."""
         if profile.image_tokens or (not self._held and goes):
             return None
         due = min(now + self.window_s, deadline)
-        if self._held >= self.config.max_queued:
-            raise Overloaded(f"{self.why()}, and {self._held} requests are held", retry_after_s=self.retry_after_s(now))
         rank = -priority
+        victim = None
+        if self._held >= self.config.max_queued:
+            victim = self._place_for(rank)
+            if victim is None:
+                raise Overloaded(f"{self.why()}, and {self._held} requests are held",
+                                 retry_after_s=self.retry_after_s(now))
         if self.config.refuse_at_once:
             if self._ranks.keys() <= {rank} and due >= self._last_due:   # one class, this one due last
                 ahead = self._held
@@ -190,12 +201,25 @@ class OverloadQueue(Generic[T]):
                 raise Overloaded(f"{self.why()}, and the {ahead} requests held ahead of this one would take about "
                                  f"{wait:.2g} s to start, past its start deadline",
                                  retry_after_s=self.retry_after_s(now))
+        if victim is not None:
+            self.take(victim)
+            victim.pushed_out = True
+            self._on_push_out(victim)
         held = Held(rank, due, next(self._seq), profile, item)
         heapq.heappush(self._heap, held)
         self._held += 1
         self._ranks[rank] += 1
         self._last_due = max(self._last_due, due)
         return held
+
+    def _place_for(self, rank: int) -> Held[T] | None:
+        """The held request whose place a newcomer of class `rank` takes in a full queue: of the lowest
+        class held, below `rank`, the one due last (it would wait longest); None where none is below.
+        O(held), on a full queue only."""
+        lowest = max(self._ranks, default=rank)
+        if lowest <= rank:
+            return None
+        return max((h for h in self._heap if h.queued and h.rank == lowest), key=lambda h: (h.due, h.seq))
 
     def why(self) -> str:
         """Why requests are held, for the refusals' messages."""
@@ -264,7 +288,7 @@ class OverloadGate:
     also looks again every `recheck_s` (the heartbeat interval: speeds and reports change too)."""
 
     def __init__(self, config: OverloadConfig, clock: Callable[[], float], recheck_s: float) -> None:
-        self.queue: OverloadQueue[asyncio.Event] = OverloadQueue(config)
+        self.queue: OverloadQueue[asyncio.Event] = OverloadQueue(config, on_push_out=lambda held: held.item.set())
         self._clock = clock
         self._recheck_s = recheck_s
 
@@ -283,6 +307,10 @@ class OverloadGate:
             return False
         try:
             while True:
+                if held.pushed_out:
+                    raise Overloaded(f"{queue.why()}, and its place in the full queue ({queue.config.max_queued} "
+                                     "held) went to a request of a higher priority class",
+                                     retry_after_s=queue.retry_after_s(self._clock()))
                 if queue.head() is held and queue.goes(candidates(), profile):
                     queue.take(held)
                     return True

@@ -28,7 +28,7 @@ class SimGate:
     ) -> None:
         """`candidates(now)`: the language candidates a decision would read now; `dispatch(i, profile,
         now)`: route request i (released); `on_refused(i)`: request i was refused (429)."""
-        self.queue: OverloadQueue[int] = OverloadQueue(config)
+        self.queue: OverloadQueue[int] = OverloadQueue(config, on_push_out=lambda held: self._refuse(held.item))
         self._candidates = candidates
         self._dispatch = dispatch
         self._on_refused = on_refused

@@ -177,6 +177,30 @@ def test_beyond_max_queued_a_request_gets_429_with_retry_after_at_once() -> None
         nothing.offer("b", request(), False, now=0.0)
 
 
+def test_a_full_queue_gives_a_higher_class_the_place_of_the_lowest_class_request_due_last() -> None:
+    """A full queue refused a request of any class: a higher class's request waited nowhere while a lower
+    class's held its place."""
+    pushed: list[str] = []
+    q: OverloadQueue[str] = OverloadQueue(config(max_queued=3), on_push_out=lambda held: pushed.append(held.item))
+    q.offer("low-soon", request(), False, now=0.0, deadline=0.5)
+    q.offer("low-late", request(), False, now=0.0)
+    q.offer("mid", request(), False, now=0.0, priority=1)
+    with pytest.raises(Overloaded):   # its own class and higher ones fill it: refused, nothing pushed out
+        q.offer("low-new", request(), False, now=0.0)
+    assert pushed == [] and q.held == 3
+    q.offer("high", request(), False, now=0.0, priority=2)   # the lowest class, the one due last, makes room
+    assert pushed == ["low-late"] and q.held == 3
+    q.offer("mid-2", request(), False, now=0.0, priority=1)
+    assert pushed == ["low-late", "low-soon"]
+    with pytest.raises(Overloaded):   # classes 1 and 2 only: a class-1 request finds none below it
+        q.offer("mid-3", request(), False, now=0.0, priority=1)
+    order = []
+    while (head := q.head()) is not None:
+        q.take(head)
+        order.append(head.item)
+    assert order == ["high", "mid", "mid-2"]
+
+
 def test_a_request_predicted_not_to_start_in_time_is_held_by_default_and_refused_at_its_start_deadline() -> None:
     q: OverloadQueue[str] = OverloadQueue(CONFIG)   # start deadline: arrival + 1 s
     for t in (0.0, 0.5, 1.0, 1.5):   # 1.5 completions a second
@@ -272,6 +296,19 @@ async def test_a_held_request_still_held_at_its_start_deadline_gets_429() -> Non
         await asyncio.wait_for(c.request("r", deadline=now + 0.05), 2)
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1.0
     assert c.gate.held == 0 and c.started == []
+
+
+async def test_a_held_request_whose_place_a_higher_class_takes_gets_429_at_once() -> None:
+    c = Cluster(config(max_wait_s=30.0, ttft_slo_s=40.0, max_queued=1))
+    low = asyncio.create_task(c.request("low"))
+    await until(lambda: c.gate.held == 1)
+    high = asyncio.create_task(c.gate.wait(request("high"), c.candidates, float("inf"), priority=1))
+    with pytest.raises(Overloaded) as refused:
+        await asyncio.wait_for(low, 2)
+    assert "higher priority class" in refused.value.message and refused.value.retry_after_s is not None
+    assert c.gate.held == 1 and not high.done()
+    c.free_one()
+    assert await asyncio.wait_for(high, 2) is True and c.gate.held == 0
 
 
 async def test_a_cancelled_held_request_frees_its_slot_and_the_next_one_goes() -> None:
