@@ -552,7 +552,7 @@ class Pipeline:
                     gate.held or admitted is None or not gate.queue.goes((admitted.backend,), profile)):
                 # held: route when released
                 if await gate.wait(profile, lambda: self.routable(self.clock(), closed, job.model), deadline,
-                                   ticket.tenant.policy.priority):
+                                   ticket.tenant.policy.priority, ticket.tenant.name, ticket.tenant.policy.weight):
                     admitted = self._admitted(profile, job.context_tokens, job.model, closed)
             guaranteed = False
             if admitted is None:

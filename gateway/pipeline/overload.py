@@ -34,16 +34,21 @@ long prompt) is held against that idle prediction instead: it goes once some bac
 ahead of it. A request with images is never held: its first token waits on the vision pool's encode
 too, which the prediction does not model (the admission queue still applies to it).
 
-Tenants' classes. Held requests go by their tenant's priority class first (gateway/config/tenants.py),
-as in the admission queue: a higher class's request is released, as soon as a backend can take it,
-before any lower class's, whatever their deadlines; within a class, earliest start deadline first.
-A request that finds the queue full (`max_queued`) takes the place of a lower class's held request,
-of the lowest class held the one due last (refused with 429 then, as it would have been at once had it
-come second); with none below its class it is refused. Weights (fair share within a class) apply in
-the admission queue only.
+Tenants. Held requests go by their tenant's priority class first (gateway/config/tenants.py), as in
+the admission queue: a higher class's request is released, as soon as a backend can take it, before
+any lower class's, whatever their deadlines. Within a class the tenants share by weight, by start-time
+fair queueing as in the admission queue (gateway/pipeline/admission.py): each tenant's next request
+carries a start tag, the larger of its previous finish tag and the class's virtual time when it starts
+being held, and a request released advances its tenant's tag by its expected tokens (prompt +
+max_tokens) / weight; the smallest start tag goes first, and within a tenant the earliest start
+deadline. With one tenant that is earliest start deadline first, as before tenants. (Unlike the
+admission queue's, the charge is not corrected to the tokens a request took: the queue does not see
+its end.) A request that finds the queue full (`max_queued`) takes the place of a lower class's held
+request, of the lowest class held the one due last (refused with 429 then, as it would have been at
+once had it come second); with none below its class it is refused.
 
 `OverloadQueue` is the pure part, on explicit times: the decisions (hold or go, where it may go,
-refuse, release), the EDF heap and the completion rate. The live gateway wraps it in `OverloadGate`
+refuse, release), the tenants' EDF heaps and tags, and the completion rate. The live gateway wraps it in `OverloadGate`
 (asyncio waiters woken as first tokens come and requests end; gateway/pipeline/dispatch.py); the
 discrete-event simulator (loadtest/sim/simulator.py) drives the same `OverloadQueue` on its virtual
 clock, so the family benchmark measures this code.
@@ -114,16 +119,49 @@ def takers(candidates: Candidates, profile: RequestProfile, hold_above_s: float,
 
 @dataclass(order=True, slots=True)
 class Held(Generic[T]):
-    """One held request: its tenant's class (higher first), its start deadline, its arrival (the heap's
-    order), and what its holder needs."""
+    """One held request: its tenant's class (higher first), its start deadline, its arrival (its
+    tenant's heap's order), and what its holder needs."""
 
     rank: int   # minus its tenant's priority class: a higher class is held ahead of every lower one
     due: float
     seq: int
     profile: RequestProfile = field(compare=False)
     item: T = field(compare=False)
+    flow: _Flow[T] = field(compare=False, repr=False)
     queued: bool = field(compare=False, default=True)
     pushed_out: bool = field(compare=False, default=False)   # its place taken by a higher class's request
+
+
+class _Flow(Generic[T]):
+    """One tenant's held requests in one class: a heap by start deadline, then arrival (entries taken
+    out are popped when they reach its top), and its tags in the class's virtual time."""
+
+    __slots__ = ("finish", "heap", "held", "start", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.heap: list[Held[T]] = []
+        self.held = 0        # the entries of `heap` still queued
+        self.start = 0.0     # the start tag of its next release, while it holds any
+        self.finish = 0.0    # the finish tag of its last release
+
+    def top(self) -> Held[T]:
+        heap = self.heap
+        while not heap[0].queued:
+            heapq.heappop(heap)
+        return heap[0]
+
+
+class _Class(Generic[T]):
+    """One priority class: its tenants' flows, those holding requests, and its virtual time (the start
+    tag of the request released last)."""
+
+    __slots__ = ("active", "flows", "vtime")
+
+    def __init__(self) -> None:
+        self.flows: dict[str, _Flow[T]] = {}
+        self.active: list[_Flow[T]] = []
+        self.vtime = 0.0
 
 
 class OverloadQueue(Generic[T]):
@@ -135,7 +173,7 @@ class OverloadQueue(Generic[T]):
         self.config = config
         self._on_push_out = on_push_out
         self.window_s = min(config.max_wait_s, config.ttft_slo_s - config.hold_above_s)
-        self._heap: list[Held[T]] = []
+        self._classes: dict[int, _Class[T]] = {}   # by rank
         self._held = 0
         self._seq = itertools.count()
         self._ends: deque[float] = deque(maxlen=config.rate_window)   # recent completion times
@@ -172,12 +210,12 @@ class OverloadQueue(Generic[T]):
         within = self.takers(candidates, profile)
         return decision if within is candidates else choose(within)
 
-    def offer(self, item: T, profile: RequestProfile, goes: bool, now: float,
-              deadline: float = math.inf, priority: int = 0) -> Held[T] | None:
+    def offer(self, item: T, profile: RequestProfile, goes: bool, now: float, deadline: float = math.inf,
+              priority: int = 0, tenant: str = "default", weight: float = 1.0) -> Held[T] | None:
         """A request arrives; `goes`: some backend can take it (`goes`). None: it goes now (nobody is
         held, and it can; or it has images, whose first token waits on the vision pool, which the
-        prediction does not model); else it is held, in the returned place: behind the held requests of
-        its tenant's `priority` class or a higher one that are due sooner, ahead of every lower class.
+        prediction does not model); else it is held, in the returned place: behind every higher class's
+        held requests and ahead of every lower class's, by its `tenant`'s share (`weight`) in its class.
         In a full queue it takes the place of a lower class's request (`on_push_out`). Raises
         `Overloaded` when the queue is full of its class and higher ones or, with `refuse_at_once`, it is
         predicted not to start in time."""
@@ -195,7 +233,7 @@ class OverloadQueue(Generic[T]):
             if self._ranks.keys() <= {rank} and due >= self._last_due:   # one class, this one due last
                 ahead = self._held
             else:
-                ahead = sum(1 for h in self._heap if h.queued and (h.rank, h.due) <= (rank, due))
+                ahead = sum(1 for h in self._queued() if (h.rank, h.due) <= (rank, due))
             wait = self.expected_wait_s(now, ahead)
             if now + wait > due:
                 raise Overloaded(f"{self.why()}, and the {ahead} requests held ahead of this one would take about "
@@ -205,8 +243,14 @@ class OverloadQueue(Generic[T]):
             self.take(victim)
             victim.pushed_out = True
             self._on_push_out(victim)
-        held = Held(rank, due, next(self._seq), profile, item)
-        heapq.heappush(self._heap, held)
+        c = self._classes.get(rank) or self._classes.setdefault(rank, _Class())
+        flow = c.flows.get(tenant) or c.flows.setdefault(tenant, _Flow(weight))
+        if not flow.held:   # starts being held: no credit for the time it was not
+            flow.start = max(flow.finish, c.vtime)
+            c.active.append(flow)
+        held = Held(rank, due, next(self._seq), profile, item, flow)
+        heapq.heappush(flow.heap, held)
+        flow.held += 1
         self._held += 1
         self._ranks[rank] += 1
         self._last_due = max(self._last_due, due)
@@ -219,7 +263,12 @@ class OverloadQueue(Generic[T]):
         lowest = max(self._ranks, default=rank)
         if lowest <= rank:
             return None
-        return max((h for h in self._heap if h.queued and h.rank == lowest), key=lambda h: (h.due, h.seq))
+        return max((h for f in self._classes[lowest].active for h in f.heap if h.queued),
+                   key=lambda h: (h.due, h.seq))
+
+    def _queued(self) -> Iterable[Held[T]]:
+        """Every held request, in no order. O(held)."""
+        return (h for rank in self._ranks for f in self._classes[rank].active for h in f.heap if h.queued)
 
     def why(self) -> str:
         """Why requests are held, for the refusals' messages."""
@@ -228,35 +277,51 @@ class OverloadQueue(Generic[T]):
                 f"{self.config.hold_above_s:g} s{itl})")
 
     def head(self) -> Held[T] | None:
-        """The held request of the highest class, then the earliest start deadline, then arrival."""
-        heap = self._heap
-        while heap and not heap[0].queued:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
+        """The next to go: of the highest class held, the tenant of the smallest start tag (ties: the
+        earlier arrival), its earliest start deadline, then arrival. O(tenants held in that class)."""
+        if not self._held:
+            return None
+        active = self._classes[min(self._ranks)].active
+        if len(active) == 1:
+            return active[0].top()
+        return min((f.top() for f in active), key=lambda h: (h.flow.start, h.seq))
 
-    def take(self, held: Held[T]) -> None:
-        """`held` leaves the queue: released, refused or gone (its client left)."""
-        if held.queued:
-            held.queued = False
-            self._held -= 1
-            self._ranks[held.rank] -= 1
-            if not self._ranks[held.rank]:
-                del self._ranks[held.rank]
-            if not self._held:
-                self._last_due = -math.inf
+    def take(self, held: Held[T], released: bool = False) -> None:
+        """`held` leaves the queue: `released` (it is the head, and goes: its tenant is charged), refused
+        or gone (its client left)."""
+        if not held.queued:
+            return
+        held.queued = False
+        self._held -= 1
+        self._ranks[held.rank] -= 1
+        if not self._ranks[held.rank]:
+            del self._ranks[held.rank]
+        if not self._held:
+            self._last_due = -math.inf
+        flow, c = held.flow, self._classes[held.rank]
+        flow.held -= 1
+        if released:
+            cost = max(1.0, held.profile.input_tokens + held.profile.max_output_tokens)
+            c.vtime = flow.start
+            flow.finish = flow.start + cost / flow.weight
+            flow.start = flow.finish
+        if not flow.held:
+            flow.heap.clear()   # only entries taken out are left
+            c.active.remove(flow)
 
     def expired(self, now: float) -> list[Held[T]]:
-        """Take out and return the held requests whose start deadline has come: the heads while one class
-        is held, else found among them all (a lower class's may come before a higher one's)."""
-        if len(self._ranks) > 1:
-            out = sorted(h for h in self._heap if h.queued and h.due <= now)
-            for h in out:
-                self.take(h)
+        """Take out and return the held requests whose start deadline has come: its top while one tenant
+        of one class is held, else found among them all (any tenant's may come first)."""
+        if len(self._ranks) == 1 and len(active := self._classes[next(iter(self._ranks))].active) == 1:
+            flow = active[0]
+            out = []
+            while flow.held and (top := flow.top()).due <= now:
+                self.take(top)
+                out.append(top)
             return out
-        out = []
-        while (head := self.head()) is not None and head.due <= now:
-            self.take(head)
-            out.append(head)
+        out = sorted(h for h in self._queued() if h.due <= now)
+        for h in out:
+            self.take(h)
         return out
 
     def finished(self, now: float) -> None:
@@ -297,12 +362,14 @@ class OverloadGate:
         return self.queue.held
 
     async def wait(self, profile: RequestProfile, candidates: Callable[[], Iterable[BackendSnapshot]],
-                   deadline: float, priority: int = 0) -> bool:
+                   deadline: float, priority: int = 0, tenant: str = "default", weight: float = 1.0) -> bool:
         """Return when the request may go to a backend (True if it was held); raise Overloaded if it
-        cannot. `candidates`: the language candidates as the table stands."""
+        cannot. `candidates`: the language candidates as the table stands; `tenant` of `priority` and
+        `weight`: whose share it takes (`OverloadQueue.offer`)."""
         queue = self.queue
         now = self._clock()
-        held = queue.offer(asyncio.Event(), profile, queue.goes(candidates(), profile), now, deadline, priority)
+        held = queue.offer(asyncio.Event(), profile, queue.goes(candidates(), profile), now, deadline, priority,
+                           tenant, weight)
         if held is None:
             return False
         try:
@@ -312,7 +379,7 @@ class OverloadGate:
                                      "held) went to a request of a higher priority class",
                                      retry_after_s=queue.retry_after_s(self._clock()))
                 if queue.head() is held and queue.goes(candidates(), profile):
-                    queue.take(held)
+                    queue.take(held, released=True)
                     return True
                 remaining = held.due - self._clock()
                 if remaining <= 0:

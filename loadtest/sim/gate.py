@@ -72,7 +72,7 @@ class SimGate:
         for held in queue.expired(now):
             self._refuse(held.item)
         while (head := queue.head()) is not None and queue.goes(self._candidates(now), head.profile):
-            queue.take(head)
+            queue.take(head, released=True)
             self._dispatch(head.item, head.profile, now)
 
     def _refuse(self, i: int) -> None:
