@@ -296,10 +296,10 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     async def hand_over() -> bool:
         """Engines that outlive this replica, and another replica seen to adopt them (a rolling restart):
         their heartbeats move to it first (this replica's ports close, the requests drained: they reconnect
-        to the engines' port it shares), as it adopts only engines it hears. Not `--workers`, which stop
-        together (the engines would outlive them all until `engine_orphan_s`)."""
+        to the engines' port it shares), as it adopts only engines it hears: a replica on this host. Not
+        `--workers`, which stop together (the engines would outlive them all until `engine_orphan_s`)."""
         if options.reuse_port or not (adoptable and replication is not None and replication.shared.up
-                                      and replication.shared.peer_count):
+                                      and replication.shared.peers_on(socket.gethostname())):
             return False
         await asyncio.gather(*(door.stop(grace=1.0) for door in (engines_door, control) if door is not None))
         return True

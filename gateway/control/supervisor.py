@@ -92,6 +92,7 @@ class Child:
     state: Lifecycle = "starting"
     process: Process | None = None
     restarts: int = 0
+    outlives: bool = False   # its process keeps running without this gateway (launched so, or adopted)
     last_exit: str | None = None   # why it last stopped serving, in words (`exit_reason`)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -159,6 +160,7 @@ class Supervisor:
 
     def _start_child(self, child: Child) -> None:
         adopted = child.process = self._adopted.pop(child.backend_id, None)
+        child.outlives = adopted is not None
         # an adopted engine serves on: "ready" keeps its last heartbeat, "starting" would drop it
         self._set(child, "ready" if adopted is not None else "starting")
         child.task = asyncio.create_task(self._keep_running(child, adopted), name=f"supervise-{child.backend_id}")
@@ -211,6 +213,7 @@ class Supervisor:
         self._set(child, "starting")
         self._on_launch(child.backend_id)
         process = child.process = await self._spawner.spawn(plan.argv, plan.env, outlive_parent=plan.outlive_parent)
+        child.outlives = plan.outlive_parent
         self._on_spawn(child.backend_id, process.pid)
         # the process guard's pid (its engine's own is the one /admin/backends shows, once it reports it)
         log.info("engine_launched", backend=child.backend_id, guard_pid=process.pid, restarts=child.restarts)
@@ -264,10 +267,12 @@ class Supervisor:
         await asyncio.gather(*(self._stop_child(c) for c in self._children))
 
     async def leave(self) -> None:
-        """Stop supervising and leave the processes running: guards launched to outlive this gateway
-        (replicas) serve on, for the replica that adopts them (gateway/replicas/leadership.py)."""
+        """Stop supervising, leaving running the processes that outlive this gateway (`kind: engine`
+        guards with replicas: they serve on, for the replica that adopts them; gateway/replicas/
+        leadership.py); the others (a `kind: openai` command) are stopped as `stop` does."""
         self._stopping = True
-        tasks = [c.task for c in self._children if c.task is not None]
-        for task in tasks:
+        leaving = [c.task for c in self._children if c.outlives and c.task is not None]
+        for task in leaving:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*leaving, *(self._stop_child(c) for c in self._children if not c.outlives),
+                             return_exceptions=True)

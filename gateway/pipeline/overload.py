@@ -308,6 +308,9 @@ class OverloadQueue(Generic[T]):
         if not flow.held:
             flow.heap.clear()   # only entries taken out are left
             c.active.remove(flow)
+        elif len(flow.heap) > 2 * flow.held + 16:   # taken out below its top (refused, pushed out): rebuilt
+            flow.heap = [h for h in flow.heap if h.queued]
+            heapq.heapify(flow.heap)
 
     def expired(self, now: float) -> list[Held[T]]:
         """Take out and return the held requests whose start deadline has come: its top while one tenant

@@ -16,9 +16,9 @@ a missing key, so the incumbent wins after a Redis restart. A leader that finds 
 another replica stops its engines at once. Limit: a leader cut off from a Redis that the others still
 reach keeps its engines while another takes over, until it sees Redis again.
 
-A leader that stops (SIGTERM) while it sees other replicas hands its engines over: it leaves them
-running, releases the lease, and the next leader adopts them as above; the last replica to stop
-stops them. Replicas that all stop at once may each see the others and leave the engines running:
+A leader that stops (SIGTERM) while it sees another replica on its host hands its engines over: it
+leaves them running, releases the lease, and the next leader adopts them as above; the last replica
+to stop stops them (and a `kind: openai` command is stopped either way: it is not adopted). Replicas that all stop at once may each see the others and leave the engines running:
 those exit by themselves once no replica hears them (`engine_orphan_s`).
 
 Each renewal also announces, under `P identities`, the digests of the identities the leader gives its
@@ -161,7 +161,10 @@ class Supervision:
                     await asyncio.wait_for(stop.wait(), tick_s)
         leave = False
         if self._hand_over is not None and self._lease is not None and self.leading:
-            leave = await self._hand_over()
+            try:
+                leave = await self._hand_over()
+            except Exception as exc:   # the engines are then stopped, as without a peer
+                log.warning("engines_hand_over_failed", error=repr(exc))
         await self._step_down(leave=leave)
         if self._lease is not None:
             await self._lease.release()

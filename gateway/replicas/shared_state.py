@@ -211,6 +211,11 @@ class SharedState:
         self.errors = 0
         self.peer_count = 0
 
+    def peers_on(self, host: str) -> int:
+        """The other replicas seen at the last refresh that run on `host` (a replica id starts with its
+        host's name: replica.new_replica_id)."""
+        return sum(1 for peer in self._peers if peer.rsplit("-", 2)[0] == host)
+
     def key(self, replica_id: str) -> str:
         return self._counts_prefix + replica_id
 

@@ -82,7 +82,8 @@ class _Sampling(_Body):
     stream: bool | None = False   # null: not streamed (OpenAI accepts it)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None   # honoured by torch engines (see gateway.clients.engine_fields)
+    # honoured by torch engines (see gateway.clients.engine_fields); a signed 64-bit integer, as engines take it
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
     user: str | None = None   # the end user or session: routed to where its prefix is cached
     cache_salt: str | None = Field(default=None, min_length=1)   # vLLM's: prefix-cache hits only within a salt
     # OpenAI's newer name for max_tokens, on both routes: a client that moved to it everywhere gets the
@@ -94,8 +95,8 @@ class _Sampling(_Body):
     def _past_64_bits(cls, value: Any) -> Any:
         """The JSON parser reads an integer past 64 bits as a float (1e+30): said as too large, where the
         strict integer check would say it is no integer."""
-        if type(value) is float and value.is_integer() and abs(value) >= 2 ** 64:
-            raise PydanticCustomError("int_too_large", "too large: an integer of at most 64 bits")
+        if type(value) is float and value.is_integer() and abs(value) >= 2 ** 63:
+            raise PydanticCustomError("int_too_large", "too large for a 64-bit integer")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

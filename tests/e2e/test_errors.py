@@ -287,6 +287,13 @@ def test_an_integer_past_64_bits_is_said_to_be_too_large(limits_gw: Gateway, pat
     assert "too large" in err["message"], err
 
 
+def test_a_seed_past_a_signed_64_bit_integer_is_400_naming_the_bound(limits_gw: Gateway) -> None:
+    """2^63 passed the check and broke building a torch engine's request (its seed is an int64): a 500."""
+    r = post(limits_gw, CHAT, json={**chat(), "seed": 2 ** 63})
+    err = assert_openai_error(r, 400, type_="invalid_request_error", param="seed")
+    assert "less than or equal to 9223372036854775807" in err["message"], err
+
+
 def test_max_tokens_at_the_limit_is_accepted(limits_gw: Gateway) -> None:
     rid = short_request_id(20)   # the engine stops it early: the test is about admission, not length
     r = post(limits_gw, COMPLETIONS, json=completion(max_tokens=MAX_TOKENS), headers={"x-request-id": rid})

@@ -35,8 +35,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
     url = f"http://127.0.0.1:{port}"
     config = write_config(tmp, {
         "model": MODEL,
-        # the fake upstream decodes the embeddings but runs no model: simulated ones are fine here
-        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20,
+        # the fake upstream decodes the embeddings but runs no model: simulated ones are fine here; it
+        # answers no scrape while it decodes (torch.load of ~5 MB a request, seconds on a loaded 2-core
+        # host, where 2 s of silence marked it down under the request): 6 s
+        "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 60,
                     "stealing": {"enabled": False}, "simulated_embeddings": True},
         "backends": [
             {"id": VISION, "role": "vision", "gpu": "RTX-4090", "launch": {"time_scale": 0.2}},

@@ -182,6 +182,26 @@ def test_within_a_class_tenants_are_released_by_weight_and_each_tenants_by_deadl
     assert "late" in following[:2] and "late-2" not in following[:3], following
 
 
+def test_requests_pushed_out_under_a_higher_class_do_not_pile_up_in_the_queue() -> None:
+    """Taken out below the top of their tenant's heap, they stayed there while that tenant held any, and
+    every full-queue offer scanned them: 10,000 such cycles left 10,005 entries for 4 held."""
+    pushed: list[str] = []
+    q: OverloadQueue[str] = OverloadQueue(config(max_queued=4, max_wait_s=30.0, ttft_slo_s=40.0),
+                                          on_push_out=lambda held: pushed.append(held.item))
+    q.offer("low-anchor", request(), False, now=0.0)   # due first of its class: never the one pushed out
+    for k in range(2):
+        q.offer(f"high-{k}", request(), False, now=0.0, priority=1)
+    for k in range(2000):
+        q.offer(f"low-{k}", request(), False, now=k * 1e-3)
+        q.offer(f"high-x{k}", request(), False, now=k * 1e-3, priority=1)   # pushes low-k out
+        head = q.head()
+        assert head is not None and head.rank == -1
+        q.take(head, released=True)
+    assert len(pushed) == 2000 and "low-anchor" not in pushed and q.held == 3
+    flows = [f for c in q._classes.values() for f in c.active]
+    assert sum(len(f.heap) for f in flows) <= 2 * q.held + 40
+
+
 def test_the_start_deadline_is_the_wait_bound_or_the_requests_own_deadline() -> None:
     config = OverloadConfig(enabled=True, ttft_slo_s=2.0, hold_above_s=1.5, max_wait_s=1.0)
     q: OverloadQueue[str] = OverloadQueue(config)

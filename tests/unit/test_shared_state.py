@@ -114,3 +114,18 @@ async def test_redis_away_fails_open_and_keeps_backends_heard_through_it() -> No
             entry.last_heartbeat = b.clock() - 10   # long silent: still assumed alive while Redis is away
             down.failed(ConnectionError("refused"))
             assert [s.id for s in b.candidates(("language",))] == ["h100-0"]
+
+
+async def test_peers_on_a_host_are_told_by_their_replica_ids() -> None:
+    """A leader hands its engines only to a replica on its host (one that shares the engines' port)."""
+    from gateway.replicas.replica import new_replica_id
+
+    here = new_replica_id()
+    host = here.rsplit("-", 2)[0]
+    with redis_prefix("peers-on") as prefix:
+        async with replica(table({"h": "H100"}), prefix, here) as me, \
+                replica(table({"h": "H100"}), prefix, "other-host-1-abcdef") as there, \
+                replica(table({"h": "H100"}), prefix, new_replica_id()) as near:
+            for r in (me, there, near, me, me):   # a peer counts from the refresh after the one that saw it
+                await r.refresh()
+            assert me.peer_count == 2 and me.peers_on(host) == 1 and me.peers_on("other-host") == 1

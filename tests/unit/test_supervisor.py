@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
 
 from gateway.control.launchers import LaunchPlan
 from gateway.control.supervisor import Supervisor
@@ -230,15 +233,28 @@ async def test_each_exit_is_reported_in_words() -> None:
     assert len(exits) == 4   # a stop the gateway asked for is no exit to report
 
 
-async def test_leave_stops_supervising_and_signals_nothing() -> None:
-    """A leader handing its engines over: they run on, and an exit afterwards launches nothing."""
-    clock, spawner, launcher, states = FakeClock(), FakeSpawner(), FakeLauncher(), []
+class OutlivingLauncher(FakeLauncher):
+    """A `kind: engine` backend with replicas: its guard is launched to outlive the gateway."""
+
+    def plan(self) -> LaunchPlan:
+        return replace(super().plan(), outlive_parent=True)
+
+
+@pytest.mark.parametrize("outlives", [True, False])
+async def test_leave_leaves_running_only_what_outlives_the_gateway(outlives: bool) -> None:
+    """A leader handing its engines over: they run on, and an exit afterwards launches nothing; a process
+    not launched to outlive it (a `kind: openai` command) is stopped as before."""
+    clock, spawner, states = FakeClock(), FakeSpawner(), []
+    launcher = OutlivingLauncher() if outlives else FakeLauncher()
     sup = supervisor_of(launcher, clock, spawner, states)
     sup.start()
     launcher.is_ready = True
     await until(lambda: ("vllm-0", "ready") in states)
     await sup.leave()
     (process,) = spawner.spawned
+    if not outlives:
+        assert process.signals == ["TERM"] and states[-1] == ("vllm-0", "stopped")
+        return
     assert process.signals == [] and process.returncode is None
     process.exit(0)
     for _ in range(100):
