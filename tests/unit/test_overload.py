@@ -151,21 +151,27 @@ def test_a_higher_tenant_class_is_released_first_and_a_lower_ones_deadline_still
     assert order == ["high", "high-2", "low-late"] and q.held == 0
 
 
+def release(q: OverloadQueue[str], n: int) -> list[str]:
+    """Release the head `n` times, as the gate does when a backend takes it; what went, in order."""
+    out = []
+    for _ in range(n):
+        head = q.head()
+        assert head is not None
+        q.take(head, released=True)
+        out.append(head.item)
+    return out
+
+
 def test_within_a_class_tenants_are_released_by_weight_and_each_tenants_by_deadline() -> None:
-    """Held requests went by start deadline only, so in the default config (where this queue, not the
-    admission queue, holds requests past saturation) tenants' weights did nothing: two tenants of weight
-    3 and 1 arriving alike got 1 : 1."""
+    """Held requests went by start deadline only, so while this queue held them (the default config's
+    queue past the hold bound, ahead of the admission queue) tenants' weights did nothing: two tenants
+    of weight 3 and 1 arriving alike went 1 : 1."""
     q: OverloadQueue[str] = OverloadQueue(config(max_queued=100, max_wait_s=30.0, ttft_slo_s=40.0))
     for k in range(40):
         for tenant, weight in (("three", 3.0), ("one", 1.0)):
             q.offer(f"{tenant}-{k}", request(), False, now=k * 0.01, tenant=tenant, weight=weight)
     q.offer("one-urgent", request(), False, now=0.5, deadline=0.6, tenant="one", weight=1.0)
-    released = []
-    for _ in range(20):
-        head = q.head()
-        assert head is not None
-        q.take(head, released=True)
-        released.append(head.item)
+    released = release(q, 20)
     assert sum(r.startswith("three") for r in released) == 15
     assert released[released.index("one-urgent") - 1].startswith("three")   # its tenant's turn, then due first
     assert [r for r in released if r.startswith("one") and r != "one-urgent"] == ["one-0", "one-1", "one-2", "one-3"]
@@ -173,12 +179,7 @@ def test_within_a_class_tenants_are_released_by_weight_and_each_tenants_by_deadl
     # no credit saved up for its idle past (it does not take the next several turns)
     q.offer("late", request(), False, now=1.0, tenant="late", weight=1.0)
     q.offer("late-2", request(), False, now=1.0, tenant="late", weight=1.0)
-    following = []
-    for _ in range(4):
-        head = q.head()
-        assert head is not None
-        q.take(head, released=True)
-        following.append(head.item)
+    following = release(q, 4)
     assert "late" in following[:2] and "late-2" not in following[:3], following
 
 
