@@ -18,8 +18,9 @@ reach keeps its engines while another takes over, until it sees Redis again.
 
 A leader that stops (SIGTERM) while it sees another replica on its host hands its engines over: it
 leaves them running, releases the lease, and the next leader adopts them as above; the last replica
-to stop stops them (and a `kind: openai` command is stopped either way: it is not adopted). Replicas that all stop at once may each see the others and leave the engines running:
-those exit by themselves once no replica hears them (`engine_orphan_s`).
+to stop stops them (and a `kind: openai` command is stopped either way: it is not adopted).
+Replicas that all stop at once may each see the others and leave the engines running: those exit by
+themselves once no replica hears them (`engine_orphan_s`).
 
 Each renewal also announces, under `P identities`, the digests of the identities the leader gives its
 engines (engine_identities.py): the script writes them only for the holder, so every replica can
