@@ -49,18 +49,39 @@ from gateway.config.sections import AdmissionConfig
 from gateway.requests.errors import Overloaded
 
 
-class Flow:
+class FairTags:
+    """A flow's tags in its class's virtual time, for start-time fair queueing (Goyal et al., SFQ): the
+    admission queue's tenants (`Flow`) and the overload queue's (gateway/pipeline/overload.py)."""
+
+    __slots__ = ("finish", "start", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.finish = 0.0   # the finish tag of its last request to go
+        self.start = 0.0    # the start tag of its next one, while it has any waiting
+
+    def begin(self, vtime: float) -> None:
+        """It starts waiting at the class's virtual time `vtime`: no credit for the time it was idle."""
+        self.start = max(self.finish, vtime)
+
+    def serve(self, cost: float) -> float:
+        """Its next request goes, taking `cost`: that request's start tag (the class's virtual time now)."""
+        start = self.start
+        self.finish = self.start = start + cost / self.weight
+        return start
+
+
+class Flow(FairTags):
     """One tenant as the queue sees it: its class and weight, its waiters (a heap by deadline, then
     arrival), and its tags in the class's virtual time."""
 
-    __slots__ = ("active", "finish", "min_in_flight", "name", "priority", "start", "waiters", "weight")
+    __slots__ = ("active", "min_in_flight", "name", "priority", "waiters")
 
     def __init__(self, name: str, priority: int = 0, weight: float = 1.0, min_in_flight: int = 0) -> None:
-        self.name, self.priority, self.weight, self.min_in_flight = name, priority, weight, min_in_flight
+        super().__init__(weight)
+        self.name, self.priority, self.min_in_flight = name, priority, min_in_flight
         self.waiters: list[_Waiter] = []
         self.active = 0     # its requests between their Share and its end: waiting or under way
-        self.finish = 0.0   # the finish tag of its last request to leave the queue
-        self.start = 0.0    # the start tag of its next one, while it has waiters
 
     @property
     def in_flight(self) -> int:
@@ -182,8 +203,8 @@ class AdmissionQueue:
     def _push(self, waiter: _Waiter) -> None:
         flow = waiter.share.flow
         c = self._classes.get(flow.priority) or self._classes.setdefault(flow.priority, _Class())
-        if not flow.waiters:   # starts waiting: no credit for the time it was idle
-            flow.start = max(flow.finish, c.vtime)
+        if not flow.waiters:
+            flow.begin(c.vtime)
             c.flows.add(flow)
         heapq.heappush(flow.waiters, waiter)
         self._waiting += 1
@@ -195,9 +216,7 @@ class AdmissionQueue:
         c = self._classes[flow.priority]
         if admitted:
             heapq.heappop(flow.waiters)
-            c.vtime = flow.start
-            flow.finish = flow.start + share.cost / flow.weight
-            flow.start = flow.finish
+            c.vtime = flow.serve(share.cost)
             share.charged = share.cost
         else:
             flow.waiters.remove(waiter)

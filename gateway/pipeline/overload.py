@@ -69,6 +69,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from gateway.config.sections import OverloadConfig
+from gateway.pipeline.admission import FairTags
 from gateway.requests.errors import Overloaded
 from gateway.routing.policies.candidates import Candidates
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile
@@ -132,18 +133,16 @@ class Held(Generic[T]):
     pushed_out: bool = field(compare=False, default=False)   # its place taken by a higher class's request
 
 
-class _Flow(Generic[T]):
+class _Flow(FairTags, Generic[T]):
     """One tenant's held requests in one class: a heap by start deadline, then arrival (entries taken
     out are popped when they reach its top), and its tags in the class's virtual time."""
 
-    __slots__ = ("finish", "heap", "held", "start", "weight")
+    __slots__ = ("heap", "held")
 
     def __init__(self, weight: float) -> None:
-        self.weight = weight
+        super().__init__(weight)
         self.heap: list[Held[T]] = []
         self.held = 0        # the entries of `heap` still queued
-        self.start = 0.0     # the start tag of its next release, while it holds any
-        self.finish = 0.0    # the finish tag of its last release
 
     def top(self) -> Held[T]:
         heap = self.heap
@@ -245,8 +244,8 @@ class OverloadQueue(Generic[T]):
             self._on_push_out(victim)
         c = self._classes.get(rank) or self._classes.setdefault(rank, _Class())
         flow = c.flows.get(tenant) or c.flows.setdefault(tenant, _Flow(weight))
-        if not flow.held:   # starts being held: no credit for the time it was not
-            flow.start = max(flow.finish, c.vtime)
+        if not flow.held:
+            flow.begin(c.vtime)
             c.active.append(flow)
         held = Held(rank, due, next(self._seq), profile, item, flow)
         heapq.heappush(flow.heap, held)
@@ -301,10 +300,7 @@ class OverloadQueue(Generic[T]):
         flow, c = held.flow, self._classes[held.rank]
         flow.held -= 1
         if released:
-            cost = max(1.0, held.profile.input_tokens + held.profile.max_output_tokens)
-            c.vtime = flow.start
-            flow.finish = flow.start + cost / flow.weight
-            flow.start = flow.finish
+            c.vtime = flow.serve(max(1.0, held.profile.input_tokens + held.profile.max_output_tokens))
         if not flow.held:
             flow.heap.clear()   # only entries taken out are left
             c.active.remove(flow)

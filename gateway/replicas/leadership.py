@@ -130,9 +130,8 @@ class Supervision:
         the engines over (before launching), `on_term(False, ())` when it stops supervising them (their
         identities follow: control_auth.ControlAuth.identities). `hand_over()`, awaited when this replica
         stops as leader: True where its engines outlive it and another replica is there to adopt them
-        (and now hears them), so they are left
-        running (a rolling restart of the leader fails no other replica's requests) and the lease is
-        released for that replica to take at once."""
+        (and now hears them), so they are left running (a rolling restart of the leader fails no other
+        replica's requests) and the lease is released for that replica to take at once."""
         self._make = make_supervisor
         self._adopt = adopt
         self._on_term = on_term
