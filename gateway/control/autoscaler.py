@@ -4,7 +4,8 @@ Three parts:
 
 - `Scaler`, pure: from one `PoolDemand` per pool and the clock it is given, the engine count each pool
   should have. A pool's need is its largest signal over that signal's high mark, in engines (vision:
-  image tokens waiting; language: prefill backlog tokens, requests held or queued, and the serving
+  image tokens waiting; language: prefill backlog tokens, with the image tokens waiting at the vision
+  engines, whose prefill comes to this pool as their embeddings arrive, requests held or queued, and the serving
   engines times the best engine's predicted time to first token over the SLO); its pressure is the need
   per serving engine. Need at or above the capacity (the serving engines plus those the scaler added
   that are still starting) starts a high spell; once the spell's need over the capacity, summed over its
@@ -76,7 +77,8 @@ class PoolDemand:
     serving: int                 # of them, healthy
     arriving: int = 0            # the scaler's own steps under way: engines added, not yet healthy
     leaving: int = 0             # ... and engines removed, still draining
-    backlog_tokens: int = 0      # vision: image tokens waiting to be encoded; language: prefill backlog tokens
+    backlog_tokens: int = 0      # vision: image tokens waiting to be encoded; language: prefill backlog tokens,
+                                 # with the image tokens waiting at the vision engines (their prefill to come)
     queued: int = 0              # language: requests the engines hold (Q_i) plus those waiting at admission
     predicted_ttft_s: float | None = None   # language: the best serving engine's, None without one
     addable: int | None = None   # GPUs left in the inventory (None: no bound, the engines run elsewhere)
@@ -123,7 +125,11 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
                 leaving: int = 0, addable: int | None = None, removable: int | None = None) -> PoolDemand:
     """The pool's demand as `table` shows it now: its members not draining (starting ones included), the
     healthy ones, and their backlogs; for the language pool also the requests they hold plus `waiting`
-    (at admission) and the best healthy engine's predicted time to first token."""
+    (at admission) and the best healthy engine's predicted time to first token. The language pool's
+    backlog counts the image tokens waiting at every vision engine (draining ones too): those prompts
+    reach its prefill backlog only once encoded, and a pool that waits for them grows a start-up late
+    in an image burst (docs/PLANNING.md). A `both` engine's own images are not added: its lease holds
+    them already."""
     members = pool_members(table, pool)
     serving = [e for e in members if table.is_healthy(e)]
     snaps = [table.snapshot(e) for e in members]
@@ -133,7 +139,9 @@ def pool_demand(table: StateTable, pool: Pool, scaling: PoolScaling, *, waiting:
     assert isinstance(scaling, LanguageScaling)
     prompt, reserve = scaling.ttft_prompt_tokens, scaling.ttft_prompt_tokens + scaling.ttft_max_tokens
     ttfts = [predicted_ttft_s(table.snapshot(e), prompt, reserve) for e in serving]
-    return PoolDemand(len(members), len(serving), arriving, leaving, sum(s.prefill_backlog_tokens for s in snaps),
+    coming = sum(table.snapshot(e).vision_backlog for e in table.entries() if e.role == "vision")
+    return PoolDemand(len(members), len(serving), arriving, leaving,
+                      sum(s.prefill_backlog_tokens for s in snaps) + coming,
                       sum(s.queue_depth for s in snaps) + waiting, min(ttfts, default=None),
                       addable=addable, removable=removable)
 

@@ -255,11 +255,34 @@ def test_pool_demand_reads_the_table_as_the_live_loop_and_the_simulator_do() -> 
     vision = pool_demand(table, "vision", pools["vision"], arriving=1, leaving=2, addable=2, removable=1)
     assert vision == PoolDemand(2, 2, arriving=1, leaving=2, backlog_tokens=3500, addable=2, removable=1)
     language = pool_demand(table, "language", pools["language"], waiting=4)
-    assert (language.engines, language.serving, language.backlog_tokens, language.queued) == (3, 2, 400, 7 + 2 + 4)
+    # the prompt on l0, and the image tokens waiting at the encoders: prefill on its way to this pool
+    assert (language.engines, language.serving, language.backlog_tokens, language.queued) == \
+        (3, 2, 400 + 3500, 7 + 2 + 4)
     l0, l1 = (table.snapshot(table.get(i)) for i in ("l0", "l1"))  # type: ignore[arg-type]
     ttfts = [predicted_ttft_s(b, 100, 100 + 128) for b in (l0, l1)]   # ttft_max_tokens 128 by default
     assert language.predicted_ttft_s == pytest.approx(min(ttfts))
     assert language.addable is None and language.removable is None
+    table.drain("v1")    # no longer in the vision pool, but what it still encodes comes to the language pool
+    assert pool_demand(table, "vision", pools["vision"]).backlog_tokens == 3000
+    assert pool_demand(table, "language", pools["language"]).backlog_tokens == 400 + 3500
+
+
+def test_an_image_burst_at_the_encoders_grows_the_language_pool_before_its_prompts_arrive() -> None:
+    """E+PD: a burst of images queued at the vision engines is prefill the language pool will have to do
+    once they are encoded; its engines take a start-up to come, so the pool steps while the burst is
+    still at the encoders, not when the embeddings reach it."""
+    cfg = config(language={"min": 1, "max": 8, "prefill_tokens_per_engine": 16384}, vision={"min": 1, "max": 8})
+    table = StateTable(catalog().model("llava-1.5-7b"), 1.0, 3, clock=lambda: 10.0)
+    table.register("v0", "vision", catalog().gpu("L4"), address=None, managed=True)
+    table.register("l0", "language", catalog().gpu("A100-80GB"), address=None, managed=True)
+    table.apply_heartbeat("v0", 1, "", Reported(seq=1, vision_backlog=4 * 16384))
+    table.apply_heartbeat("l0", 1, "", Reported(seq=1))
+    clock = FakeClock()
+    scaler = Scaler(cfg, clock)
+    pools = cfg.scaled()
+    for clock.now in range(1, 12):
+        decisions = scaler.decide({pool: pool_demand(table, pool, scaling) for pool, scaling in pools.items()})
+    assert decisions["language"].desired >= 4
 
 
 def test_config_is_checked() -> None:
