@@ -31,7 +31,9 @@ A first token is awaited for at most `max(first_token_floor_s, first_token_ttft_
 TTFT)` (predicted from the backend's learned prefill speed and prefill backlog, as `marginal_delay`'s
 T_first; at most `first_token_timeout_s`), and no longer than the backend stays healthy: a backend
 that misses its heartbeats while a request waits on it (a hung or stopped engine) loses the request
-to another backend at once (`FirstTokenWatch`).
+to another backend at once (`FirstTokenWatch`). A non-streamed request to a kind: openai upstream gets
+its reply whole after its last token: it is awaited `first_token_timeout_s` plus
+`first_token_ttft_factor` x max_tokens x the backend's decode step.
 
 Clock, randomness and clients are the constructor's (the client factory is `EngineClients`'), so a
 test builds a Pipeline on fake engine clients (tests/unit/test_pipeline.py).
@@ -141,14 +143,16 @@ class FirstTokenWatch:
 
     A kind: openai backend is known by scraping, whose staleness does not mean it hangs (the table
     fails open on it): its limit is watched, and whether the gateway's probe has found its upstream
-    unreachable (`StateTable.reachable`), which ends a non-streamed request's wait too (its reply comes
-    whole after the last token, so it has no first-token limit): such a request to a hung upstream
-    waited until the upstream died or `request_timeout_s`. A backend whose heartbeats were already
-    late when the request was sent there is not cancelled as unhealthy either: the table failed open on
-    it, none of its pool being fresh (`StateTable.candidates`), and a retry would find nothing better."""
+    unreachable (`StateTable.reachable`). A non-streamed request to it gets its reply whole after the
+    last token, so its limit is the reply's (`Pipeline.first_token_limit` with `whole`): an upstream
+    that takes the request and never answers while it still answers the probe (a wedged engine behind
+    a live HTTP server) held such a request until `request_timeout_s` (600 s), never retried. A backend
+    whose heartbeats were already late when the request was sent there is not cancelled as unhealthy
+    either: the table failed open on it, none of its pool being fresh (`StateTable.candidates`), and a
+    retry would find nothing better."""
 
     def __init__(self, table: StateTable, every_s: float,
-                 limit: Callable[[BackendSnapshot, int, int], float | None]) -> None:
+                 limit: Callable[[BackendSnapshot, int, int, bool], float | None]) -> None:
         self._table = table
         self._every_s = every_s
         self._limit = limit
@@ -196,12 +200,13 @@ class FirstTokenWatch:
         backend, table = wait.backend, self._table
         if entry.external and table.reachable(backend.id) is False:
             return "its upstream stopped answering the gateway's probe while the request waited"
-        if entry.external and wait.whole:
-            return None
+        whole = entry.external and wait.whole
         if wait.due is None and wait.since is not None:
-            limit = self._limit(backend, wait.tokens, wait.reserve)
+            limit = self._limit(backend, wait.tokens, wait.reserve, whole)
             wait.due = float("inf") if limit is None else wait.since + limit
         if wait.due is not None and now >= wait.due:
+            if whole:
+                return f"no reply within {wait.due - (wait.since or 0.0):.3g} s (its reply limit)"
             return f"no first token within {wait.due - (wait.since or 0.0):.3g} s (its first-token limit)"
         if not (entry.external or wait.late or health.setdefault(backend.id, table.is_healthy(entry))):
             return "marked unhealthy (missed heartbeats) while the request waited for its first token"
@@ -707,11 +712,20 @@ class Pipeline:
         dispatch._first_token(first, job)
         return dispatch
 
-    def first_token_limit(self, backend: BackendSnapshot, prompt_tokens: int, reserve_tokens: int) -> float | None:
+    def first_token_limit(self, backend: BackendSnapshot, prompt_tokens: int, reserve_tokens: int,
+                          whole: bool = False) -> float | None:
         """How long an attempt on `backend` may wait for its first token (`prompt_tokens`, holding
         `reserve_tokens` of KV there); None: as long as its client's own timers allow
-        (`first_token_timeout_s` and the deadline)."""
+        (`first_token_timeout_s` and the deadline). `whole`: a reply that comes only after its last token
+        (a non-streamed request to a kind: openai upstream): `first_token_timeout_s`, the longest any
+        first token is awaited, plus `first_token_ttft_factor` times its max_tokens at the backend's
+        decode step ŝ. Not the predicted first token's limit: nothing arrives early to confirm the
+        upstream works, a cut reply is the whole generation lost and done again elsewhere, and the ŝ of a
+        backend that serves only such requests stays at its prior, the unloaded step."""
         s = self.settings
+        if whole:
+            output_tokens = reserve_tokens - prompt_tokens
+            return s.first_token_timeout_s + s.first_token_ttft_factor * output_tokens * backend.decode_step_s
         predicted = predicted_ttft_s(backend, prompt_tokens, reserve_tokens)
         limit = max(s.first_token_floor_s, s.first_token_ttft_factor * predicted)
         return limit if limit < s.first_token_timeout_s else None

@@ -144,3 +144,36 @@ def test_non_streamed_requests_on_an_upstream_that_hangs_are_retried_once_it_is_
             assert "its upstream stopped answering the gateway's probe" in gw.log_path.read_text()
     finally:
         stop(upstream)
+
+
+def test_non_streamed_requests_an_upstream_takes_and_never_answers_are_retried_at_their_reply_limit(
+    tmp_path: Path,
+) -> None:
+    """The upstream keeps answering its probe and metrics but holds every completion (a wedged engine
+    behind a live server): a non-streamed request on it goes to the other backend at its reply limit
+    (first_token_timeout_s + factor x max_tokens x decode step, about 1 s here), where before it waited
+    for request_timeout_s."""
+    port = free_port()
+    upstream = spawn("tests.fake_openai_server", "--port", str(port), "--engine", "vllm")
+    path = write_config(tmp_path, {"model": MODEL, "gateway": {
+        "heartbeat_interval_ms": 100, "retry_backoff_s": 0.001, "routing": {"policy": "round_robin"},
+        "limits": {"first_token_timeout_s": 1}}, "backends": [
+        {"id": "up", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",
+         "scrape": {"engine": "vllm", "interval_ms": 100}},
+        {"id": "sim", "gpu": "H100", "launch": {"time_scale": 0.05}}]})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        with run_gateway(path, "--log-level", "info", healthy=2, timeout=60) as gw:
+            assert {chat(gw).headers["x-heterogate-backend"] for _ in range(4)} == {"up", "sim"}
+            # a reply of 2 tokens now takes the upstream 20 minutes; its probe and metrics still answer
+            httpx.post(f"http://127.0.0.1:{port}/control", json={"token_delay_ms": 600_000},
+                       timeout=5).raise_for_status()
+            with ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(lambda _: httpx.post(f"{gw.url}/v1/chat/completions", json=body,
+                                                             timeout=30), range(4)))
+            assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+            assert {r.headers["x-heterogate-backend"] for r in replies} == {"sim"}
+            assert gw.backend("up")["reachable"] is not False
+            assert "(its reply limit)" in gw.log_path.read_text()
+    finally:
+        stop(upstream)

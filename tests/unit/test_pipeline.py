@@ -580,19 +580,42 @@ async def test_the_first_token_limit_follows_the_predicted_ttft() -> None:
     r.table.release(held)
 
 
+def external(r: Rig, *backend_ids: str) -> None:
+    for backend_id in backend_ids:
+        entry = r.table.get(backend_id)
+        assert entry is not None
+        entry.external = True   # as a kind: openai backend registers
+
+
 async def test_a_whole_reply_from_an_openai_upstream_is_not_cut_by_the_first_token_limit() -> None:
     async def answers_whole_later(call: Call, fleet: Fleet) -> AsyncIterator[engine_pb2.GenerateChunk]:
-        await asyncio.sleep(0.2)   # the reply comes after its last token, past the 0.01 s limit
+        await asyncio.sleep(0.2)   # the reply comes after its last token, past the 0.01 s first-token limit
         yield chunk(7, "stop", call.job.prompt_tokens)
 
-    r = rig({"a": "language"}, heartbeat_s=0.01, first_token_floor_s=0.01, first_token_ttft_factor=1.0)
-    entry = r.table.get("a")
-    assert entry is not None
-    entry.external = True   # as a kind: openai backend registers
+    r = rig({"a": "language"}, heartbeat_s=0.01, first_token_floor_s=0.01, first_token_ttft_factor=1.0,
+            first_token_timeout_s=0.4)
+    external(r, "a")
     r.fleet.scripts = {"a": answers_whole_later}
     rec = record(r)
     _, chunks = await r.pipeline.complete(job(whole=True), rec)
     assert rec.attempts == 1 and chunks[-1].finish_reason == "stop"
+
+
+async def test_a_whole_reply_that_never_comes_is_retried_elsewhere_at_its_reply_limit() -> None:
+    """An upstream that takes a non-streamed request and never answers, while its probe still does (a
+    wedged engine behind a live server): cut at first_token_timeout_s + factor x max_tokens x ŝ, not
+    the request's deadline, and retried on another backend."""
+    r = rig({"a": "language", "b": "language"}, heartbeat_s=0.01, first_token_ttft_factor=1.0,
+            first_token_timeout_s=0.1)
+    external(r, "a", "b")
+    a = r.table.candidates(("language",))[0]
+    limit = r.pipeline.first_token_limit(a, 12, 12 + 8, whole=True)
+    assert limit == pytest.approx(0.1 + 8 * a.decode_step_s) and a.decode_step_s > 0
+    r.fleet.scripts = {"a": hangs, "b": serves}
+    rec = record(r)
+    _, chunks = await asyncio.wait_for(r.pipeline.complete(job(whole=True, timeout_s=60), rec), 5)
+    assert rec.backends == ["a", "b"] and chunks[-1].finish_reason
+    assert r.fleet.calls[0].closed and r.in_flight("a") == (0, 0, 0)
 
 
 # --- what the request log is left with ------------------------------------------------------------
