@@ -12,8 +12,9 @@ whose `relay` is the upstream's JSON body with the gateway's id and model (tool_
 every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
 and both front doors work unchanged. Transport errors are mapped at this boundary: connection errors,
 timeouts, 5xx, 429, 401/403 (the backend's api_key) and 404 (a model it does not serve) are backend
-failures (retryable before the first token; a 429 that is the last reaches the client as a 429 with its
-Retry-After); other 4xx are the client's fault and come back as 400 with the upstream's message.
+failures (retryable before the first token; a 429, or a 503 that says when to come back, that is the
+last reaches the client as such, with its Retry-After); other 4xx are the client's fault and come back
+as 400 with the upstream's message.
 
 With `image_embeds: true` the backend is the language side of the modality split: the pipeline has a
 vision backend encode the images first and passes the embeddings in, which go upstream as vLLM
@@ -74,15 +75,15 @@ def _error_message(body: bytes) -> str:
     return body[:200].decode(errors="replace")
 
 
-def _retry_after_s(headers: list[tuple[bytes, bytes]]) -> float:
-    """An upstream 429's `Retry-After` in seconds (its delay-seconds form; an HTTP date or none: 1 s)."""
+def _retry_after_s(headers: list[tuple[bytes, bytes]]) -> float | None:
+    """An upstream reply's `Retry-After` in seconds (its delay-seconds form; None: an HTTP date or none)."""
     for name, value in headers:
         if name == b"retry-after":
             try:
                 return float(max(0, int(value)))   # delay-seconds: digits only (no "inf", no fraction)
             except ValueError:
                 break
-    return 1.0
+    return None
 
 
 class UpstreamRateLimited(BackendFailure):
@@ -94,10 +95,25 @@ class UpstreamRateLimited(BackendFailure):
     type = "rate_limit_error"
     code = "upstream_rate_limited"
 
+    doing = "is rate limiting requests"   # what the client is told the backend does
+
     def __init__(self, message: str, *, backend_id: str, retry_after_s: float, said: str = "") -> None:
         super().__init__(message, backend_id=backend_id)
         self.retry_after_s = retry_after_s
         self.said = said   # the upstream's own message (written for its clients), "" where it gave none
+
+
+class UpstreamUnavailable(UpstreamRateLimited):
+    """An upstream's 503 with a Retry-After: overloaded or not ready, and it says when to come back (an
+    engine's own load shedding, or a load balancer in front of engines). Handled as a 429: retried
+    elsewhere, no fault of the backend, and when it is the request's last the client gets the 503 with
+    that Retry-After, not a 502. A 503 without one stays a backend failure (a proxy with nothing
+    behind it says so every time)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "upstream_unavailable"
+    doing = "is unavailable for now"
 
 
 class _Relay:
@@ -266,13 +282,15 @@ class OpenAIUpstreamClient:
         message = _error_message(await resp.read(until))
         raise self._refusal(resp.status, message, retry_after_s=_retry_after_s(resp.headers))
 
-    def _refusal(self, status: int | None, message: str, *, retry_after_s: float = 1.0,
+    def _refusal(self, status: int | None, message: str, *, retry_after_s: float | None = None,
                  retryable: bool = True) -> RequestError:
         """The gateway's error for an upstream's refusal with HTTP `status` (a response's, or the `code` of
-        an error event in its stream; None: it named none) and its `message`."""
+        an error event in its stream; None: it named none), its `message` and its Retry-After."""
         what = f"backend {self.backend_id}: " + (f"HTTP {status}: {message}" if status else message)
-        if status == 429:
-            limited = UpstreamRateLimited(what, backend_id=self.backend_id, retry_after_s=retry_after_s, said=message)
+        if status == 429 or (status == 503 and retry_after_s is not None):
+            busy = UpstreamRateLimited if status == 429 else UpstreamUnavailable
+            wait_s = 1.0 if retry_after_s is None else retry_after_s
+            limited = busy(what, backend_id=self.backend_id, retry_after_s=wait_s, said=message)
             limited.retryable = retryable
             return limited
         # 401/403: the gateway's credentials for this backend; 404: a model (`upstream_model`) or route this

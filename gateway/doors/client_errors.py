@@ -36,7 +36,7 @@ def client_message(err: RequestError) -> str:
     first token's or the request's deadline, a drain's end), as it wrote every error of a request itself."""
     if isinstance(err, UpstreamRateLimited):
         said = err.said.strip()
-        return f"backend {err.backend_id} is rate limiting requests" + (f": {said}" if said else "")
+        return f"backend {err.backend_id} {err.doing}" + (f": {said}" if said else "")
     if isinstance(err, BackendFailure) and not isinstance(err, BackendTimeout | BackendDrained):
         who = f"backend {err.backend_id}" if err.backend_id else "a backend"
         if err.code == HANDOFF_TIMEOUT:

@@ -14,7 +14,9 @@
         ├── NoBackendAvailable       503  no healthy backend for the pool (Retry-After)
         ├── ShuttingDown             503  still under way when the gateway's drain time ran out
         ├── BackendFailure           502  the engine failed; `retryable` while no token was sent
-        │   └── BackendTimeout       504
+        │   ├── BackendTimeout       504
+        │   └── UpstreamRateLimited  429  a kind: openai upstream's 429 (gateway.clients.openai_upstream)
+        │       └── UpstreamUnavailable  503  its 503 with a Retry-After
         └── DeadlineExceeded         504  the request's own deadline passed (retries included)
 
 Lower-layer errors (grpc.aio.AioRpcError, OSError) are mapped to these at the boundary in

@@ -217,6 +217,22 @@ def test_the_http_door_says_the_upstream_is_rate_limiting(gateway: Gateway, limi
                                     "type": "rate_limit_error", "param": None, "code": "upstream_rate_limited"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_503_with_retry_after_reaches_the_client_as_such(gateway: Gateway, refusing: Engine,
+                                                                     stream: bool) -> None:
+    """Overloaded and saying when to come back (an engine shedding load, a balancer in front of engines):
+    the client gets the 503 and its Retry-After, not a 502 without one. Without a Retry-After it is the
+    backend's failure, a 502, as before."""
+    refusing.refusal = (503, {"error": {"message": "server overloaded", "code": 503}}, {"Retry-After": "9"})
+    resp = chat(gateway, stream)
+    assert (resp.status_code, resp.headers.get("retry-after")) == (503, "9"), resp.text
+    assert resp.json()["error"] == {"message": "backend up is unavailable for now: server overloaded",
+                                    "type": "service_unavailable", "param": None, "code": "upstream_unavailable"}
+    refusing.refusal = (503, {"error": {"message": "no healthy upstream"}}, {})
+    resp = chat(gateway, stream)
+    assert (resp.status_code, resp.json()["error"]["code"]) == (502, "backend_failure")
+
+
 def test_an_upstream_429_without_a_message_still_names_the_backend(gateway: Gateway, engine: Engine) -> None:
     engine.refusal = (429, {}, {"Retry-After": "3"})
     try:
@@ -241,14 +257,16 @@ async def test_the_grpc_door_is_resource_exhausted_with_the_message_and_retry_af
     assert dict(info.value.trailing_metadata() or ())["retry-after"] == "7"
 
 
-def test_an_upstream_that_rate_limits_is_busy_not_broken(tmp_path: Path) -> None:
-    """429s do not open the upstream's circuit breaker (5 consecutive failures would by default): once
-    it stops refusing, the next request is served, not refused with 503 for the breaker's open time."""
+@pytest.mark.parametrize("status", [429, 503])
+def test_an_upstream_that_rate_limits_is_busy_not_broken(tmp_path: Path, status: int) -> None:
+    """429s, and 503s that say when to come back, do not open the upstream's circuit breaker (5
+    consecutive failures would by default): once it stops refusing, the next request is served, not
+    refused with 503 for the breaker's open time. A 503 with its Retry-After was a 502 that counted."""
     engine = Engine()
-    engine.refusal = (429, {}, {"Retry-After": "1"})
+    engine.refusal = (status, {}, {"Retry-After": "1"})
     with serving(engine) as url, run_gateway(config(tmp_path, url, breaker=True), healthy=0) as gw:
         gw.wait_until(lambda: gw.backend("up")["reachable"])
-        assert [chat(gw, False).status_code for _ in range(8)] == [429] * 8
+        assert [chat(gw, False).status_code for _ in range(8)] == [status] * 8
         assert gw.backend("up")["breaker"] == "closed"
         engine.refusal = None
         resp = chat(gw, False)
