@@ -11,7 +11,7 @@ non-streamed one is asked of the upstream non-streamed and its reply comes back 
 whose `relay` is the upstream's JSON body with the gateway's id and model (tool_calls, logprobs and
 every other field kept; one parse instead of one per token). Either way retries, breakers, metrics
 and both front doors work unchanged. Transport errors are mapped at this boundary: connection errors,
-timeouts, 5xx, 429, 401/403 (the backend's api_key) and 404 (a model it does not serve) are backend
+timeouts, 5xx, 429, 401/403 (the backend's api_key), 404 (a model it does not serve) and 408 are backend
 failures (retryable before the first token; a 429, or a 503 that says when to come back, that is the
 last reaches the client as such, with its Retry-After); other 4xx are the client's fault and come back
 as 400 with the upstream's message.
@@ -294,8 +294,9 @@ class OpenAIUpstreamClient:
             limited.retryable = retryable
             return limited
         # 401/403: the gateway's credentials for this backend; 404: a model (`upstream_model`) or route this
-        # upstream does not serve, though the gateway routed the model to it. Not the client's request.
-        if status is None or not 400 <= status < 500 or status in (401, 403, 404):
+        # upstream does not serve, though the gateway routed the model to it; 408: it timed out reading what
+        # the gateway sent (the client's body was whole by then). Not the client's request.
+        if status is None or not 400 <= status < 500 or status in (401, 403, 404, 408):
             return BackendFailure(what, backend_id=self.backend_id, retryable=retryable)
         return InvalidRequest(f"upstream rejected the request: {message}")
 

@@ -233,6 +233,14 @@ def test_an_upstream_503_with_retry_after_reaches_the_client_as_such(gateway: Ga
     assert (resp.status_code, resp.json()["error"]["code"]) == (502, "backend_failure")
 
 
+def test_an_upstream_408_is_the_backends_failure_not_the_clients(gateway: Gateway, refusing: Engine) -> None:
+    """The upstream timed out reading the gateway's request (whole at the gateway by then): retried
+    elsewhere where there is another backend, a 502 here. It was the client's 400, never retried."""
+    refusing.refusal = (408, {"error": {"message": "request timeout"}}, {})
+    resp = chat(gateway, False)
+    assert (resp.status_code, resp.json()["error"]["code"]) == (502, "backend_failure"), resp.text
+
+
 def test_an_upstream_429_without_a_message_still_names_the_backend(gateway: Gateway, engine: Engine) -> None:
     engine.refusal = (429, {}, {"Retry-After": "3"})
     try:
