@@ -114,6 +114,15 @@ def test_an_upstream_that_refuses_the_gateways_key_is_not_ready_and_says_why(tmp
         stop(upstream)
 
 
+def upstream_beside_an_engine(tmp: Path, port: int, **gateway: Any) -> Path:
+    """The fake upstream on `port` (scraped) beside a simulated engine, taken in turn."""
+    return write_config(tmp, {"model": MODEL, "gateway": {
+        "heartbeat_interval_ms": 100, "retry_backoff_s": 0.001, "routing": {"policy": "round_robin"}, **gateway},
+        "backends": [{"id": "up", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",
+                      "scrape": {"engine": "vllm", "interval_ms": 100}},
+                     {"id": "sim", "gpu": "H100", "launch": {"time_scale": 0.05}}]})
+
+
 def test_non_streamed_requests_on_an_upstream_that_hangs_are_retried_once_it_is_found_unreachable(
     tmp_path: Path,
 ) -> None:
@@ -122,11 +131,7 @@ def test_non_streamed_requests_on_an_upstream_that_hangs_are_retried_once_it_is_
     whole (no first-token limit) until the upstream died or request_timeout_s (10 minutes)."""
     port = free_port()
     upstream = spawn("tests.fake_openai_server", "--port", str(port), "--engine", "vllm")
-    path = write_config(tmp_path, {"model": MODEL, "gateway": {
-        "heartbeat_interval_ms": 100, "retry_backoff_s": 0.001, "routing": {"policy": "round_robin"}}, "backends": [
-        {"id": "up", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",
-         "scrape": {"engine": "vllm", "interval_ms": 100}},
-        {"id": "sim", "gpu": "H100", "launch": {"time_scale": 0.05}}]})
+    path = upstream_beside_an_engine(tmp_path, port)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
         with run_gateway(path, "--log-level", "info", healthy=2, timeout=60) as gw:
@@ -155,12 +160,7 @@ def test_non_streamed_requests_an_upstream_takes_and_never_answers_are_retried_a
     for request_timeout_s."""
     port = free_port()
     upstream = spawn("tests.fake_openai_server", "--port", str(port), "--engine", "vllm")
-    path = write_config(tmp_path, {"model": MODEL, "gateway": {
-        "heartbeat_interval_ms": 100, "retry_backoff_s": 0.001, "routing": {"policy": "round_robin"},
-        "limits": {"first_token_timeout_s": 1}}, "backends": [
-        {"id": "up", "kind": "openai", "gpu": "L40S", "address": f"http://127.0.0.1:{port}",
-         "scrape": {"engine": "vllm", "interval_ms": 100}},
-        {"id": "sim", "gpu": "H100", "launch": {"time_scale": 0.05}}]})
+    path = upstream_beside_an_engine(tmp_path, port, limits={"first_token_timeout_s": 1})
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     try:
         with run_gateway(path, "--log-level", "info", healthy=2, timeout=60) as gw:
