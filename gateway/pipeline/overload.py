@@ -45,7 +45,10 @@ deadline. With one tenant that is earliest start deadline first, as before tenan
 admission queue's, the charge is not corrected to the tokens a request took: the queue does not see
 its end.) A request that finds the queue full (`max_queued`) takes the place of a lower class's held
 request, of the lowest class held the one due last (refused with 429 then, as it would have been at
-once had it come second); with none below its class it is refused.
+once had it come second); with none below its class, the place of the last-due request of its class's
+tenant holding the most per weight, when that is more than its own tenant would then hold (as the
+admission queue pushes out: a tenant that fills the queue does not keep a lighter one out); else it is
+refused.
 
 `OverloadQueue` is the pure part, on explicit times: the decisions (hold or go, where it may go,
 refuse, release), the tenants' EDF heaps and tags, and the completion rate. The live gateway wraps it in `OverloadGate`
@@ -130,7 +133,7 @@ class Held(Generic[T]):
     item: T = field(compare=False)
     flow: _Flow[T] = field(compare=False, repr=False)
     queued: bool = field(compare=False, default=True)
-    pushed_out: bool = field(compare=False, default=False)   # its place taken by a higher class's request
+    pushed_out: str = field(compare=False, default="")   # whose request took its place ("": none did)
 
 
 class _Flow(FairTags, Generic[T]):
@@ -167,7 +170,7 @@ class OverloadQueue(Generic[T]):
     """The overload queue's decisions on explicit times; `T` is what the caller keeps per held request."""
 
     def __init__(self, config: OverloadConfig, on_push_out: Callable[[Held[T]], None] = lambda held: None) -> None:
-        """`on_push_out(held)`: `held` was taken out of the full queue for a higher class's request (its
+        """`on_push_out(held)`: `held` was taken out of the full queue for another's request (its
         holder refuses it)."""
         self.config = config
         self._on_push_out = on_push_out
@@ -215,7 +218,8 @@ class OverloadQueue(Generic[T]):
         held, and it can; or it has images, whose first token waits on the vision pool, which the
         prediction does not model); else it is held, in the returned place: behind every higher class's
         held requests and ahead of every lower class's, by its `tenant`'s share (`weight`) in its class.
-        In a full queue it takes the place of a lower class's request (`on_push_out`). Raises
+        In a full queue it takes the place of a lower class's request, or of a heavier tenant's in its
+        class (`on_push_out`). Raises
         `Overloaded` when the queue is full of its class and higher ones or, with `refuse_at_once`, it is
         predicted not to start in time."""
         if profile.image_tokens or (not self._held and goes):
@@ -224,7 +228,7 @@ class OverloadQueue(Generic[T]):
         rank = -priority
         victim = None
         if self._held >= self.config.max_queued:
-            victim = self._place_for(rank)
+            victim = self._place_for(rank, tenant, weight)
             if victim is None:
                 raise Overloaded(f"{self.why()}, and {self._held} requests are held",
                                  retry_after_s=self.retry_after_s(now))
@@ -240,7 +244,8 @@ class OverloadQueue(Generic[T]):
                                  retry_after_s=self.retry_after_s(now))
         if victim is not None:
             self.take(victim)
-            victim.pushed_out = True
+            victim.pushed_out = ("a request of a higher priority class" if victim.rank > rank
+                                 else "a tenant holding fewer requests for its weight")
             self._on_push_out(victim)
         c = self._classes.get(rank) or self._classes.setdefault(rank, _Class())
         flow = c.flows.get(tenant) or c.flows.setdefault(tenant, _Flow(weight))
@@ -255,15 +260,24 @@ class OverloadQueue(Generic[T]):
         self._last_due = max(self._last_due, due)
         return held
 
-    def _place_for(self, rank: int) -> Held[T] | None:
-        """The held request whose place a newcomer of class `rank` takes in a full queue: of the lowest
-        class held, below `rank`, the one due last (it would wait longest); None where none is below.
-        O(held), on a full queue only."""
+    def _place_for(self, rank: int, tenant: str, weight: float) -> Held[T] | None:
+        """The held request whose place a newcomer of class `rank` and `tenant` (of `weight`) takes in a
+        full queue: of the lowest class held, below `rank`, the one due last (it would wait longest); with
+        none below, of the tenant of its class holding the most per weight, the one due last, if that
+        tenant holds more per weight than the newcomer's would with it; else None. O(held), on a full
+        queue only."""
         lowest = max(self._ranks, default=rank)
-        if lowest <= rank:
+        if lowest > rank:
+            flows = self._classes[lowest].active
+        elif (c := self._classes.get(rank)) is not None and c.active:
+            heaviest = max(c.active, key=lambda f: f.held / f.weight)
+            own = c.flows.get(tenant)
+            if heaviest is own or heaviest.held / heaviest.weight <= ((own.held if own else 0) + 1) / weight:
+                return None
+            flows = [heaviest]
+        else:
             return None
-        return max((h for f in self._classes[lowest].active for h in f.heap if h.queued),
-                   key=lambda h: (h.due, h.seq))
+        return max((h for f in flows for h in f.heap if h.queued), key=lambda h: (h.due, h.seq))
 
     def _queued(self) -> Iterable[Held[T]]:
         """Every held request, in no order. O(held)."""
@@ -375,7 +389,7 @@ class OverloadGate:
             while True:
                 if held.pushed_out:
                     raise Overloaded(f"{queue.why()}, and its place in the full queue ({queue.config.max_queued} "
-                                     "held) went to a request of a higher priority class",
+                                     f"held) went to {held.pushed_out}",
                                      retry_after_s=queue.retry_after_s(self._clock()))
                 if queue.head() is held and queue.goes(candidates(), profile):
                     queue.take(held, released=True)

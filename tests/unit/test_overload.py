@@ -253,6 +253,37 @@ def test_a_full_queue_gives_a_higher_class_the_place_of_the_lowest_class_request
     assert order == ["high", "mid", "mid-2"]
 
 
+def test_a_full_queue_gives_a_lighter_tenant_of_the_class_the_place_of_the_heaviest_ones_request_due_last() -> None:
+    """One tenant filling the queue kept every other tenant of its class out (429 at once), whatever
+    their weights: within a class a full queue now pushes out as the admission queue does, the last-due
+    request of the tenant holding the most per weight, while that is more than the newcomer's would hold."""
+    pushed: list[str] = []
+    q: OverloadQueue[str] = OverloadQueue(config(max_queued=4, max_wait_s=30.0, ttft_slo_s=40.0),
+                                          on_push_out=lambda held: pushed.append(held.item))
+    for k in range(4):
+        q.offer(f"heavy-{k}", request(), False, now=k * 0.01, tenant="heavy")
+    q.offer("light-0", request(), False, now=0.1, tenant="light")   # heavy holds 4, light would hold 1
+    assert pushed == ["heavy-3"] and q.held == 4
+    q.offer("light-1", request(), False, now=0.1, tenant="light")   # 3 against 2
+    assert pushed == ["heavy-3", "heavy-2"]
+    with pytest.raises(Overloaded):   # 2 against 3: light would then hold more than heavy
+        q.offer("light-2", request(), False, now=0.1, tenant="light")
+    with pytest.raises(Overloaded):   # the heaviest's own request finds nobody heavier
+        q.offer("heavy-4", request(), False, now=0.1, tenant="heavy")
+    # by weight: a tenant of weight 3 would hold 1/3 a weight against 2 for each of the others (the first
+    # of them the heaviest), so it takes heavy's place, its request due last
+    q.offer("three-0", request(), False, now=0.2, tenant="three", weight=3.0)
+    assert pushed == ["heavy-3", "heavy-2", "heavy-1"] and q.held == 4
+    # a higher class's request takes the lower class's place due last, before any share is weighed
+    q.offer("top", request(), False, now=0.3, priority=1, tenant="light")
+    assert pushed[-1] == "three-0" and q.held == 4
+    order = []
+    while (head := q.head()) is not None:
+        q.take(head)
+        order.append(head.item)
+    assert order[0] == "top" and sorted(order[1:]) == ["heavy-0", "light-0", "light-1"]
+
+
 def test_a_request_predicted_not_to_start_in_time_is_held_by_default_and_refused_at_its_start_deadline() -> None:
     q: OverloadQueue[str] = OverloadQueue(CONFIG)   # start deadline: arrival + 1 s
     for t in (0.0, 0.5, 1.0, 1.5):   # 1.5 completions a second
@@ -361,6 +392,22 @@ async def test_a_held_request_whose_place_a_higher_class_takes_gets_429_at_once(
     assert c.gate.held == 1 and not high.done()
     c.free_one()
     assert await asyncio.wait_for(high, 2) is True and c.gate.held == 0
+
+
+async def test_a_held_request_whose_place_a_lighter_tenant_takes_gets_429_saying_so() -> None:
+    c = Cluster(config(max_wait_s=30.0, ttft_slo_s=40.0, max_queued=2))
+    heavy = [asyncio.create_task(c.gate.wait(request(f"heavy-{k}"), c.candidates, float("inf"), tenant="heavy"))
+             for k in range(2)]
+    await until(lambda: c.gate.held == 2)
+    light = asyncio.create_task(c.gate.wait(request("light"), c.candidates, float("inf"), tenant="light"))
+    with pytest.raises(Overloaded) as refused:
+        await asyncio.wait_for(heavy[1], 2)
+    assert "a tenant holding fewer requests for its weight" in refused.value.message
+    assert c.gate.held == 2 and not light.done() and not heavy[0].done()
+    c.free_one()
+    assert await asyncio.wait_for(heavy[0], 2) is True
+    c.free_one()
+    assert await asyncio.wait_for(light, 2) is True and c.gate.held == 0
 
 
 async def test_a_cancelled_held_request_frees_its_slot_and_the_next_one_goes() -> None:
