@@ -58,7 +58,8 @@ class Upstream:
 def _error_message(body: bytes) -> str:
     """The message of an upstream's error body, in each shape the engines write one: OpenAI's and current
     vLLM's `{"error": {"message"}}`, SGLang's and older vLLM's `{"object": "error", "message"}`, vLLM's
-    `--api-key` refusal `{"error": "Unauthorized"}`; else the body's start as it came."""
+    `--api-key` refusal `{"error": "Unauthorized"}`, a FastAPI server's own `{"detail": ...}` (a string,
+    or its 422 validation errors, each as `loc: msg`); else the body's start as it came."""
     try:
         reply = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -67,12 +68,23 @@ def _error_message(body: bytes) -> str:
         error = reply.get("error")
         if isinstance(error, dict):
             error = error.get("message")
-        message = error or reply.get("message")
+        message = error or reply.get("message") or _detail(reply.get("detail"))
         if isinstance(message, str):
             return message
         if not reply:   # `{}`: it said nothing
             return ""
     return body[:200].decode(errors="replace")
+
+
+def _detail(detail: object) -> str | None:
+    """FastAPI's `detail`: its message, or its validation errors as `loc: msg; ...` (None: neither)."""
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        parts = [".".join(str(at) for at in d.get("loc") or ()) + f": {d['msg']}" for d in detail
+                 if isinstance(d, dict) and isinstance(d.get("msg"), str)]
+        return "; ".join(parts) or None
+    return None
 
 
 def _retry_after_s(headers: list[tuple[bytes, bytes]]) -> float | None:

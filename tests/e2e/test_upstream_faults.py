@@ -155,6 +155,16 @@ def test_an_engines_refusal_reaches_the_client_as_its_message(
                                     "type": "invalid_request_error", "param": None, "code": None}
 
 
+def test_a_fastapi_servers_validation_error_reaches_the_client_as_its_messages(gateway: Gateway,
+                                                                            refusing: Engine) -> None:
+    """A FastAPI server's 422 `{"detail": [...]}` reached the client as the raw JSON of its body."""
+    refusing.refusal = (422, {"detail": [{"loc": ["body", "messages", 0, "content"], "msg": "Field required",
+                                          "type": "missing"}]}, {})
+    resp = chat(gateway, False)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "upstream rejected the request: body.messages.0.content: Field required"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_upstream_429_reaches_the_client_as_a_429_with_its_retry_after(
     gateway: Gateway, refusing: Engine, stream: bool,
