@@ -177,6 +177,15 @@ def build_trace(args: argparse.Namespace, model: ModelProfile) -> Trace:
         if logged.n > MAX_TRACE_REQUESTS:
             raise WorkloadError(f"--trace {args.trace}: {logged.n:,} requests, more than the {MAX_TRACE_REQUESTS:,} "
                                 "a simulated trace holds: give --requests to take the first ones")
+        if args.requests and logged.n < args.requests:
+            raise WorkloadError(f"--requests {args.requests:,}: the request log {args.trace} holds {logged.n:,} served "
+                                "requests (--requests takes the first ones of a log, it makes no more)")
+        if args.rate is not None and logged.n < MIN_REQUESTS:
+            # squeezed into a moment, a few requests load no plan: every plan "sustains" the rate
+            span = float(logged.arrival_s[-1] - logged.arrival_s[0])
+            raise WorkloadError(f"--trace {args.trace}: {logged.n:,} served requests at --rate {args.rate:g} span "
+                                f"{span:.3g} s, too few to load a plan (at least {MIN_REQUESTS}, as a described "
+                                "workload has): replay the log at its own rate (no --rate) or give a longer one")
         return logged
     n = args.requests or max(MIN_REQUESTS, round(args.rate * args.duration))
     if args.workload is not None:
@@ -419,9 +428,12 @@ def _plan(args: argparse.Namespace, command: str) -> int:
             own = args.catalog.resolve()
             write_backends(args.out, result.best, problem, args.time_scale, command,
                            None if own == CONFIG_DIR.resolve() else own)
-            print(f"\nwrote {args.out}: {result.best.plan.label()}, {result.best.plan.gpus} backends; "
-                  f"run it with `gateway --backends {args.out}`")
+            gpus = result.best.plan.gpus
+            advice = (f"run it with `gateway --backends {args.out}`" if result.best.outcome.sustains(result.target)
+                      else "it does not sustain the target (above)")
+            print(f"\nwrote {args.out}: {result.best.plan.label()}, {gpus} backend{'s' if gpus != 1 else ''}; {advice}")
     except OSError as exc:
         print(f"{PROG}: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    return 0 if result.best is not None else 1
+    # 1 where no plan sustains the target either: the best one is written, but a script must not take it
+    return 0 if result.best is not None and result.best.outcome.sustains(result.target) else 1

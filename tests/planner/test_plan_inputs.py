@@ -89,6 +89,36 @@ def test_a_request_log_beyond_the_bound_is_refused(tmp_path: Path, capsys: pytes
                                        "trace holds: give --requests to take the first ones\n")
 
 
+def served_log(path: Path, n: int) -> Path:
+    """A gateway request log of `n` served requests, one a second."""
+    path.write_text("".join(f'{{"event": "request", "status": 200, "timestamp": "2024-01-01T00:{k // 60:02d}:'
+                            f'{k % 60:02d}Z", "prompt_tokens": 20, "completion_tokens": 5}}\n' for k in range(n)))
+    return path
+
+
+def test_a_short_request_log_rescaled_to_a_rate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nine logged requests at --rate 50 span 0.16 s: no plan was loaded, every one "sustained" the rate, and
+    the cheapest GPU was written out for 50 req/s, exit 0. At its own rate such a log is still planned for."""
+    log = served_log(tmp_path / "requests.log", 9)
+    assert cli.main(["--trace", str(log), "--rate", "50", "--budget", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gateway plan: --trace {log}: 9 served requests at --rate 50 span 0.16 s, too few to load "
+                          "a plan (at least 200") and len(err.splitlines()) == 1
+    assert cli.main(["--trace", str(log), "--requests", "300", "--budget", "8"]) == 2   # a log's first 300: 9
+    assert capsys.readouterr().err == (f"gateway plan: --requests 300: the request log {log} holds 9 served requests "
+                                       "(--requests takes the first ones of a log, it makes no more)\n")
+
+
+def test_no_plan_that_sustains_the_target_exits_1_with_the_best_written(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "planned.yaml"
+    assert cli.main([*TINY, "--ttft-slo", "0.001", "--workers", "1", "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "no plan within the limits sustains 90% attainment" in printed
+    assert f"wrote {out}: 1×L4, 1 backend; it does not sustain the target (above)" in printed
+    assert out.exists()   # the best, written as asked, for a look
+
+
 def test_more_workers_than_four_a_core_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(capsys, "--rate", "5", "--budget", "8", "--workers", str(MAX_WORKERS + 1))
     assert f"argument --workers: must be at most {MAX_WORKERS:,}, not {MAX_WORKERS + 1}" in err
