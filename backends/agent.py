@@ -31,6 +31,7 @@ from common.engine_scraper import AgentConfig, MetricsAgent, make_client
 from common.errors import ConfigError
 from common.logs import configure_logging
 from common.metric_tables import TABLES
+from common.one_line_parser import OneLineParser
 
 log = structlog.get_logger("agent")
 
@@ -39,7 +40,7 @@ log = structlog.get_logger("agent")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="heterogate-agent", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog="heterogate-agent", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--engine", required=True, choices=sorted(TABLES))
     p.add_argument("--address", required=True, help="engine base URL the gateway forwards to, e.g. http://10.0.0.5:8000")
     p.add_argument("--metrics-url", help="Prometheus endpoint (default: address + the engine's metrics path)")

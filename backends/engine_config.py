@@ -10,13 +10,13 @@ catalog's Hugging Face config with random weights. Nothing is ever downloaded.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from common import perf_model
 from common.catalog import CONFIG_DIR
+from common.one_line_parser import OneLineParser
 
 Role = Literal["language", "vision", "both"]
 Executor = Literal["simulated", "torch"]
@@ -55,7 +55,7 @@ class EngineConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
-    p = argparse.ArgumentParser(prog="heterogate-engine", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog="heterogate-engine", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--backend-id", required=True)
     p.add_argument("--role", choices=("language", "vision", "both"), default="language")
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")

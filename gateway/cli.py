@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from common import __version__
 from common.errors import ConfigError
+from common.one_line_parser import OneLineParser
 
 # `gateway --version` answers before the gateway's modules are imported (they take seconds to load):
 # each function below imports what it needs.
@@ -59,7 +60,7 @@ def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | Non
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # No abbreviations: a worker's command line is the parent's less `--workers`, and `--worker 2` (argparse
     # read it as --workers) stayed in it, so every worker started workers of its own, without end.
-    p = argparse.ArgumentParser(prog="gateway", allow_abbrev=False,
+    p = OneLineParser(prog="gateway", allow_abbrev=False,
                                 description="HeteroGate: the front door of a heterogeneous GPU cluster",
                                 epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits; "
                                        f"`gateway {PLAN} --help`: which GPUs in which roles for a workload; "
@@ -108,7 +109,7 @@ def check_redis_url(config: RedisConfig, url: str) -> None:
 
 
 def parse_check_config_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=f"gateway {CHECK_CONFIG}",
         description="run every check start-up makes (the file, its secrets and certificates, the control "
                     "port's token for these options) without starting anything; the options are the gateway's")

@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from common.event_loop import run
+from common.one_line_parser import OneLineParser
 from gateway.doors.http_server import Exchange, Handler, HttpServer, Request, find_header
 
 METRICS = {
@@ -359,7 +360,7 @@ def options_from(args: argparse.Namespace) -> UpstreamOptions:
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="gateway demo-upstream", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="gateway demo-upstream", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
     options = options_from(args)

@@ -167,6 +167,15 @@ def test_check_config_requires_a_file() -> None:
     assert "file" in result.stderr
 
 
+@pytest.mark.parametrize("args", [("check-config", "/nonexistent.yaml"), ("--backends", "/nonexistent.yaml"),
+                                  ("--no-such-option",), ("demo-upstream", "--port", "x")])
+def test_a_refused_command_line_is_one_line(args: tuple[str, ...]) -> None:
+    """argparse printed its usage block (nine lines of options) before the line that says what is wrong."""
+    result = gateway(*args)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("gateway") and ": error: " in result.stderr
+
+
 @pytest.mark.parametrize(("option", "words"), [
     (("--port", "99999"), "a port is 0 to 65535"),
     (("--grpc-port", "70000"), "a port is 0 to 65535"),

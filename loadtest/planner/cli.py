@@ -24,11 +24,11 @@ import yaml
 
 from common.catalog import CONFIG_DIR, ModelProfile, load_catalog
 from common.errors import ConfigError
+from common.one_line_parser import OneLineParser
 from gateway.routing.policies import build_policy
 from loadtest.planner.evaluate import Policies
 from loadtest.planner.options import (
     MAX_WORKERS,
-    OneLineParser,
     at_least,
     count,
     inventory,

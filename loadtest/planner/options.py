@@ -1,7 +1,8 @@
 """Argument types of the planner's command lines (`gateway plan`, the bursty autoscaling benchmark).
 
-Each raises argparse's ArgumentTypeError, so that argparse names the option in its error, which `OneLineParser`
-makes the one line `PROG: error: ...` (argparse's own puts the whole usage before it). Every
+Each raises argparse's ArgumentTypeError, so that argparse names the option in its error, which
+`common.one_line_parser.OneLineParser` makes the one line `PROG: error: ...` (argparse's own puts the
+whole usage before it). Every
 float is checked finite: `float()` takes "inf" and "nan", which no rate, duration or SLO can be (an
 infinite rate overflows the trace length, a nan time scale writes a file the gateway refuses).
 """
@@ -13,17 +14,8 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from loadtest.planner.workload import MAX_RATE_RPS
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line and exit status 2, as the planner's other refusals are:
-    argparse's usage block before the line buries it (`--help` still prints the usage)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def finite(text: str) -> float:
