@@ -326,8 +326,10 @@ def render(result: SearchResult, problem: Problem, top: int) -> str:
     if result.left:
         lines.append(f"  stopped by --max-simulations or --time-limit: {result.left:,} plans no rule had ruled out "
                      "were not simulated; the best below is the best found, not proven the best")
-    lines += ["", "best plans (simulated; sustains = the attainment target is met over the whole trace and its "
-              "last third)", _table(result.ranked[:top], result.target)]
+    lines.append("")
+    if result.ranked:   # none fits the limits: no table, the line below says so
+        lines += ["best plans (simulated; sustains = the attainment target is met over the whole trace and its "
+                  "last third)", _table(result.ranked[:top], result.target)]
     if len(result.best_by_group) > 1:
         lines += ["", f"best of each group ({problem.grouping})",
                   _table(list(result.best_by_group.values()), result.target, result.best_by_group)]

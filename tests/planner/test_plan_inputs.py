@@ -119,6 +119,13 @@ def test_no_plan_that_sustains_the_target_exits_1_with_the_best_written(tmp_path
     assert out.exists()   # the best, written as asked, for a look
 
 
+def test_a_budget_no_plan_fits_prints_no_empty_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--rate", "5", "--budget", "0.1"]) == 1
+    out = capsys.readouterr().out
+    assert out.endswith("\n\nno plan fits the limits: raise the budget or the inventory, or allow more GPU types\n")
+    assert "best plans" not in out
+
+
 def test_more_workers_than_four_a_core_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(capsys, "--rate", "5", "--budget", "8", "--workers", str(MAX_WORKERS + 1))
     assert f"argument --workers: must be at most {MAX_WORKERS:,}, not {MAX_WORKERS + 1}" in err
