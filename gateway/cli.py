@@ -61,11 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # No abbreviations: a worker's command line is the parent's less `--workers`, and `--worker 2` (argparse
     # read it as --workers) stayed in it, so every worker started workers of its own, without end.
     p = OneLineParser(prog="gateway", allow_abbrev=False,
-                                description="HeteroGate: the front door of a heterogeneous GPU cluster",
-                                epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits; "
-                                       f"`gateway {PLAN} --help`: which GPUs in which roles for a workload; "
-                                       f"`gateway {DEMO_UPSTREAM} --help`: a mock OpenAI-compatible engine to "
-                                       "try the gateway in front of")
+                      description="HeteroGate: the front door of a heterogeneous GPU cluster",
+                      epilog=f"`gateway {CHECK_CONFIG} FILE [OPTIONS]` runs start-up's checks and exits; "
+                             f"`gateway {PLAN} --help`: which GPUs in which roles for a workload; "
+                             f"`gateway {DEMO_UPSTREAM} --help`: a mock OpenAI-compatible engine to "
+                             "try the gateway in front of")
     p.add_argument("--version", action="version", version=f"heterogate {__version__}")
     from gateway.config.cluster import DEFAULT_BACKENDS
 

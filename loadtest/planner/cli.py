@@ -422,6 +422,7 @@ def _plan(args: argparse.Namespace, command: str) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     print(render(result, problem, args.top))
+    sustained = result.best is not None and result.best.outcome.sustains(result.target)
     try:
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -431,11 +432,11 @@ def _plan(args: argparse.Namespace, command: str) -> int:
             write_backends(args.out, result.best, problem, args.time_scale, command,
                            None if own == CONFIG_DIR.resolve() else own)
             gpus = result.best.plan.gpus
-            advice = (f"run it with `gateway --backends {args.out}`" if result.best.outcome.sustains(result.target)
-                      else "it does not sustain the target (above)")
+            advice = f"run it with `gateway --backends {args.out}`" if sustained else \
+                "it does not sustain the target (above)"
             print(f"\nwrote {args.out}: {result.best.plan.label()}, {gpus} backend{'s' if gpus != 1 else ''}; {advice}")
     except OSError as exc:
         print(f"{PROG}: cannot write {exc.filename or 'the output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     # 1 where no plan sustains the target either: the best one is written, but a script must not take it
-    return 0 if result.best is not None and result.best.outcome.sustains(result.target) else 1
+    return 0 if sustained else 1
