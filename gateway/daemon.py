@@ -287,7 +287,7 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     launch = LaunchContext(control_address, runtime.table, make_probe(probes), options.engine_log_level,
                            engine_env=auth.engine_env,
                            orphan_timeout_s=config.settings.redis.engine_orphan_s if shared else None)
-    upstreams = UpstreamMonitor(config, runtime.table, addresses, probes)
+    upstreams = UpstreamMonitor(config, runtime.table, addresses, probes, runtime.pipeline.prefixes)
     fleet = Fleet(runtime, launch, build_launchers(config, ports, launch),
                   lambda: s if isinstance(s := supervision.supervisor, Supervisor) else None, upstreams,
                   auth.identities, drain_timeout_s=config.settings.drain_timeout_s, own_ports=own_ports(options),

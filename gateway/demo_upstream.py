@@ -19,8 +19,11 @@ and changes the pace; {"cached_tokens": 12} adds `prompt_tokens_details` with th
 every usage (as `vllm serve --enable-prompt-tokens-details` does); `GET /stats` shows what it served:
 counts, arrival times (`time.monotonic()`), the `max_tokens` asked, the last body and Authorization header.
 `--api-key K` refuses /v1/* requests (/v1/models too) without `Authorization: Bearer K` (401), as `vllm
-serve --api-key` does. It runs on the gateway's own HTTP server and only the gateway's runtime dependencies; it listens
-on 127.0.0.1 unless `--host` says otherwise.
+serve --api-key` does. `--kv-events-endpoint tcp://127.0.0.1:5557` caches prompts given as token ids and
+publishes its KV cache events there as vLLM does (gateway/demo_kv_cache.py), with vLLM's prefix-cache
+counters in /metrics, each usage's `cached_tokens`, and `POST /reset_prefix_cache`. It runs on the
+gateway's own HTTP server and only the gateway's runtime dependencies; it listens on 127.0.0.1 unless
+`--host` says otherwise.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import zmq
 
 from common.event_loop import run
 from common.one_line_parser import OneLineParser
+from gateway.demo_kv_cache import DemoKvCache, EventPublisher
 from gateway.doors.http_server import Exchange, Handler, HttpServer, Request, find_header
 
 METRICS = {
@@ -51,7 +56,7 @@ METRICS = {
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
         'vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} 0.25\n'
         "# TYPE vllm:cache_config_info gauge\n"
-        'vllm:cache_config_info{{block_size="16",num_gpu_blocks="4096",engine="0"}} 1.0\n'
+        'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{kv_blocks}",engine="0"}} 1.0\n'
         "# TYPE vllm:e2e_request_latency_seconds histogram\n"
         'vllm:e2e_request_latency_seconds_sum{{engine="0",model_name="{model}"}} {e2e_sum}\n'
         'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{model}"}} {e2e_count}\n'
@@ -67,6 +72,13 @@ METRICS = {
         'sglang:e2e_request_latency_seconds_sum{{model_name="{model}"}} {e2e_sum}\n'
         'sglang:e2e_request_latency_seconds_count{{model_name="{model}"}} {e2e_count}\n'
     ),
+}
+PREFIX_COUNTERS = {   # the demo's prefix cache, where it has one (--kv-events-endpoint)
+    "vllm": ("# TYPE vllm:prefix_cache_queries_total counter\n"
+             'vllm:prefix_cache_queries_total{{engine="0",model_name="{model}"}} {prefix_queries}\n'
+             "# TYPE vllm:prefix_cache_hits_total counter\n"
+             'vllm:prefix_cache_hits_total{{engine="0",model_name="{model}"}} {prefix_hits}\n'),
+    "sglang": "",
 }
 DEFAULT_MAX_TOKENS = 8          # a request without max_tokens gets this many words
 CONTROLS = ("waiting", "running", "fail", "fail_delay_ms", "token_delay_ms", "metrics_status", "cached_tokens")
@@ -84,6 +96,8 @@ class UpstreamOptions:
     cache_info: bool = True              # vLLM's cache_config_info (the KV capacity) in /metrics
     api_key: str | None = None
     token_delay_ms: float = 1.0
+    kv_blocks: int = 4096                # KV blocks of 16 tokens (cache_config_info; the prefix cache's size)
+    kv_events_endpoint: str | None = None   # where the prefix cache's KV events are published (None: no cache)
 
 
 def n_tokens(body: dict[str, Any]) -> int:
@@ -97,6 +111,16 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     if isinstance(text, list) and text and isinstance(text[-1], int | list):
         return len(text[-1]) if isinstance(text[-1], list) else len(text)
     return max(1, len(orjson.dumps(text)) // 4)
+
+
+def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt of token ids (one prompt: a list of ints, or a list holding one), else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return None
 
 
 def tool_call(body: dict[str, Any]) -> dict[str, Any]:
@@ -133,10 +157,15 @@ class DemoUpstream:
         }
         self.metrics_text = "".join(line for line in METRICS[options.engine].splitlines(keepends=True)
                                     if options.cache_info or "cache_config_info" not in line)
+        self.kv_cache: DemoKvCache | None = None
+        if options.kv_events_endpoint is not None:
+            self.kv_cache = DemoKvCache(options.kv_blocks, EventPublisher(options.kv_events_endpoint))
+            self.metrics_text += PREFIX_COUNTERS[options.engine]
 
     def routes(self) -> dict[str, Handler]:
         return {"/health": self.health, "/control": self.control, "/metrics": self.metrics, "/stats": self.stats,
-                "/v1/models": self.models, "/v1/chat/completions": self.chat, "/v1/completions": self.completions}
+                "/v1/models": self.models, "/v1/chat/completions": self.chat, "/v1/completions": self.completions,
+                "/reset_prefix_cache": self.reset_prefix_cache}
 
     @staticmethod
     def _method(request: Request, exchange: Exchange, method: str) -> bool:
@@ -155,7 +184,10 @@ class DemoUpstream:
         if self.state["metrics_status"] != 200:   # a broken metrics endpoint on an engine that still serves
             exchange.respond(int(self.state["metrics_status"]), [], b"metrics unavailable\n", TEXT)
             return
-        text = self.metrics_text.format(model=self.options.model, **self.state)
+        cache = self.kv_cache
+        text = self.metrics_text.format(model=self.options.model, kv_blocks=self.options.kv_blocks,
+                                        prefix_queries=cache.queries if cache else 0,
+                                        prefix_hits=cache.hits if cache else 0, **self.state)
         exchange.respond(200, [], text.encode(), TEXT)
 
     async def stats(self, request: Request, exchange: Exchange) -> None:
@@ -189,6 +221,15 @@ class DemoUpstream:
             return
         self.state.update(values)
         exchange.respond(200, [], orjson.dumps({k: self.state[k] for k in CONTROLS}))
+
+    async def reset_prefix_cache(self, request: Request, exchange: Exchange) -> None:
+        if not self._method(request, exchange, "POST"):
+            return
+        if self.kv_cache is None:
+            exchange.respond(400, [], _error_body(400, "no prefix cache (start with --kv-events-endpoint)"))
+            return
+        self.kv_cache.reset()
+        exchange.respond(200, [], b"", TEXT)
 
     async def chat(self, request: Request, exchange: Exchange) -> None:
         await self._complete(request, exchange, chat=True)
@@ -228,13 +269,16 @@ class DemoUpstream:
                 return
         state["served"] += 1
         state["max_tokens"].append(body.get("max_tokens"))
+        cached = None   # the prefix cache's hit, where it has one and the prompt is token ids
+        if self.kv_cache is not None and (ids := prompt_token_ids(body)) is not None:
+            cached = self.kv_cache.admit(ids)
         started = time.monotonic()
         if not body.get("stream"):
             await asyncio.sleep(n_tokens(body) * state["token_delay_ms"] / 1000)
-            exchange.respond(200, [], self._whole(body, chat))
+            exchange.respond(200, [], self._whole(body, chat, cached))
         else:
             exchange.start_stream(200, [(b"content-type", SSE), (b"cache-control", b"no-cache")])
-            async for event in self._stream(body, chat):
+            async for event in self._stream(body, chat, cached):
                 exchange.send(event)
                 await exchange.drain()
             exchange.end_stream()
@@ -242,7 +286,7 @@ class DemoUpstream:
         state["e2e_sum"] += time.monotonic() - started
         state["e2e_count"] += 1
 
-    async def _stream(self, body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, body: dict[str, Any], chat: bool, cached: int | None) -> AsyncIterator[bytes]:
         """Compact JSON events as vLLM writes them, with an extra field a relay must keep."""
         n = n_tokens(body)
         head = {"id": f"upstream-{self.state['served']}", "created": int(time.time()), "model": body.get("model", ""),
@@ -276,10 +320,10 @@ class DemoUpstream:
                 yield event([choice])
             await asyncio.sleep(self.state["token_delay_ms"] / 1000)
         made = n * int(body.get("n") or 1)   # every choice's tokens, as vLLM counts them
-        yield event([], usage=self._usage(prompt, made))
+        yield event([], usage=self._usage(prompt, made, cached))
         yield b"data: [DONE]\n\n"
 
-    def _whole(self, body: dict[str, Any], chat: bool) -> bytes:
+    def _whole(self, body: dict[str, Any], chat: bool, cached: int | None) -> bytes:
         """A non-streamed reply as vLLM writes it, with the same extra field."""
         n = n_tokens(body)
         text = "".join(f"w{i} " for i in range(n))
@@ -300,13 +344,17 @@ class DemoUpstream:
         return orjson.dumps({
             "id": f"upstream-{self.state['served']}", "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", ""), "choices": choices, "engine_marker": 7,
-            "usage": self._usage(prompt, n * len(choices)),
+            "usage": self._usage(prompt, n * len(choices), cached),
         })
 
-    def _usage(self, prompt: int, made: int) -> dict[str, Any]:
+    def _usage(self, prompt: int, made: int, cached: int | None = None) -> dict[str, Any]:
+        """`cached`: what the prefix cache found (None: no cache, or not a prompt of token ids); the
+        `cached_tokens` control, where set, wins."""
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
         if self.state["cached_tokens"] is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": min(int(self.state["cached_tokens"]), prompt)}
+            cached = int(self.state["cached_tokens"])
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": min(cached, prompt)}
         return usage
 
 
@@ -352,11 +400,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-delay-ms", type=float, default=UpstreamOptions.token_delay_ms,
                    help="pause between generated words (default 1)")
     p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
+    p.add_argument("--kv-blocks", type=int, default=UpstreamOptions.kv_blocks,
+                   help="KV blocks of 16 tokens: the prefix cache's size, and /metrics' num_gpu_blocks (default 4096)")
+    p.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
+                   help="cache prompts of token ids and publish KV events on this ZeroMQ endpoint, as vLLM's "
+                        "--kv-events-config does (e.g. tcp://127.0.0.1:5557)")
 
 
 def options_from(args: argparse.Namespace) -> UpstreamOptions:
+    if args.kv_blocks < 1:
+        raise SystemExit("gateway demo-upstream: --kv-blocks must be at least 1")
     return UpstreamOptions(args.engine, args.model, args.max_model_len, not args.no_cache_info, args.api_key,
-                           args.token_delay_ms)
+                           args.token_delay_ms, args.kv_blocks, args.kv_events_endpoint)
 
 
 def main(argv: list[str]) -> None:
@@ -367,7 +422,13 @@ def main(argv: list[str]) -> None:
     print(f"demo upstream (mock {options.engine}, model {options.model}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
-        run(serve(DemoUpstream(options), args.host, args.port, ServerLimits(max_body_bytes=args.max_body_bytes)))
+        upstream = DemoUpstream(options)
+    except zmq.ZMQError as exc:   # the endpoint is taken, or not one ZeroMQ can bind
+        print(f"gateway demo-upstream: cannot publish KV events on {options.kv_events_endpoint}: {exc}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    try:
+        run(serve(upstream, args.host, args.port, ServerLimits(max_body_bytes=args.max_body_bytes)))
     except OSError as exc:   # the port is taken, the address is not this host's
         print(f"gateway demo-upstream: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

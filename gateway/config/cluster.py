@@ -172,6 +172,23 @@ class ProbeSpec(StrictModel):
         return address + (self.path or (launch.ready_path if launch is not None else "/v1/models"))
 
 
+class KvEventsSpec(StrictModel):
+    """Where a kind: openai engine publishes its KV cache events (vLLM's and SGLang's
+    `--kv-events-config`, publisher zmq; common/kv_events.py): the gateway subscribes, and its prefix
+    index follows what the engine stores and evicts (gateway/control/kv_event_listener.py)."""
+
+    # the engine's ZeroMQ PUB endpoint as the gateway connects to it (vLLM binds tcp://*:5557 by default)
+    endpoint: str = Field(pattern=r"^(tcp://[^\s/]+:[0-9]{1,5}|ipc://\S+)$")
+    topic: str = ""                      # the prefix of the topics subscribed to (vLLM's `topic`, "" by default)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _port(cls, endpoint: str) -> str:
+        if endpoint.startswith("tcp://") and not 0 < int(endpoint.rpartition(":")[2]) < 65536:
+            raise ValueError(f"endpoint {endpoint!r}: the port is 1-65535")
+        return endpoint
+
+
 GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")   # gRPC's target names
 
 
@@ -219,6 +236,7 @@ class BackendSpec(StrictModel):
     # backend are refused, since the gateway watches those itself
     agent: bool = False
     probe: ProbeSpec | None = None      # openai: the liveness probe (default: ProbeSpec())
+    kv_events: KvEventsSpec | None = None   # openai: the engine's KV cache events, for the prefix index
     # openai: the upstream takes vLLM `image_embeds` parts (vllm serve --enable-mm-embeds), so a vision
     # backend encodes the images and the upstream runs only the language model
     image_embeds: bool = False
@@ -264,7 +282,8 @@ class BackendSpec(StrictModel):
         else:
             if isinstance(self.launch, CommandLaunchSpec):
                 raise ValueError("`launch.command` applies to kind: openai backends only")
-            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env", "agent", "probe")
+            openai_only = ("upstream_model", "scrape", "image_embeds", "api_key", "api_key_env", "agent", "probe",
+                           "kv_events")
             given = [f"`{name}`" for name in openai_only if getattr(self, name) not in (None, False)]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to kind: openai backends only")
@@ -402,6 +421,14 @@ class ClusterFile(StrictModel):
                     raise ValueError(f"duplicate {what} {k!r} (entries {seen[k]} and {i})")
                 seen[k] = i
         return backends
+
+    @model_validator(mode="after")
+    def _events_need_the_index(self) -> ClusterFile:
+        with_events = [b.id for b in self.backends if b.kv_events is not None]
+        if with_events and not self.gateway.routing.prefix_cache.enabled:
+            raise ValueError(f"backends {', '.join(with_events)}: `kv_events` feed the prefix index, which "
+                             "gateway.routing.prefix_cache.enabled: false turns off")
+        return self
 
 
 def command_port(b: BackendSpec) -> int | None:

@@ -12,6 +12,8 @@ stale one that answers can be failed open on. Load signals come from:
   rests on the gateway's own in-flight counts), and the context length is read from its /v1/models
   once per launch;
 - otherwise the standalone agent (`backends.agent`) beside the engine, through the control port.
+A backend with `kv_events:` is also subscribed to its engine's KV cache events, which the prefix index
+follows (gateway/control/kv_event_listener.py).
 
 A managed backend is watched only while the supervisor has it `ready`; a failed probe or scrape
 simply writes no heartbeat, so the entry goes stale after the heartbeat miss limit like any other.
@@ -38,7 +40,9 @@ from common.metric_tables import TABLES
 from common.upstream_models import ModelsUnavailable, fetch_max_model_len
 from gateway.config.cluster import BackendSpec, ClusterConfig, CommandLaunchSpec, ProbeSpec
 from gateway.control.heartbeat_service import reported_from
+from gateway.control.kv_event_listener import listen
 from gateway.routing.backend_entry import Reported
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.state_table import StateTable
 
 log = structlog.get_logger("upstream_monitor")
@@ -93,8 +97,10 @@ class Watched:
 class UpstreamMonitor:
     def __init__(
         self, config: ClusterConfig, table: StateTable, addresses: dict[str, str], client: httpx.AsyncClient,
+        prefixes: PrefixIndex | None = None,
     ) -> None:
         self._table = table
+        self._prefixes = prefixes   # fed the KV events of the backends with `kv_events:`
         self._names: dict[str, str] = {}   # per backend, the model name whose context /v1/models gives
         self._client = client
         self._heartbeat_s = config.settings.heartbeat_interval_ms / 1000
@@ -159,10 +165,13 @@ class UpstreamMonitor:
             await asyncio.gather(*(self.unwatch(backend_id) for backend_id in list(self._watched)))
 
     async def _watch(self, w: Watched) -> None:
-        """Probe it, and scrape it when it has `scrape:`, each at its own interval."""
+        """Probe it, and scrape it when it has `scrape:`, each at its own interval; listen to its KV
+        events when it has `kv_events:`."""
         loops = [every(w.probe_interval_s, self.probe_once, w)]
         if w.agent is not None:
             loops.append(every(w.agent.config.interval_s, self.scrape_once, w))
+        if w.spec.kv_events is not None and self._prefixes is not None:
+            loops.append(listen(w.spec.id, w.spec.kv_events, self._prefixes))
         await asyncio.gather(*loops)
 
     def _watching(self, w: Watched) -> bool:

@@ -156,7 +156,8 @@ class PrefixCollector(Collector):
         labels = ["backend"]
         source = GaugeMetricFamily(
             "heterogate_prefix_index_source", "1 for the source of the backend's prefix index: estimate (routed "
-            "prompts only) or engine (the engine's counters correct it)", labels=["backend", "source"])
+            "prompts only), engine (the engine's counters correct it) or events (its KV cache events)",
+            labels=["backend", "source"])
         # keys of PrefixIndex.describe
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "blocks": GaugeMetricFamily(

@@ -32,6 +32,12 @@ evictions its shrunken LRU counted in ρ_i, depended on how often it was routed 
 `source` says which: "estimate" (keep_i = 1) until an engine reports, then "engine". Counters that
 go back (a restarted engine) empty the backend's LRU: its cache is empty too.
 
+KV events. A backend whose engine publishes its KV cache events (`kv_events:`, vLLM's and SGLang's
+format; `engine_events`) has its LRU follow them: the index blocks the engine stored join it as the most
+recent, whoever sent the prompt, those it evicted leave it (into its ghost list), AllBlocksCleared
+empties it; keep_i then stays at 1 (`source` "events"), and the LRU's bound is EVENTS_ROOM · K_i, the
+engine's evictions doing the evicting (gateway/routing/engine_blocks.py says what events can name).
+
 Blocks of 64 tokens by default (`gateway.routing.prefix_cache.block_tokens`), four of an engine's
 16-token blocks: a hit is counted in whole blocks of the index, so up to 63 tokens of a cached prefix
 go uncounted (under 3% of a 2,500-token prompt), and the hashing, the walk and the LRU touches are a
@@ -92,8 +98,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from common.kv_events import AllBlocksCleared, KvEvent
 from common.prefix_blocks import BlockLru, cached_tokens, prompt_blocks, salt_seed, session_key
 from gateway.routing.backend_entry import BackendEntry
+from gateway.routing.engine_blocks import EngineBlocks
 
 INDEX_BLOCK_TOKENS = 64       # tokens a block of the index stands for (gateway.routing.prefix_cache.block_tokens)
 DECAY = 0.98                  # weight of the window per engine reading that moved the counters
@@ -104,7 +112,8 @@ REUSE_WINDOW = 2              # ρ_i counts over the last ~REUSE_WINDOW · K_i b
 AGE_EVERY = 64                # blocks placed (anywhere) between updates of the listed backends' aged ρ_i
 MIN_REUSE = 0.01              # an aged ρ_i below this is not listed (priced at 0)
 MIN_EVICTED_SHARE = 0.25      # no ρ_i before a quarter of K_i has been evicted
-Source = Literal["estimate", "engine"]
+EVENTS_ROOM = 2               # with KV events, the LRU's bound in K_i (the engine's evictions, not it, evict)
+Source = Literal["estimate", "engine", "events"]
 Routed = tuple[str, Sequence[int], int | None, int]   # (backend, blocks, session key, prompt tokens)
 
 
@@ -144,9 +153,15 @@ class _Backend:
     wanted: float = 0.0                 # of them, brought back by a later prompt
     evicted_at: int = 0                 # the index's blocks placed (anywhere) at its last eviction
     granule: int = 0                    # tokens a block of the engine's KV holds, as it reports (0: not said)
+    events: EngineBlocks | None = None  # the engine's KV events, once one arrived (gateway.control.kv_event_listener)
+    event_gaps: int = 0                 # batches of events lost on the way (sequence numbers skipped)
+    events_refused: int = 0             # messages that were no batch of events
+    last_refused: str | None = None     # why the last of them was refused
 
     @property
     def source(self) -> Source:
+        if self.events is not None:
+            return "events"
         return "engine" if self.reported_queries else "estimate"
 
     @property
@@ -312,8 +327,11 @@ class PrefixIndex:
                 self._rate(self._backends[listed])
 
     def _fit(self, b: _Backend) -> None:
-        """The backend's LRU at keep_i · K_i blocks (its oldest blocks forgotten)."""
-        capacity = int(b.kv_blocks * b.keep)
+        """The backend's LRU at keep_i · K_i blocks (its oldest blocks forgotten); with KV events at
+        EVENTS_ROOM · K_i, a bound only: the engine's own evictions take blocks out (its hits publish
+        nothing, so the LRU's order is not the engine's), and routed prompts whose blocks it never
+        stored age out past it."""
+        capacity = int(b.kv_blocks * b.keep) * (EVENTS_ROOM if b.events is not None else 1)
         if capacity != b.lru.capacity:
             self._forget(b, b.lru.resize(capacity))
             self._rate(b)
@@ -366,7 +384,7 @@ class PrefixIndex:
 
     def _rate(self, b: _Backend) -> None:
         """ρ_i listed while b's cache is full (a new prompt there evicts as much as it adds)."""
-        if b.lru.capacity and len(b.lru) >= b.lru.capacity and b.evicted >= MIN_EVICTED_SHARE * b.kv_blocks:
+        if (full := int(b.kv_blocks * b.keep)) and len(b.lru) >= full and b.evicted >= MIN_EVICTED_SHARE * b.kv_blocks:
             if (rho := self._aged(b)) >= MIN_REUSE:
                 self._reuse[b.id] = rho
                 return
@@ -418,7 +436,7 @@ class PrefixIndex:
         for k, delta in enumerate((marks[0] - b.mark[0], marks[1] - b.mark[1], dq, dh)):
             w[k] = w[k] * DECAY + delta
         b.mark = marks
-        if w[2] < MIN_REPORTED_TOKENS:
+        if w[2] < MIN_REPORTED_TOKENS or b.events is not None:   # events say which blocks it holds: keep_i stays
             return
         if not w[3]:
             if w[1] < MIN_REPORTED_TOKENS:   # nothing predicted, nothing found (a cold cache): no news
@@ -439,6 +457,44 @@ class PrefixIndex:
         b.lru.resize(capacity)
         self._rate(b)
 
+    def engine_events(self, backend_id: str, events: Sequence[KvEvent]) -> None:
+        """The engine's KV events (vLLM's and SGLang's, `common.kv_events`), in the order it published
+        them: the index blocks it stored join its LRU as the most recent (they are in its cache, whoever
+        routed them), those it evicted leave it (into its ghost list: an eviction the engine made), and
+        AllBlocksCleared empties it. From the first one, keep_i stays where it is: the events, not the
+        counters, say what the engine dropped."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return
+        if b.events is None:   # room for twice its KV in engine blocks (16 tokens where it does not say)
+            per_block = max(1, self.block_tokens // (b.granule or 16))
+            b.events = EngineBlocks(self.block_tokens, max(1 << 16, 2 * b.kv_blocks * per_block))
+            b.keep = 1.0
+            self._fit(b)
+        for event in events:
+            stored, lost = b.events.apply(event)
+            if stored:
+                self._touch(b, stored, None, 0)
+            elif lost:
+                self._forget(b, [block for block in lost if b.lru.discard(block)])
+            elif isinstance(event, AllBlocksCleared):
+                self._emptied(b)
+
+    def engine_events_lost(self, backend_id: str, batches: int) -> None:
+        """`batches` of the engine's events never arrived: the blocks they stored or evicted are unknown.
+        The index keeps its blocks (they age out of its LRU); the chain of the engine's blocks is
+        forgotten, so a prefix stored before is matched again once the engine stores it afresh."""
+        b = self._backends.get(backend_id)
+        if b is not None and b.events is not None:
+            b.event_gaps += batches
+            b.events.forget()
+
+    def engine_events_refused(self, backend_id: str, error: str) -> None:
+        """A message from the engine's event endpoint that is no batch of events (`error` says why)."""
+        if (b := self._backends.get(backend_id)) is not None:
+            b.events_refused += 1
+            b.last_refused = error
+
     def describe(self, backend_id: str) -> dict[str, Any]:
         """For /admin/backends: the index's source, size and predicted vs reported hit rate."""
         b = self._backends[backend_id]
@@ -455,6 +511,9 @@ class PrefixIndex:
             "reported_query_tokens": b.reported_queries,
             "reported_hit_tokens": b.reported_hits,
             "reported_hit_rate": b.reported_hits / b.reported_queries if b.reported_queries else None,
+            "events": None if b.events is None and not b.events_refused else {
+                **(b.events.describe() if b.events is not None else {}), "lost_batches": b.event_gaps,
+                "refused_messages": b.events_refused, "last_refused": b.last_refused},
         }
 
     def __contains__(self, backend_id: object) -> bool:

@@ -1,0 +1,64 @@
+"""The gateway's subscription to a kind: openai engine's KV cache events (its `kv_events:` entry), so the
+prefix index follows what the engine's cache holds rather than only what this gateway routed there.
+
+One ZeroMQ SUB socket per backend, connected to the engine's PUB endpoint (ZeroMQ connects in the
+background and reconnects by itself; a subscriber that joins late misses what was published before).
+Each message is one batch (common/kv_events.py); its sequence number tells what was lost: a jump
+forward is batches lost on the way (`PrefixIndex.engine_events_lost`), a number that goes back is an
+engine that started again with an empty cache (applied as AllBlocksCleared). A message that is not a
+batch is counted and logged (the first and every 100th), never fatal: the next one is read.
+Every replica subscribes on its own (a PUB socket serves any number of subscribers).
+"""
+
+from __future__ import annotations
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from common.kv_events import AllBlocksCleared, KvEventError, decode_batch, decode_sequence
+from gateway.config.cluster import KvEventsSpec
+from gateway.routing.prefix_index import PrefixIndex
+
+log = structlog.get_logger("kv_events")
+RECEIVE_HWM = 100_000   # batches queued in the socket before ZeroMQ drops them (then counted as lost)
+LOG_EVERY = 100         # of the messages refused, the first and every this many are logged
+
+
+async def listen(backend_id: str, spec: KvEventsSpec, index: PrefixIndex) -> None:
+    """Subscribe to `spec`'s endpoint and apply every batch to `index` until cancelled."""
+    socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    socket.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+    try:
+        socket.connect(spec.endpoint)
+    except zmq.ZMQError as e:   # an endpoint ZeroMQ cannot connect to at all (no reconnecting will help)
+        socket.close(linger=0)
+        index.engine_events_refused(backend_id, f"cannot connect to {spec.endpoint}: {e}")
+        log.error("kv_events_endpoint_refused", backend=backend_id, endpoint=spec.endpoint, error=str(e))
+        return
+    log.info("kv_events_subscribed", backend=backend_id, endpoint=spec.endpoint, topic=spec.topic)
+    last: int | None = None
+    refused = 0
+    try:
+        while True:
+            frames = await socket.recv_multipart()
+            try:
+                if len(frames) != 3:
+                    raise KvEventError(f"{len(frames)} frames, not 3 (topic, sequence number, batch)")
+                seq, batch = decode_sequence(frames[1]), decode_batch(frames[2])
+            except KvEventError as e:
+                refused += 1
+                index.engine_events_refused(backend_id, str(e))
+                if refused % LOG_EVERY == 1:
+                    log.warning("kv_events_refused", backend=backend_id, error=str(e), refused=refused)
+                continue
+            if last is not None and seq <= last:   # numbered from the start again: a new engine, cache empty
+                index.engine_events(backend_id, [AllBlocksCleared()])
+            elif last is not None and seq > last + 1:
+                index.engine_events_lost(backend_id, seq - last - 1)
+            last = seq
+            index.engine_events(backend_id, batch.events)
+    finally:
+        socket.close(linger=0)

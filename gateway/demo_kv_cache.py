@@ -1,0 +1,95 @@
+"""The demo upstream's prefix cache and its KV events (`gateway demo-upstream --kv-events-endpoint ...`):
+what a vLLM engine with automatic prefix caching and `--kv-events-config` tells the world, without a GPU.
+
+Prompts given as token ids are cached in blocks of 16 tokens (vLLM's default), each named by a chained
+hash, least recently used first out past `blocks` blocks; a prompt's leading blocks found cached are its
+`cached_tokens` (never the whole prompt: the last token is computed), and its new blocks are stored.
+Every store, eviction and reset (`POST /reset_prefix_cache`, as vLLM's) is published as vLLM publishes
+it: a ZeroMQ PUB socket bound to the endpoint, one batch a request (common/kv_events.py), and the
+cache's counters are vLLM's `prefix_cache_queries` / `prefix_cache_hits` in /metrics. What it leaves
+out: text prompts (it has no tokenizer: they are neither cached nor published), blocks pinned by
+running requests, and the replay socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import zmq
+
+from common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    encode_batch,
+    encode_sequence,
+)
+from common.prefix_blocks import block_hashes
+
+BLOCK_SIZE = 16
+
+
+class EventPublisher:
+    """A ZeroMQ PUB socket bound to `endpoint`, sending batches as vLLM's ZmqEventPublisher does."""
+
+    def __init__(self, endpoint: str, topic: str = "") -> None:
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+        self._topic = topic.encode()
+        self._seq = 0
+
+    def publish(self, events: Sequence[KvEvent]) -> None:
+        self._socket.send_multipart((self._topic, encode_sequence(self._seq), encode_batch(time.time(), events)),
+                                    flags=zmq.NOBLOCK)
+        self._seq += 1
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class DemoKvCache:
+    def __init__(self, blocks: int, publisher: EventPublisher | None) -> None:
+        self.capacity = blocks
+        self._publisher = publisher
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0   # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0      # of them, found cached
+
+    def admit(self, token_ids: Sequence[int]) -> int:
+        """A prompt of token ids is served: its cached tokens; its blocks stored, the least recent evicted."""
+        hashes = block_hashes(token_ids=token_ids, block_tokens=BLOCK_SIZE)
+        blocks = self._blocks
+        matched = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            matched += 1
+        cached = min(matched * BLOCK_SIZE, max(0, len(token_ids) - 1))
+        self.queries += len(token_ids)
+        self.hits += cached
+        events: list[KvEvent] = []
+        if new := hashes[matched:]:
+            events.append(BlockStored(new, hashes[matched - 1] if matched else None,
+                                      list(token_ids[matched * BLOCK_SIZE:len(hashes) * BLOCK_SIZE]), BLOCK_SIZE,
+                                      None, "GPU"))
+        for h in reversed(hashes):   # the prompt's first blocks the most recent: they go last, as vLLM frees them
+            blocks[h] = None
+            blocks.move_to_end(h)
+        evicted = []
+        while len(blocks) > self.capacity:
+            evicted.append(blocks.popitem(last=False)[0])
+        if evicted:
+            events.append(BlockRemoved(evicted, "GPU"))
+        if events and self._publisher is not None:
+            self._publisher.publish(events)
+        return cached
+
+    def reset(self) -> None:
+        """Every block dropped (vLLM's POST /reset_prefix_cache)."""
+        self._blocks.clear()
+        if self._publisher is not None:
+            self._publisher.publish([AllBlocksCleared()])

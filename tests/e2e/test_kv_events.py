@@ -1,0 +1,85 @@
+"""A gateway subscribed to its upstreams' KV cache events: two demo upstreams that cache prompts of token
+ids and publish their events over ZeroMQ as vLLM does (`--kv-events-endpoint`), on 127.0.0.1. A prompt
+another client sent straight to one of them (never routed by the gateway) is then routed there through
+the gateway, and a reset of that engine's prefix cache empties the gateway's view of it."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from testkit.harness import Gateway, free_port, run_gateway, write_config
+from tests.e2e.test_external_engines import spawn, stop
+
+MODEL = "llava-1.5-7b"
+pytestmark = pytest.mark.timeout(180)
+IDS = ("up-a", "up-b")
+
+
+@contextmanager
+def two_upstreams(tmp: Path) -> Iterator[tuple[Gateway, dict[str, str]]]:
+    ports = {bid: free_port() for bid in IDS}
+    events = {bid: f"tcp://127.0.0.1:{free_port()}" for bid in IDS}
+    upstreams = [spawn("tests.fake_openai_server", "--port", str(ports[bid]), "--engine", "vllm",
+                       "--kv-events-endpoint", events[bid]) for bid in IDS]
+    urls = {bid: f"http://127.0.0.1:{ports[bid]}" for bid in IDS}
+    path = write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
+        {"id": bid, "kind": "openai", "gpu": "H100", "address": urls[bid], "scrape": {"engine": "vllm"},
+         "kv_events": {"endpoint": events[bid]}} for bid in IDS]})
+    try:
+        with run_gateway(path, healthy=2, timeout=60) as gw:
+            yield gw, urls
+    finally:
+        for upstream in upstreams:
+            stop(upstream)
+
+
+def prompt(seed: int, n: int = 512) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def complete(url: str, ids: list[int]) -> httpx.Response:
+    resp = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def events_of(gw: Gateway, backend_id: str) -> dict[str, int]:
+    return gw.backend(backend_id)["prefix_cache"]["events"] or {}
+
+
+def test_prompts_another_client_cached_on_an_upstream_are_routed_there(tmp_path: Path) -> None:
+    with two_upstreams(tmp_path) as (gw, urls):
+        # ZeroMQ subscriptions take a moment: the engines' first batches may go unheard
+        seed = 1000
+        for bid in IDS:
+            def heard(bid: str = bid) -> bool:
+                nonlocal seed
+                seed += 1
+                complete(urls[bid], prompt(seed, 64))
+                return events_of(gw, bid).get("stored_blocks", 0) > 0
+            gw.wait_until(heard, timeout=20)
+        for k in range(6):
+            target = IDS[k % 2]
+            ids = prompt(k)
+            stored = events_of(gw, target)["stored_blocks"]
+            complete(urls[target], ids)   # straight to the engine, as another client would
+            gw.wait_until(lambda t=target, s=stored: events_of(gw, t)["stored_blocks"] >= s + 32)
+            via = complete(gw.url, ids + prompt(100 + k, 64))
+            assert via.headers["x-heterogate-backend"] == target, k
+            assert via.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+        described = gw.backend("up-a")["prefix_cache"]
+        assert described["source"] == "events" and described["blocks"] > 0
+        assert "heterogate_prefix_index_source{backend=\"up-a\",source=\"events\"} 1.0" in httpx.get(
+            f"{gw.url}/metrics", timeout=10).text
+        # vLLM's POST /reset_prefix_cache: AllBlocksCleared, and the gateway's view of up-a is empty
+        httpx.post(f"{urls['up-a']}/reset_prefix_cache", timeout=10).raise_for_status()
+        gw.wait_until(lambda: gw.backend("up-a")["prefix_cache"]["blocks"] == 0)
+        assert events_of(gw, "up-a")["cleared"] == 1
+        assert gw.backend("up-b")["prefix_cache"]["blocks"] > 0
