@@ -81,8 +81,9 @@ def image_token(tok: PreTrainedTokenizerBase) -> str:
 
 
 def model_family(profile: ModelProfile, model_path: str | None = None) -> str:
-    """The Hugging Face model_type of a model directory, or of the catalog's config for the model."""
-    if model_path is not None:
+    """The Hugging Face model_type of a model directory (one with a config.json), or of the catalog's
+    config for the model."""
+    if model_path is not None and (Path(model_path) / "config.json").is_file():
         config = Path(model_path) / "config.json"
     elif profile.hf_config is not None:
         config = HF_CONFIG_DIR / profile.hf_config

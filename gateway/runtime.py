@@ -7,10 +7,12 @@ from typing import Any
 
 import httpx
 
+from common.errors import ConfigError
 from gateway.clients.engine_client import EngineClients, client_factory
 from gateway.clients.openai_upstream import Upstream
 from gateway.config.auth import KeyRing
 from gateway.config.cluster import BackendSpec, ClusterConfig, GatewaySettings, Limits
+from gateway.config.models import ServedModel
 from gateway.pipeline.admission import AdmissionQueue
 from gateway.pipeline.breakers import Breakers, State
 from gateway.pipeline.dispatch import LANGUAGE_ROLES, VISION_ROLES, Pipeline, PipelineSettings
@@ -36,6 +38,8 @@ class Runtime:
     fetcher: httpx.AsyncClient    # remote image URLs (only when the config enables them)
     keys: KeyRing
     exact_prompts: ExactPrompts | None = None   # the model's tokenizer, when torch engines run the model
+    # other models' tokenizers by served name (`tokenizer:`), for their text prompts' counts and prefix blocks
+    tokenizers: dict[str, ExactPrompts] = field(default_factory=dict)
     upstreams: dict[str, Upstream] = field(default_factory=dict)   # kind: openai backends, read by the clients' factory
     # where the backends' reports go: this process's table (the Redis store once it joins replicas)
     signals: SignalStore = field(init=False)
@@ -221,6 +225,15 @@ def upstream_of(config: ClusterConfig, spec: BackendSpec) -> Upstream:
                     config.api_keys[spec.id])
 
 
+def routing_tokenizer(model: ServedModel) -> ExactPrompts:
+    """The model's `tokenizer:` loaded (blocking, once at start-up)."""
+    try:
+        return ExactPrompts(model.profile, str(model.tokenizer))
+    except ImportError:
+        raise ConfigError(f"model {model.name!r}: `tokenizer:` needs the transformers package "
+                          "(pip install 'transformers>=5.17,<6')") from None
+
+
 def build_runtime(config: ClusterConfig, policy_name: str | None = None,
                   addresses: dict[str, str] | None = None) -> Runtime:
     """`addresses`: where managed kind: openai backends will listen (their ports are picked at start-up)."""
@@ -264,5 +277,7 @@ def build_runtime(config: ClusterConfig, policy_name: str | None = None,
     exact = None
     if config.torch_weights is not None and config.torch_model is not None:
         exact = ExactPrompts(config.torch_model.profile, config.torch_weights[0])
+    tokenizers = {m.name: routing_tokenizer(m) for m in config.models.models.values()
+                  if m.tokenizer is not None and m is not config.torch_model}   # the torch model's: `exact`
     keys = KeyRing.load(settings.auth, settings.tenants)
-    return Runtime(config, table, clients, metrics, pipeline, fetcher, keys, exact, upstreams)
+    return Runtime(config, table, clients, metrics, pipeline, fetcher, keys, exact, tokenizers, upstreams)

@@ -401,6 +401,9 @@ class ClusterFile(StrictModel):
     model: str
     served_model_name: str | None = Field(default=None, pattern=MODEL_NAME)
     aliases: list[str] = Field(default_factory=list)   # other names of the first model
+    # the first model's tokenizer (a local Hugging Face directory, relative to the file): text prompts to its
+    # kind: openai backends are counted and hashed by it (README, "KV cache events"); `models:` each say theirs
+    tokenizer: str | None = Field(default=None, min_length=1)
     models: list[ModelSpec] = Field(default_factory=list)   # more models (gateway/config/models.py)
     gateway: GatewaySettings = GatewaySettings()
     backends: list[BackendSpec] = Field(min_length=1)
@@ -543,11 +546,21 @@ def _torch_weights(path: Path, backends: list[BackendSpec], models: dict[str, tu
 
 def _served_models(path: Path, raw: ClusterFile, catalog: Catalog, first: ModelProfile) -> list[ServedModel]:
     """The first model (`model`, `served_model_name`, `aliases`), then `models`; names unique across all."""
-    out = [ServedModel(raw.served_model_name or raw.model, raw.model, first, tuple(raw.aliases))]
+    def folder(setting: str, tokenizer: str | None) -> Path | None:
+        if tokenizer is None:
+            return None
+        found = (path.parent / tokenizer).resolve()
+        if not (found / "tokenizer_config.json").is_file():
+            raise ConfigError(f"{path}: {setting}: {found} holds no tokenizer (tokenizer_config.json)")
+        return found
+
+    out = [ServedModel(raw.served_model_name or raw.model, raw.model, first, tuple(raw.aliases),
+                       folder("tokenizer", raw.tokenizer))]
     for i, spec in enumerate(raw.models):
         name = spec.catalog or spec.name
         profile = _resolve(path, f"models.{i} ({spec.name}).catalog", lambda n=name: catalog.model(n))
-        out.append(ServedModel(spec.name, name, profile, tuple(spec.aliases)))
+        out.append(ServedModel(spec.name, name, profile, tuple(spec.aliases),
+                               folder(f"models.{i} ({spec.name}).tokenizer", spec.tokenizer)))
     seen: dict[str, str] = {}
     for m in out:
         for alias in (m.name, *m.aliases):

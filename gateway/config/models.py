@@ -19,6 +19,7 @@ counts once, in every pool it belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import Field
 
@@ -34,6 +35,7 @@ class ModelSpec(StrictModel):
     name: str = Field(pattern=MODEL_NAME)        # what clients send as `model` (and /v1/models lists)
     catalog: str | None = None                   # its entry in the model catalog (default: `name`)
     aliases: list[str] = Field(default_factory=list)
+    tokenizer: str | None = Field(default=None, min_length=1)   # as the cluster file's `tokenizer`, for this model
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class ServedModel:
     catalog: str
     profile: ModelProfile
     aliases: tuple[str, ...] = ()
+    # A local Hugging Face directory with the model's tokenizer (None: none): text prompts to kind: openai
+    # backends are counted and hashed by it, so the prefix index names blocks as the engines' KV events do.
+    tokenizer: Path | None = None
 
 
 class ModelNames:

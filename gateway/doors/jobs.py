@@ -91,17 +91,21 @@ class JobBuilder:
         prompt, tokens = render_chat(req.messages)
         exact = self._exact(served)
         ids: tuple[int, ...] = ()
+        prefix_ids: tuple[int, ...] = ()
         spans: tuple[tuple[int, int], ...] = ()
         if exact is not None:
             prompt_ids = exact.chat(req.messages, images)
             ids, spans, tokens = tuple(prompt_ids.ids), tuple(prompt_ids.image_spans), prompt_ids.text_tokens
+        elif not images and (counter := self._runtime.tokenizers.get(served.name)) is not None:
+            prefix_ids = tuple(counter.chat(req.messages, ()).ids)   # as the engine renders and tokenizes it
+            tokens = len(prefix_ids)
         asked, asked_param = req.requested_max_tokens()
         max_tokens = self.max_tokens(tokens + sum([i.tokens for i in images]), asked, model=served.name,
                                      asked_param=asked_param)
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, images, timeout_s, "chat",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
-                             token_ids=ids, image_spans=spans,
+                             token_ids=ids, prefix_ids=prefix_ids, image_spans=spans,
                              image_grids=exact.grids(images) if exact else (),
                              top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(), session=req.user or "",
                              model=served.name, image_places=image_places(req.messages) if parts else (),
@@ -115,6 +119,7 @@ class JobBuilder:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         exact = self._exact(served)
         ids: tuple[int, ...] = ()
+        prefix_ids: tuple[int, ...] = ()
         if isinstance(prompt, list):   # token ids, as sent: routed and cached by them, no text
             if exact is not None:
                 exact.check_ids(prompt)
@@ -123,6 +128,9 @@ class JobBuilder:
         elif exact is not None:
             ids = tuple(exact.text(prompt).ids)
             tokens = len(ids)
+        elif (counter := self._runtime.tokenizers.get(served.name)) is not None:
+            prefix_ids = tuple(counter.text(prompt).ids)   # with its BOS, as vLLM's completions add it
+            tokens = len(prefix_ids)
         else:
             tokens = count_text_tokens(prompt)
         asked, asked_param = req.requested_max_tokens()
@@ -130,8 +138,8 @@ class JobBuilder:
         temperature = 1.0 if req.temperature is None else req.temperature
         return GenerationJob(request_id, prompt, tokens, max_tokens, temperature, (), timeout_s, "text",
                              self._body(req, body), not req.stream, max_tokens_asked=asked is not None,
-                             token_ids=ids, top_p=req.top_p or 1.0, seed=req.seed, stop=req.stop_strings(),
-                             session=req.user or "", model=served.name, tenant=tenant,
+                             token_ids=ids, prefix_ids=prefix_ids, top_p=req.top_p or 1.0, seed=req.seed,
+                             stop=req.stop_strings(), session=req.user or "", model=served.name, tenant=tenant,
                              cache_salt=self._salt(req, tenant), choices=max(req.n or 1, req.best_of or 1))
 
     def _body(self, req: ChatCompletionRequest | CompletionRequest, body: dict[str, Any]) -> dict[str, Any]:

@@ -422,7 +422,8 @@ class Pipeline:
             return profile
         tokens = profile.input_tokens
         blocks = record.prefix.blocks if record.prefix is not None else index.hashes(
-            job.prompt, job.token_ids, tokens, job.placed_images() if job.images else (), job.cache_salt)
+            job.prompt, job.token_ids or job.prefix_ids, tokens, job.placed_images() if job.images else (),
+            job.cache_salt)
         # a session named under a cache salt is its own (one tenant's "alice" is not another's)
         session = f"{job.cache_salt}\x00{job.session}" if job.session and job.cache_salt else job.session
         record.prefix = query = index.lookup(blocks, session, tokens)

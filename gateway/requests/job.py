@@ -43,6 +43,10 @@ class GenerationJob:
     # Exact requests (torch engines): the model's token ids with image placeholders expanded, where each
     # image goes in them, and the sampling the engine applies.
     token_ids: tuple[int, ...] = field(default=(), compare=False)
+    # A text prompt's token ids by its model's tokenizer where the gateway has one for a model without
+    # torch engines (`tokenizer:`): what the prefix index hashes, as the engines' KV events name their
+    # blocks; never sent (kind: openai upstreams tokenize the body themselves).
+    prefix_ids: tuple[int, ...] = field(default=(), compare=False)
     image_spans: tuple[tuple[int, int], ...] = ()
     image_grids: tuple[tuple[int, int, int], ...] = ()   # Qwen2-VL family: (t, h, w) per image
     top_p: float = 1.0

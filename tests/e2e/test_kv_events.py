@@ -1,7 +1,9 @@
 """A gateway subscribed to its upstreams' KV cache events: two demo upstreams that cache prompts of token
 ids and publish their events over ZeroMQ as vLLM does (`--kv-events-endpoint`), on 127.0.0.1. A prompt
 another client sent straight to one of them (never routed by the gateway) is then routed there through
-the gateway, and a reset of that engine's prefix cache empties the gateway's view of it."""
+the gateway, and a reset of that engine's prefix cache empties the gateway's view of it. With the
+model's tokenizer (`tokenizer:`), a chat the gateway renders and tokenizes as the engine would finds
+the blocks the engine stored for those ids."""
 
 from __future__ import annotations
 
@@ -22,13 +24,13 @@ IDS = ("up-a", "up-b")
 
 
 @contextmanager
-def two_upstreams(tmp: Path) -> Iterator[tuple[Gateway, dict[str, str]]]:
+def two_upstreams(tmp: Path, **top: object) -> Iterator[tuple[Gateway, dict[str, str]]]:
     ports = {bid: free_port() for bid in IDS}
     events = {bid: f"tcp://127.0.0.1:{free_port()}" for bid in IDS}
     upstreams = [spawn("tests.fake_openai_server", "--port", str(ports[bid]), "--engine", "vllm",
                        "--kv-events-endpoint", events[bid]) for bid in IDS]
     urls = {bid: f"http://127.0.0.1:{ports[bid]}" for bid in IDS}
-    path = write_config(tmp, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
+    path = write_config(tmp, {"model": MODEL, **top, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
         {"id": bid, "kind": "openai", "gpu": "H100", "address": urls[bid], "scrape": {"engine": "vllm"},
          "kv_events": {"endpoint": events[bid]}} for bid in IDS]})
     try:
@@ -54,17 +56,22 @@ def events_of(gw: Gateway, backend_id: str) -> dict[str, int]:
     return gw.backend(backend_id)["prefix_cache"]["events"] or {}
 
 
+def subscribed(gw: Gateway, urls: dict[str, str]) -> None:
+    """Once the gateway hears each engine's events (ZeroMQ subscriptions take a moment: the engines'
+    first batches may go unheard)."""
+    seed = 1000
+    for bid in IDS:
+        def heard(bid: str = bid) -> bool:
+            nonlocal seed
+            seed += 1
+            complete(urls[bid], prompt(seed, 64))
+            return events_of(gw, bid).get("stored_blocks", 0) > 0
+        gw.wait_until(heard, timeout=20)
+
+
 def test_prompts_another_client_cached_on_an_upstream_are_routed_there(tmp_path: Path) -> None:
     with two_upstreams(tmp_path) as (gw, urls):
-        # ZeroMQ subscriptions take a moment: the engines' first batches may go unheard
-        seed = 1000
-        for bid in IDS:
-            def heard(bid: str = bid) -> bool:
-                nonlocal seed
-                seed += 1
-                complete(urls[bid], prompt(seed, 64))
-                return events_of(gw, bid).get("stored_blocks", 0) > 0
-            gw.wait_until(heard, timeout=20)
+        subscribed(gw, urls)
         for k in range(6):
             target = IDS[k % 2]
             ids = prompt(k)
@@ -83,3 +90,25 @@ def test_prompts_another_client_cached_on_an_upstream_are_routed_there(tmp_path:
         gw.wait_until(lambda: gw.backend("up-a")["prefix_cache"]["blocks"] == 0)
         assert events_of(gw, "up-a")["cleared"] == 1
         assert gw.backend("up-b")["prefix_cache"]["blocks"] > 0
+
+
+def test_a_chat_tokenized_at_the_gateway_finds_what_the_engine_stored_for_its_ids(tmp_path: Path) -> None:
+    from common.tokenizer import byte_tokenizer, encode_chat, load_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    byte_tokenizer("llava").save_pretrained(folder)
+    tok = load_tokenizer(str(folder))
+    with two_upstreams(tmp_path, tokenizer=str(folder)) as (gw, urls):
+        subscribed(gw, urls)
+        for k in range(4):
+            target = IDS[k % 2]
+            text = " ".join(f"turn {k} word {i}" for i in range(120))
+            ids = encode_chat(tok, [{"role": "user", "content": text}], []).ids   # as the engine renders it
+            expected = events_of(gw, target)["stored_blocks"] + len(ids) // 16
+            complete(urls[target], ids)
+            gw.wait_until(lambda t=target, s=expected: events_of(gw, t)["stored_blocks"] >= s)
+            resp = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-heterogate-backend"] == target, k
+            assert resp.json()["usage"]["prompt_tokens"] > 0

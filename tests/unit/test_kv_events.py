@@ -5,6 +5,7 @@ index's block names, and the index following what the engine stores, evicts and 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -203,3 +204,15 @@ def test_a_kv_events_entry_that_cannot_work_is_refused(change: dict[str, object]
     backend.update(change)
     with pytest.raises(ValidationError, match=message):
         ClusterFile.model_validate({"model": "llava-1.5-7b", "gateway": gateway, "backends": [backend]})
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    from common.errors import ConfigError
+    from gateway.config.cluster import load_cluster
+
+    (tmp_path / "empty").mkdir()
+    path = tmp_path / "backends.yaml"
+    path.write_text("model: llava-1.5-7b\ntokenizer: empty\nbackends:\n"
+                    "  - {id: up, kind: openai, gpu: H100, address: 'http://127.0.0.1:8001'}\n")
+    with pytest.raises(ConfigError, match=r"tokenizer: .*empty holds no tokenizer \(tokenizer_config.json\)"):
+        load_cluster(path)
