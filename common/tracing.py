@@ -150,7 +150,7 @@ def check(env: Mapping[str, str] = os.environ) -> list[str]:
     if not names:
         return names
     variable = next((p for p in _PROTOCOLS if env.get(p)), None)
-    protocol = env[variable] if variable else "http/protobuf"
+    protocol = env[variable].strip().lower() if variable else "http/protobuf"   # HTTP/PROTOBUF too
     if "otlp" in names and protocol != "http/protobuf":
         raise ConfigError(f"{variable}: {protocol!r}; traces are exported over http/protobuf only")
     sampler(env)

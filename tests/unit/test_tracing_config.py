@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
-from common.tracing import exporters, parent, sampler, setup
+from common.tracing import check, exporters, parent, sampler, setup
 from testkit.harness import write_config
 
 
@@ -36,6 +36,7 @@ def test_an_unknown_exporter_or_protocol_is_refused_with_its_name() -> None:
     with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'grpc'"):   # the one in effect
         setup("t", "s", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
                          "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert check({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "HTTP/Protobuf "}) == ["otlp"]
 
 
 def test_the_sampler_comes_from_the_environment_and_a_bad_one_is_refused() -> None:
