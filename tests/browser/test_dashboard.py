@@ -113,6 +113,13 @@ def test_dashboard_with_admin_keys_asks_for_a_key(tmp_path: Path) -> None:
         wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
         wait.until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
         assert rows(driver) == {}, "nothing is shown without the key"
+        status = driver.find_element(By.ID, "status")
+        assert status.text == "an admin key is needed"
+        driver.find_element(By.ID, "key").send_keys("not-a-key")
+        driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait.until(lambda d: d.find_element(By.ID, "status").text == "that key was refused: not a key of this gateway")
+        wait.until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
+        driver.find_element(By.ID, "key").clear()
         driver.find_element(By.ID, "key").send_keys("dash-admin-key")
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
         wait.until(lambda d: len(rows(d)) == len(gw.backends()))

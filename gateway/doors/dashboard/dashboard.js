@@ -198,9 +198,15 @@ async function poll() {
       fetch("/admin/backends", {headers: headers(), cache: "no-store"}),
       fetch("/metrics", {headers: headers(), cache: "no-store"}),
     ]);
-    if (b.status === 401 || b.status === 403 || m.status === 401 || m.status === 403) {
+    const refused = [b.status, m.status].find((s) => s === 401 || s === 403);
+    if (refused) {
+      // 401: no key, or one this gateway does not know (forgotten, so the form asks again); 403: a user's key
+      const given = Boolean(sessionStorage.getItem(KEY_ITEM));
+      if (refused === 401) sessionStorage.removeItem(KEY_ITEM);
       document.getElementById("key-form").hidden = false;
-      setStatus("an admin key is needed", true);
+      setStatus(!given ? "an admin key is needed"
+        : refused === 401 ? "that key was refused: not a key of this gateway"
+        : "that key is a user's key: an admin key is needed", true);
       return;
     }
     if (!b.ok || !m.ok) throw new Error(`HTTP ${b.ok ? m.status : b.status}`);
