@@ -7,19 +7,26 @@ PUB socket one message per batch of events, three frames:
 
     topic (bytes, "" by default) | sequence number (8 bytes, big-endian, +1 a batch) | batch (msgpack)
 
-and the batch is msgspec's array form of `KVEventBatch`: `[ts, [event, ...], data_parallel_rank]`,
-each event an array whose first item names its kind (tagged array-like structs):
+and the batch is msgspec's encoding of `KVEventBatch`: in the array form of the versions that declare
+their structs `array_like` (and SGLang's), `[ts, [event, ...], data_parallel_rank]`, each event an array
+whose first item names its kind:
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+     extra_keys, ...]
     ["BlockRemoved", block_hashes, medium, ...]
     ["AllBlocksCleared", ...]
+
+and in the map form of later vLLM versions, `{"ts": ..., "events": [...], ...}` with each event a map
+of the same fields named, its kind under "type". Both are read.
 
 `block_hashes` are the engine's own names for its blocks (ints, or bytes from a sha256 hash function),
 first to last along the prompt; `parent_block_hash` the block before the first (None: the prompt's
 start); `token_ids` the stored blocks' tokens, `block_size` of them a block. `medium` says where the
-blocks are ("GPU", "CPU" for an offloading tier; None in versions before it). Items past those named
-here are ignored: later versions append some. This module decodes a batch (`decode_batch`) and encodes
-one (`encode_batch`, for the packaged demo upstream, which publishes events as vLLM does).
+blocks are ("GPU", "CPU" for an offloading tier; None in versions before it). `extra_keys` (per block)
+and `lora_name` say a block is keyed by more than its tokens (a cache salt, an image, an adapter):
+`BlockStored.keyed`. Items past those named here are ignored: later versions append some. This module
+decodes a batch (`decode_batch`) and encodes one (`encode_batch`, for the packaged demo upstream, which
+publishes events as vLLM does).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    keyed: bool = False   # some block is keyed by more than its tokens (vLLM's extra_keys, lora_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,28 +88,48 @@ def _hashes(value: Any) -> list[EngineHash]:
     return [_hash(v) for v in value]
 
 
+FIELDS = {   # each kind's fields in the array form's order (the map form names them)
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _fields(item: Any) -> tuple[str, dict[str, Any]]:
+    """An event's kind and its fields by name, from either form."""
+    if isinstance(item, dict) and isinstance(item.get("type"), str):
+        return item["type"], item
+    if isinstance(item, list) and item and isinstance(item[0], str):
+        return item[0], dict(zip(FIELDS.get(item[0], ()), item[1:], strict=False))
+    raise KvEventError("an event is an array led by its kind's name, or a map with its kind under \"type\"")
+
+
+def _keyed(extra_keys: Any) -> bool:
+    """Whether some block is keyed by more than its tokens (a cache salt, an image, an adapter's name)."""
+    return isinstance(extra_keys, list) and any(k not in (None, [], ()) for k in extra_keys)
+
+
 def _event(item: Any) -> KvEvent | None:
     """One event of a batch; None for a kind not known here."""
-    if not isinstance(item, list) or not item or not isinstance(item[0], str):
-        raise KvEventError("an event is an array led by its kind's name")
-    kind = item[0]
+    kind, f = _fields(item)
     if kind == "BlockStored":
-        if len(item) < 5:
+        if not {"block_hashes", "parent_block_hash", "token_ids", "block_size"} <= f.keys():
             raise KvEventError("BlockStored has block_hashes, parent_block_hash, token_ids and block_size")
-        hashes, parent, tokens, size = _hashes(item[1]), item[2], item[3], item[4]
+        tokens, size, parent = f["token_ids"], f["block_size"], f["parent_block_hash"]
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise KvEventError("BlockStored token_ids is not a list of ints")
         if not isinstance(size, int) or size < 1:
             raise KvEventError("BlockStored block_size is not a positive int")
-        lora = item[5] if len(item) > 5 else None
-        medium = item[6] if len(item) > 6 else None
-        return BlockStored(hashes, None if parent is None else _hash(parent), tokens, size,
-                           lora if isinstance(lora, int) else None, medium if isinstance(medium, str) else None)
+        lora, medium = f.get("lora_id"), f.get("medium")
+        return BlockStored(_hashes(f["block_hashes"]), None if parent is None else _hash(parent), tokens, size,
+                           lora if isinstance(lora, int) else None, medium if isinstance(medium, str) else None,
+                           f.get("lora_name") is not None or _keyed(f.get("extra_keys")))
     if kind == "BlockRemoved":
-        if len(item) < 2:
+        if "block_hashes" not in f:
             raise KvEventError("BlockRemoved has block_hashes")
-        medium = item[2] if len(item) > 2 else None
-        return BlockRemoved(_hashes(item[1]), medium if isinstance(medium, str) else None)
+        medium = f.get("medium")
+        return BlockRemoved(_hashes(f["block_hashes"]), medium if isinstance(medium, str) else None)
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
@@ -111,12 +139,14 @@ def decode_batch(payload: bytes) -> EventBatch:
     """The batch in a message's last frame; KvEventError when it is not one."""
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as e:   # ExtraData and FormatError are ValueErrors
+    except (ValueError, TypeError, msgpack.UnpackException) as e:   # TypeError: a map keyed by an array
         raise KvEventError(f"not msgpack: {e}") from None
+    if isinstance(batch, dict):   # the map form
+        batch = [batch.get("ts"), batch.get("events")]
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise KvEventError("a batch is an array [ts, [events], ...]")
+        raise KvEventError("a batch is an array [ts, [events], ...] or a map {ts, events, ...}")
     ts = batch[0]
-    if not isinstance(ts, (int, float)):
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise KvEventError("a batch's ts is not a number")
     events: list[KvEvent] = []
     skipped = 0
@@ -139,7 +169,7 @@ def decode_sequence(frame: bytes) -> int:
 def _array(event: KvEvent) -> list[Any]:
     if isinstance(event, BlockStored):
         return ["BlockStored", list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
-                event.block_size, event.lora_id, event.medium]
+                event.block_size, event.lora_id, event.medium, None, None]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", list(event.block_hashes), event.medium]
     return ["AllBlocksCleared"]

@@ -184,7 +184,13 @@ class KvEventsSpec(StrictModel):
     @field_validator("endpoint")
     @classmethod
     def _port(cls, endpoint: str) -> str:
-        if endpoint.startswith("tcp://") and not 0 < int(endpoint.rpartition(":")[2]) < 65536:
+        if not endpoint.startswith("tcp://"):
+            return endpoint
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if host in ("*", "0.0.0.0", "[::]"):   # a bind address, refused
+            raise ValueError(f"endpoint {endpoint!r}: the gateway connects to the engine: name its host "
+                             "(the engine binds tcp://*:PORT)")
+        if not 0 < int(port) < 65536:
             raise ValueError(f"endpoint {endpoint!r}: the port is 1-65535")
         return endpoint
 
@@ -428,6 +434,10 @@ class ClusterFile(StrictModel):
     @model_validator(mode="after")
     def _events_need_the_index(self) -> ClusterFile:
         with_events = [b.id for b in self.backends if b.kv_events is not None]
+        endpoints: dict[str, str] = {}
+        for b in self.backends:   # one engine's events describe one engine's cache
+            if b.kv_events is not None and (other := endpoints.setdefault(b.kv_events.endpoint, b.id)) != b.id:
+                raise ValueError(f"backends {other} and {b.id} name one kv_events endpoint {b.kv_events.endpoint}")
         if with_events and not self.gateway.routing.prefix_cache.enabled:
             raise ValueError(f"backends {', '.join(with_events)}: `kv_events` feed the prefix index, which "
                              "gateway.routing.prefix_cache.enabled: false turns off")

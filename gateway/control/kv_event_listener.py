@@ -5,8 +5,11 @@ One ZeroMQ SUB socket per backend, connected to the engine's PUB endpoint (ZeroM
 background and reconnects by itself; a subscriber that joins late misses what was published before).
 Each message is one batch (common/kv_events.py); its sequence number tells what was lost: a jump
 forward is batches lost on the way (`PrefixIndex.engine_events_lost`), a number that goes back is an
-engine that started again with an empty cache (applied as AllBlocksCleared). A message that is not a
-batch is counted and logged (the first and every 100th), never fatal: the next one is read.
+engine that started again with an empty cache (applied as AllBlocksCleared), the same number again a
+batch sent twice (skipped). A message that is not a batch, or whose events cannot be applied, is counted
+and logged (the first and every 100th), never fatal: the next one is read. An engine run with data
+parallelism publishes each rank's events on its own port (vLLM: the endpoint's port + rank): one backend
+entry follows one endpoint.
 Every replica subscribes on its own (a PUB socket serves any number of subscribers).
 """
 
@@ -31,6 +34,8 @@ async def listen(backend_id: str, spec: KvEventsSpec, index: PrefixIndex) -> Non
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
     socket.setsockopt(zmq.SUBSCRIBE, spec.topic.encode())
+    if spec.endpoint.startswith("tcp://["):   # an IPv6 address: ZeroMQ connects over IPv4 only unless told
+        socket.setsockopt(zmq.IPV6, 1)
     try:
         socket.connect(spec.endpoint)
     except zmq.ZMQError as e:   # an endpoint ZeroMQ cannot connect to at all (no reconnecting will help)
@@ -48,17 +53,19 @@ async def listen(backend_id: str, spec: KvEventsSpec, index: PrefixIndex) -> Non
                 if len(frames) != 3:
                     raise KvEventError(f"{len(frames)} frames, not 3 (topic, sequence number, batch)")
                 seq, batch = decode_sequence(frames[1]), decode_batch(frames[2])
-            except KvEventError as e:
+                if last is not None and seq == last:   # the same batch again
+                    continue
+                if last is not None and seq < last:   # numbered from the start again: a new engine, cache empty
+                    index.engine_events(backend_id, [AllBlocksCleared()])
+                elif last is not None and seq > last + 1:
+                    index.engine_events_lost(backend_id, seq - last - 1)
+                last = seq
+                index.engine_events(backend_id, batch.events)
+            except Exception as e:   # a message no engine should send never stops the listener
                 refused += 1
-                index.engine_events_refused(backend_id, str(e))
+                error = str(e) if isinstance(e, KvEventError) else f"{type(e).__name__}: {e}"
+                index.engine_events_refused(backend_id, error)
                 if refused % LOG_EVERY == 1:
-                    log.warning("kv_events_refused", backend=backend_id, error=str(e), refused=refused)
-                continue
-            if last is not None and seq <= last:   # numbered from the start again: a new engine, cache empty
-                index.engine_events(backend_id, [AllBlocksCleared()])
-            elif last is not None and seq > last + 1:
-                index.engine_events_lost(backend_id, seq - last - 1)
-            last = seq
-            index.engine_events(backend_id, batch.events)
+                    log.warning("kv_events_refused", backend=backend_id, error=error, refused=refused)
     finally:
         socket.close(linger=0)

@@ -175,7 +175,7 @@ class CompletionsDoor:
             job = await self._jobs.chat(req, body, rid, timeout_s, tenant)
         else:
             req, body = parse(CompletionRequest, raw)
-            job = self._jobs.completion(req, body, rid, timeout_s, tenant)
+            job = await self._jobs.completion(req, body, rid, timeout_s, tenant)
         return job, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
 
     async def _complete(self, exchange: Exchange, kind: Kind, job: GenerationJob, record: RequestRecord) -> None:

@@ -104,7 +104,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         body = _openai_body(request)
         try:
             if "prompt" in body:
-                return self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining, tenant)
+                return await self._jobs.completion(CompletionRequest.model_validate(body), body, rid, remaining,
+                                                   tenant)
             return await self._jobs.chat(ChatCompletionRequest.model_validate(body), body, rid, remaining, tenant)
         except ValidationError as exc:
             raise body_error(exc) from None

@@ -426,7 +426,8 @@ class Pipeline:
             job.cache_salt)
         # a session named under a cache salt is its own (one tenant's "alice" is not another's)
         session = f"{job.cache_salt}\x00{job.session}" if job.session and job.cache_salt else job.session
-        record.prefix = query = index.lookup(blocks, session, tokens)
+        named = bool(job.token_ids or job.prefix_ids) and not job.images and not job.cache_salt   # as events name them
+        record.prefix = query = index.lookup(blocks, session, tokens, named)
         if not query.cached and not query.reuse:
             return profile
         return replace(profile, cached_tokens=query.cached, evicted_reuse=query.reuse)

@@ -8,6 +8,7 @@ tokenise again. Without torch engines the 4-bytes-per-token estimate of `gateway
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.catalog import ModelProfile
@@ -21,6 +22,9 @@ class ExactPrompts:
     def __init__(self, model: ModelProfile, model_path: str | None) -> None:
         self._model = model
         self._tok = load_tokenizer(model_path, model_family(model, model_path))   # blocking, once at start-up
+        # where prompts are tokenized off the event loop, one at a time (a Hugging Face fast tokenizer is not
+        # safe to call from two threads at once)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     def grids(self, images: tuple[ImageInput, ...]) -> tuple[tuple[int, int, int], ...]:
         """Qwen2-VL family: each image's patch grid, for the language engine's M-RoPE positions; else ()."""

@@ -35,8 +35,10 @@ go back (a restarted engine) empty the backend's LRU: its cache is empty too.
 KV events. A backend whose engine publishes its KV cache events (`kv_events:`, vLLM's and SGLang's
 format; `engine_events`) has its LRU follow them: the index blocks the engine stored join it as the most
 recent, whoever sent the prompt, those it evicted leave it (into its ghost list), AllBlocksCleared
-empties it; keep_i then stays at 1 (`source` "events"), and the LRU's bound is EVENTS_ROOM · K_i, the
-engine's evictions doing the evicting (gateway/routing/engine_blocks.py says what events can name).
+empties it. Events name only blocks of token ids (gateway/routing/engine_blocks.py says which), so
+while most prompt tokens routed to the backend lately are such (`PrefixQuery.named`), keep_i stays at 1
+(`source` "events") and the LRU's bound is EVENTS_ROOM · K_i, the engine's evictions doing the evicting;
+where most are prompts hashed from text, which no event removes, the counters go on correcting keep_i.
 
 Blocks of 64 tokens by default (`gateway.routing.prefix_cache.block_tokens`), four of an engine's
 16-token blocks: a hit is counted in whole blocks of the index, so up to 63 tokens of a cached prefix
@@ -132,6 +134,7 @@ class PrefixQuery:
     # last prompt's length however much of the text changed, which the engine's counters cannot confirm,
     # so only the blocks' prediction is compared with them (keep_i).
     by_blocks: Mapping[str, int] | None = None
+    named: bool = False   # its blocks come from token ids, with no salt or image: an engine's KV events can name them
 
 
 @dataclass(slots=True)
@@ -156,11 +159,20 @@ class _Backend:
     events: EngineBlocks | None = None  # the engine's KV events, once one arrived (gateway.control.kv_event_listener)
     event_gaps: int = 0                 # batches of events lost on the way (sequence numbers skipped)
     events_refused: int = 0             # messages that were no batch of events
+    named_tokens: float = 0.0           # prompt tokens routed here whose blocks events can name (decayed a reading)
+    unnamed_tokens: float = 0.0         # and those they cannot (hashed from text, salted, with images)
     last_refused: str | None = None     # why the last of them was refused
 
     @property
+    def governed(self) -> bool:
+        """Its engine's KV events say which blocks it holds, for most of what is routed here: they,
+        not keep_i, take blocks out (where most prompts are ones events cannot name, the counters go on
+        correcting keep_i)."""
+        return self.events is not None and self.unnamed_tokens <= self.named_tokens
+
+    @property
     def source(self) -> Source:
-        if self.events is not None:
+        if self.governed:
             return "events"
         return "engine" if self.reported_queries else "estimate"
 
@@ -263,9 +275,10 @@ class PrefixIndex:
         return prompt_blocks(prompt, token_ids, prompt_tokens, images, block_tokens=self.block_tokens,
                              stable=self.stable, salt=salt_seed(salt))
 
-    def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int) -> PrefixQuery:
+    def lookup(self, blocks: Sequence[int], session: str, prompt_tokens: int, named: bool = False) -> PrefixQuery:
         """Predicted cached prompt tokens per backend for a prompt of these blocks (and this session,
-        "" for none)."""
+        "" for none). `named`: the blocks are hashed from token ids with no salt or image, as an engine's
+        KV events name its blocks."""
         cached: dict[str, int] = {}
         held_by, by_bit, size = self._holders.get, self._by_bit, self.block_tokens
         alive = self._all
@@ -293,7 +306,7 @@ class PrefixIndex:
                     if by_blocks is None:
                         by_blocks = dict(cached)
                     cached[b.id] = hit
-        return PrefixQuery(blocks, key, prompt_tokens, cached, self._reuse_view, by_blocks)
+        return PrefixQuery(blocks, key, prompt_tokens, cached, self._reuse_view, by_blocks, named)
 
     def record(self, query: PrefixQuery, backend_id: str, capacity_tokens: int) -> None:
         """`query`'s request was routed to `backend_id`, whose KV holds `capacity_tokens` (0: unknown,
@@ -306,6 +319,10 @@ class PrefixIndex:
             self._fit(b)
         self._touch(b, query.blocks, query.session, query.prompt_tokens)
         b.predicted_queries += query.prompt_tokens
+        if query.named:
+            b.named_tokens += query.prompt_tokens
+        else:
+            b.unnamed_tokens += query.prompt_tokens
         b.predicted_hits += (query.cached if query.by_blocks is None else query.by_blocks).get(backend_id, 0)
         if self._routed is not None:
             self._routed.append((backend_id, query.blocks, query.session, query.prompt_tokens))
@@ -331,7 +348,7 @@ class PrefixIndex:
         EVENTS_ROOM · K_i, a bound only: the engine's own evictions take blocks out (its hits publish
         nothing, so the LRU's order is not the engine's), and routed prompts whose blocks it never
         stored age out past it."""
-        capacity = int(b.kv_blocks * b.keep) * (EVENTS_ROOM if b.events is not None else 1)
+        capacity = int(b.kv_blocks * b.keep) * (EVENTS_ROOM if b.governed else 1)
         if capacity != b.lru.capacity:
             self._forget(b, b.lru.resize(capacity))
             self._rate(b)
@@ -436,7 +453,14 @@ class PrefixIndex:
         for k, delta in enumerate((marks[0] - b.mark[0], marks[1] - b.mark[1], dq, dh)):
             w[k] = w[k] * DECAY + delta
         b.mark = marks
-        if w[2] < MIN_REPORTED_TOKENS or b.events is not None:   # events say which blocks it holds: keep_i stays
+        b.named_tokens *= DECAY
+        b.unnamed_tokens *= DECAY
+        if b.governed:   # its events say which blocks it holds: keep_i stays at 1
+            if b.keep != 1.0:
+                b.keep = 1.0
+                self._fit(b)
+            return
+        if w[2] < MIN_REPORTED_TOKENS:
             return
         if not w[3]:
             if w[1] < MIN_REPORTED_TOKENS:   # nothing predicted, nothing found (a cold cache): no news
@@ -469,7 +493,8 @@ class PrefixIndex:
         if b.events is None:   # room for twice its KV in engine blocks (16 tokens where it does not say)
             per_block = max(1, self.block_tokens // (b.granule or 16))
             b.events = EngineBlocks(self.block_tokens, max(1 << 16, 2 * b.kv_blocks * per_block))
-            b.keep = 1.0
+            if b.governed:
+                b.keep = 1.0
             self._fit(b)
         for event in events:
             stored, lost = b.events.apply(event)

@@ -112,3 +112,7 @@ def test_a_chat_tokenized_at_the_gateway_finds_what_the_engine_stored_for_its_id
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-heterogate-backend"] == target, k
             assert resp.json()["usage"]["prompt_tokens"] > 0
+        # a prompt the tokenizer refuses (an image placeholder with no image) is the upstream's to judge
+        resp = httpx.post(f"{gw.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "what is <image>?"}], "max_tokens": 1})
+        assert resp.status_code == 200, resp.text

@@ -45,7 +45,7 @@ def engine_stored(ids: list[int], first: int, parent: object, size: int = 16, **
 
 def test_a_vllm_batch_decodes_and_extra_fields_or_kinds_are_skipped() -> None:
     ids = tokens(32)
-    payload = vllm_batch(["BlockStored", [b"\x01" * 32, b"\x02" * 32], None, ids, 16, None, "GPU", None, ["x"]],
+    payload = vllm_batch(["BlockStored", [b"\x01" * 32, b"\x02" * 32], None, ids, 16, None, "GPU", None, None, 5],
                          ["BlockRemoved", [7, 8], "GPU"], ["SomethingNewer", 1], ["AllBlocksCleared"])
     batch = decode_batch(payload)
     assert batch.ts == 1764400000.5 and batch.skipped == 1
@@ -56,6 +56,24 @@ def test_a_vllm_batch_decodes_and_extra_fields_or_kinds_are_skipped() -> None:
     # an older vLLM: no medium, no lora fields
     old = decode_batch(vllm_batch(["BlockStored", [1], 5, ids[:16], 16], ["BlockRemoved", [1]]))
     assert old.events == [BlockStored([1], 5, ids[:16], 16), BlockRemoved([1])]
+    # blocks keyed by more than their tokens (vLLM's extra_keys: a cache salt, an image; an adapter's name)
+    salted = ["BlockStored", [1, 2], None, ids, 16, None, "GPU", None, [["tenant-a"], None]]
+    adapter = ["BlockStored", [1, 2], None, ids, 16, None, "GPU", "my-lora", None]
+    assert [e.keyed for e in decode_batch(vllm_batch(salted, adapter)).events] == [True, True]
+
+
+def test_the_map_form_of_later_vllm_versions_decodes_the_same() -> None:
+    """Structs no longer array-like: the batch and each event a map, the event's kind under "type"."""
+    ids = tokens(32)
+    payload = msgpack.packb({"ts": 3.5, "events": [
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": ids,
+         "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None},
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
+        {"type": "AllBlocksCleared"}], "data_parallel_rank": 0}, use_bin_type=True)
+    batch = decode_batch(payload)
+    assert batch.ts == 3.5
+    assert batch.events == [BlockStored([1, 2], None, ids, 16, None, "GPU"), BlockRemoved([2], "GPU"),
+                            AllBlocksCleared()]
 
 
 @pytest.mark.parametrize("payload, message", [
@@ -67,6 +85,8 @@ def test_a_vllm_batch_decodes_and_extra_fields_or_kinds_are_skipped() -> None:
     (msgpack.packb([1.0, [["BlockRemoved"]]]), "BlockRemoved has block_hashes"),
     (msgpack.packb([1.0, [[]]]), "led by its kind"),
     (msgpack.packb(["now", []]), "ts"),
+    (b"\x92\x00\x91\x81\x91\x01\x01", "not msgpack"),   # a map keyed by an array
+    (msgpack.packb({"ts": 1.0, "events": [{"block_hashes": [1]}]}), "its kind under"),
 ])
 def test_what_is_not_a_batch_is_refused_with_a_reason(payload: bytes, message: str) -> None:
     with pytest.raises(KvEventError, match=message):
@@ -104,7 +124,8 @@ def test_blocks_that_cannot_be_placed_are_unmatched_not_guessed() -> None:
     assert blocks.apply(BlockStored([1, 2, 3, 4], None, ids, 16, lora_id=3)) == ([], [])   # under an adapter
     assert blocks.apply(BlockStored([1, 2, 3, 4], None, ids, 16, medium="CPU")) == ([], [])  # offloaded copy
     assert blocks.apply(BlockStored([1, 2, 3, 4], None, ids[:60], 16)) == ([], [])  # tokens do not fill them
-    assert blocks.describe()["unmatched_blocks"] == 16
+    assert blocks.apply(BlockStored([1, 2, 3, 4], None, ids, 16, keyed=True)) == ([], [])   # salted, say
+    assert blocks.describe()["unmatched_blocks"] == 20
     stored, _ = blocks.apply(BlockStored([1, 2, 3, 4], None, ids, 16))
     assert stored == block_hashes(token_ids=ids, block_tokens=64)
 
@@ -120,6 +141,7 @@ def test_the_index_follows_what_the_engine_stores_evicts_and_clears() -> None:
     index.engine_events("b", [BlockStored(list(range(1, 38)), None, ids[:592], 16)])
     assert index.lookup(hashes, "", len(ids)).cached == {"b": 576}
     assert index.describe("b")["source"] == "events" and index.describe("a")["source"] == "estimate"
+    assert index.describe("b")["events"]["stored_blocks"] == 37
     # b evicts the engine block that filled the index's 5th block: the hit stops before it
     index.engine_events("b", [BlockRemoved([20])])
     assert index.lookup(hashes, "", len(ids)).cached == {"b": 256}
@@ -129,22 +151,26 @@ def test_the_index_follows_what_the_engine_stores_evicts_and_clears() -> None:
     assert described["blocks"] == 0 and described["events"]["cleared"] == 1
 
 
-def test_with_events_the_counters_no_longer_shrink_the_index() -> None:
+@pytest.mark.parametrize("events, named, kept", [(False, True, False), (True, True, True), (True, False, False)])
+def test_events_take_over_from_the_counters_only_for_prompts_they_can_name(events: bool, named: bool,
+                                                                            kept: bool) -> None:
     """An engine whose counters report fewer hits than predicted shrinks keep_i, unless its events say
-    which blocks it holds."""
-    for events in (False, True):
-        index = PrefixIndex(block_tokens=64)
-        index.add_backend("a", 50_000)
-        if events:
-            index.engine_events("a", [AllBlocksCleared()])
-        ids = tokens(1000, seed=2)
-        query = index.lookup(index.hashes("", ids, 1000), "", 1000)
-        index.record(query, "a", 50_000)
-        index.observe("a", 1, 0)
-        for k in range(1, 30):
-            index.record(index.lookup(index.hashes("", ids, 1000), "", 1000), "a", 50_000)
-            index.observe("a", 1 + 1000 * k, 0)   # the engine finds nothing cached
-        assert (index.describe("a")["keep"] == 1.0) is events
+    which blocks it holds: prompts of token ids (named). Prompts hashed from text get no BlockRemoved,
+    so for them the counters go on correcting keep_i."""
+    index = PrefixIndex(block_tokens=64)
+    index.add_backend("a", 50_000)
+    if events:
+        index.engine_events("a", [BlockStored([1, 2, 3, 4], None, tokens(64, seed=9), 16)])
+    ids = tokens(1000, seed=2)
+    hashes = index.hashes("", ids, 1000) if named else index.hashes(" ".join(map(str, ids)), (), 1000)
+    index.record(index.lookup(hashes, "", 1000, named), "a", 50_000)
+    index.observe("a", 1, 0)
+    for k in range(1, 40):
+        index.record(index.lookup(hashes, "", 1000, named), "a", 50_000)
+        index.observe("a", 1 + 1000 * k, 0)   # the engine finds nothing cached
+    described = index.describe("a")
+    assert (described["keep"] == 1.0) is kept
+    assert described["source"] == ("events" if kept else "engine")
 
 
 def test_lost_batches_forget_the_chain_until_the_engine_stores_afresh() -> None:
@@ -190,6 +216,8 @@ def test_the_demo_caches_token_prompts_as_vllm_and_its_events_rebuild_its_cache(
     ({"kv_events": {"endpoint": "http://127.0.0.1:5557"}}, "String should match pattern"),
     ({"kind": "engine", "address": "127.0.0.1:7000"}, "apply to kind: openai backends only"),
     ({"routing_off": True}, "prefix_cache.enabled: false turns off"),
+    ({"kv_events": {"endpoint": "tcp://*:5557"}}, "the gateway connects to the engine: name its host"),
+    ({"twice": True}, "backends up and up2 name one kv_events endpoint"),
 ])
 def test_a_kv_events_entry_that_cannot_work_is_refused(change: dict[str, object], message: str) -> None:
     from pydantic import ValidationError
@@ -201,9 +229,10 @@ def test_a_kv_events_entry_that_cannot_work_is_refused(change: dict[str, object]
     gateway: dict[str, object] = {}
     if change.pop("routing_off", False):
         gateway = {"routing": {"prefix_cache": {"enabled": False}}}
+    backends = [backend, {**backend, "id": "up2"}] if change.pop("twice", False) else [backend]
     backend.update(change)
     with pytest.raises(ValidationError, match=message):
-        ClusterFile.model_validate({"model": "llava-1.5-7b", "gateway": gateway, "backends": [backend]})
+        ClusterFile.model_validate({"model": "llava-1.5-7b", "gateway": gateway, "backends": backends})
 
 
 def test_a_tokenizer_folder_without_a_tokenizer_is_refused_naming_the_setting(tmp_path: Path) -> None:
