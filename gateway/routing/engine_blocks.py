@@ -22,8 +22,8 @@ salted prompt's blocks from the salt's own chain, so salted prompts (every promp
 An index block spans several engine blocks; only the removal of the one that filled it is seen as its
 loss (vLLM frees a sequence's blocks tail first, so that one goes first as a rule).
 
-Memory: one entry per engine block the engine holds (the events remove them as it evicts), each with
-a tuple of at most block_tokens − 1 tokens: about 0.8 kB a block of 16 tokens (measured); at most
+Memory: one entry per engine block the engine holds (the events remove them as it evicts), the tokens
+of one store shared by its blocks: about 0.3 kB a block of 16 tokens; at most
 `max_blocks`, past which the oldest are forgotten (their children then count as unmatched). An engine
 of 1-token pages (SGLang's default page size) would cost as much a cached token: give the gateway the
 events of engines whose pages are 16 tokens or more.
@@ -39,11 +39,13 @@ from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Engine
 
 class _Placed(NamedTuple):
     chain: int                    # the index's chain hash after the last full index block up to here
-    tail: tuple[int, ...]         # tokens since that block (fewer than block_tokens)
-    fills: int | None             # the index block this engine block completed (None: none)
+    tokens: tuple[int, ...]       # the tokens of the store that placed it (shared by its blocks) ...
+    start: int                    # ... of which tokens[start:end] are those since that index block
+    end: int
+    fills: tuple[int, ...]        # the index blocks this engine block completed (mostly none or one)
 
 
-ROOT = _Placed(0, (), None)       # the prompt's start (no cache salt)
+ROOT = _Placed(0, (), 0, 0, ())   # the prompt's start (no cache salt)
 
 
 class EngineBlocks:
@@ -79,22 +81,26 @@ class EngineBlocks:
         if at is None:
             self.unmatched_blocks += count
             return []
-        filled: list[int] = []
         placed, width = self._placed, self.block_tokens
-        chain, tail = at.chain, at.tail
-        for k, engine_hash in enumerate(e.block_hashes):
-            tail += tuple(e.token_ids[k * size:(k + 1) * size])
-            fills = None
-            while len(tail) >= width:   # as common.prefix_blocks._id_chain names a block of token ids
-                chain = fills = hash((chain, tail[:width]))
-                filled.append(chain)
-                tail = tail[width:]
-            placed[engine_hash] = _Placed(chain, tail, fills)
-            placed.move_to_end(engine_hash)
+        # the parent's tail and the stored tokens, in one tuple the stored blocks share (a slice each cost
+        # more time and memory); the index blocks they fill hashed as common.prefix_blocks._id_chain does
+        tokens = at.tokens[at.start:at.end] + tuple(e.token_ids)
+        chains: list[int] = []
+        chain = at.chain
+        for start in range(0, len(tokens) - width + 1, width):
+            chain = hash((chain, tokens[start:start + width]))
+            chains.append(chain)
+        done, end = 0, at.end - at.start
+        for engine_hash in e.block_hashes:
+            end += size
+            now = end // width   # index blocks complete up to the end of this engine block
+            placed[engine_hash] = _Placed(chains[now - 1] if now else at.chain, tokens, now * width, end,
+                                          tuple(chains[done:now]))
+            done = now
         self.stored_blocks += count
         while len(placed) > self.max_blocks:
             placed.popitem(last=False)
-        return filled
+        return chains
 
     def _removed(self, e: BlockRemoved) -> list[int]:
         if e.medium is not None and e.medium.upper() != "GPU":
@@ -104,8 +110,7 @@ class EngineBlocks:
             placed = self._placed.pop(engine_hash, None)
             if placed is not None:
                 self.removed_blocks += 1
-                if placed.fills is not None:
-                    lost.append(placed.fills)
+                lost += placed.fills
         return lost
 
     def forget(self) -> None:

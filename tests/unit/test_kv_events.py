@@ -117,6 +117,15 @@ def test_engine_blocks_name_the_index_blocks_a_prompt_of_token_ids_has() -> None
     assert blocks.describe()["removed_blocks"] == 3
 
 
+def test_engine_blocks_larger_than_the_index_blocks_fill_and_lose_several() -> None:
+    ids = tokens(512, seed=5)
+    blocks = EngineBlocks(64)
+    stored, _ = blocks.apply(BlockStored([1, 2, 3, 4], None, ids, 128))
+    assert stored == block_hashes(token_ids=ids, block_tokens=64)
+    _, lost = blocks.apply(BlockRemoved([2]))
+    assert lost == stored[2:4]
+
+
 def test_blocks_that_cannot_be_placed_are_unmatched_not_guessed() -> None:
     ids = tokens(64)
     blocks = EngineBlocks(64)
