@@ -15,6 +15,7 @@ COPY gateway /tmp/src/gateway
 COPY backends /tmp/src/backends
 COPY common /tmp/src/common
 COPY configs /tmp/src/configs
+COPY loadtest /tmp/src/loadtest
 # A regular (non-editable) install; the catalogs and the demo cluster are package data.
 RUN pip install --no-cache-dir /tmp/src && rm -rf /tmp/src \
  && useradd --system --create-home --uid 10001 heterogate

@@ -31,7 +31,7 @@ from common.engine_scraper import AgentConfig, MetricsAgent, make_client
 from common.errors import ConfigError
 from common.logs import configure_logging
 from common.metric_tables import TABLES
-from common.one_line_parser import OneLineParser
+from common.one_line_parser import OneLineParser, positive_float, positive_int, targets
 
 log = structlog.get_logger("agent")
 
@@ -49,14 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--catalog", type=Path, default=CONFIG_DIR,
                    help="catalog folder (gpus.yaml, models.yaml) of the GPU and model (default: the built-in one)")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
-    p.add_argument("--gateway", required=True,
+    p.add_argument("--gateway", required=True, type=targets,
                    help="host:port of the gateway's control (gRPC) service; several, comma-separated, fail over")
     p.add_argument("--role", choices=["language", "vision", "both"], default="language")
     p.add_argument("--interval-ms", type=int, default=200, help="scrape interval (the gateway sets the heartbeat's)")
-    p.add_argument("--kv-total-tokens", type=int,
+    p.add_argument("--kv-total-tokens", type=positive_int,
                    help="KV capacity in tokens where the engine's metrics give none (else a model estimate)")
     p.add_argument("--upstream-model", help="model whose max_model_len in /v1/models counts (default: the first)")
-    p.add_argument("--scrape-timeout-s", type=float, default=2.0)
+    p.add_argument("--scrape-timeout-s", type=positive_float, default=2.0)
     p.add_argument("--token-file", type=Path, help="cluster token (default: $HETEROGATE_CLUSTER_TOKEN)")
     p.add_argument("--ca-file", type=Path, help="CA of a TLS control port (default: $HETEROGATE_CONTROL_CA)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

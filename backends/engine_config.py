@@ -16,7 +16,7 @@ from typing import Literal
 
 from common import perf_model
 from common.catalog import CONFIG_DIR
-from common.one_line_parser import OneLineParser
+from common.one_line_parser import OneLineParser, port, positive_float, positive_int, share, targets
 
 Role = Literal["language", "vision", "both"]
 Executor = Literal["simulated", "torch"]
@@ -55,22 +55,24 @@ class EngineConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
-    p = OneLineParser(prog="heterogate-engine", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = OneLineParser(prog="heterogate-engine", description="One GPU's engine for the HeteroGate gateway: a "
+                      "simulated or PyTorch model that serves the requests the gateway routes to it and heartbeats "
+                      "its load to the gateway's control port.")
     p.add_argument("--backend-id", required=True)
     p.add_argument("--role", choices=("language", "vision", "both"), default="language")
     p.add_argument("--gpu", required=True, help="GPU catalog name, e.g. H100")
     p.add_argument("--catalog", type=Path, default=CONFIG_DIR,
                    help="catalog folder (gpus.yaml, models.yaml) of the GPU and model (default: the built-in one)")
     p.add_argument("--model", required=True, help="model catalog name, e.g. llava-1.5-7b")
-    p.add_argument("--gateway", required=True,
+    p.add_argument("--gateway", required=True, type=targets,
                    help="host:port of the gateway's control (gRPC) service; several, comma-separated, fail over")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port", type=port, default=0)
     p.add_argument("--executor", choices=("simulated", "torch"), default="simulated")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated step time by this")
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--memory-utilization", type=float, default=perf_model.DEFAULT_MEMORY_UTILIZATION)
-    p.add_argument("--heartbeat-ms", type=int, default=200)
+    p.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply every simulated step time by this")
+    p.add_argument("--max-batch", type=positive_int, default=256)
+    p.add_argument("--memory-utilization", type=share, default=perf_model.DEFAULT_MEMORY_UTILIZATION)
+    p.add_argument("--heartbeat-ms", type=positive_int, default=200)
     p.add_argument("--steal", action="store_true", help="vision engine: load the decoder and steal language work")
     p.add_argument("--steal-episode-ms", type=float, default=100.0, help="bound on one stealing step")
     p.add_argument("--vision-batch", type=int, default=32, help="aligned encode batch: images")
@@ -82,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     p.add_argument("--device", default="cpu", help="torch: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=TORCH_DTYPES, default="auto")
     p.add_argument("--seed", type=int, default=0, help="torch: seed of the random weights")
-    p.add_argument("--max-model-len", type=int, default=None, help="torch: KV tokens per sequence slot")
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="torch: KV tokens per sequence slot")
     p.add_argument("--log-level", default="info")
     p.add_argument("--orphan-timeout-s", type=float, default=None,
                    help="exit once no gateway has taken this engine's heartbeats for this long (default: never; "

@@ -53,7 +53,10 @@ def fraction(text: str) -> float:
 
 
 def seed_number(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:   # argparse would name this function in its message
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 0:   # numpy's generators take no negative seed (every user then failed, a traceback a request)
         raise argparse.ArgumentTypeError(f"{text} is negative; a seed is 0 or more")
     return value

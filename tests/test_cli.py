@@ -252,3 +252,50 @@ def test_workers_that_cannot_reach_redis_end_the_command_as_one_replica_does(wit
     result = finish(without_redis.workers)
     assert result.returncode == 1, result.stderr
     assert "cannot reach Redis" in result.stderr and "Traceback" not in result.stderr
+
+
+ENGINE = ("--backend-id", "x", "--gpu", "H100", "--model", "llava-1.5-tiny", "--gateway", "127.0.0.1:50061")
+AGENT = ("--engine", "vllm", "--backend-id", "x", "--gpu", "H100", "--model", "llava-1.5-7b",
+         "--address", "http://127.0.0.1:8001", "--gateway", "127.0.0.1:50061")
+
+
+@pytest.mark.parametrize(("command", "args", "words"), [
+    ("engine", ("--port", "99999"), "a port is 0 to 65535"),      # bound 99999 - 65536 instead
+    ("engine", ("--gateway", "127.0.0.1"), "is not host:port"),   # retried port 443 for ever
+    ("engine", ("--memory-utilization", "2"), "at most 1"),
+    ("engine", ("--max-model-len", "-5"), "not a positive integer"),
+    ("engine", ("--max-batch", "0"), "not a positive integer"),
+    ("agent", ("--gateway", "nothostport"), "is not host:port"),
+    ("agent", ("--scrape-timeout-s", "0"), "not a positive number"),   # every scrape timed out at once
+    ("agent", ("--kv-total-tokens", "-1"), "not a positive integer"),
+])
+def test_engine_and_agent_refuse_values_out_of_range_in_one_line(
+    command: str, args: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from backends.agent import parse_args as agent_args
+    from backends.engine_config import parse_args as engine_args
+
+    parse, base = (engine_args, ENGINE) if command == "engine" else (agent_args, AGENT)
+    with pytest.raises(SystemExit) as exit_:
+        parse([*base, *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and words in err, err
+    parse([*base, "--gateway", "[::1]:50061,dns:///gateway.svc:50061"])   # IPv6 and a named target pass
+
+
+def test_check_config_refuses_a_torch_context_past_the_models(tmp_path: Path) -> None:
+    """The engine refused it at every launch, restarted for ever, while check-config said OK."""
+    path = tmp_path / "t.yaml"
+    path.write_text("model: llava-1.5-tiny\nbackends:\n  - {id: l0, role: both, gpu: H100, launch: "
+                    "{executor: torch, random_weights: true, max_model_len: 99999}}\n")
+    result = gateway("check-config", str(path))
+    assert result.returncode == 2
+    assert "launch.max_model_len: 99999 is over the model's context of 1024 tokens" in result.stderr
+
+
+def test_the_docker_image_copies_every_package_the_wheel_holds() -> None:
+    """The image left out loadtest/, so `gateway plan` (the simulator) failed there with a traceback."""
+    root = Path(common.__file__).resolve().parent.parent
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {line.split()[1] for line in (root / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    assert {p.rstrip("*") for p in packages} <= copied

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -19,8 +20,9 @@ from pydantic import (
 )
 
 from common import yaml_files
-from common.catalog import CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
+from common.catalog import CONFIG_DIR, HF_CONFIG_DIR, Catalog, GpuProfile, ModelProfile, load_catalog
 from common.errors import ConfigError
+from common.one_line_parser import GRPC_SCHEMES
 from common.yaml_files import StrictModel, union_tag
 from gateway.config.auth import AuthConfig
 from gateway.config.autoscaling import POOL_ROLES, AutoscalingConfig, check_min, check_reference_request, pick_template
@@ -195,7 +197,6 @@ class KvEventsSpec(StrictModel):
         return endpoint
 
 
-GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")   # gRPC's target names
 
 
 def check_address(address: str, kind: str) -> None:
@@ -444,6 +445,17 @@ class ClusterFile(StrictModel):
         return self
 
 
+def hf_context(config: Path) -> int | None:
+    """A Hugging Face config's context (its text model's max_position_embeddings), None where it says none."""
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    value = text.get("max_position_embeddings")
+    return value if isinstance(value, int) else None
+
+
 def command_port(b: BackendSpec) -> int | None:
     """The port a managed kind: openai engine is told to serve on (None: not one, or a free one chosen)."""
     return b.launch.port if isinstance(b.launch, CommandLaunchSpec) else None
@@ -485,6 +497,14 @@ class ClusterConfig:
             if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and runs.profile.hf_config is None:
                 raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.executor: model {runs.catalog!r} has no "
                                   "Hugging Face config in the catalog (hf_config); it runs on simulated engines only")
+            if isinstance(b.launch, LaunchSpec) and b.launch.executor == "torch" and b.launch.max_model_len:
+                hf = (Path(b.launch.model_path) if b.launch.model_path else HF_CONFIG_DIR) / (
+                    "config.json" if b.launch.model_path else str(runs.profile.hf_config))
+                context = hf_context(hf)
+                if context and b.launch.max_model_len > context:   # the engine would refuse it at every launch
+                    raise ConfigError(f"{path}: backends.{i} ({b.id}).launch.max_model_len: {b.launch.max_model_len} "
+                                      f"is over the model's context of {context} tokens ({hf.name}: "
+                                      "max_position_embeddings)")
         tenants = raw.gateway.tenants
         highest = tenants.classes[-1]
         for i, b in enumerate(raw.backends):
