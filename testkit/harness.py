@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,6 +99,13 @@ class Gateway:
             time.sleep(interval)
         raise TimeoutError(f"condition not met within {timeout} s; gateway log tail:\n{self.log_tail()}")
 
+    def log_records(self) -> list[dict[str, Any]]:
+        """The gateway's JSON log lines written whole so far: the last one may be still being written (the
+        file is read while the gateway writes it), so only lines ending in a newline count."""
+        data = self.log_path.read_bytes()
+        whole = data[:data.rfind(b"\n") + 1]
+        return [orjson.loads(ln) for ln in whole.splitlines() if ln.startswith(b"{")]
+
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -159,8 +167,8 @@ def _ready(gw: Gateway, want: int) -> bool:
         raise RuntimeError(f"gateway exited with {gw.process.returncode}:\n{tail}")
     try:
         return sum(b["healthy"] for b in gw.backends()) >= want
-    except httpx.HTTPError:
-        return False
+    except (httpx.HTTPError, ValueError, KeyError):   # not up yet, or another process's server on its port
+        return False   # (the gateway then exits, unable to bind it: the next call sees that)
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:

@@ -112,7 +112,7 @@ def test_usage_says_how_much_of_the_prompt_the_engine_found_cached(gw: Gateway) 
     assert 1_500 <= second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"], second
 
     def line(rid: str) -> dict[str, Any] | None:
-        found = [orjson.loads(ln) for ln in gw.log_path.read_bytes().splitlines() if ln.startswith(b"{")]
+        found = gw.log_records()
         return next((f for f in found if f.get("event") == "request" and f.get("request_id") == rid), None)
 
     logged = gw.wait_until(lambda: line("usage-second"), timeout=10)

@@ -48,7 +48,7 @@ def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
 
 
 def log_events(gw: Gateway, event: str) -> list[dict[str, Any]]:
-    lines = [orjson.loads(ln) for ln in gw.log_path.read_bytes().splitlines() if ln.startswith(b"{")]
+    lines = gw.log_records()
     return [ln for ln in lines if ln.get("event") == event]
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from testkit.harness import ROOT, Gateway, free_port, run_gateway, write_config
@@ -65,7 +64,7 @@ def arrivals(url: str) -> list[float]:
 def request_line(gw: Gateway, request_id: str) -> dict[str, Any]:
     """The gateway's one log line for the request (waits for it: it is written as the reply leaves)."""
     def find() -> dict[str, Any] | None:
-        lines = [orjson.loads(ln) for ln in gw.log_path.read_bytes().splitlines() if ln.startswith(b"{")]
+        lines = gw.log_records()
         found = [ln for ln in lines if ln.get("event") == "request" and ln.get("request_id") == request_id]
         assert len(found) <= 1, found
         return found[0] if found else None
