@@ -24,14 +24,14 @@ def port(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535."""
     value = int(text)
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text}: a port is 0 to 65535")
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {text}")
     return value
 
 
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer (at least 1)")
     return value
 
 

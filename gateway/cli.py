@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from common import __version__
 from common.errors import ConfigError
-from common.one_line_parser import OneLineParser
+from common.one_line_parser import OneLineParser, port, positive_int
 
 # `gateway --version` answers before the gateway's modules are imported (they take seconds to load):
 # each function below imports what it needs.
@@ -41,10 +41,10 @@ def add_gateway_options(p: argparse.ArgumentParser, backends_default: Path | Non
                    help="backends.yaml, or the name of a cluster the package ships: "
                         f"{', '.join(shipped_clusters())} (default: backends, the embedded demo cluster)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default: %(default)s)")
-    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--grpc-host", default="127.0.0.1",
                    help="control gRPC listen address (backends heartbeat here; default: %(default)s)")
-    p.add_argument("--grpc-port", type=port_number, default=50061,
+    p.add_argument("--grpc-port", type=port, default=50061,
                    help="control gRPC port (0 = any free port; default: %(default)s)")
     p.add_argument("--policy", choices=sorted(REGISTRY), help="routing policy (default: the config's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -80,20 +80,6 @@ def cluster_file(text: str) -> Path:
         return find_cluster(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
-    return value
 
 
 def check_redis_url(config: RedisConfig, url: str) -> None:

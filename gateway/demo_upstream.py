@@ -43,7 +43,7 @@ import orjson
 import zmq
 
 from common.event_loop import run
-from common.one_line_parser import OneLineParser
+from common.one_line_parser import OneLineParser, positive_int
 from gateway.demo_kv_cache import DemoKvCache, EventPublisher
 from gateway.doors.http_server import Exchange, Handler, HttpServer, Request, find_header
 
@@ -400,7 +400,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-delay-ms", type=float, default=UpstreamOptions.token_delay_ms,
                    help="pause between generated words (default 1)")
     p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
-    p.add_argument("--kv-blocks", type=int, default=UpstreamOptions.kv_blocks,
+    p.add_argument("--kv-blocks", type=positive_int, default=UpstreamOptions.kv_blocks,
                    help="KV blocks of 16 tokens: the prefix cache's size, and /metrics' num_gpu_blocks (default 4096)")
     p.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
                    help="cache prompts of token ids and publish KV events on this ZeroMQ endpoint, as vLLM's "
@@ -408,8 +408,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> UpstreamOptions:
-    if args.kv_blocks < 1:
-        raise SystemExit("gateway demo-upstream: --kv-blocks must be at least 1")
     return UpstreamOptions(args.engine, args.model, args.max_model_len, not args.no_cache_info, args.api_key,
                            args.token_delay_ms, args.kv_blocks, args.kv_events_endpoint)
 
