@@ -183,3 +183,21 @@ def encode_batch(ts: float, events: Sequence[KvEvent], data_parallel_rank: int |
 
 def encode_sequence(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
+
+
+# The replay socket (vLLM's and SGLang's `replay_endpoint`, a ROUTER): a client asks with one frame, the
+# first sequence number it wants (8 bytes, big-endian); the publisher answers with one message per batch
+# still in its buffer from there, (sequence number, batch) after the empty delimiter frame (later vLLM
+# versions put the topic first), then (REPLAY_END, b"").
+REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """One message of a replay as a DEALER receives it (the delimiter first): its (sequence number,
+    batch payload), None for the end marker."""
+    if len(frames) not in (3, 4) or frames[0]:
+        raise KvEventError(f"a replay message is ['', (topic,) sequence number, batch], not {len(frames)} frames")
+    seq, payload = frames[-2], frames[-1]
+    if seq == REPLAY_END:
+        return None
+    return decode_sequence(seq), payload

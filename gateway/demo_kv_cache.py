@@ -7,19 +7,22 @@ hash, least recently used first out past `blocks` blocks; a prompt's leading blo
 Every store, eviction and reset (`POST /reset_prefix_cache`, as vLLM's) is published as vLLM publishes
 it: a ZeroMQ PUB socket bound to the endpoint, one batch a request (common/kv_events.py), and the
 cache's counters are vLLM's `prefix_cache_queries` / `prefix_cache_hits` in /metrics. What it leaves
-out: text prompts (it has no tokenizer: they are neither cached nor published), blocks pinned by
-running requests, and the replay socket.
+out: text prompts (it has no tokenizer: they are neither cached nor published) and blocks pinned by
+running requests. `--kv-replay-endpoint` binds the replay socket vLLM's `replay_endpoint` does, which
+sends the last 10,000 batches again to a subscriber that missed them.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import zmq
 
 from common.kv_events import (
+    REPLAY_END,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -30,24 +33,70 @@ from common.kv_events import (
 from common.prefix_blocks import block_hashes
 
 BLOCK_SIZE = 16
+REPLAY_BUFFER = 10_000   # batches kept for the replay socket (vLLM's buffer_steps default)
 
 
 class EventPublisher:
-    """A ZeroMQ PUB socket bound to `endpoint`, sending batches as vLLM's ZmqEventPublisher does."""
+    """A ZeroMQ PUB socket bound to `endpoint`, sending batches as vLLM's ZmqEventPublisher does; with
+    `replay_endpoint`, a ROUTER socket bound there sends the last `buffer` batches again on request, as
+    vLLM's replay socket does (common/kv_events.py), served by a thread of its own."""
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
+                 buffer: int = REPLAY_BUFFER) -> None:
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] = context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(endpoint)
         self._topic = topic.encode()
         self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self._lock = threading.Lock()   # the buffer, between publish (the server's loop) and the replay thread
+        self._running = True
+        self._replay: threading.Thread | None = None
+        if replay_endpoint is not None:
+            router: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            try:
+                router.bind(replay_endpoint)
+            except zmq.ZMQError:
+                router.close(linger=0)
+                self._socket.close(linger=0)
+                raise
+            self._replay = threading.Thread(target=self._serve_replays, args=(router,), name="kv-replay", daemon=True)
+            self._replay.start()
 
     def publish(self, events: Sequence[KvEvent]) -> None:
-        self._socket.send_multipart((self._topic, encode_sequence(self._seq), encode_batch(time.time(), events)),
-                                    flags=zmq.NOBLOCK)
-        self._seq += 1
+        payload = encode_batch(time.time(), events)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        self._socket.send_multipart((self._topic, encode_sequence(seq), payload), flags=zmq.NOBLOCK)
+
+    def _serve_replays(self, router: zmq.Socket[bytes]) -> None:
+        """Answer replay requests until closed: every buffered batch from the sequence number asked, then
+        the end marker. A request that is not one frame of 8 bytes gets the end marker alone."""
+        try:
+            while self._running:
+                if not router.poll(100):
+                    continue
+                frames = router.recv_multipart()
+                client, start = frames[0], frames[-1]
+                with self._lock:
+                    batches = list(self._buffer)
+                if len(frames) == 3 and not frames[1] and len(start) == 8:
+                    first = int.from_bytes(start, "big")
+                    for seq, payload in batches:
+                        if seq >= first:
+                            router.send_multipart((client, b"", encode_sequence(seq), payload))
+                router.send_multipart((client, b"", REPLAY_END, b""))
+        finally:
+            router.close(linger=0)
 
     def close(self) -> None:
+        self._running = False
+        if self._replay is not None:
+            self._replay.join()
         self._socket.close(linger=0)
 
 

@@ -21,7 +21,8 @@ counts, arrival times (`time.monotonic()`), the `max_tokens` asked, the last bod
 `--api-key K` refuses /v1/* requests (/v1/models too) without `Authorization: Bearer K` (401), as `vllm
 serve --api-key` does. `--kv-events-endpoint tcp://127.0.0.1:5557` caches prompts given as token ids and
 publishes its KV cache events there as vLLM does (gateway/demo_kv_cache.py), with vLLM's prefix-cache
-counters in /metrics, each usage's `cached_tokens`, and `POST /reset_prefix_cache`. It runs on the
+counters in /metrics, each usage's `cached_tokens`, and `POST /reset_prefix_cache`; with
+`--kv-replay-endpoint tcp://127.0.0.1:5558`, vLLM's replay socket too. It runs on the
 gateway's own HTTP server and only the gateway's runtime dependencies; it listens on 127.0.0.1 unless
 `--host` says otherwise.
 """
@@ -98,6 +99,7 @@ class UpstreamOptions:
     token_delay_ms: float = 1.0
     kv_blocks: int = 4096                # KV blocks of 16 tokens (cache_config_info; the prefix cache's size)
     kv_events_endpoint: str | None = None   # where the prefix cache's KV events are published (None: no cache)
+    kv_replay_endpoint: str | None = None   # where they are sent again on request (None: no replay socket)
 
 
 def n_tokens(body: dict[str, Any]) -> int:
@@ -159,7 +161,8 @@ class DemoUpstream:
                                     if options.cache_info or "cache_config_info" not in line)
         self.kv_cache: DemoKvCache | None = None
         if options.kv_events_endpoint is not None:
-            self.kv_cache = DemoKvCache(options.kv_blocks, EventPublisher(options.kv_events_endpoint))
+            self.kv_cache = DemoKvCache(options.kv_blocks, EventPublisher(
+                options.kv_events_endpoint, replay_endpoint=options.kv_replay_endpoint))
             self.metrics_text += PREFIX_COUNTERS[options.engine]
 
     def routes(self) -> dict[str, Handler]:
@@ -405,24 +408,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
                    help="cache prompts of token ids and publish KV events on this ZeroMQ endpoint, as vLLM's "
                         "--kv-events-config does (e.g. tcp://127.0.0.1:5557)")
+    p.add_argument("--kv-replay-endpoint", metavar="ENDPOINT",
+                   help="with --kv-events-endpoint: send the last 10,000 batches again on request on this ZeroMQ "
+                        "endpoint, as vLLM's replay_endpoint does (e.g. tcp://127.0.0.1:5558)")
 
 
 def options_from(args: argparse.Namespace) -> UpstreamOptions:
     return UpstreamOptions(args.engine, args.model, args.max_model_len, not args.no_cache_info, args.api_key,
-                           args.token_delay_ms, args.kv_blocks, args.kv_events_endpoint)
+                           args.token_delay_ms, args.kv_blocks, args.kv_events_endpoint, args.kv_replay_endpoint)
 
 
 def main(argv: list[str]) -> None:
     p = OneLineParser(prog="gateway demo-upstream", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.kv_replay_endpoint is not None and args.kv_events_endpoint is None:
+        p.error("--kv-replay-endpoint replays the KV events of --kv-events-endpoint: give both")
     options = options_from(args)
     print(f"demo upstream (mock {options.engine}, model {options.model}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
         upstream = DemoUpstream(options)
     except zmq.ZMQError as exc:   # the endpoint is taken, or not one ZeroMQ can bind
-        print(f"gateway demo-upstream: cannot publish KV events on {options.kv_events_endpoint}: {exc}",
+        endpoints = " and ".join(e for e in (options.kv_events_endpoint, options.kv_replay_endpoint) if e)
+        print(f"gateway demo-upstream: cannot publish KV events on {endpoints}: {exc}",
               file=sys.stderr)
         raise SystemExit(1) from None
     try:

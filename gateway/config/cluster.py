@@ -174,19 +174,26 @@ class ProbeSpec(StrictModel):
         return address + (self.path or (launch.ready_path if launch is not None else "/v1/models"))
 
 
+ENDPOINT = r"^(tcp://[^\s/]+:[0-9]{1,5}|ipc://\S+)$"   # a ZeroMQ endpoint the gateway connects to
+
+
 class KvEventsSpec(StrictModel):
     """Where a kind: openai engine publishes its KV cache events (vLLM's and SGLang's
     `--kv-events-config`, publisher zmq; common/kv_events.py): the gateway subscribes, and its prefix
-    index follows what the engine stores and evicts (gateway/control/kv_event_listener.py)."""
+    index follows what the engine stores and evicts (gateway/control/kv_event_listener.py). With
+    `replay_endpoint` (the publisher's `replay_endpoint`) the batches a subscriber missed, on joining
+    late or lost on the way, are asked for again from the engine's buffer (gateway/control/kv_event_replay.py)."""
 
     # the engine's ZeroMQ PUB endpoint as the gateway connects to it (vLLM binds tcp://*:5557 by default)
-    endpoint: str = Field(pattern=r"^(tcp://[^\s/]+:[0-9]{1,5}|ipc://\S+)$")
+    endpoint: str = Field(pattern=ENDPOINT)
     topic: str = ""                      # the prefix of the topics subscribed to (vLLM's `topic`, "" by default)
+    replay_endpoint: str | None = Field(default=None, pattern=ENDPOINT)   # its ROUTER (vLLM: tcp://*:5558 bound)
+    replay_timeout_ms: PositiveInt = 2000   # a replay not ended within this: what it left out counts as lost
 
-    @field_validator("endpoint")
+    @field_validator("endpoint", "replay_endpoint")
     @classmethod
-    def _port(cls, endpoint: str) -> str:
-        if not endpoint.startswith("tcp://"):
+    def _port(cls, endpoint: str | None) -> str | None:
+        if endpoint is None or not endpoint.startswith("tcp://"):
             return endpoint
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
         if host in ("*", "0.0.0.0", "[::]"):   # a bind address, refused
@@ -196,7 +203,12 @@ class KvEventsSpec(StrictModel):
             raise ValueError(f"endpoint {endpoint!r}: the port is 1-65535")
         return endpoint
 
-
+    @model_validator(mode="after")
+    def _two_sockets(self) -> KvEventsSpec:
+        if self.replay_endpoint == self.endpoint:
+            raise ValueError(f"replay_endpoint {self.endpoint!r} is the events' endpoint: the engine binds its "
+                             "replay socket on a port of its own (vLLM: replay_endpoint tcp://*:5558)")
+        return self
 
 
 def check_address(address: str, kind: str) -> None:
@@ -437,8 +449,10 @@ class ClusterFile(StrictModel):
         with_events = [b.id for b in self.backends if b.kv_events is not None]
         endpoints: dict[str, str] = {}
         for b in self.backends:   # one engine's events describe one engine's cache
-            if b.kv_events is not None and (other := endpoints.setdefault(b.kv_events.endpoint, b.id)) != b.id:
-                raise ValueError(f"backends {other} and {b.id} name one kv_events endpoint {b.kv_events.endpoint}")
+            spec = b.kv_events
+            for endpoint in (spec.endpoint, spec.replay_endpoint) if spec is not None else ():
+                if endpoint is not None and (other := endpoints.setdefault(endpoint, b.id)) != b.id:
+                    raise ValueError(f"backends {other} and {b.id} name one kv_events endpoint {endpoint}")
         if with_events and not self.gateway.routing.prefix_cache.enabled:
             raise ValueError(f"backends {', '.join(with_events)}: `kv_events` feed the prefix index, which "
                              "gateway.routing.prefix_cache.enabled: false turns off")

@@ -158,6 +158,8 @@ class _Backend:
     granule: int = 0                    # tokens a block of the engine's KV holds, as it reports (0: not said)
     events: EngineBlocks | None = None  # the engine's KV events, once one arrived (gateway.control.kv_event_listener)
     event_gaps: int = 0                 # batches of events lost on the way (sequence numbers skipped)
+    events_replayed: int = 0            # batches brought by the engine's replay socket
+    replays_failed: int = 0             # replays that did not end in time (or not as a replay should)
     events_refused: int = 0             # messages that were no batch of events
     named_tokens: float = 0.0           # prompt tokens routed here whose blocks events can name (decayed a reading)
     unnamed_tokens: float = 0.0         # and those they cannot (hashed from text, salted, with images)
@@ -514,6 +516,12 @@ class PrefixIndex:
             b.event_gaps += batches
             b.events.forget()
 
+    def engine_events_replayed(self, backend_id: str, batches: int, answered: bool) -> None:
+        """A replay brought `batches` missed batches (applied already); `answered`: it ended in time."""
+        if (b := self._backends.get(backend_id)) is not None:
+            b.events_replayed += batches
+            b.replays_failed += not answered
+
     def engine_events_refused(self, backend_id: str, error: str) -> None:
         """A message from the engine's event endpoint that is no batch of events (`error` says why)."""
         if (b := self._backends.get(backend_id)) is not None:
@@ -536,8 +544,9 @@ class PrefixIndex:
             "reported_query_tokens": b.reported_queries,
             "reported_hit_tokens": b.reported_hits,
             "reported_hit_rate": b.reported_hits / b.reported_queries if b.reported_queries else None,
-            "events": None if b.events is None and not b.events_refused else {
+            "events": None if b.events is None and not b.events_refused and not b.replays_failed else {
                 **(b.events.describe() if b.events is not None else {}), "lost_batches": b.event_gaps,
+                "replayed_batches": b.events_replayed, "failed_replays": b.replays_failed,
                 "refused_messages": b.events_refused, "last_refused": b.last_refused},
         }
 

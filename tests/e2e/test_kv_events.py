@@ -3,12 +3,14 @@ ids and publish their events over ZeroMQ as vLLM does (`--kv-events-endpoint`), 
 another client sent straight to one of them (never routed by the gateway) is then routed there through
 the gateway, and a reset of that engine's prefix cache empties the gateway's view of it. With the
 model's tokenizer (`tokenizer:`), a chat the gateway renders and tokenizes as the engine would finds
-the blocks the engine stored for those ids."""
+the blocks the engine stored for those ids. Engines with replay sockets (`--kv-replay-endpoint`) tell a
+gateway started after them what they cached before."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,21 +26,46 @@ IDS = ("up-a", "up-b")
 
 
 @contextmanager
-def two_upstreams(tmp: Path, **top: object) -> Iterator[tuple[Gateway, dict[str, str]]]:
+def two_upstreams(tmp: Path, *, replay: bool = False, before: Callable[[dict[str, str]], None] | None = None,
+                  **top: object) -> Iterator[tuple[Gateway, dict[str, str]]]:
+    """Two demo upstreams publishing KV events (`replay`: with replay sockets, named on their entries),
+    then the gateway; `before` is called with their URLs once they answer, before the gateway starts."""
     ports = {bid: free_port() for bid in IDS}
-    events = {bid: f"tcp://127.0.0.1:{free_port()}" for bid in IDS}
+    events = {bid: {"endpoint": f"tcp://127.0.0.1:{free_port()}"} for bid in IDS}
+    if replay:
+        for spec in events.values():
+            spec["replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
     upstreams = [spawn("tests.fake_openai_server", "--port", str(ports[bid]), "--engine", "vllm",
-                       "--kv-events-endpoint", events[bid]) for bid in IDS]
+                       "--kv-events-endpoint", events[bid]["endpoint"],
+                       *(("--kv-replay-endpoint", events[bid]["replay_endpoint"]) if replay else ()))
+                 for bid in IDS]
     urls = {bid: f"http://127.0.0.1:{ports[bid]}" for bid in IDS}
     path = write_config(tmp, {"model": MODEL, **top, "gateway": {"heartbeat_interval_ms": 100}, "backends": [
         {"id": bid, "kind": "openai", "gpu": "H100", "address": urls[bid], "scrape": {"engine": "vllm"},
-         "kv_events": {"endpoint": events[bid]}} for bid in IDS]})
+         "kv_events": events[bid]} for bid in IDS]})
     try:
+        if before is not None:
+            for url in urls.values():
+                answering(url)
+            before(urls)
         with run_gateway(path, healthy=2, timeout=60) as gw:
             yield gw, urls
     finally:
         for upstream in upstreams:
             stop(upstream)
+
+
+def answering(url: str) -> None:
+    """Until the upstream answers (at most 20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not start"
+        time.sleep(0.1)
 
 
 def prompt(seed: int, n: int = 512) -> list[int]:
@@ -90,6 +117,28 @@ def test_prompts_another_client_cached_on_an_upstream_are_routed_there(tmp_path:
         gw.wait_until(lambda: gw.backend("up-a")["prefix_cache"]["blocks"] == 0)
         assert events_of(gw, "up-a")["cleared"] == 1
         assert gw.backend("up-b")["prefix_cache"]["blocks"] > 0
+
+
+def test_a_gateway_started_after_its_engines_cached_prompts_learns_them_from_their_replay_sockets(
+    tmp_path: Path,
+) -> None:
+    """Prompts the engines cached before the gateway started (another client's, or before a restart):
+    each engine's next batch shows the gateway it joined late, its replay socket brings the earlier
+    ones, and those prompts are routed where they are cached (without the replay socket, a draw)."""
+    early = [prompt(200 + k) for k in range(6)]
+
+    def cache_early(urls: dict[str, str]) -> None:
+        for k, ids in enumerate(early):
+            complete(urls[IDS[k % 2]], ids)
+
+    with two_upstreams(tmp_path, replay=True, before=cache_early) as (gw, urls):
+        subscribed(gw, urls)
+        for k, ids in enumerate(early):
+            via = complete(gw.url, ids + prompt(300 + k, 64))
+            assert via.headers["x-heterogate-backend"] == IDS[k % 2], k
+            assert via.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+        for bid in IDS:
+            assert events_of(gw, bid)["replayed_batches"] >= 3 and events_of(gw, bid)["lost_batches"] == 0
 
 
 def test_a_chat_tokenized_at_the_gateway_finds_what_the_engine_stored_for_its_ids(tmp_path: Path) -> None:

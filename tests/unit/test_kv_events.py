@@ -227,6 +227,11 @@ def test_the_demo_caches_token_prompts_as_vllm_and_its_events_rebuild_its_cache(
     ({"routing_off": True}, "prefix_cache.enabled: false turns off"),
     ({"kv_events": {"endpoint": "tcp://*:5557"}}, "the gateway connects to the engine: name its host"),
     ({"twice": True}, "backends up and up2 name one kv_events endpoint"),
+    ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5557"}},
+     "is the events' endpoint"),
+    ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://*:5558"}}, "name its host"),
+    ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_timeout_ms": 0}}, "greater than 0"),
+    ({"shared_replay": True}, "backends up and up2 name one kv_events endpoint tcp://127.0.0.1:5558"),
 ])
 def test_a_kv_events_entry_that_cannot_work_is_refused(change: dict[str, object], message: str) -> None:
     from pydantic import ValidationError
@@ -239,6 +244,10 @@ def test_a_kv_events_entry_that_cannot_work_is_refused(change: dict[str, object]
     if change.pop("routing_off", False):
         gateway = {"routing": {"prefix_cache": {"enabled": False}}}
     backends = [backend, {**backend, "id": "up2"}] if change.pop("twice", False) else [backend]
+    if change.pop("shared_replay", False):   # two engines' events, one replay socket named for both
+        backend["kv_events"] = {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}
+        backends = [backend, {**backend, "id": "up2", "address": "http://127.0.0.1:8002",
+                              "kv_events": {"endpoint": "tcp://127.0.0.1:5559", "replay_endpoint": "tcp://127.0.0.1:5558"}}]
     backend.update(change)
     with pytest.raises(ValidationError, match=message):
         ClusterFile.model_validate({"model": "llava-1.5-7b", "gateway": gateway, "backends": backends})
