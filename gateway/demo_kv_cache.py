@@ -56,6 +56,7 @@ class EventPublisher:
         if replay_endpoint is not None:
             router: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.SNDHWM, 0)   # a replay of its whole buffer is not cut at 1,000 messages
             try:
                 router.bind(replay_endpoint)
             except zmq.ZMQError:

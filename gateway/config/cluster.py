@@ -188,7 +188,7 @@ class KvEventsSpec(StrictModel):
     endpoint: str = Field(pattern=ENDPOINT)
     topic: str = ""                      # the prefix of the topics subscribed to (vLLM's `topic`, "" by default)
     replay_endpoint: str | None = Field(default=None, pattern=ENDPOINT)   # its ROUTER (vLLM: tcp://*:5558 bound)
-    replay_timeout_ms: PositiveInt = 2000   # a replay not ended within this: what it left out counts as lost
+    replay_timeout_ms: int = Field(default=2000, gt=0, le=60_000)   # a replay not ended within this: the rest is lost
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -205,6 +205,9 @@ class KvEventsSpec(StrictModel):
 
     @model_validator(mode="after")
     def _two_sockets(self) -> KvEventsSpec:
+        if self.replay_endpoint is None and "replay_timeout_ms" in self.model_fields_set:
+            raise ValueError("replay_timeout_ms bounds the requests to the engine's replay socket: name it "
+                             "(replay_endpoint)")
         if self.replay_endpoint == self.endpoint:
             raise ValueError(f"replay_endpoint {self.endpoint!r} is the events' endpoint: the engine binds its "
                              "replay socket on a port of its own (vLLM: replay_endpoint tcp://*:5558)")

@@ -14,32 +14,46 @@ there (ZeroMQ connects in the background and waits) costs the listener that long
 from __future__ import annotations
 
 import asyncio
+import time
 
 import zmq
 import zmq.asyncio
 
 from common.kv_events import KvEventError, decode_replay_reply, encode_sequence
 
+YIELD_AFTER_S = 0.005   # a replay reads or applies batches for this long at most before it lets requests run
 
-async def replay(endpoint: str, start: int, stop: int, timeout_s: float) -> tuple[list[tuple[int, bytes]], bool]:
-    """The batches numbered `start` to `stop` - 1 that the engine still holds, as (sequence number,
-    payload) in order, and whether the replay ended as it should (False: what came before the timeout or
-    a message that is no replay's).
-    Batches before `start` or from `stop` on are dropped (those from `stop` on arrive live)."""
+
+async def replay(endpoint: str, start: int, stop: int | None, timeout_s: float) -> (
+    tuple[list[tuple[int, bytes]], bool]
+):
+    """The batches numbered `start` to `stop` - 1 (None: all from `start`) that the engine still holds, as
+    (sequence number, payload) in order, each once, and whether the replay ended as it should (False:
+    what came before the timeout or a message that is no replay's). Batches before `start` or from
+    `stop` on are dropped (those from `stop` on arrive live)."""
     socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    # No limit: with ZeroMQ's default of 1,000 queued messages on both ends, the engine's ROUTER drops the rest
+    # of a longer replay, its end marker included (a pipe is unbounded when either end's limit is 0).
+    socket.setsockopt(zmq.RCVHWM, 0)
     if endpoint.startswith("tcp://["):
         socket.setsockopt(zmq.IPV6, 1)
-    got: list[tuple[int, bytes]] = []
+    got: dict[int, bytes] = {}
+    answered = True
     try:
         socket.connect(endpoint)
         async with asyncio.timeout(timeout_s):
             await socket.send_multipart((b"", encode_sequence(start)))
+            since = time.perf_counter()
             while (reply := decode_replay_reply(await socket.recv_multipart())) is not None:
-                if start <= reply[0] < stop:
-                    got.append(reply)
+                seq, payload = reply
+                if start <= seq and (stop is None or seq < stop):
+                    got[seq] = payload
+                if time.perf_counter() - since > YIELD_AFTER_S:   # messages queued already come without a wait
+                    await asyncio.sleep(0)
+                    since = time.perf_counter()
     except (TimeoutError, KvEventError, zmq.ZMQError):   # too slow, not a replay socket, not one to connect to
-        return got, False
+        answered = False
     finally:
         socket.close(linger=0)
-    return got, True
+    return sorted(got.items()), answered

@@ -123,8 +123,8 @@ def test_a_gateway_started_after_its_engines_cached_prompts_learns_them_from_the
     tmp_path: Path,
 ) -> None:
     """Prompts the engines cached before the gateway started (another client's, or before a restart):
-    each engine's next batch shows the gateway it joined late, its replay socket brings the earlier
-    ones, and those prompts are routed where they are cached (without the replay socket, a draw)."""
+    on subscribing, the gateway asks each engine's replay socket for the batches it holds, and those
+    prompts are routed where they are cached (without the replay socket, a draw)."""
     early = [prompt(200 + k) for k in range(6)]
 
     def cache_early(urls: dict[str, str]) -> None:

@@ -97,7 +97,29 @@ async def test_without_a_replay_socket_a_late_joiner_knows_only_what_came_live()
             seed += 1
             await asyncio.sleep(0.05)
         assert all(cached(index, prompt) == {} for prompt in before)
-        assert events(index)["replayed_batches"] == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        publisher.close()
+
+
+async def test_a_gateway_that_joins_an_idle_engine_learns_its_whole_buffer_at_once() -> None:
+    """An engine that publishes nothing more after the gateway subscribes: the listener's first replay
+    brings all its 3,000 batches (past ZeroMQ's default queue of 1,000 messages), every prompt is found,
+    the replay ended as it should, and nothing counts as lost."""
+    pub, replay = endpoint(), endpoint()
+    publisher = EventPublisher(pub, replay_endpoint=replay)
+    cache = DemoKvCache(100_000, publisher)
+    prompts = [ids(32, seed) for seed in range(3000)]   # 2 engine blocks each: one batch a prompt
+    for prompt in prompts:
+        cache.admit(prompt)
+    index = PrefixIndex(block_tokens=16)
+    index.add_backend("e", 1_000_000)
+    task = asyncio.create_task(listen("e", KvEventsSpec(endpoint=pub, replay_endpoint=replay), index))
+    try:
+        await until(lambda: events(index).get("replayed_batches") == 3000)
+        assert all(cached(index, prompt) == {"e": 31} for prompt in prompts[::100])
+        assert events(index)["failed_replays"] == 0 and events(index)["lost_batches"] == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -108,7 +130,7 @@ class Engine:
     """A PUB socket and a replay ROUTER socket whose buffer the test controls: `publish` sends a batch
     and keeps it, `lose` keeps it without sending (lost on the way)."""
 
-    def __init__(self, buffer_from: int = 0, answer: bool = True) -> None:
+    def __init__(self, buffer_from: int = 0, answer: bool = True, shuffled: bool = False) -> None:
         context = zmq.asyncio.Context.instance()
         self.pub_endpoint, self.replay_endpoint = endpoint(), endpoint()
         self.pub = context.socket(zmq.PUB)
@@ -121,10 +143,19 @@ class Engine:
         self.kept: list[tuple[int, bytes]] = []
         self.buffer_from = buffer_from   # the oldest batch still buffered
         self.requests: list[int] = []
+        self.shuffled = shuffled   # replies out of order, one of them twice (not as vLLM sends them)
         self.server = asyncio.create_task(self._serve())
 
+    def restart(self, first_block: int) -> None:
+        """A new engine on the same sockets: nothing buffered, numbered from 0 again, its block names
+        from `first_block` on."""
+        self.kept = []
+        self.names = first_block
+
+    names = 0
+
     def batch(self, seq: int, prompt: list[int], parent: int | None) -> bytes:
-        first = 1000 * seq
+        first = self.names + 1000 * seq
         payload = encode_batch(1.0, [BlockStored(list(range(first, first + len(prompt) // 16)), parent, prompt, 16)])
         self.kept.append((seq, payload))
         return payload
@@ -139,9 +170,12 @@ class Engine:
         while True:
             client, _, start = await self.router.recv_multipart()
             self.requests.append(int.from_bytes(start, "big"))
-            for seq, payload in self.kept:
-                if seq >= max(self.buffer_from, int.from_bytes(start, "big")):
-                    await self.router.send_multipart((client, b"", encode_sequence(seq), payload))
+            replies = [(seq, payload) for seq, payload in self.kept
+                       if seq >= max(self.buffer_from, int.from_bytes(start, "big"))]
+            if self.shuffled and replies:
+                replies = replies[::-1] + replies[:1]
+            for seq, payload in replies:
+                await self.router.send_multipart((client, b"", encode_sequence(seq), payload))
             await self.router.send_multipart((client, b"", REPLAY_END, b""))
 
     async def close(self) -> None:
@@ -179,7 +213,7 @@ async def test_batches_lost_on_the_way_are_replayed_in_order_before_the_next() -
         await engine.publish(seq + 2, prompt[384:], parent=1000 * (seq + 1) + 7)
         await until(lambda: events(index)["replayed_batches"] == replayed + 2)
         assert cached(index, prompt) == {"e": 511}
-        assert engine.requests[-1] == seq
+        assert engine.requests[-1] == seq - 1   # from the last batch applied, which shows the same engine
         assert events(index)["lost_batches"] == 0 and events(index)["unmatched_blocks"] == 0
         assert not task.done()
     finally:
@@ -216,6 +250,58 @@ async def test_what_the_replay_cannot_bring_counts_as_lost() -> None:
         await engine.publish(seq + 5, last)
         await until(lambda: cached(index, last) == {"e": 255})
         assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.close()
+
+
+async def test_replies_out_of_order_or_twice_are_applied_once_in_order() -> None:
+    engine = Engine(shuffled=True)
+    index = PrefixIndex(block_tokens=64)
+    index.add_backend("e", 1_000_000)
+    spec = KvEventsSpec(endpoint=engine.pub_endpoint, replay_endpoint=engine.replay_endpoint)
+    task = asyncio.create_task(listen("e", spec, index))
+    try:
+        seq = await joined(engine, index)
+        replayed = events(index)["replayed_batches"]
+        prompt = ids(512, 7)
+        engine.lose(seq, prompt[:256])
+        engine.lose(seq + 1, prompt[256:384], parent=1000 * seq + 15)
+        await engine.publish(seq + 2, prompt[384:], parent=1000 * (seq + 1) + 7)
+        await until(lambda: events(index)["replayed_batches"] == replayed + 2)
+        assert cached(index, prompt) == {"e": 511}
+        assert events(index)["lost_batches"] == 0 and events(index)["unmatched_blocks"] == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.close()
+
+
+@pytest.mark.parametrize("missed", [2, 12])
+async def test_an_engine_restarted_behind_missed_batches_is_cleared_and_replayed_from_its_start(missed: int) -> None:
+    """The engine restarts (numbered from 0 again, its cache empty) and the gateway misses its first
+    `missed` batches: the next one's number is below the last applied (2), or above it and the replay
+    asked from the last applied holds another batch under that number (12). Either way the old engine's
+    blocks are dropped, the new engine's missed batches replayed, and nothing counts as lost."""
+    engine = Engine()
+    index = PrefixIndex(block_tokens=64)
+    index.add_backend("e", 1_000_000)
+    spec = KvEventsSpec(endpoint=engine.pub_endpoint, replay_endpoint=engine.replay_endpoint)
+    task = asyncio.create_task(listen("e", spec, index))
+    try:
+        seq = await joined(engine, index)
+        old = ids(256, 40)
+        for k in range(seq, 6):   # the old engine's last applied batch is number 5
+            await engine.publish(k, old if k == 5 else ids(64, 600 + k))
+        await until(lambda: cached(index, old) == {"e": 255})
+        engine.restart(first_block=1_000_000)
+        new = [ids(256, 50 + k) for k in range(missed)]
+        for k, prompt in enumerate(new):
+            engine.lose(k, prompt)
+        await engine.publish(missed, ids(64, 70))
+        await until(lambda: events(index)["cleared"] == 1 and all(cached(index, p) == {"e": 255} for p in new))
+        assert cached(index, old) == {} and events(index)["lost_batches"] == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

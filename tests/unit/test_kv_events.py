@@ -230,7 +230,9 @@ def test_the_demo_caches_token_prompts_as_vllm_and_its_events_rebuild_its_cache(
     ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5557"}},
      "is the events' endpoint"),
     ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://*:5558"}}, "name its host"),
-    ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_timeout_ms": 0}}, "greater than 0"),
+    ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558",
+                    "replay_timeout_ms": 0}}, "greater than 0"),
+    ({"kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_timeout_ms": 500}}, "name it \\(replay_endpoint\\)"),
     ({"shared_replay": True}, "backends up and up2 name one kv_events endpoint tcp://127.0.0.1:5558"),
 ])
 def test_a_kv_events_entry_that_cannot_work_is_refused(change: dict[str, object], message: str) -> None:
