@@ -9,6 +9,9 @@ request as soon as the last one ends, so `-u` is the number of requests in fligh
 
     locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000
 
+`--requests N` ends the run once requests 0 to N - 1 have all been answered (or `-t` has passed), so a
+run sends the same requests however fast the host starts Locust and its users.
+
 Stats entries: POST `text`, `image`, `text stream`, `image stream` (end-to-end latency; for a stream,
 until `data: [DONE]`) and TTFT `text stream`, `image stream` (time to the first content chunk).
 A stream fails on an error event, on no content, or without `data: [DONE]`.
@@ -30,6 +33,7 @@ import requests
 from locust import User, constant, events, task
 from locust.argument_parser import LocustArgumentParser
 from locust.env import Environment
+from locust.exception import StopUser
 from PIL import Image
 
 from gateway.requests.tokens import BYTES_PER_TOKEN, CHAT_MESSAGE_OVERHEAD
@@ -62,6 +66,16 @@ def seed_number(text: str) -> int:
     return value
 
 
+def request_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative; give 0 (no limit) or more")
+    return value
+
+
 def context_tokens(text: str) -> int:
     value = int(text)
     if value < MIN_CONTEXT:   # prompts are clipped to what the context leaves beside images and output
@@ -78,6 +92,8 @@ def add_options(parser: LocustArgumentParser) -> None:
                         help="share of requests with images (default: the workload's own; on a text workload "
                              "that share becomes COCO 'describe this image' requests)")
     parser.add_argument("--stream-fraction", type=fraction, default=0.5, help="share of streamed requests")
+    parser.add_argument("--requests", type=request_count, default=0,
+                        help="end the run once this many requests have been answered (default 0: at -t only)")
     parser.add_argument("--seed", type=seed_number, default=0,
                         help="workload seed (the simulator's seeds are 0, 1, ...)")
     parser.add_argument("--model", default="llava-1.5-7b", help="model name sent in every request")
@@ -132,10 +148,19 @@ class Plan:
         self.images = [png_data_url(COCO_SIZES[k % len(COCO_SIZES)], rng) for k in range(IMAGE_POOL)]
         self.corpus = " ".join(rng.choice(_WORDS, 12_000))
         self.model, self.context = options.model, options.max_context
+        self.limit = options.requests   # 0: none
         self._next = itertools.count()
+        self.answered = 0
 
-    def next(self) -> ChatRequest:
-        return self.request(next(self._next) % SAMPLES)
+    def next(self) -> ChatRequest | None:
+        """The next request, None once `limit` have been handed out."""
+        i = next(self._next)
+        return None if self.limit and i >= self.limit else self.request(i % SAMPLES)
+
+    def finished(self) -> bool:
+        """A request was answered (or failed): whether that was the run's last."""
+        self.answered += 1
+        return self.answered == self.limit
 
     def request(self, i: int) -> ChatRequest:
         n_images, max_tokens = int(self.lengths.images[i]), int(self.lengths.output_tokens[i])
@@ -248,6 +273,8 @@ class GatewayUser(User):
     def chat(self) -> None:
         """Send the next request; report its latency and, for a stream, its TTFT as a separate entry."""
         req = self.plan.next()
+        if req is None:   # --requests handed out: this user is done, the last answer ends the run
+            raise StopUser()
         url = f"{self.host}/v1/chat/completions"
         start_time, start = time.time(), time.perf_counter()
         received, ttft, error = 0, None, None
@@ -266,6 +293,8 @@ class GatewayUser(User):
         if ttft is not None:
             fire(request_type="TTFT", name=req.name, response_time=ttft * 1000, response_length=0,
                  exception=None, context={}, start_time=start_time, url=url)
+        if self.plan.finished() and self.environment.runner is not None:
+            self.environment.runner.quit()
 
 
 @events.test_start.add_listener

@@ -12,12 +12,13 @@ import pytest
 from testkit.harness import ROOT, Gateway
 
 
-@pytest.mark.timeout(180)   # Locust's clock runs from its own start-up, which takes seconds on a busy machine
+@pytest.mark.timeout(180)
 def test_locust_headless_run(demo_gateway: Gateway, tmp_path: Path) -> None:
-    # 4 s: some 60 requests on the demo cluster, each of the four kinds several times
+    # The seed's first 24 requests, each of the four kinds several times, however long Locust takes to start
+    # (with -t alone, a busy host's start-up left a 4 s run one second of requests: no image request)
     cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "6", "-r", "6",
-           "-t", "4s", "--host", demo_gateway.url, "--json-file", str(tmp_path / "run"), "--only-summary",
-           "--workload", "mm_mixed", "--stream-fraction", "0.5", "--seed", "0"]
+           "-t", "100s", "--requests", "24", "--host", demo_gateway.url, "--json-file", str(tmp_path / "run"),
+           "--only-summary", "--workload", "mm_mixed", "--stream-fraction", "0.5", "--seed", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     output = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, output
@@ -28,10 +29,12 @@ def test_locust_headless_run(demo_gateway: Gateway, tmp_path: Path) -> None:
     for name in ("text", "image", "text stream", "image stream"):
         assert count.get(("POST", name), 0) > 0, f"no {name!r} requests:\n{output}"
     assert count[("TTFT", "text stream")] > 0 and count[("TTFT", "image stream")] > 0, output
+    assert sum(count[("POST", name)] for name in ("text", "image", "text stream", "image stream")) == 24, output
     assert sum(s["num_failures"] for s in stats) == 0, output
 
 
 @pytest.mark.parametrize(("option", "value", "words"), [("--seed", "-1", "a seed is 0 or more"),
+                                                         ("--requests", "-5", "give 0 (no limit) or more"),
                                                          ("--max-context", "100", "below 256 tokens")])
 def test_a_bad_option_is_one_line_before_any_user_starts(option: str, value: str, words: str) -> None:
     """A negative seed failed in numpy at the test's start: every user then raised on every request
