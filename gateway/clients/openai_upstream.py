@@ -195,7 +195,10 @@ class OpenAIUpstreamClient:
         body.update(stream=not job.whole, max_tokens=job.max_tokens)
         options = body.pop("stream_options", None)
         if not job.whole:
-            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            options = dict(options) if isinstance(options, dict) else {}
+            if options.get("continuous_usage_stats") and not options.get("include_usage"):
+                options["continuous_usage_stats"] = False   # usage in every chunk only where the client asked for it
+            body["stream_options"] = {**options, "include_usage": True}
         body.pop("max_completion_tokens", None)
         if job.cache_salt and body.get("cache_salt") != job.cache_salt:   # the tenant's (tenants.isolate_prefix_cache)
             body["cache_salt"] = job.cache_salt

@@ -88,6 +88,20 @@ def test_every_field_reaches_the_upstream_unchanged(upstream: tuple[Gateway, str
     assert authorization == f"Bearer {KEY}"
 
 
+def test_continuous_usage_is_asked_of_the_upstream_only_with_usage(upstream: tuple[Gateway, str]) -> None:
+    """The gateway asks every stream's usage of the upstream (it counts tokens by it); vLLM then puts usage
+    in every chunk where `continuous_usage_stats` is on, which the relay passes on as sent: a client that
+    asked for it without `include_usage` would get usage it did not ask for."""
+    gw, url = upstream
+    body = {"model": MODEL, "messages": MESSAGES[:2], "max_tokens": 3, "stream": True}
+    for asked, upstream_gets in (({"continuous_usage_stats": True}, {"continuous_usage_stats": False}),
+                                 ({"include_usage": True, "continuous_usage_stats": True},
+                                  {"continuous_usage_stats": True})):
+        resp = httpx.post(f"{gw.url}/v1/chat/completions", json={**body, "stream_options": asked}, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert recorded(url)[0]["stream_options"] == {**upstream_gets, "include_usage": True}, asked
+
+
 def test_tool_calls_and_logprobs_reach_the_openai_client_whole(upstream: tuple[Gateway, str]) -> None:
     gw, _ = upstream
     completion = client(gw).chat.completions.create(model=MODEL, messages=MESSAGES[:2], tools=[WEATHER_TOOL],
