@@ -2,6 +2,7 @@
 its prefix cached, with and without the engines' KV cache events.
 
     python -m benchmarks kv-events-gateways [--conversations 40] [--turns 5] [--upstreams 4] [--rounds 3]
+                                            [--restart-after TURN]
 
 Four demo upstreams (gateway/demo_upstream.py) cache prompts of token ids in blocks of 16 tokens and
 publish their KV events as vLLM does (`--kv-events-endpoint`); two gateway processes, no Redis, route to
@@ -15,6 +16,11 @@ the prefix an engine holds and its load. Per mode, medians over rounds (fresh en
 the prompt tokens the engines found cached over the prompt tokens of turns 2 and later, and the share of
 those turns routed to the engine that served the turn before. Prints a table and writes
 benchmarks/results/kv_events_gateways.json (or --out).
+
+`--restart-after TURN` stops both gateways after that turn and starts two new ones (a rolling update, a
+crash), and scores the turns after it; a third mode then names the engines' replay sockets
+(`replay_endpoint`, `--kv-replay-endpoint`), which the new gateways ask for what the engines cached
+before they started (results: benchmarks/results/kv_events_gateways_restart.json by default).
 """
 
 from __future__ import annotations
@@ -65,43 +71,60 @@ def subscribed(http: httpx.Client, gateways: list[Gateway], upstreams: dict[str,
             time.sleep(0.05)
 
 
-def one_round(args: argparse.Namespace, events: bool, seed: int) -> dict[str, Any]:
+def start_gateways(stack: ExitStack, where: Path, backends: list[dict[str, Any]], healthy: int) -> list[Gateway]:
+    gateways = []
+    for g in range(2):
+        folder = where / f"gateway-{g}"
+        folder.mkdir(parents=True)
+        config = write_config(folder, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 200}, "backends": backends})
+        gateways.append(stack.enter_context(run_gateway(config, healthy=healthy, timeout=90)))
+    return gateways
+
+
+def one_round(args: argparse.Namespace, events: bool, seed: int, replay: bool = False) -> dict[str, Any]:
     rng = random.Random(seed)
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp, httpx.Client(timeout=30) as http:
         upstreams: dict[str, str] = {}
-        endpoints: dict[str, str] = {}
+        specs: dict[str, dict[str, str]] = {}
         for k in range(args.upstreams):
             port, bid = free_port(), f"up-{k}"
-            endpoints[bid] = f"tcp://127.0.0.1:{free_port()}"
+            specs[bid] = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
+            if replay:
+                specs[bid]["replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
             proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "demo-upstream", "--port", str(port),
-                                     "--token-delay-ms", "5", "--kv-events-endpoint", endpoints[bid]],
+                                     "--token-delay-ms", "5", "--kv-events-endpoint", specs[bid]["endpoint"],
+                                     *(("--kv-replay-endpoint", specs[bid]["replay_endpoint"]) if replay else ())],
                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             stack.callback(proc.kill)
             upstreams[bid] = f"http://127.0.0.1:{port}"
         backends = [{"id": bid, "kind": "openai", "gpu": "H100", "address": url, "scrape": {"engine": "vllm"},
-                     **({"kv_events": {"endpoint": endpoints[bid]}} if events else {})}
+                     **({"kv_events": specs[bid]} if events else {})}
                     for bid, url in upstreams.items()]
-        gateways = []
-        for g in range(2):
-            where = Path(tmp) / f"gateway-{g}"
-            where.mkdir()
-            config = write_config(where, {"model": MODEL, "gateway": {"heartbeat_interval_ms": 200},
-                                          "backends": backends})
-            gateways.append(stack.enter_context(run_gateway(config, healthy=args.upstreams, timeout=90)))
+        run = stack.enter_context(ExitStack())   # the gateways, stopped and started again at --restart-after
+        gateways = start_gateways(run, Path(tmp) / "0", backends, args.upstreams)
         if events:
             subscribed(http, gateways, upstreams, rng)
         conversations = [ids(rng, 512) for _ in range(args.conversations)]
         last: list[str | None] = [None] * args.conversations
         prompt_tokens = cached_tokens = followed = later = 0
+        scored_from = 1 if args.restart_after is None else args.restart_after   # (turns counted from 0 here)
         for turn in range(args.turns):
+            if turn == scored_from and args.restart_after is not None:
+                run.close()
+                gateways = start_gateways(run, Path(tmp) / "1", backends, args.upstreams)
+                if replay:   # until the new gateways have asked every engine for its buffer
+                    for g in gateways:
+                        g.wait_until(lambda g=g: all((g.backend(bid)["prefix_cache"]["events"] or {}).get(
+                            "replayed_batches") for bid in upstreams), timeout=30)
             for c in range(args.conversations):
                 conversations[c] += ids(rng, 64)   # the user's message
             with ThreadPoolExecutor(args.conversations) as pool:   # every conversation's turn at once
-                replies = list(pool.map(lambda c, t=turn: complete(http, gateways[(c + t) % 2].url, conversations[c],
-                                                                   REPLY_TOKENS), range(args.conversations)))
+                replies = list(pool.map(lambda c, t=turn, gw=gateways: complete(http, gw[(c + t) % 2].url,
+                                                                                conversations[c], REPLY_TOKENS),
+                                        range(args.conversations)))
             for c, resp in enumerate(replies):
                 backend = resp.headers["x-heterogate-backend"]
-                if turn:
+                if turn >= scored_from:
                     usage = resp.json()["usage"]
                     prompt_tokens += usage["prompt_tokens"]
                     cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
@@ -121,22 +144,32 @@ def main() -> None:
     p.add_argument("--upstreams", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gap-s", type=float, default=0.2, help="pause between turns (events reach the gateways)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_events_gateways.json")
+    p.add_argument("--restart-after", type=int, default=None, metavar="TURN",
+                   help="new gateways after this many turns (1 to --turns - 1); the turns after it are scored")
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.restart_after is not None and not 1 <= args.restart_after < args.turns:
+        p.error(f"--restart-after is a turn from 1 to {args.turns - 1}")
+    out = args.out or ROOT / "benchmarks" / "results" / (
+        "kv_events_gateways.json" if args.restart_after is None else "kv_events_gateways_restart.json")
     result: dict[str, Any] = {"conversations": args.conversations, "turns": args.turns, "upstreams": args.upstreams,
-                              "rounds": args.rounds, "modes": {}}
-    print("| gateways' view | hit rate of turns 2+, per round (median) | same engine as the turn before (median) |")
+                              "rounds": args.rounds, "restart_after": args.restart_after, "modes": {}}
+    scored = "2+" if args.restart_after is None else f"{args.restart_after + 1}+, after the restart"
+    print(f"| gateways' view | hit rate of turns {scored}, per round (median) | "
+          "same engine as the turn before (median) |")
     print("|---|---|---|")
-    for events in (False, True):
-        rounds = [one_round(args, events, seed) for seed in range(args.rounds)]
-        name = "KV events (kv_events:)" if events else "own routing only"
+    modes = [(False, False), (True, False)] + ([(True, True)] if args.restart_after is not None else [])
+    for events, replay in modes:
+        rounds = [one_round(args, events, seed, replay) for seed in range(args.rounds)]
+        name = ("KV events and replay (replay_endpoint:)" if replay else "KV events (kv_events:)") if events else \
+            "own routing only"
         hits = [r["hit_rate"] for r in rounds]
         same = [r["same_engine_share"] for r in rounds]
         result["modes"][name] = rounds
         print(f"| {name} | {', '.join(f'{100 * h:.1f}%' for h in hits)} ({100 * statistics.median(hits):.1f}%) | "
               f"{100 * statistics.median(same):.1f}% |", flush=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
