@@ -56,24 +56,24 @@ def fraction(text: str) -> float:
     return value
 
 
-def seed_number(text: str) -> int:
+def _count(text: str, negative: str) -> int:
+    """An integer of 0 or more; `negative`: what the refusal of a negative one says."""
     try:
         value = int(text)
-    except ValueError:   # argparse would name this function in its message
+    except ValueError:   # argparse would name the type's function in its message
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:   # numpy's generators take no negative seed (every user then failed, a traceback a request)
-        raise argparse.ArgumentTypeError(f"{text} is negative; a seed is 0 or more")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative; {negative}")
     return value
+
+
+def seed_number(text: str) -> int:
+    # numpy's generators take no negative seed (every user then failed, a traceback a request)
+    return _count(text, "a seed is 0 or more")
 
 
 def request_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative; give 0 (no limit) or more")
-    return value
+    return _count(text, "give 0 (no limit) or more")
 
 
 def context_tokens(text: str) -> int:

@@ -1,14 +1,14 @@
 """Image inputs: data URLs (and, when enabled, http(s) URLs) to validated images with a token count.
 
 Only the image header is parsed (Pillow opens lazily and reads the size without decoding pixels; the
-pixel limit is the configured one, not Pillow's);
-`verify()` then checks the file structure (a PNG's chunks and their checksums; a JPEG's end marker is
-checked here), so a truncated or malformed file is a 400 here rather than a failure inside an engine.
-Pixel data is not decoded here (a few milliseconds a megapixel of the gateway's one loop): a file whose
-structure holds but whose compressed data does not decode is refused by the engine that encodes it,
-with a 400 ("image could not be decoded") that does not name the content part. Remote fetches refuse loopback, private, link-local and other
-non-global addresses unless the config allows them, follow no redirects, and stop at the byte limit.
-Each image carries its content hash, computed where its bytes are inspected (off the event loop for
+pixel limit is the configured one, not Pillow's); `verify()` then checks the file structure (a PNG's
+chunks and their checksums; a JPEG's end marker is checked here), so a truncated or malformed file is
+a 400 here rather than a failure inside an engine. Pixel data is not decoded here (a few milliseconds
+a megapixel of the gateway's one loop): a file whose structure holds but whose compressed data does not
+decode is refused by the engine that encodes it, with a 400 ("image could not be decoded") that does
+not name the content part. Remote fetches refuse loopback, private, link-local and other non-global
+addresses unless the config allows them, follow no redirects, and stop at the byte limit. Each image
+carries its content hash, computed where its bytes are inspected (off the event loop for
 large ones).
 """
 
