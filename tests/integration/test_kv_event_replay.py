@@ -8,8 +8,8 @@ test must lose a batch on the way, a PUB socket and a replay socket of the test'
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -22,25 +22,29 @@ from gateway.control.kv_event_listener import listen
 from gateway.demo_kv_cache import DemoKvCache, EventPublisher
 from gateway.routing.prefix_index import PrefixIndex
 from testkit.harness import free_port
+from tests.integration.test_kv_event_listener import ids, until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 32000) for _ in range(n)]
 
 
 def endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("timed out")
+@asynccontextmanager
+async def following(pub: str, replay: str | None = None, timeout_ms: int | None = None) -> AsyncIterator[PrefixIndex]:
+    """A listener feeding a fresh index (backend "e") from `pub` (and `replay`), cancelled on leaving."""
+    spec = KvEventsSpec(endpoint=pub, replay_endpoint=replay,
+                        **({"replay_timeout_ms": timeout_ms} if timeout_ms is not None else {}))
+    index = PrefixIndex(block_tokens=64)
+    index.add_backend("e", 1_000_000)
+    task = asyncio.create_task(listen("e", spec, index))
+    try:
+        yield index
+        assert not task.done()   # whatever it was sent, the listener goes on
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def events(index: PrefixIndex) -> dict[str, Any]:
@@ -60,22 +64,13 @@ async def test_a_gateway_that_joins_late_learns_what_the_engine_stored_before() 
     before = [ids(256, seed) for seed in range(6)]
     for prompt in before:
         cache.admit(prompt)
-    index = PrefixIndex(block_tokens=64)
-    index.add_backend("e", 1_000_000)
-    task = asyncio.create_task(listen("e", KvEventsSpec(endpoint=pub, replay_endpoint=replay), index))
     try:
-        seed = 100
-        while not events(index).get("replayed_batches"):   # live batches until the subscription has joined
-            cache.admit(ids(64, seed))
-            seed += 1
-            await asyncio.sleep(0.05)
-        for prompt in before:
-            assert cached(index, prompt) == {"e": 255}
-        assert events(index)["lost_batches"] == 0 and events(index)["failed_replays"] == 0
-        assert events(index)["replayed_batches"] >= 6
+        async with following(pub, replay) as index:
+            await until(lambda: events(index).get("replayed_batches") == 6)
+            for prompt in before:
+                assert cached(index, prompt) == {"e": 255}
+            assert events(index)["lost_batches"] == 0 and events(index)["failed_replays"] == 0
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         publisher.close()
 
 
@@ -87,19 +82,15 @@ async def test_without_a_replay_socket_a_late_joiner_knows_only_what_came_live()
     before = [ids(256, seed) for seed in range(6)]
     for prompt in before:
         cache.admit(prompt)
-    index = PrefixIndex(block_tokens=64)
-    index.add_backend("e", 1_000_000)
-    task = asyncio.create_task(listen("e", KvEventsSpec(endpoint=pub), index))
     try:
-        seed = 100
-        while not events(index).get("stored_blocks"):
-            cache.admit(ids(64, seed))
-            seed += 1
-            await asyncio.sleep(0.05)
-        assert all(cached(index, prompt) == {} for prompt in before)
+        async with following(pub) as index:
+            seed = 100
+            while not events(index).get("stored_blocks"):   # live batches until the subscription has joined
+                cache.admit(ids(64, seed))
+                seed += 1
+                await asyncio.sleep(0.05)
+            assert all(cached(index, prompt) == {} for prompt in before)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         publisher.close()
 
 
@@ -110,19 +101,15 @@ async def test_a_gateway_that_joins_an_idle_engine_learns_its_whole_buffer_at_on
     pub, replay = endpoint(), endpoint()
     publisher = EventPublisher(pub, replay_endpoint=replay)
     cache = DemoKvCache(100_000, publisher)
-    prompts = [ids(32, seed) for seed in range(3000)]   # 2 engine blocks each: one batch a prompt
+    prompts = [ids(128, seed) for seed in range(3000)]   # 8 engine blocks each: one batch a prompt
     for prompt in prompts:
         cache.admit(prompt)
-    index = PrefixIndex(block_tokens=16)
-    index.add_backend("e", 1_000_000)
-    task = asyncio.create_task(listen("e", KvEventsSpec(endpoint=pub, replay_endpoint=replay), index))
     try:
-        await until(lambda: events(index).get("replayed_batches") == 3000)
-        assert all(cached(index, prompt) == {"e": 31} for prompt in prompts[::100])
-        assert events(index)["failed_replays"] == 0 and events(index)["lost_batches"] == 0
+        async with following(pub, replay) as index:
+            await until(lambda: events(index).get("replayed_batches") == 3000)
+            assert all(cached(index, prompt) == {"e": 127} for prompt in prompts[::100])
+            assert events(index)["failed_replays"] == 0 and events(index)["lost_batches"] == 0
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         publisher.close()
 
 
@@ -196,16 +183,25 @@ async def joined(engine: Engine, index: PrefixIndex) -> int:
     return seq
 
 
-async def test_batches_lost_on_the_way_are_replayed_in_order_before_the_next() -> None:
-    """Two batches lost between two sent: the replay brings them; the second continues the first's
-    chain, so the index holds the whole prompt, and nothing counts as lost."""
-    engine = Engine()
-    index = PrefixIndex(block_tokens=64)
-    index.add_backend("e", 1_000_000)
-    spec = KvEventsSpec(endpoint=engine.pub_endpoint, replay_endpoint=engine.replay_endpoint)
-    task = asyncio.create_task(listen("e", spec, index))
+@asynccontextmanager
+async def engine_followed(timeout_ms: int | None = None, shuffled: bool = False) -> (
+    AsyncIterator[tuple[Engine, PrefixIndex, int]]
+):
+    """An engine of the test's, a listener following it, and the next sequence number once it has joined."""
+    engine = Engine(shuffled=shuffled)
     try:
-        seq = await joined(engine, index)
+        async with following(engine.pub_endpoint, engine.replay_endpoint, timeout_ms) as index:
+            yield engine, index, await joined(engine, index)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["in-order", "out-of-order-and-twice"])
+async def test_batches_lost_on_the_way_are_replayed_in_order_before_the_next(shuffled: bool) -> None:
+    """Two batches lost between two sent: the replay brings them (in order, or out of order with one of
+    them twice: applied once each, in order); the second continues the first's chain, so the index holds
+    the whole prompt, and nothing counts as lost."""
+    async with engine_followed(shuffled=shuffled) as (engine, index, seq):
         replayed = events(index)["replayed_batches"]   # the first live ones the subscription missed, if any
         prompt = ids(512, 7)
         engine.lose(seq, prompt[:256])
@@ -215,24 +211,13 @@ async def test_batches_lost_on_the_way_are_replayed_in_order_before_the_next() -
         assert cached(index, prompt) == {"e": 511}
         assert engine.requests[-1] == seq - 1   # from the last batch applied, which shows the same engine
         assert events(index)["lost_batches"] == 0 and events(index)["unmatched_blocks"] == 0
-        assert not task.done()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await engine.close()
 
 
 async def test_what_the_replay_cannot_bring_counts_as_lost() -> None:
     """The engine's buffer no longer holds the first lost batch: it counts as lost, the one it holds is
     applied; then a replay socket that never answers: after replay_timeout_ms, every batch missing is
     lost, and the listener goes on with the next."""
-    engine = Engine()
-    index = PrefixIndex(block_tokens=64)
-    index.add_backend("e", 1_000_000)
-    spec = KvEventsSpec(endpoint=engine.pub_endpoint, replay_endpoint=engine.replay_endpoint, replay_timeout_ms=300)
-    task = asyncio.create_task(listen("e", spec, index))
-    try:
-        seq = await joined(engine, index)
+    async with engine_followed(timeout_ms=300) as (engine, index, seq):
         replayed = events(index)["replayed_batches"]
         engine.lose(seq, ids(256, 8))
         kept = ids(256, 9)
@@ -249,33 +234,6 @@ async def test_what_the_replay_cannot_bring_counts_as_lost() -> None:
         last = ids(256, 13)
         await engine.publish(seq + 5, last)
         await until(lambda: cached(index, last) == {"e": 255})
-        assert not task.done()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await engine.close()
-
-
-async def test_replies_out_of_order_or_twice_are_applied_once_in_order() -> None:
-    engine = Engine(shuffled=True)
-    index = PrefixIndex(block_tokens=64)
-    index.add_backend("e", 1_000_000)
-    spec = KvEventsSpec(endpoint=engine.pub_endpoint, replay_endpoint=engine.replay_endpoint)
-    task = asyncio.create_task(listen("e", spec, index))
-    try:
-        seq = await joined(engine, index)
-        replayed = events(index)["replayed_batches"]
-        prompt = ids(512, 7)
-        engine.lose(seq, prompt[:256])
-        engine.lose(seq + 1, prompt[256:384], parent=1000 * seq + 15)
-        await engine.publish(seq + 2, prompt[384:], parent=1000 * (seq + 1) + 7)
-        await until(lambda: events(index)["replayed_batches"] == replayed + 2)
-        assert cached(index, prompt) == {"e": 511}
-        assert events(index)["lost_batches"] == 0 and events(index)["unmatched_blocks"] == 0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await engine.close()
 
 
 @pytest.mark.parametrize("missed", [2, 12])
@@ -284,13 +242,7 @@ async def test_an_engine_restarted_behind_missed_batches_is_cleared_and_replayed
     `missed` batches: the next one's number is below the last applied (2), or above it and the replay
     asked from the last applied holds another batch under that number (12). Either way the old engine's
     blocks are dropped, the new engine's missed batches replayed, and nothing counts as lost."""
-    engine = Engine()
-    index = PrefixIndex(block_tokens=64)
-    index.add_backend("e", 1_000_000)
-    spec = KvEventsSpec(endpoint=engine.pub_endpoint, replay_endpoint=engine.replay_endpoint)
-    task = asyncio.create_task(listen("e", spec, index))
-    try:
-        seq = await joined(engine, index)
+    async with engine_followed() as (engine, index, seq):
         old = ids(256, 40)
         for k in range(seq, 6):   # the old engine's last applied batch is number 5
             await engine.publish(k, old if k == 5 else ids(64, 600 + k))
@@ -302,7 +254,3 @@ async def test_an_engine_restarted_behind_missed_batches_is_cleared_and_replayed
         await engine.publish(missed, ids(64, 70))
         await until(lambda: events(index)["cleared"] == 1 and all(cached(index, p) == {"e": 255} for p in new))
         assert cached(index, old) == {} and events(index)["lost_batches"] == 0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await engine.close()
