@@ -9,8 +9,9 @@ request as soon as the last one ends, so `-u` is the number of requests in fligh
 
     locust -f loadtest/locustfile.py --headless -u 32 -r 8 -t 60s --host http://127.0.0.1:8000
 
-`--requests N` ends the run once requests 0 to N - 1 have all been answered (or `-t` has passed), so a
-run sends the same requests however fast the host starts Locust and its users.
+`--requests N` ends a headless run once requests 0 to N - 1 have all been answered or failed (or `-t` has
+passed), so a run sends the same requests however fast the host starts Locust and its users (with
+`--processes`, each process sends its own N).
 
 Stats entries: POST `text`, `image`, `text stream`, `image stream` (end-to-end latency; for a stream,
 until `data: [DONE]`) and TTFT `text stream`, `image stream` (time to the first content chunk).
@@ -211,8 +212,12 @@ class SseParser:
         return events_
 
 
-def has_content(event: dict[str, Any]) -> bool:
-    return any(c.get("delta", {}).get("content") for c in event.get("choices", []))
+def has_content(event: Any) -> bool:
+    """Whether a chunk carries content; a chunk not shaped as a chat chunk is a bad response."""
+    try:
+        return any(c.get("delta", {}).get("content") for c in event.get("choices", []))
+    except (AttributeError, TypeError):   # not a dict, or choices / deltas that are not
+        raise BadResponse(f"not a chat completion chunk: {str(event)[:200]}") from None
 
 
 def read_stream(resp: requests.Response, start: float) -> tuple[float, int]:
@@ -285,7 +290,7 @@ class GatewayUser(User):
                     ttft, received = read_stream(resp, start)
                 else:
                     received = read_completion(resp)
-        except (requests.RequestException, BadResponse, ValueError) as exc:   # ValueError: malformed JSON
+        except Exception as exc:   # any failure of this request is its failure, counted like an answer
             error = exc
         fire = self.environment.events.request.fire
         fire(request_type="POST", name=req.name, response_time=(time.perf_counter() - start) * 1000,

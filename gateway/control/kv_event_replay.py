@@ -33,8 +33,9 @@ async def replay(endpoint: str, start: int, stop: int | None, timeout_s: float) 
     `stop` on are dropped (those from `stop` on arrive live)."""
     socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    # No limit: with ZeroMQ's default of 1,000 queued messages on both ends, the engine's ROUTER drops the rest
-    # of a longer replay, its end marker included (a pipe is unbounded when either end's limit is 0).
+    # No limit on this end: with ZeroMQ's default of 1,000 queued messages here, the engine's ROUTER dropped
+    # most of a longer replay, its end marker included. Its own send limit stays (vLLM keeps the default):
+    # a replay faster than this end reads can still lose batches there, which count as lost.
     socket.setsockopt(zmq.RCVHWM, 0)
     if endpoint.startswith("tcp://["):
         socket.setsockopt(zmq.IPV6, 1)

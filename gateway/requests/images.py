@@ -1,15 +1,15 @@
 """Image inputs: data URLs (and, when enabled, http(s) URLs) to validated images with a token count.
 
 Only the image header is parsed (Pillow opens lazily and reads the size without decoding pixels; the
-pixel limit is the configured one, not Pillow's); `verify()` then checks the file structure (a PNG's
-chunks and their checksums; a JPEG's end marker is checked here), so a truncated or malformed file is
-a 400 here rather than a failure inside an engine. Pixel data is not decoded here (a few milliseconds
-a megapixel of the gateway's one loop): a file whose structure holds but whose compressed data does not
-decode is refused by the engine that encodes it, with a 400 ("image could not be decoded") that does
-not name the content part. Remote fetches refuse loopback, private, link-local and other non-global
-addresses unless the config allows them, follow no redirects, and stop at the byte limit. Each image
-carries its content hash, computed where its bytes are inspected (off the event loop for
-large ones).
+pixel limit is the configured one, Pillow's raised to it where lower); `verify()` then checks the file
+structure (a PNG's chunks and their checksums; a JPEG's end marker is checked here), so a truncated or
+malformed file is a 400 here rather than a failure inside an engine. Pixel data is not decoded here (a
+few milliseconds a megapixel of the gateway's one loop): a file whose structure holds but whose
+compressed data does not decode is refused by the engine that encodes it, with a 400 ("image could not
+be decoded") that does not name the content part. Remote fetches refuse loopback, private, link-local
+and other non-global addresses unless the config allows them, follow no redirects, and stop at the byte
+limit. Each image carries its content hash, computed where its bytes are inspected (off the event loop
+for large ones).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import base64
 import binascii
 import io
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -33,10 +34,6 @@ from common.yaml_files import StrictModel
 from gateway.requests.errors import InvalidRequest
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
-# Pillow's own decompression-bomb check (a warning, then an error, past ~89 million pixels when a file is
-# opened) is off in the gateway: `ImageLimits.max_image_pixels` is checked from the header instead, before
-# anything decodes the image (the gateway never does), so a limit set above Pillow's is the one that holds.
-Image.MAX_IMAGE_PIXELS = None
 INLINE_INSPECT_BYTES = 256 << 10
 MAX_ASPECT_RATIO = 200   # Qwen2-VL's smart_resize refuses longer sides than this many times the shorter
 
@@ -70,10 +67,19 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, s
     """Validate one image file and count its vision tokens; errors name `where` (the content part)."""
     if len(data) > limits.max_image_bytes:
         raise InvalidRequest(f"{where}: image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param=where)
+    if Image.MAX_IMAGE_PIXELS is not None and limits.max_image_pixels > Image.MAX_IMAGE_PIXELS:
+        # Pillow refuses a file past twice its own limit (~179 million pixels) when it opens it: raised (never
+        # lowered, the process's other Pillow users keep its check) to the configured limit, which holds.
+        Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt, (width, height) = img.format or "", img.size
             img.verify()
+    except Image.DecompressionBombError as exc:   # twice the limit or more: refused before its size is read here
+        size = re.search(r"\((\d+) pixels\)", str(exc))
+        pixels = size.group(1) if size else "too many"
+        raise InvalidRequest(f"{where}: image has {pixels} pixels; the limit is {limits.max_image_pixels} pixels",
+                             param=where) from None
     except UnidentifiedImageError:
         raise InvalidRequest(f"{where}: not a PNG, JPEG or WebP image", param=where) from None
     except Exception as exc:   # Pillow's parsers raise more than OSError on a damaged file (IndexError, struct.error)

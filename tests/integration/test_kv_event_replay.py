@@ -239,13 +239,13 @@ async def test_what_the_replay_cannot_bring_counts_as_lost() -> None:
 @pytest.mark.parametrize("missed", [2, 12])
 async def test_an_engine_restarted_behind_missed_batches_is_cleared_and_replayed_from_its_start(missed: int) -> None:
     """The engine restarts (numbered from 0 again, its cache empty) and the gateway misses its first
-    `missed` batches: the next one's number is below the last applied (2), or above it and the replay
-    asked from the last applied holds another batch under that number (12). Either way the old engine's
+    `missed` batches: the next one's number is below the last applied (2, under 5 or more), or above it
+    and the replay asked from the last applied holds another batch under that number (12). Either way the old engine's
     blocks are dropped, the new engine's missed batches replayed, and nothing counts as lost."""
     async with engine_followed() as (engine, index, seq):
-        old = ids(256, 40)
-        for k in range(seq, 6):   # the old engine's last applied batch is number 5
-            await engine.publish(k, old if k == 5 else ids(64, 600 + k))
+        old, last = ids(256, 40), max(seq, 5)   # the old engine's last applied batch: 5 or more
+        for k in range(seq, last + 1):
+            await engine.publish(k, old if k == last else ids(64, 600 + k))
         await until(lambda: cached(index, old) == {"e": 255})
         engine.restart(first_block=1_000_000)
         new = [ids(256, 50 + k) for k in range(missed)]

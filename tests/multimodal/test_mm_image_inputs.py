@@ -118,7 +118,7 @@ SMALL = ImageLimits(max_images=MAX_IMAGES, max_image_bytes=MAX_IMAGE_BYTES, max_
     (b"definitely not an image" * 8, "not a PNG, JPEG or WebP"),
     (image_bytes("GIF", (16, 16)), "GIF images are not supported"),
     (image_bytes("PNG", (600, 500)), "600x500 pixels"),
-    (png_claiming(30_000, 30_000), f"image is 30000x30000 pixels; the limit is {MAX_IMAGE_PIXELS} pixels"),
+    (png_claiming(30_000, 30_000), f"image has 900000000 pixels; the limit is {MAX_IMAGE_PIXELS} pixels"),
     (image_bytes("PNG", (150, 150), noise=True), f"the limit is {MAX_IMAGE_BYTES}"),
     (image_bytes("PNG", (64, 64), noise=True)[:5000], "corrupt or truncated"),
 ], ids=["undecodable", "gif", "too-many-pixels", "bomb-header", "too-many-bytes", "truncated-png"])
@@ -131,11 +131,12 @@ def test_inspect_rejects_bad_images_naming_the_part(data: bytes, fragment: str) 
 
 
 def test_a_pixel_limit_above_pillows_own_is_the_one_that_holds() -> None:
-    """Pillow refuses files past ~89 million pixels when it opens them (its decompression-bomb check): a
-    9,500 x 10,000 image under a configured limit of 200 million was refused naming that limit."""
+    """Pillow refuses files past twice its own limit (~179 million pixels) when it opens them, its
+    decompression-bomb check: a 14,000 x 14,000 image under a configured limit of 200 million was refused
+    naming that limit."""
     limits = ImageLimits(max_image_pixels=200_000_000)
-    image = inspect(png_claiming(9_500, 10_000), "messages.0.content.1", limits, LLAVA)
-    assert (image.width, image.height) == (9_500, 10_000)
+    image = inspect(png_claiming(14_000, 14_000), "messages.0.content.1", limits, LLAVA)
+    assert (image.width, image.height) == (14_000, 14_000)
     with pytest.raises(InvalidRequest, match="15000x15000 pixels; the limit is 200000000 pixels"):
         inspect(png_claiming(15_000, 15_000), "messages.0.content.1", limits, LLAVA)
 
