@@ -160,6 +160,10 @@ class Runtime:
                 "mean_service_s": snap.mean_service_s,
                 "prefilling": e.prefilling,
                 "prefill_backlog_tokens": e.prefill_backlog_tokens,
+                # other clients' requests waiting in the engine, as of its last report, and their prompt tokens
+                # as priced (at the mean this gateway's requests prefill): in the policies' prefill backlog
+                "foreign_waiting": e.foreign_waiting,
+                "foreign_backlog_tokens": e.foreign_backlog_tokens,
                 "kv_reserved_tokens": e.kv_reserved_tokens,
                 "learned_speed": e.speed.describe(),
                 "prefix_cache": self._prefix_cache(e),

@@ -81,6 +81,10 @@ class BackendCollector(Collector):
             "backlog": GaugeMetricFamily(
                 "heterogate_backend_prefill_backlog_tokens", "Prompt tokens sent, first token not seen", labels=labels
             ),
+            "foreign": GaugeMetricFamily(
+                "heterogate_backend_foreign_waiting", "Requests waiting in the engine that this gateway did not "
+                "send (other clients'), as of its last report", labels=labels
+            ),
             "episodes": CounterMetricFamily(
                 "heterogate_backend_steal_episodes", "Work-stealing episodes (engine-reported)", labels=labels
             ),
@@ -112,6 +116,7 @@ class BackendCollector(Collector):
             families["decode"].add_metric(values, e.speed.decode.value)
             families["prior_share"].add_metric(values, e.speed.prefill.prior_share)
             families["backlog"].add_metric(values, e.prefill_backlog_tokens)
+            families["foreign"].add_metric(values, e.foreign_waiting)
             families["episodes"].add_metric(values, e.reported.steal_episodes)
             families["stolen"].add_metric(values, e.reported.tokens_stolen)
             if e.last_heartbeat is not None:

@@ -85,6 +85,10 @@ class BackendEntry:
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
     prefilling: int = 0                       # leases without a first token
     prefill_backlog_tokens: int = 0           # their prompt tokens
+    # Requests waiting in the engine that no replica of this gateway sent (other clients of a kind: openai
+    # engine), as of its last report, at the mean prompt this gateway's requests prefill (StateTable)
+    foreign_waiting: int = 0
+    foreign_backlog_tokens: int = 0
     kv_reserved_tokens: int = 0               # prompt + max tokens of every lease
     lifecycle: Lifecycle | None = None
     models: frozenset[str] = frozenset()      # the model names it serves (empty: the table's only model)

@@ -67,7 +67,7 @@ def build_snapshot(e: BackendEntry, fixed: FixedFigures, kv: tuple[int, int], me
         max_context,
         speed.prefill.value, speed.decode.value,            # learned_prefill_s_per_token, decode_step_s
         e.prefilling + peer.prefilling,
-        e.prefill_backlog_tokens + peer.prefill_backlog_tokens,
+        e.prefill_backlog_tokens + peer.prefill_backlog_tokens + e.foreign_backlog_tokens,
         e.kv_reserved_tokens + peer.kv_reserved_tokens,
         e.slack.slacks(),                                                       # itl_slack_s
         speed.stall_factor, speed.stall_per_prompt_s,                           # calibrated stalls

@@ -65,6 +65,9 @@ from gateway.routing.snapshots import FixedFigures, build_snapshot, fixed_figure
 # most a refresh or two behind: a sender coalesces pokes for 5 ms, so a refresh (at most 1 s) holds at
 # most 200 of its messages. Further below is a new count, taken.
 REORDER_WINDOW = 256
+# The moving mean of the tokens this gateway's requests prefill, by which a request another client left
+# waiting in an engine is priced (BackendEntry.foreign_backlog_tokens): about the last 50 requests'.
+MEAN_PREFILL_GAIN = 0.02
 
 
 def _open_to(entry: BackendEntry, priority: int) -> bool:
@@ -115,6 +118,8 @@ class StateTable:
         self._mixed: dict[str | None, tuple[str, ...]] = {}
         self._stream: object | None = None   # the Control stream of the heartbeat being applied (`reporting_on`)
         self._owners: dict[str, object] = {}   # per backend, the Control stream whose report is current
+        self._mean_prefill_tokens = 0.0   # of this gateway's requests, a moving mean (a foreign request's guess)
+        self._prefills = 0
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -236,10 +241,21 @@ class StateTable:
             self._largest_context.clear()
         entry.reported = reported
         entry.address = address or entry.address
+        self._note_foreign(entry, reported)
         # the stale-metrics marker: no fresh load figure, so the backend is not heard from any more
         entry.last_heartbeat = None if reported.waiting >= SATURATED_QUEUE else self.clock() if at is None else at
         entry.snapshot = None
         return entry
+
+    def _note_foreign(self, entry: BackendEntry, reported: Reported) -> None:
+        """The requests in the engine beyond every replica's in flight there are other clients': those of
+        them waiting (at most its reported waiting) are a prefill backlog this gateway did not send, priced
+        at the mean prompt its own requests prefill (their own lengths are in no engine metric). None
+        while the gateway's own requests account for the engine's count, as where it is the only client."""
+        waiting = reported.waiting if reported.waiting < SATURATED_QUEUE else 0   # not the stale marker
+        foreign = min(waiting, max(0, waiting + reported.running - entry.in_flight - entry.peer.in_flight))
+        entry.foreign_waiting = foreign
+        entry.foreign_backlog_tokens = round(foreign * self._mean_prefill_tokens)
 
     def note_exit(self, backend_id: str, reason: str) -> None:
         """A managed engine stopped serving unasked, to be relaunched: why, in words, for the operator
@@ -263,6 +279,7 @@ class StateTable:
         if state != "ready":
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
             entry.reported = replace(entry.reported, waiting=0, running=0, vision_backlog=0)
+            entry.foreign_waiting = entry.foreign_backlog_tokens = 0
         entry.snapshot = None   # the pools re-read its row
 
     def set_reachable(self, backend_id: str, answers: bool | None) -> None:
@@ -307,6 +324,9 @@ class StateTable:
         entry = self._entries[backend_id]
         decided = entry.cached or entry.blind   # the snapshot the decision read (none: no first-token sample)
         prefilled = prompt_tokens - cached_tokens
+        self._prefills += 1   # the mean of all so far until there are enough for the moving one
+        gain = max(MEAN_PREFILL_GAIN, 1 / self._prefills)
+        self._mean_prefill_tokens += gain * (prefilled - self._mean_prefill_tokens)
         entry.in_flight += 1
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         lease = Lease(backend_id, prefilled, prompt_tokens + max_tokens, 0, 0.0, entry=entry, max_tokens=max_tokens,
@@ -344,7 +364,7 @@ class StateTable:
         entry.prefilling += 1
         entry.prefill_backlog_tokens += lease.prompt_tokens
         lease.tokens_ahead = 0 if lease.mostly_cached else entry.prefill_backlog_tokens + \
-            entry.peer.prefill_backlog_tokens
+            entry.peer.prefill_backlog_tokens + entry.foreign_backlog_tokens
         speed = entry.speed
         lease.itl_deadline = entry.slack.add(lease.prompt_tokens, lease.max_tokens, speed.prefill.value,
                                              speed.decode_floor_s, speed.stall_factor, speed.stall_per_prompt_s)

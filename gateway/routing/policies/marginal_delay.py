@@ -7,7 +7,8 @@ sent to backend i:
               from `gateway.routing.prefix_index`); L_i = L − h_i, the tokens i would prefill
     p_i     = learned prefill s/token (p̂, `common.speed_estimator`; 2·P / F_i before any sample)
     s_i     = learned decode step (ŝ, the mean inter-token time the engine delivers)
-    B_i     = prompt tokens sent to i whose first token has not come (chunked prefill serves them first)
+    B_i     = prompt tokens sent to i whose first token has not come (chunked prefill serves them first),
+              and other clients' requests the engine reports waiting, at a mean prompt (`state_table`)
     n_i     = requests in flight on i: decoding now, or prefilling ahead of r and so decoding by the
               time r's prefill runs (FIFO chunked prefill serves the backlog first)
     K_i     = KV cache tokens; U_i = max(K_i − free tokens reported, this router's reservations there)
@@ -74,8 +75,8 @@ the one-candidate form: the same costs and choices, at N=1024 in tens of microse
 millisecond; up to LOOP_UP_TO candidates it loops over `cost`, which is cheaper there. T_kv and the veto
 apply only where the request's reservation exceeds a candidate's KV headroom, mostly a few rows: those
 are priced one at a time, in the same arithmetic (all rows as arrays past LOOP_UP_TO of them).
-Limits: B_i and n_i count this router's requests only (with Redis, every replica's in-flight count
-but not their prefill backlog); s_i is an average over recent requests, so it lags a sudden change
+Limits: n_i counts this router's requests only (with Redis, every replica's), and B_i other clients'
+waiting requests only at a mean prompt's length; s_i is an average over recent requests, so it lags a sudden change
 of batch size by about one request's decode time; the stall terms assume FIFO chunked prefill; the
 slacks take each request's max_tokens as what it generates and see this router's requests only; the
 calibration needs completed streamed requests (a backend that gets none keeps its prior).
