@@ -34,6 +34,8 @@ index fed the engines' counters, as the pipeline wires them. Targets:
                 prefix indexes through the real Redis (--redis-url; gateway.replicas.shared_state, refreshed
                 every 50 ms of virtual time, the spreading layer on, as `--redis-url` runs them)
     hg-3alone   the same three replicas, each on its own view (no Redis)
+    hg-noforeign  hg-cache with the requests other clients leave waiting in an engine (--foreign) unpriced:
+                the gateway before it read them from the engines' reports (StateTable's foreign backlog)
 
 Workloads (each request's prompt is the chat rendered as the gateway renders it, `role: text` lines):
 
@@ -53,6 +55,11 @@ Workloads (each request's prompt is the chat rendered as the gateway renders it,
                 encoders)
     imagechat   repeatimage's images and questions after a tenant's system prompt (--tenants, 1,000-2,500
                 tokens): system prompt, then the image, then the question, as a chat puts them
+
+--foreign SHARE: other clients send each engine of the fastest tier (the H100s) SHARE of its saturated
+rate straight (single requests of the workload's sizes, prompts of their own: no cache hits), as
+applications sharing a vLLM deployment do; the gateway sees them only in the engines' reports (waiting,
+running). Scored apart: their TTFT p50 / p90 (`foreign_ttft_*`).
 
 Load (--loads, by default per workload: DEFAULT_LOADS) is a multiple of the cache-blind capacity: each
 engine alone saturated in emulated time with the workload's requests and no cache (as
@@ -129,7 +136,7 @@ MIXED_TIER: Cluster = tuple((eid, TIERS[tier]) for eid, tier in CLUSTER)
 RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity.json"
 LATENCY_RESULTS = ROOT / "benchmarks" / "results" / "prefix_affinity_latency.json"
 TARGETS = ("rr", "cwlor", "sglang-ca", "hg-blind", "hg-noevict", "hg-cache", "hg-session", "hg-oracle", "hg-default",
-           "hg-3shared", "hg-3alone", "hg-imagesfirst")
+           "hg-3shared", "hg-3alone", "hg-imagesfirst", "hg-noforeign")
 DEFAULT_TARGETS = TARGETS[:9]   # the replica targets need Redis: named on the command line
 REPLICAS, REFRESH_S = 3, 0.05
 WORKLOADS = ("multiturn", "nosharing", "hotprefix", "repeatimage", "imagechat")
@@ -473,6 +480,10 @@ def make_router(target: str, clock: Clock, engines: dict[str, Batcher], rates: d
         return CacheAware("index", clock, engines, {"w_evict": 0.0})
     if target == "hg-default":
         return CacheAware("index", clock, engines, overload=OverloadConfig())
+    if target == "hg-noforeign":   # the engines' reports of other clients' waiting requests left unpriced
+        router = CacheAware("index", clock, engines)
+        router.table._note_foreign = lambda entry, reported: None   # type: ignore[method-assign]
+        return router
     mode = {"hg-blind": "blind", "hg-cache": "index", "hg-session": "session", "hg-oracle": "oracle",
             "hg-imagesfirst": "imagesfirst"}[target]
     return CacheAware(mode, clock, engines)
@@ -508,9 +519,14 @@ class _Event:
 
 
 def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation], clock: Clock,
-          interval_s: float, seed: int) -> list[Outcome]:
-    """Run `convs` (start offsets from now) through `router` onto `engines` until every turn is answered."""
+          interval_s: float, seed: int, foreign: Mapping[str, float] | None = None,
+          foreign_sizes: Sequence[tuple[int, int]] = (), foreign_out: list[Outcome] | None = None) -> list[Outcome]:
+    """Run `convs` (start offsets from now) through `router` onto `engines` until every turn is answered.
+    `foreign`: requests/s other clients send straight to these engines (Poisson, sizes drawn from
+    `foreign_sizes`), their outcomes appended to `foreign_out`."""
     rng = random.Random(seed)
+    other = random.Random(seed + 17)
+    foreign_seqs: dict[int, Outcome] = {}
     busy = dict.fromkeys(engines, False)
     start = clock.now
     events: list[_Event] = []
@@ -554,6 +570,8 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
 
     for c in convs:
         push(start + c.start_s, "arrive", c)
+    for eid, rate in (foreign or {}).items():
+        push(start + other.expovariate(rate), "foreign", eid)
     reporting = [eid for eid in engines]
     for k, eid in enumerate(reporting):
         router.report(eid, engines[eid])
@@ -579,17 +597,33 @@ def serve(router: Router, engines: dict[str, Batcher], convs: list[Conversation]
             open_conversations -= settle()   # first those its arrival let go, which were held before it
             if routed is not None:
                 place(r, *routed)
+        elif ev.kind == "foreign":   # another client's request, straight to the engine
+            eid = ev.what
+            tokens, max_tokens = other.choice(foreign_sizes)
+            seq = Seq(tokens, max_tokens, clock.now)
+            foreign_seqs[id(seq)] = out = Outcome(eid, tokens, max_tokens, clock.now)
+            if foreign_out is not None:
+                foreign_out.append(out)
+            engines[eid].waiting.append(seq)
+            if not busy[eid]:
+                step(eid)
+            push(clock.now + other.expovariate((foreign or {})[eid]), "foreign", eid)
         elif ev.kind == "step":
             eid, plan = ev.what
             done = engines[eid].apply(plan)
             for s in plan.first:
+                if (mine := foreign_seqs.get(id(s))) is not None:
+                    mine.first = mine.last = clock.now
+                    continue
                 handle, out, _ = handles[id(s)]
                 out.first = out.last = clock.now
                 out.cached = s.cached
                 router.first_token(handle)
             for s in plan.decoded:
-                handles[id(s)][1].last = clock.now
+                (foreign_seqs.get(id(s)) or handles[id(s)][1]).last = clock.now
             for s in done:
+                if foreign_seqs.pop(id(s), None) is not None:
+                    continue
                 handle, out, c = handles.pop(id(s))
                 router.done(handle, s.generated)
                 c.replies.append(text(rng, s.generated, "answer"))
@@ -659,8 +693,11 @@ def score(outcomes: list[Outcome], rates: dict[str, float], router: Router, clus
 
 def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[float] | None, sessions: int,
         requests: int, warmup: int, n_tenants: int, interval_s: float, log: Callable[[str], None] = print,
-        redis_url: str = "", cluster: Cluster = MIXED_TIER) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every target on `cluster` (the mixed-tier benchmark's by default) for each workload, seed and load."""
+        redis_url: str = "", cluster: Cluster = MIXED_TIER, foreign_share: float = 0.0) -> (
+    tuple[list[dict[str, Any]], dict[str, Any]]
+):
+    """Every target on `cluster` (the mixed-tier benchmark's by default) for each workload, seed and load;
+    `foreign_share`: of each fastest-tier engine's saturated rate, what other clients send it directly."""
     rows: list[dict[str, Any]] = []
     capacities: dict[str, Any] = {}
     for workload in workloads:
@@ -683,7 +720,16 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
                                                                  7 + seed, prompts), clock, interval_s, seed)
                             clock.now += 5.0
                         convs = conversations(workload, count, session_rate, 1000 * seed + 1, prompts)
-                        row = score(serve(router, engines, convs, clock, interval_s, 2 * seed), rates, router, cluster)
+                        fastest = cluster[0][1].name
+                        foreign = {eid: foreign_share * rates[eid] for eid, tier in cluster
+                                   if tier.name == fastest} if foreign_share else None
+                        theirs: list[Outcome] = []
+                        row = score(serve(router, engines, convs, clock, interval_s, 2 * seed, foreign, sizes, theirs),
+                                    rates, router, cluster)
+                        if theirs:
+                            started = [o.ttft for o in theirs if o.first == o.first]   # not NaN: it started
+                            row |= {"foreign_requests": len(theirs), "foreign_ttft_p50_s": percentile(started, 0.5),
+                                    "foreign_ttft_p90_s": percentile(started, 0.9)}
                     finally:
                         if isinstance(router, Replicas):
                             router.close()
@@ -705,11 +751,13 @@ def med(rows: list[dict[str, Any]], key: str) -> float:
 def tables(rows: list[dict[str, Any]], workloads: list[str], targets: list[str]) -> str:
     tiers = list(dict.fromkeys(t for _, t in CLUSTER))
     out = []
+    foreign = any("foreign_requests" in r for r in rows)
     for workload, load in dict.fromkeys((r["workload"], r["load"]) for r in rows if r["workload"] in workloads):
         out += [f"\n{workload} at {load}x the cache-blind capacity", "",
                 "| target | goodput (range) | TTFT p50 / p90 / p99 s | hit rate | prefilled tokens per request | "
-                f"tier shares ({' / '.join(tiers)}) | max engine / capacity share | predicted / reported hit rate |",
-                "|---|---:|---:|---:|---:|---|---:|---:|"]
+                f"tier shares ({' / '.join(tiers)}) | max engine / capacity share | predicted / reported hit rate |"
+                + (" other clients' TTFT p50 / p90 s |" if foreign else ""),
+                "|---|---:|---:|---:|---:|---|---:|---:|" + ("---:|" if foreign else "")]
         for target in targets:
             rs = [r for r in rows if r["workload"] == workload and r["load"] == load and r["target"] == target]
             if not rs:
@@ -721,7 +769,9 @@ def tables(rows: list[dict[str, Any]], workloads: list[str], targets: list[str])
             out.append(f"| {target} | {statistics.median(g):.1%} ({min(g):.1%}-{max(g):.1%}) | "
                        f"{med(rs, 'ttft_p50_s'):.2f} / {med(rs, 'ttft_p90_s'):.2f} / {med(rs, 'ttft_p99_s'):.2f} | "
                        f"{med(rs, 'hit_rate'):.1%} | {med(rs, 'prefilled_per_request'):.0f} | {shares} | "
-                       f"{med(rs, 'max_engine_over_capacity_share'):.2f} | {predicted} |")
+                       f"{med(rs, 'max_engine_over_capacity_share'):.2f} | {predicted} |"
+                       + (f" {med(rs, 'foreign_ttft_p50_s'):.2f} / {med(rs, 'foreign_ttft_p90_s'):.2f} |"
+                          if foreign else ""))
     return "\n".join(out)
 
 
@@ -811,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=150, help="conversations of the unscored warm-up")
     p.add_argument("--interval-ms", type=float, default=200, help="engine report interval (heartbeats: 200)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="hg-3shared: the Redis the replicas share")
+    p.add_argument("--foreign", type=float, default=0.0, metavar="SHARE",
+                   help="other clients send each H100 this share of its saturated rate directly (default 0)")
     p.add_argument("--latency", action="store_true", help="also the routing cost per request at N=64")
     p.add_argument("--latency-only", action="store_true", help="only that (results: prefix_affinity_latency.json)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -821,7 +873,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out == RESULTS:
             args.out = LATENCY_RESULTS
     rows, capacities = run(args.workloads, args.targets, args.seeds, args.loads, args.sessions, args.requests,
-                           args.warmup, args.tenants, args.interval_ms / 1000, redis_url=args.redis_url)
+                           args.warmup, args.tenants, args.interval_ms / 1000, redis_url=args.redis_url,
+                           foreign_share=args.foreign)
     text_tables = tables(rows, args.workloads, args.targets)
     print(text_tables)
     report: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
