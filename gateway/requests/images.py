@@ -21,6 +21,7 @@ import io
 import ipaddress
 import re
 import socket
+import warnings
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -69,8 +70,10 @@ def inspect(data: bytes, where: str, limits: ImageLimits, model: ModelProfile, s
         raise InvalidRequest(f"{where}: image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param=where)
     if Image.MAX_IMAGE_PIXELS is not None and limits.max_image_pixels > Image.MAX_IMAGE_PIXELS:
         # Pillow refuses a file past twice its own limit (~179 million pixels) when it opens it: raised (never
-        # lowered, the process's other Pillow users keep its check) to the configured limit, which holds.
+        # lowered, the process's other Pillow users keep its check) to the configured limit, which holds; its
+        # warning past the limit is then this function's own refusal, said once more on stderr: not shown.
         Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning, module="PIL")
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt, (width, height) = img.format or "", img.size
