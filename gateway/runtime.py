@@ -163,6 +163,7 @@ class Runtime:
                 # other clients' requests waiting in the engine, as of its last report, and their prompt tokens
                 # as priced (at the mean this gateway's requests prefill): in the policies' prefill backlog
                 "foreign_waiting": e.foreign_waiting,
+                "foreign_running": e.foreign_running,
                 "foreign_backlog_tokens": e.foreign_backlog_tokens,
                 "kv_reserved_tokens": e.kv_reserved_tokens,
                 "learned_speed": e.speed.describe(),

@@ -89,6 +89,7 @@ class BackendEntry:
     # engine), as of its last report, at the mean prompt this gateway's requests prefill (StateTable)
     foreign_waiting: int = 0
     foreign_backlog_tokens: int = 0
+    foreign_running: int = 0                  # and those running there (decoding, stalled by a prefill)
     kv_reserved_tokens: int = 0               # prompt + max tokens of every lease
     lifecycle: Lifecycle | None = None
     models: frozenset[str] = frozenset()      # the model names it serves (empty: the table's only model)

@@ -50,10 +50,12 @@ def build_snapshot(e: BackendEntry, fixed: FixedFigures, kv: tuple[int, int], me
     snapshots per decision (`dataclasses.replace` on the snapshot, for the blind one, took 4.6 µs
     against 2.0). tests/unit/test_state_table.py checks every field by name."""
     r, peer, speed = e.reported, e.peer, e.speed
-    in_flight = e.in_flight + peer.in_flight
+    in_flight, foreign_backlog = e.in_flight + peer.in_flight, e.foreign_backlog_tokens
     if blind:
         queue_depth, kv_free, kv_total = in_flight, fixed.unreported_kv_bytes, fixed.unreported_kv_bytes
+        foreign_backlog = 0
     else:
+        in_flight += e.foreign_running   # other clients' requests running there, as last reported
         queue_depth = max(in_flight, r.waiting + r.running)
         kv_free, kv_total = kv
     backend_id, role, gpu, tflops, bandwidth_gbs, price_per_hour = fixed.identity   # a call with *args costs more
@@ -67,7 +69,7 @@ def build_snapshot(e: BackendEntry, fixed: FixedFigures, kv: tuple[int, int], me
         max_context,
         speed.prefill.value, speed.decode.value,            # learned_prefill_s_per_token, decode_step_s
         e.prefilling + peer.prefilling,
-        e.prefill_backlog_tokens + peer.prefill_backlog_tokens + e.foreign_backlog_tokens,
+        e.prefill_backlog_tokens + peer.prefill_backlog_tokens + foreign_backlog,
         e.kv_reserved_tokens + peer.kv_reserved_tokens,
         e.slack.slacks(),                                                       # itl_slack_s
         speed.stall_factor, speed.stall_per_prompt_s,                           # calibrated stalls

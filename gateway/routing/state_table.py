@@ -250,12 +250,15 @@ class StateTable:
     def _note_foreign(self, entry: BackendEntry, reported: Reported) -> None:
         """The requests in the engine beyond every replica's in flight there are other clients': those of
         them waiting (at most its reported waiting) are a prefill backlog this gateway did not send, priced
-        at the mean prompt its own requests prefill (their own lengths are in no engine metric). None
-        while the gateway's own requests account for the engine's count, as where it is the only client."""
-        waiting = reported.waiting if reported.waiting < SATURATED_QUEUE else 0   # not the stale marker
-        foreign = min(waiting, max(0, waiting + reported.running - entry.in_flight - entry.peer.in_flight))
-        entry.foreign_waiting = foreign
-        entry.foreign_backlog_tokens = round(foreign * self._mean_prefill_tokens)
+        at the mean prompt its own requests prefill (their own lengths are in no engine metric); the rest
+        run there, stalled by a prefill as the gateway's own are (n_i). None while the gateway's own
+        requests account for the engine's count, as where it is the only client."""
+        stale = reported.waiting >= SATURATED_QUEUE   # the stale marker: no load figures
+        waiting = 0 if stale else reported.waiting
+        foreign = 0 if stale else max(0, waiting + reported.running - entry.in_flight - entry.peer.in_flight)
+        entry.foreign_waiting = min(waiting, foreign)
+        entry.foreign_running = foreign - entry.foreign_waiting
+        entry.foreign_backlog_tokens = round(entry.foreign_waiting * self._mean_prefill_tokens)
 
     def note_exit(self, backend_id: str, reason: str) -> None:
         """A managed engine stopped serving unasked, to be relaunched: why, in words, for the operator
@@ -279,7 +282,7 @@ class StateTable:
         if state != "ready":
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
             entry.reported = replace(entry.reported, waiting=0, running=0, vision_backlog=0)
-            entry.foreign_waiting = entry.foreign_backlog_tokens = 0
+            entry.foreign_waiting = entry.foreign_running = entry.foreign_backlog_tokens = 0
         entry.snapshot = None   # the pools re-read its row
 
     def set_reachable(self, backend_id: str, answers: bool | None) -> None:

@@ -40,10 +40,16 @@ def reference(table: StateTable, roles: tuple[Role, ...], now: float, exclude: s
             fresh.append(table.snapshot(e))
         elif e.external:
             stale.append(table.snapshot(e))
-    if stale and not fresh:
-        kv = [perf_model.kv_capacity_bytes(table.model, table.get(b.id).gpu) for b in stale]   # type: ignore[union-attr]
-        return [dataclasses.replace(b, queue_depth=b.in_flight, kv_free_bytes=k, kv_total_bytes=k)
-                for b, k in zip(stale, kv, strict=True)]
+    if stale and not fresh:   # failing open: the gateway's own counts only (no other clients' load either)
+        blind = []
+        for b in stale:
+            e = table.get(b.id)
+            assert e is not None
+            kv, in_flight = perf_model.kv_capacity_bytes(table.model, e.gpu), b.in_flight - e.foreign_running
+            backlog = b.prefill_backlog_tokens - e.foreign_backlog_tokens
+            blind.append(dataclasses.replace(b, queue_depth=in_flight, in_flight=in_flight, kv_free_bytes=kv,
+                                             kv_total_bytes=kv, prefill_backlog_tokens=backlog))
+        return blind
     return fresh + [dataclasses.replace(b, queue_depth=max(SATURATED_QUEUE, b.in_flight), kv_free_bytes=0)
                     for b in stale]
 

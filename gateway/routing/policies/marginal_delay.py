@@ -10,7 +10,8 @@ sent to backend i:
     B_i     = prompt tokens sent to i whose first token has not come (chunked prefill serves them first),
               and other clients' requests the engine reports waiting, at a mean prompt (`state_table`)
     n_i     = requests in flight on i: decoding now, or prefilling ahead of r and so decoding by the
-              time r's prefill runs (FIFO chunked prefill serves the backlog first)
+              time r's prefill runs (FIFO chunked prefill serves the backlog first); other clients' running
+              there as last reported too
     K_i     = KV cache tokens; U_i = max(K_i − free tokens reported, this router's reservations there)
     R       = L + M, the KV tokens the request can come to hold
     κ_i, c_i = i's calibrated stall (`common.calibration`, fitted on its completed requests' decode
@@ -75,11 +76,11 @@ the one-candidate form: the same costs and choices, at N=1024 in tens of microse
 millisecond; up to LOOP_UP_TO candidates it loops over `cost`, which is cheaper there. T_kv and the veto
 apply only where the request's reservation exceeds a candidate's KV headroom, mostly a few rows: those
 are priced one at a time, in the same arithmetic (all rows as arrays past LOOP_UP_TO of them).
-Limits: n_i counts this router's requests only (with Redis, every replica's), and B_i other clients'
-waiting requests only at a mean prompt's length; s_i is an average over recent requests, so it lags a sudden change
-of batch size by about one request's decode time; the stall terms assume FIFO chunked prefill; the
-slacks take each request's max_tokens as what it generates and see this router's requests only; the
-calibration needs completed streamed requests (a backend that gets none keeps its prior).
+Limits: other clients' requests enter n_i and B_i as last reported, B_i's at a mean prompt's length; s_i is
+an average over recent requests, so it lags a sudden change of batch size by about one request's decode
+time; the stall terms assume FIFO chunked prefill; the slacks take each request's max_tokens as what it
+generates and see this router's requests only; the calibration needs completed streamed requests (a backend
+that gets none keeps its prior).
 """
 
 from __future__ import annotations
