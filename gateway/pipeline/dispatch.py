@@ -691,7 +691,7 @@ class Pipeline:
         elsewhere = bool(job.images) and client.handoff != "none" and backend.role != "both"
         dispatch = Dispatch(self, job, decision, record,
                             self.table.acquire(backend.id, job.prompt_tokens + job.image_tokens, job.max_tokens,
-                                               cached, awaiting_inputs=elsewhere))
+                                               cached, awaiting_inputs=elsewhere, engine_requests=job.choices))
         if record.trace is not None:   # the engine's spans join the dispatch's
             dispatch.trace = record.trace.attempt(decision, record.attempts)
             job = job.traced(dispatch.trace.traceparent, tracestate(record.tracestate))

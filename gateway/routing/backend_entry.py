@@ -85,11 +85,17 @@ class BackendEntry:
     kv_capacity_tokens: int | None = None     # configured: where the engine does not say
     prefilling: int = 0                       # leases without a first token
     prefill_backlog_tokens: int = 0           # their prompt tokens
-    # Requests waiting in the engine that no replica of this gateway sent (other clients of a kind: openai
-    # engine), as of its last report, at the mean prompt this gateway's requests prefill (StateTable)
+    engine_requests: int = 0                  # the engine requests of its leases (a request of n choices is n)
+    # Other clients' requests in the engine (StateTable._note_foreign): what it counted beyond every replica's
+    # own at its last two reports (`foreign_seen`, the smaller of the two counts: a request this gateway let
+    # go, which the engine drops a moment later, is in one report at most), this gateway's own engine
+    # requests at its last report; of them, those waiting (their prompt tokens at the mean prompt this
+    # gateway's requests prefill) and those running
+    foreign_seen: tuple[int, int] = (0, 0)
+    own_at_report: int = 0
     foreign_waiting: int = 0
     foreign_backlog_tokens: int = 0
-    foreign_running: int = 0                  # and those running there (decoding, stalled by a prefill)
+    foreign_running: int = 0
     kv_reserved_tokens: int = 0               # prompt + max tokens of every lease
     lifecycle: Lifecycle | None = None
     models: frozenset[str] = frozenset()      # the model names it serves (empty: the table's only model)
@@ -152,5 +158,6 @@ class Lease:
     stall_mark: tuple[float, int] | None = None    # the backend's stall clock at its first token
     entry: BackendEntry | None = None         # the entry it counts in (one of that id registered later: not it)
     max_tokens: int = 0
+    engine_requests: int = 1                  # what the engine counts it as (n choices: n requests)
     awaiting_inputs: bool = False             # its images' embeddings are still to come: not prefilling yet
     mostly_cached: bool = False               # most of its prompt predicted cached there: no p̂ sample

@@ -50,14 +50,14 @@ def build_snapshot(e: BackendEntry, fixed: FixedFigures, kv: tuple[int, int], me
     snapshots per decision (`dataclasses.replace` on the snapshot, for the blind one, took 4.6 µs
     against 2.0). tests/unit/test_state_table.py checks every field by name."""
     r, peer, speed = e.reported, e.peer, e.speed
-    in_flight, foreign_backlog = e.in_flight + peer.in_flight, e.foreign_backlog_tokens
-    if blind:
+    in_flight = e.in_flight + peer.in_flight
+    if blind:   # its own counts only: no other clients' load either
         queue_depth, kv_free, kv_total = in_flight, fixed.unreported_kv_bytes, fixed.unreported_kv_bytes
-        foreign_backlog = 0
+        foreign_backlog = foreign_running = 0
     else:
-        in_flight += e.foreign_running   # other clients' requests running there, as last reported
         queue_depth = max(in_flight, r.waiting + r.running)
         kv_free, kv_total = kv
+        foreign_backlog, foreign_running = e.foreign_backlog_tokens, e.foreign_running
     backend_id, role, gpu, tflops, bandwidth_gbs, price_per_hour = fixed.identity   # a call with *args costs more
     return BackendSnapshot(
         backend_id, role, gpu, tflops, bandwidth_gbs, price_per_hour,
@@ -73,4 +73,5 @@ def build_snapshot(e: BackendEntry, fixed: FixedFigures, kv: tuple[int, int], me
         e.kv_reserved_tokens + peer.kv_reserved_tokens,
         e.slack.slacks(),                                                       # itl_slack_s
         speed.stall_factor, speed.stall_per_prompt_s,                           # calibrated stalls
+        foreign_running,
     )

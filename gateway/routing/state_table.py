@@ -241,22 +241,27 @@ class StateTable:
             self._largest_context.clear()
         entry.reported = reported
         entry.address = address or entry.address
-        self._note_foreign(entry, reported)
+        entry.own_at_report = entry.engine_requests
+        self._note_foreign(entry, reported=True)
         # the stale-metrics marker: no fresh load figure, so the backend is not heard from any more
         entry.last_heartbeat = None if reported.waiting >= SATURATED_QUEUE else self.clock() if at is None else at
         entry.snapshot = None
         return entry
 
-    def _note_foreign(self, entry: BackendEntry, reported: Reported) -> None:
-        """The requests in the engine beyond every replica's in flight there are other clients': those of
-        them waiting (at most its reported waiting) are a prefill backlog this gateway did not send, priced
-        at the mean prompt its own requests prefill (their own lengths are in no engine metric); the rest
-        run there, stalled by a prefill as the gateway's own are (n_i). None while the gateway's own
-        requests account for the engine's count, as where it is the only client."""
-        stale = reported.waiting >= SATURATED_QUEUE   # the stale marker: no load figures
-        waiting = 0 if stale else reported.waiting
-        foreign = 0 if stale else max(0, waiting + reported.running - entry.in_flight - entry.peer.in_flight)
-        entry.foreign_waiting = min(waiting, foreign)
+    def _note_foreign(self, entry: BackendEntry, reported: bool) -> None:
+        """The requests the engine counts (waiting + running) beyond this gateway's own engine requests at
+        its report and the other replicas' in flight there are other clients': the smaller count of its
+        last two reports (`reported`: a new one; else the other replicas' counts changed). Those waiting
+        (at most its reported waiting) are a prefill backlog this gateway did not send, priced at the mean
+        prompt its own requests prefill (their own lengths are in no engine metric); the rest run there,
+        stalled by a prefill as the gateway's own are (n_i). None while the gateway's own requests account
+        for the engine's count, as where it is the only client."""
+        r = entry.reported
+        stale = r.waiting >= SATURATED_QUEUE   # the stale marker: no load figures
+        count = 0 if stale else max(0, r.waiting + r.running - entry.own_at_report - entry.peer.in_flight)
+        entry.foreign_seen = (entry.foreign_seen[1], count) if reported else (entry.foreign_seen[0], count)
+        foreign = min(entry.foreign_seen)
+        entry.foreign_waiting = min(0 if stale else r.waiting, foreign)
         entry.foreign_running = foreign - entry.foreign_waiting
         entry.foreign_backlog_tokens = round(entry.foreign_waiting * self._mean_prefill_tokens)
 
@@ -283,6 +288,7 @@ class StateTable:
             entry.last_heartbeat = None   # a relaunched engine is healthy again only once it reports
             entry.reported = replace(entry.reported, waiting=0, running=0, vision_backlog=0)
             entry.foreign_waiting = entry.foreign_running = entry.foreign_backlog_tokens = 0
+            entry.foreign_seen = (0, 0)
         entry.snapshot = None   # the pools re-read its row
 
     def set_reachable(self, backend_id: str, answers: bool | None) -> None:
@@ -306,6 +312,7 @@ class StateTable:
         entry = self._entries[backend_id]
         if entry.peer != load:
             entry.peer = load
+            self._note_foreign(entry, reported=False)   # their requests the last report counted are no one else's
             entry.snapshot = None
 
     def assume_alive(self, backend_id: str) -> None:
@@ -315,7 +322,7 @@ class StateTable:
         entry.snapshot = None   # the pools re-read its heartbeat (kept, it left them once its last one aged)
 
     def acquire(self, backend_id: str, prompt_tokens: int = 0, max_tokens: int = 0, cached_tokens: int = 0,
-                awaiting_inputs: bool = False) -> Lease:
+                awaiting_inputs: bool = False, engine_requests: int = 1) -> Lease:
         """`cached_tokens`: of the prompt, those the backend's prefix cache is predicted to hold: only the
         rest joins its prefill backlog, its stall clock and the lease's prefill (the KV reservation is
         the whole prompt + max_tokens). `awaiting_inputs`: the engine cannot start its prefill before
@@ -331,9 +338,11 @@ class StateTable:
         gain = max(MEAN_PREFILL_GAIN, 1 / self._prefills)
         self._mean_prefill_tokens += gain * (prefilled - self._mean_prefill_tokens)
         entry.in_flight += 1
+        entry.engine_requests += engine_requests
         entry.kv_reserved_tokens += prompt_tokens + max_tokens
         lease = Lease(backend_id, prefilled, prompt_tokens + max_tokens, 0, 0.0, entry=entry, max_tokens=max_tokens,
-                      awaiting_inputs=awaiting_inputs, mostly_cached=2 * cached_tokens > prompt_tokens)
+                      engine_requests=engine_requests, awaiting_inputs=awaiting_inputs,
+                      mostly_cached=2 * cached_tokens > prompt_tokens)
         if not awaiting_inputs:
             self._start_prefill(entry, lease, decided)
         entry.snapshot = None
@@ -396,6 +405,7 @@ class StateTable:
         if entry is None:
             return
         entry.in_flight = max(0, entry.in_flight - 1)
+        entry.engine_requests = max(0, entry.engine_requests - lease.engine_requests)
         entry.kv_reserved_tokens = max(0, entry.kv_reserved_tokens - lease.reserve_tokens)
         entry.slack.remove(lease.itl_deadline)
         lease.itl_deadline = None

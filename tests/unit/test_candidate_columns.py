@@ -45,10 +45,10 @@ def reference(table: StateTable, roles: tuple[Role, ...], now: float, exclude: s
         for b in stale:
             e = table.get(b.id)
             assert e is not None
-            kv, in_flight = perf_model.kv_capacity_bytes(table.model, e.gpu), b.in_flight - e.foreign_running
+            kv = perf_model.kv_capacity_bytes(table.model, e.gpu)
             backlog = b.prefill_backlog_tokens - e.foreign_backlog_tokens
-            blind.append(dataclasses.replace(b, queue_depth=in_flight, in_flight=in_flight, kv_free_bytes=kv,
-                                             kv_total_bytes=kv, prefill_backlog_tokens=backlog))
+            blind.append(dataclasses.replace(b, queue_depth=b.in_flight, kv_free_bytes=kv, kv_total_bytes=kv,
+                                             prefill_backlog_tokens=backlog, foreign_running=0))
         return blind
     return fresh + [dataclasses.replace(b, queue_depth=max(SATURATED_QUEUE, b.in_flight), kv_free_bytes=0)
                     for b in stale]

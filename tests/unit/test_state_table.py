@@ -80,13 +80,13 @@ def test_a_snapshot_holds_each_signal_in_the_field_of_its_name() -> None:
     got = dataclasses.asdict(t.snapshot(e))
     assert got == {
         "id": "l40s-0", "role": "both", "gpu": "L40S", "tflops": gpu.tflops, "bandwidth_gbs": gpu.bandwidth_gbs,
-        "price_per_hour": gpu.price_per_hour, "queue_depth": 90, "in_flight": 45, "kv_free_bytes": 1_000 * per_token,
+        "price_per_hour": gpu.price_per_hour, "queue_depth": 90, "in_flight": 8, "kv_free_bytes": 1_000 * per_token,
         "kv_total_bytes": 3_000 * per_token, "kv_bytes_per_token": per_token, "vision_backlog": 26,
         "mean_service_s": 0.7, "prefill_s_per_token": perf_model.prefill_seconds_per_token(model, gpu),
         "weight_bytes": model.weight_bytes, "encode_s_per_token": perf_model.encode_seconds(model, gpu, 1),
         "steal": True, "max_context": 4096, "learned_prefill_s_per_token": 1.25e-4, "decode_step_s": 0.0375,
         "prefilling": 34, "prefill_backlog_tokens": 83, "kv_reserved_tokens": 48, "itl_slack_s": e.slack.slacks(),
-        "stall_factor": 1.5, "stall_per_prompt_s": 0.004,
+        "stall_factor": 1.5, "stall_per_prompt_s": 0.004, "foreign_running": 37,
     }
     assert got["itl_slack_s"]   # a lease's slack is there to be misplaced too
 

@@ -17,6 +17,7 @@ is K_i (0: unknown) and `kv_used_tokens` max(K_i − free tokens, this router's 
 K_i is (the inputs of `marginal_delay`); `kv_headroom_tokens` is K_i − max(0, kv_used_tokens), +inf
 where K_i is not above 0: a request reserving more only there may wait for that cache or be vetoed
 by it, so a decision finds those few rows with one comparison and prices them alone;
+`in_flight` is every request running there, other clients' included (`BackendSnapshot.foreign_running`);
 `stall_factor` and `stall_per_prompt_s` are the backend's calibrated stall (`common.calibration`);
 `itl_slack_k_s` is the snapshot's k-th smallest inter-token slack, +inf where it has fewer.
 """
@@ -60,7 +61,7 @@ def column_values(b: BackendSnapshot) -> tuple[float, ...]:
     capacity = b.kv_total_bytes // per_token if per_token else 0
     used = max(capacity - free // per_token, b.kv_reserved_tokens) if capacity else 0
     return (b.prefill_s_per_token, queue, service, queue * service, fit, b.max_context or _INF,
-            b.learned_prefill_s_per_token or b.prefill_s_per_token, b.decode_step_s, b.in_flight,
+            b.learned_prefill_s_per_token or b.prefill_s_per_token, b.decode_step_s, b.in_flight + b.foreign_running,
             b.prefill_backlog_tokens, capacity, used, capacity - max(0, used) if capacity > 0 else _INF,
             b.stall_factor, b.stall_per_prompt_s, *(b.itl_slack_s + _NO_SLACK)[:EXPOSED])
 

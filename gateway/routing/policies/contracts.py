@@ -53,7 +53,7 @@ class BackendSnapshot:
     learned_prefill_s_per_token: float = 0.0   # p̂: what the engine delivers, not 2·P / F_i
     decode_step_s: float = 0.0                 # ŝ: mean inter-token time it delivers
     prefilling: int = 0                        # dispatched here, first token not seen yet
-    prefill_backlog_tokens: int = 0            # their prompt tokens
+    prefill_backlog_tokens: int = 0            # their prompt tokens, and other clients' waiting there (estimated)
     kv_reserved_tokens: int = 0                # prompt + max tokens of every request in flight here
     # The smallest inter-token slacks of the requests in flight here (common.itl_slack), smallest
     # first: the prefill stall (s) each can still take before its mean inter-token time passes the target.
@@ -62,6 +62,9 @@ class BackendSnapshot:
     # prompt's prefill stalls the requests decoding there, κ · L · p̂ + c.
     stall_factor: float = 1.0
     stall_per_prompt_s: float = 0.0
+    # Other clients' requests running there as its last report counts them (the engine's beyond every
+    # replica's own): stalled by a prefill there as this gateway's are, and decoding ahead of its first token.
+    foreign_running: int = 0
 
     def fits(self, tokens: int) -> bool:
         """Whether a request needing `tokens` of context (prompt + max_tokens) fits this backend."""

@@ -52,7 +52,8 @@ def first_token_features(b: BackendSnapshot, prefill_tokens: int, reserve_tokens
     """x for a request that would prefill `prefill_tokens` there and reserve `reserve_tokens` of KV."""
     p = b.learned_prefill_s_per_token or b.prefill_s_per_token
     step = b.decode_step_s
-    return ((b.prefill_backlog_tokens + prefill_tokens) * p, step, b.in_flight * step, kv_wait_s(b, reserve_tokens))
+    return ((b.prefill_backlog_tokens + prefill_tokens) * p, step, (b.in_flight + b.foreign_running) * step,
+            kv_wait_s(b, reserve_tokens))
 
 
 class SoonestFirstToken:

@@ -226,7 +226,7 @@ class MarginalDelay:
             return CostTerms(b.id, 0.0, 0.0, self.veto, self.veto)
         p = b.learned_prefill_s_per_token or b.prefill_s_per_token
         step = b.decode_step_s
-        stalled = b.in_flight   # those decoding now and those whose prefill runs before this one's
+        stalled = b.in_flight + b.foreign_running   # decoding now, or prefilling before this one: any client's
         fresh = length - request.cached_tokens.get(b.id, 0)   # L_i: what i would prefill
         if self.calibrate:
             stall = prefill_stall_s(b, fresh)
