@@ -59,7 +59,8 @@ Workloads (each request's prompt is the chat rendered as the gateway renders it,
 --foreign SHARE: other clients send each engine of the fastest tier (the H100s) SHARE of its saturated
 rate straight (single requests of the workload's sizes, prompts of their own: no cache hits), as
 applications sharing a vLLM deployment do; the gateway sees them only in the engines' reports (waiting,
-running). Scored apart: their TTFT p50 / p90 (`foreign_ttft_*`).
+running). Scored apart: their TTFT p50 / p90 (`foreign_ttft_*`) over those that started before the
+gateway's last request ended (`foreign_unstarted`: the others, left out).
 
 Load (--loads, by default per workload: DEFAULT_LOADS) is a multiple of the cache-blind capacity: each
 engine alone saturated in emulated time with the workload's requests and no cache (as
@@ -728,7 +729,8 @@ def run(workloads: list[str], targets: list[str], seeds: list[int], loads: list[
                                     rates, router, cluster)
                         if theirs:
                             started = [o.ttft for o in theirs if o.first == o.first]   # not NaN: it started
-                            row |= {"foreign_requests": len(theirs), "foreign_ttft_p50_s": percentile(started, 0.5),
+                            row |= {"foreign_requests": len(theirs), "foreign_unstarted": len(theirs) - len(started),
+                                    "foreign_ttft_p50_s": percentile(started, 0.5),
                                     "foreign_ttft_p90_s": percentile(started, 0.9)}
                     finally:
                         if isinstance(router, Replicas):
