@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -55,8 +56,11 @@ def stop_with_workers(command: list[str], sig: signal.Signals, workers: int = 2,
                       env: dict[str, str] | None = None) -> Stopped:
     """Start `command` in a session of its own, send `sig` to it once it has `workers` children (SIGINT to its
     whole process group, as a terminal's Ctrl-C does) and wait for it and them to go."""
+    # PYTHONFAULTHANDLER: a command that does not exit in time is sent SIGABRT, and the failure shows where
+    # each of its threads was (a rare hang after the interrupt's one line was seen once under a full suite)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})}, preexec_fn=_ctrl_c_default)
+                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
+                            preexec_fn=_ctrl_c_default)
     kids: list[int] = []
     try:
         deadline = time.monotonic() + WORKERS_WITHIN_S
@@ -67,7 +71,15 @@ def stop_with_workers(command: list[str], sig: signal.Signals, workers: int = 2,
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
-        _, stderr = proc.communicate(timeout=EXIT_WITHIN_S)
+        try:
+            _, stderr = proc.communicate(timeout=EXIT_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=GONE_WITHIN_S)
+            with contextlib.suppress(ProcessLookupError):   # its workers hold its stderr open
+                os.killpg(proc.pid, signal.SIGKILL)
+            _, stderr = proc.communicate(timeout=GONE_WITHIN_S)
+            raise AssertionError(f"not exited within {EXIT_WITHIN_S} s of {sig.name}; its threads:\n{stderr}") from None
         deadline = time.monotonic() + GONE_WITHIN_S
         while any(running(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
