@@ -53,7 +53,7 @@ from gateway.replicas.leadership import Supervision
 from gateway.replicas.replica import Replication, join
 from gateway.replicas.shared_state import redacted
 from gateway.replicas.workers import reuse_port_socket
-from gateway.runtime import Runtime, build_runtime
+from gateway.runtime import Runtime, build_runtime, needs_vision_pool
 
 # The youngest generation is collected once 10,000 more objects were allocated than freed, not 700: what
 # a collection walks is mostly the requests in flight, however long the wait before it, so fewer
@@ -195,7 +195,7 @@ def check_startup(config: ClusterConfig, options: ServeOptions) -> StartupChecks
         warnings.append("API keys are on (gateway.auth or gateway.tenants) and no admin key is set: every key gets "
                         "403 on /metrics, /admin/* and /dashboard, so nothing can scrape or change this gateway "
                         "(gateway.auth.admin_keys_file or admin_keys_env sets admin keys)")
-    warnings += autoscaling_warnings(config)
+    warnings += autoscaling_warnings(config) + image_warnings(config)
     if settings.autoscaling.mode == "manage" and options.redis_url is not None:
         warnings.append("gateway.autoscaling.mode is manage, but with replicas (--redis-url or gateway.redis.url) "
                         "the fleet is fixed: the scaler adds and removes no engine, it only exports its counts "
@@ -223,6 +223,26 @@ def autoscaling_warnings(config: ClusterConfig) -> list[str]:
         if now > bounds.max:
             out.append(f"gateway.autoscaling.pools.{pool}: {now} engines at start-up, above max {bounds.max}: "
                        "the scaler removes only engines it added, so the pool stays above max")
+    return out
+
+
+def image_warnings(config: ClusterConfig) -> list[str]:
+    """Models that take images where no backend encodes them (their image requests get 400), and vision
+    backends no language backend of their model sends images to (they encode nothing): valid, a fleet
+    may serve a vision model text only, but likely not what was meant."""
+    out = []
+    for served in config.models.models.values():
+        if served.profile.vision is None:
+            continue
+        if not config.encodes_images(served.name):
+            out.append(f"model {served.name!r} takes images, but no backend encodes them for it (role vision or "
+                       "both, or a kind: openai upstream without image_embeds): its image requests get 400")
+        encoders = [b.id for b in config.raw.backends if b.role == "vision" and served in config.backend_models[b.id]]
+        if encoders and not needs_vision_pool(config, model=served.name):
+            out.append(f"vision backend(s) {', '.join(encoders)} of model {served.name!r} encode nothing: every "
+                       "language backend of it takes images itself (role both, or a kind: openai upstream without "
+                       "image_embeds)" + ("; those with steal: true still take language work" if any(
+                           b.steal for b in config.raw.backends if b.id in encoders) else ""))
     return out
 
 

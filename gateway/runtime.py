@@ -43,8 +43,9 @@ class Runtime:
     upstreams: dict[str, Upstream] = field(default_factory=dict)   # kind: openai backends, read by the clients' factory
     # where the backends' reports go: this process's table (the Redis store once it joins replicas)
     signals: SignalStore = field(init=False)
-    # the fleet has had a vision backend (the last one may be removed at runtime: gateway/control/fleet.py)
-    had_encoders: bool = field(init=False)
+    # the models the fleet has had a vision backend for (the last one may be removed at runtime:
+    # gateway/control/fleet.py)
+    had_encoders: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.signals = LocalSignals(self.table, self.clients.ensure)
@@ -64,26 +65,36 @@ class Runtime:
         images and some language backend relies on a separate encoder (a `both` backend or an upstream
         that reads images itself does not); without it image requests get 503 while text is served, so
         the gateway stays ready and says `"degraded": ["vision"]`: taking every replica out of its
-        load balancer for the images would stop the text too. So with backends kept for higher priority
-        classes (`min_priority`): where only those serve, the lowest class's requests get 503 and it is
-        named, `"priority:<class>"`."""
+        load balancer for the images would stop the text too. With several models each model's encoders
+        are counted apart (`"vision:<model>"`: an encoder of one model does not encode another's images).
+        So with backends kept for higher priority classes (`min_priority`): where only those serve, the
+        lowest class's requests get 503 and it is named, `"priority:<class>"`."""
         language = self.table.servable(LANGUAGE_ROLES)
         out: dict[str, Any] = {"ready": language > 0, "healthy_language_backends": language}
         degraded = []
+        several = len(self.config.models) > 1
         if needs_vision_pool(self.config, self.had_encoders):
             vision = self.table.servable(VISION_ROLES)
             out["healthy_vision_backends"] = vision
-            if vision == 0:
+            if vision == 0 and not several:
                 degraded.append("vision")
         kept = any(b.min_priority is not None for b in self.config.raw.backends)
         if kept and language:   # backends kept for higher classes: a class none is open to is degraded
             lowest = self.config.settings.tenants.classes[0]
             if not self.table.servable(LANGUAGE_ROLES, priority=lowest):
                 degraded.append(f"priority:{lowest}")
-        if len(self.config.models) > 1:   # per model: ready while any model is, the others named degraded
-            per_model = {name: self.table.servable(LANGUAGE_ROLES, model=name) for name in self.config.models.models}
-            out["models"] = {name: {"ready": n > 0, "healthy_language_backends": n} for name, n in per_model.items()}
-            degraded += [f"model:{name}" for name, n in per_model.items() if n == 0]
+        if several:   # per model: ready while any model is, the others named degraded
+            models: dict[str, dict[str, Any]] = {}
+            for name in self.config.models.models:
+                n = self.table.servable(LANGUAGE_ROLES, model=name)
+                models[name] = {"ready": n > 0, "healthy_language_backends": n}
+                if n == 0:
+                    degraded.append(f"model:{name}")
+                if needs_vision_pool(self.config, self.had_encoders, name):
+                    models[name]["healthy_vision_backends"] = vision = self.table.servable(VISION_ROLES, model=name)
+                    if vision == 0:
+                        degraded.append(f"vision:{name}")
+            out["models"] = models
         if degraded:
             out["degraded"] = degraded
         return out
@@ -148,6 +159,8 @@ class Runtime:
                 "kv_capacity_source": self.table.kv_capacity(e)[2],
                 "max_model_len": context,
                 "context_source": context_source,
+                # per model it serves (several: a kind: openai upstream), [tokens, source]
+                "model_contexts": {m: list(self.table.context(e, m)) for m in sorted(e.models)},
                 "vision_backlog": snap.vision_backlog,
                 "images_encoded": e.reported.images_encoded,
                 "embedding_cache_hits": e.reported.embedding_cache_hits,
@@ -174,18 +187,24 @@ class Runtime:
         return out
 
 
-def has_encoders(config: ClusterConfig) -> bool:
-    return any(s.role == "vision" for s in config.raw.backends)
+def has_encoders(config: ClusterConfig) -> frozenset[str]:
+    """The models some vision backend of the fleet encodes for."""
+    return frozenset(m.name for b in config.raw.backends if b.role == "vision" for m in config.backend_models[b.id])
 
 
-def needs_vision_pool(config: ClusterConfig, had_encoders: bool | None = None) -> bool:
-    """Image requests are served (the model takes images and the cluster has encoders, or had them
-    before the fleet changed at runtime: `had_encoders`), and some language backend depends on a separate
-    encoder for them."""
-    backends = config.raw.backends
-    return (any(m.profile.vision is not None for m in config.models.models.values())
-            and (has_encoders(config) if had_encoders is None else had_encoders)
-            and any((s.kind == "engine" and s.role == "language") or s.image_embeds for s in backends))
+def needs_vision_pool(config: ClusterConfig, had_encoders: frozenset[str] | None = None,
+                      model: str | None = None) -> bool:
+    """Image requests (of `model`; None: of any) are served (the model takes images and the fleet has
+    encoders for it, or had them before the fleet changed at runtime: `had_encoders`), and some language
+    backend of it depends on a separate encoder for them."""
+    encoders = has_encoders(config) if had_encoders is None else had_encoders
+    models = [m for m in config.models.models.values() if model is None or m.name == model]
+    return any(
+        m.profile.vision is not None and m.name in encoders
+        and any(((s.kind == "engine" and s.role == "language") or s.image_embeds) and m in config.backend_models[s.id]
+                for s in config.raw.backends)
+        for m in models
+    )
 
 
 def pipeline_settings(settings: GatewaySettings) -> PipelineSettings:
@@ -220,6 +239,7 @@ def register_backend(table: StateTable, config: ClusterConfig, spec: BackendSpec
         min_priority=spec.min_priority,
         kv_capacity_tokens=spec.kv_capacity_tokens, models=[m.name for m in config.backend_models[spec.id]],
         profile=config.model_of(spec.id).profile,
+        other_contexts={m.name: m.profile.max_context for m in config.backend_models[spec.id][1:]},
         report_interval_s=spec.scrape.interval_s(config.settings.heartbeat_interval_ms) if spec.scrape else None,
     )
 

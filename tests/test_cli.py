@@ -95,6 +95,9 @@ def test_check_config_rejects_a_broken_file(tmp_path: Path, backend: str, field:
     ("images: {max_image_pixels: -4}", "gateway.images.max_image_pixels"),
     ("images: {fetch_timeout_s: -5}", "gateway.images.fetch_timeout_s"),
     ("limits: {default_max_tokens: 5000}", "default_max_tokens (5000) is above max_tokens (4096)"),
+    # accepted, and the floor silently never applied (the timeout caps it)
+    ("limits: {first_token_floor_s: 100, first_token_timeout_s: 5}",
+     "first_token_floor_s (100) is above first_token_timeout_s (5)"),
 ])
 def test_check_config_rejects_limits_out_of_range(tmp_path: Path, section: str, field: str) -> None:
     bad = tmp_path / "backends.yaml"

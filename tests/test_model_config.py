@@ -46,7 +46,12 @@ def test_a_backend_naming_an_unknown_model_is_refused(tmp_path: Path) -> None:
 def test_a_name_given_twice_is_refused(tmp_path: Path) -> None:
     body = "aliases: [x]\nmodels:\n  - {name: llama, catalog: llama-2-7b, aliases: [x]}\n" \
            "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H100, model: llama, launch: {}}\n"
-    assert "model name 'x' is given twice ('llava-1.5-7b' and 'llama')" in config_error(write(tmp_path, body))
+    assert "models.0 (llama).aliases: model name 'x' is given twice (first by aliases)" in \
+        config_error(write(tmp_path, body))
+    body = "models:\n  - {name: llama, catalog: llama-2-7b}\n  - {name: llama, catalog: llama-2-70b}\n" \
+           "backends:\n  - {id: a, gpu: H100, launch: {}}\n  - {id: b, gpu: H100, model: llama, launch: {}}\n"
+    assert "models.1 (llama).name: model name 'llama' is given twice (first by models.0 (llama).name)" in \
+        config_error(write(tmp_path, body))
 
 
 def test_a_model_nobody_serves_is_refused(tmp_path: Path) -> None:

@@ -338,10 +338,15 @@ class Limits(StrictModel):
 
     @model_validator(mode="after")
     def _default_within_max(self) -> Limits:
-        """An explicit default above the cap contradicts it; the built-in one is cut to the cap."""
+        """An explicit default above its cap contradicts it (max_tokens; the first-token timeout for the
+        floor); a built-in one is cut to the cap."""
         if "default_max_tokens" in self.model_fields_set and self.default_max_tokens > self.max_tokens:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is above max_tokens ({self.max_tokens}), "
                              "the most a request may ask for")
+        if "first_token_floor_s" in self.model_fields_set and self.first_token_floor_s > self.first_token_timeout_s:
+            raise ValueError(f"first_token_floor_s ({self.first_token_floor_s:g}) is above first_token_timeout_s "
+                             f"({self.first_token_timeout_s:g}), which caps every first-token limit: the floor would "
+                             "never apply")
         return self
 
 
@@ -567,6 +572,14 @@ class ClusterConfig:
         """The first model's name (the one backends serve unless they name another)."""
         return self.models.default.name
 
+    def encodes_images(self, model: str) -> bool:
+        """Whether some backend of `model` takes its images: one that encodes them (role vision or both),
+        or an upstream that reads them itself (kind: openai without image_embeds)."""
+        served = self.models.models[model]
+        return any(served in self.backend_models[b.id]
+                   and (b.role in ("vision", "both") or (b.kind == "openai" and not b.image_embeds))
+                   for b in self.raw.backends)
+
     def model_of(self, backend_id: str) -> ServedModel:
         """The (first) model a backend serves: its engine runs it, its figures come from its profile."""
         return self.backend_models[backend_id][0]
@@ -608,13 +621,16 @@ def _served_models(path: Path, raw: ClusterFile, catalog: Catalog, first: ModelP
         profile = _resolve(path, f"models.{i} ({spec.name}).catalog", lambda n=name: catalog.model(n))
         out.append(ServedModel(spec.name, name, profile, tuple(spec.aliases),
                                folder(f"models.{i} ({spec.name}).tokenizer", spec.tokenizer)))
-    seen: dict[str, str] = {}
-    for m in out:
-        for alias in (m.name, *m.aliases):
+    seen: dict[str, str] = {}   # each name or alias: the field that gave it
+    for k, m in enumerate(out):
+        where = "" if k == 0 else f"models.{k - 1} ({m.name})."
+        named = ((m.name, "served_model_name" if raw.served_model_name else "model") if k == 0
+                 else (m.name, f"{where}name"))
+        for alias, field in (named, *((a, f"{where}aliases") for a in m.aliases)):
             if alias in seen:
-                raise ConfigError(f"{path}: model name {alias!r} is given twice ({seen[alias]!r} and {m.name!r}); "
+                raise ConfigError(f"{path}: {field}: model name {alias!r} is given twice (first by {seen[alias]}); "
                                   "each name or alias picks one model")
-            seen[alias] = m.name
+            seen[alias] = field
     return out
 
 

@@ -359,7 +359,7 @@ class Fleet:
 
     def _set_backends(self, backends: list[BackendSpec]) -> None:
         self.config = self._runtime.config = self._validated(backends)
-        self._runtime.had_encoders = self._runtime.had_encoders or has_encoders(self.config)
+        self._runtime.had_encoders = self._runtime.had_encoders | has_encoders(self.config)
 
     def _drain_task(self, backend_id: str) -> asyncio.Task[None]:
         task = self._drains.get(backend_id)

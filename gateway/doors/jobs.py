@@ -178,6 +178,11 @@ class JobBuilder:
         model = served.profile
         if model.vision is None:
             raise InvalidRequest(f"model {served.name!r} does not accept images", param="messages")
+        runtime = self._runtime   # its config: the fleet as changed at runtime
+        if not runtime.config.encodes_images(served.name) and served.name not in runtime.had_encoders:
+            raise InvalidRequest(f"model {served.name!r} takes images, but no backend here encodes them for it "
+                                 "(role vision or both, or a kind: openai upstream that reads images itself): "
+                                 "this cluster serves it text only", param="messages")
         limits = self._config.settings.images
         if len(parts) > limits.max_images:
             raise InvalidRequest(f"{len(parts)} images; the limit is {limits.max_images} per request",

@@ -22,7 +22,9 @@ can serve now: heard from, or an upstream that answers; not the ones kept as can
 open on.
 
 Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
-    context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model
+    context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model;
+                 per model for a backend serving several: the engine's figure is its first model's
+                 (the one whose /v1/models entry it reports), the others start at the entry's
     KV capacity  the engine's (heartbeat) · configured (agent flag, or the entry's `kv_capacity_tokens`)
                  · the performance-model estimate
 
@@ -38,8 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
 from common import perf_model
 from common.catalog import GpuProfile, ModelProfile
@@ -102,6 +105,11 @@ class StateTable:
         self._entries: dict[str, BackendEntry] = {}
         self._roles: set[Role] = set()   # of the backends registered
         self._fixed: dict[str, FixedFigures] = {}   # per backend, what its snapshots take from its registration
+        # per backend serving several models: the catalog context of each beyond its first
+        self._other_contexts: dict[str, dict[str, int]] = {}
+        # per (backend, model) of those: (its snapshot, that snapshot with the model's context), so that a
+        # model's pool hands out the same object while the snapshot stays the same
+        self._model_snapshots: dict[tuple[str, str, bool], tuple[BackendSnapshot, BackendSnapshot]] = {}
         self._changes: set[str] = set()
         # per (roles, model): a model's pool is the backends that serve it (None: every backend)
         self._pools: dict[tuple[tuple[Role, ...], str | None], CandidateColumns] = {}
@@ -128,9 +136,12 @@ class StateTable:
         steal: bool = False, external: bool = False, max_model_len: int | None = None,
         kv_capacity_tokens: int | None = None, models: Iterable[str] = (), profile: ModelProfile | None = None,
         report_interval_s: float | None = None, min_priority: int | None = None,
+        other_contexts: Mapping[str, int] | None = None,
     ) -> BackendEntry:
         """`models`: the names of the models it serves (none: the cluster serves one model); `profile`:
-        the catalog model its figures come from (default: the table's); `report_interval_s`: how often
+        the catalog model its figures come from (default: the table's), its first; `other_contexts`: the
+        catalog context of each model it serves beyond that one (a `kind: openai` upstream serving
+        several); `report_interval_s`: how often
         its reports come when that is less often than heartbeats (a scrape interval): it is heard from
         for the miss limit of its own interval; `min_priority`: kept for requests of that priority class
         or higher (`closed_to`)."""
@@ -149,6 +160,10 @@ class StateTable:
         self._entries[backend_id] = entry
         self._roles.add(role)
         self._fixed[backend_id] = fixed_figures(backend_id, role, gpu, profile, self._unreported_kv(entry, profile))
+        self._other_contexts.pop(backend_id, None)
+        if other_contexts:
+            self._other_contexts[backend_id] = dict(other_contexts)
+        self._model_snapshots.clear()
         self._pools.clear()
         self._open.clear()
         self._largest_context.clear()
@@ -159,6 +174,8 @@ class StateTable:
         """The backend leaves the fleet (gateway/control/fleet.py removes it once drained: no lease is left)."""
         entry = self._entries.pop(backend_id)
         del self._fixed[backend_id]
+        self._other_contexts.pop(backend_id, None)
+        self._model_snapshots.clear()
         self._draining.discard(backend_id)
         self._reserved.pop(backend_id, None)
         self._reachable.pop(backend_id, None)
@@ -521,7 +538,7 @@ class StateTable:
             self._failing_open[model] = failing_open
         if failing_open:
             return self._open_candidates((roles, model), stale)
-        return fresh.extended([self._saturated(e) for e in stale]) if stale else fresh
+        return fresh.extended([self._saturated(e, model) for e in stale]) if stale else fresh
 
     @property
     def failing_open(self) -> bool:
@@ -536,13 +553,15 @@ class StateTable:
         last ones patched in the rows that did (each request changes its backend's in-flight count).
         The pool hands out the same `stale` object while its members stay the same: then the rows line up."""
         members, cached = self._open.get(key, ((), None))
+        model = key[1]
         if cached is not None and members is stale:
-            changes = [(k, b) for k, e in enumerate(stale) if (b := self._blind(e)) is not cached[k]]
+            changes = [(k, b) for k, e in enumerate(stale) if (b := self._for_model(e, model, self._blind(e)))
+                       is not cached[k]]
             if changes:
                 cached = cached.replaced(changes)
                 self._open[key] = (stale, cached)
             return cached
-        cached = Candidates([self._blind(e) for e in stale])
+        cached = Candidates([self._for_model(e, model, self._blind(e)) for e in stale])
         self._open[key] = (stale, cached)
         return cached
 
@@ -554,12 +573,32 @@ class StateTable:
         key = (roles, model)
         if key not in self._pools:
             members = [e for e in self._entries.values() if e.role in roles and _serves_model(e, model)]
-            self._pools[key] = CandidateColumns(members, self.snapshot, self._serves)
+            snapshot: Callable[[BackendEntry], BackendSnapshot] = self.snapshot
+            if model is not None and any(model in self._other_contexts.get(e.id, ()) for e in members):
+                snapshot = partial(self._model_snapshot, model=model)
+            self._pools[key] = CandidateColumns(members, snapshot, self._serves)
         return self._pools[key]
 
-    def _saturated(self, e: BackendEntry) -> BackendSnapshot:
-        return replace(self.snapshot(e), queue_depth=max(SATURATED_QUEUE, e.in_flight + e.peer_in_flight),
-                       kv_free_bytes=0)
+    def _model_snapshot(self, e: BackendEntry, model: str) -> BackendSnapshot:
+        return self._for_model(e, model, self.snapshot(e))
+
+    def _for_model(self, e: BackendEntry, model: str | None, snap: BackendSnapshot) -> BackendSnapshot:
+        """`snap` (e's snapshot) as `model`'s pool reads it: with that model's context where e serves
+        several models and that one's differs from its first's; the same object while `snap` is."""
+        if model is None or model not in self._other_contexts.get(e.id, ()):
+            return snap
+        key = (e.id, model, snap is e.blind)
+        kept = self._model_snapshots.get(key)
+        if kept is not None and kept[0] is snap:
+            return kept[1]
+        context = self.context(e, model)[0]
+        out = snap if context == snap.max_context else replace(snap, max_context=context)
+        self._model_snapshots[key] = (snap, out)
+        return out
+
+    def _saturated(self, e: BackendEntry, model: str | None) -> BackendSnapshot:
+        return replace(self._for_model(e, model, self.snapshot(e)),
+                       queue_depth=max(SATURATED_QUEUE, e.in_flight + e.peer_in_flight), kv_free_bytes=0)
 
     def _blind(self, e: BackendEntry) -> BackendSnapshot:
         """What the gateway knows without metrics: its own in-flight count and the configured or nominal
@@ -574,8 +613,15 @@ class StateTable:
             return e.kv_capacity_tokens * profile.kv_bytes_per_token
         return perf_model.kv_capacity_bytes(profile, e.gpu)
 
-    def context(self, e: BackendEntry) -> tuple[int, str]:
-        """(tokens, source): the context length a backend serves, prompt + completion."""
+    def context(self, e: BackendEntry, model: str | None = None) -> tuple[int, str]:
+        """(tokens, source): the context length a backend serves, prompt + completion (of `model`, one of
+        those it serves; None: its first). The engine reports its first model's; another model's is the
+        entry's `max_model_len` where set, else that model's catalog context."""
+        other = self._other_contexts.get(e.id)
+        if other is not None and model in other:
+            if e.max_model_len is not None:
+                return e.max_model_len, "config"
+            return other[model], "catalog"
         if e.reported.max_model_len > 0:
             return e.reported.max_model_len, "engine"
         if e.max_model_len is not None:
@@ -602,7 +648,7 @@ class StateTable:
         found = self._largest_context.get(model)
         if found is None:
             found = self._largest_context[model] = max(
-                (self.context(e)[0] for e in self._entries.values()
+                (self.context(e, model)[0] for e in self._entries.values()
                  if e.takes_language and _serves_model(e, model)), default=0
             )
         return found

@@ -1,8 +1,9 @@
-"""One gateway, two models (gateway/config/models.py), from a real gateway process on 127.0.0.1: simulated
-engines of each model, and an OpenAI-compatible upstream (tests/fake_openai_server.py) serving both.
-A request goes to its model's pool only; an alias reaches the model under its own name (upstream
-included); /v1/models lists both; readiness and /metrics are per model: a model left without a backend
-answers 503 and is named degraded while the other model is served."""
+"""One gateway, several models (gateway/config/models.py), from a real gateway process on 127.0.0.1:
+simulated engines of each model, and an OpenAI-compatible upstream (tests/fake_openai_server.py) serving
+three. A request goes to its model's pool only; an alias reaches the model under its own name (upstream
+included); /v1/models lists them; each model's context is its own on the upstream that serves several;
+readiness and /metrics are per model: a model left without a backend answers 503 and is named degraded
+while the other model is served; a vision model served by language engines alone refuses images (400)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from testkit.harness import Gateway, free_port, metric_total, run_gateway, write_config
+from testkit.harness import (
+    Gateway,
+    data_url,
+    free_port,
+    image_bytes,
+    image_part,
+    metric_total,
+    run_gateway,
+    text_part,
+    write_config,
+)
 from tests.e2e.test_external_engines import spawn, stop
 
 pytestmark = pytest.mark.timeout(240)
-LLAVA, LLAMA = "llava-1.5-7b", "llama"
+LLAVA, LLAMA, QWEN, QWEN_TEXT = "llava-1.5-7b", "llama", "qwen", "qwen-text"
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +38,20 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
     fast = {"time_scale": 0.05}
     config = write_config(tmp, {
         "model": LLAVA, "aliases": ["llava"],
-        "models": [{"name": LLAMA, "catalog": "llama-2-7b", "aliases": ["llama-chat"]}],
+        "models": [{"name": LLAMA, "catalog": "llama-2-7b", "aliases": ["llama-chat"]},
+                   {"name": QWEN, "catalog": "qwen2.5-vl-7b"},        # 32k context, on the upstream only
+                   {"name": QWEN_TEXT, "catalog": "qwen2.5-vl-7b"}],  # takes images; no backend encodes them
         "gateway": {"heartbeat_interval_ms": 100, "heartbeat_miss_limit": 20},
         "backends": [
             {"id": "llava-0", "gpu": "H100", "launch": fast},
             {"id": "llava-1", "gpu": "A100-80GB", "launch": fast},
             {"id": "llama-0", "gpu": "L40S", "model": LLAMA, "launch": fast},
-            {"id": "up", "kind": "openai", "gpu": "L40S", "address": url, "model": [LLAVA, LLAMA]},
+            {"id": "qwen-text-0", "role": "language", "gpu": "L40S", "model": QWEN_TEXT, "launch": fast},
+            {"id": "up", "kind": "openai", "gpu": "L40S", "address": url, "model": [LLAVA, LLAMA, QWEN]},
         ],
     })
     try:
-        with run_gateway(config, healthy=3, timeout=90) as gw:
+        with run_gateway(config, healthy=4, timeout=90) as gw:
             yield gw, url
     finally:
         stop(upstream)
@@ -51,12 +65,42 @@ def chat(gw: Gateway, model: str) -> httpx.Response:
 def test_models_are_listed_with_their_aliases(gateway: tuple[Gateway, str]) -> None:
     gw, _ = gateway
     cards = httpx.get(f"{gw.url}/v1/models", timeout=5).json()["data"]
-    assert [(c["id"], c["aliases"]) for c in cards] == [(LLAVA, ["llava"]), (LLAMA, ["llama-chat"])]
-    assert all(c["max_model_len"] > 0 for c in cards)
+    assert [(c["id"], c["aliases"]) for c in cards] == [
+        (LLAVA, ["llava"]), (LLAMA, ["llama-chat"]), (QWEN, []), (QWEN_TEXT, [])]
+    assert [c["max_model_len"] for c in cards] == [4096, 4096, 32768, 32768]
     assert httpx.get(f"{gw.url}/v1/models/llama-chat", timeout=5).json()["id"] == LLAMA
     missing = httpx.get(f"{gw.url}/v1/models/gpt-4", timeout=5)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
-    assert {b["id"]: b["models"] for b in gw.backends()}["up"] == [LLAMA, LLAVA]
+    up = {b["id"]: b for b in gw.backends()}["up"]
+    assert up["models"] == [LLAMA, LLAVA, QWEN]
+    assert up["model_contexts"] == {LLAMA: [4096, "catalog"], LLAVA: [4096, "catalog"], QWEN: [32768, "catalog"]}
+
+
+def test_each_model_has_its_own_context_on_an_upstream_serving_several(gateway: tuple[Gateway, str]) -> None:
+    """The upstream's first model has a 4k context, its third 32k: a 6k-token prompt goes there for the third
+    and is refused for the first (it was refused for both, the upstream's contexts all read as its first's)."""
+    gw, _ = gateway
+    long = "word " * 6000
+    for model, status in ((QWEN, 200), (LLAVA, 400)):
+        body = {"model": model, "messages": [{"role": "user", "content": long}], "max_tokens": 3}
+        resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+        assert resp.status_code == status, resp.text
+        if status == 200:
+            assert resp.headers["x-heterogate-backend"] == "up"
+        else:
+            assert resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_vision_model_no_backend_encodes_for_takes_text_only(gateway: tuple[Gateway, str]) -> None:
+    """Its image requests were held for an encoder of another model and answered 503 with Retry-After, for ever."""
+    gw, _ = gateway
+    image = [text_part("what is this?"), image_part(data_url(image_bytes()))]
+    body = {"model": QWEN_TEXT, "messages": [{"role": "user", "content": image}], "max_tokens": 3}
+    resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "messages" and f"model '{QWEN_TEXT}' takes images, but no backend" in error["message"]
+    assert chat(gw, QWEN_TEXT).status_code == 200
 
 
 def test_each_request_goes_to_its_models_pool(gateway: tuple[Gateway, str]) -> None:
@@ -95,7 +139,7 @@ def test_readiness_and_metrics_are_per_model(gateway: tuple[Gateway, str]) -> No
     state = ready.json()
     assert state["models"][LLAMA] == {"ready": False, "healthy_language_backends": 0}
     assert state["models"][LLAVA]["ready"] is True
-    assert state["degraded"] == [f"model:{LLAMA}"]
+    assert state["degraded"] == [f"model:{LLAMA}", f"model:{QWEN}"]
     assert metric_total(gw, "heterogate_model_servable_backends", model=LLAMA) == 0
     assert metric_total(gw, "heterogate_model_servable_backends", model=LLAVA) == 2
     refused = chat(gw, LLAMA)

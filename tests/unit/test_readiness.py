@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config.cluster import load_cluster
+from gateway.daemon import image_warnings
 from gateway.routing.backend_entry import Reported
 from gateway.runtime import build_runtime, needs_vision_pool
 
@@ -46,3 +47,42 @@ def test_ready_names_a_priority_class_that_only_kept_backends_would_serve(tmp_pa
     assert runtime.readiness() == {"ready": True, "healthy_language_backends": 1, "degraded": ["priority:0"]}
     t.apply_heartbeat("l40s", 1, "127.0.0.1:7002", Reported(seq=1), now)
     assert runtime.readiness() == {"ready": True, "healthy_language_backends": 2}
+
+
+def test_with_several_models_each_models_encoders_are_counted_apart(tmp_path: Path) -> None:
+    """qwen's encoder silent, llava's fine: qwen's image requests get 503, and /ready said nothing
+    (one count of every model's encoders, and `"vision"` only when all were gone)."""
+    path = tmp_path / "backends.yaml"
+    path.write_text("model: llava-1.5-7b\nmodels:\n  - {name: qwen, catalog: qwen2.5-vl-7b}\nbackends:\n"
+                    "  - {id: l0, role: language, gpu: H100, launch: {}}\n"
+                    "  - {id: v0, role: vision, gpu: L40S, launch: {}}\n"
+                    "  - {id: q0, role: language, gpu: H100, model: qwen, launch: {}}\n"
+                    "  - {id: qv, role: vision, gpu: L40S, model: qwen, launch: {}}\n")
+    runtime = build_runtime(load_cluster(path))
+    t = runtime.table
+    now = t.clock()
+    for k, backend in enumerate(("l0", "v0", "q0")):
+        t.apply_heartbeat(backend, 1, f"127.0.0.1:{7001 + k}", Reported(seq=1), now)
+    ready = runtime.readiness()
+    assert ready["models"] == {
+        "llava-1.5-7b": {"ready": True, "healthy_language_backends": 1, "healthy_vision_backends": 1},
+        "qwen": {"ready": True, "healthy_language_backends": 1, "healthy_vision_backends": 0}}
+    assert ready["degraded"] == ["vision:qwen"] and ready["healthy_vision_backends"] == 1
+    t.apply_heartbeat("qv", 1, "127.0.0.1:7004", Reported(seq=1), now)
+    assert "degraded" not in runtime.readiness()
+
+
+def test_a_vision_model_nothing_encodes_for_and_an_encoder_nothing_uses_are_named(tmp_path: Path) -> None:
+    """Both were accepted without a word: qwen's image requests then waited for an encoder for ever, and the
+    vision backend of llava, whose only language backend reads images itself, was a GPU never used."""
+    path = tmp_path / "backends.yaml"
+    path.write_text("model: llava-1.5-7b\nmodels:\n  - {name: qwen, catalog: qwen2.5-vl-7b}\nbackends:\n"
+                    "  - {id: u0, kind: openai, gpu: H100, address: 'http://10.0.0.5:8000'}\n"
+                    "  - {id: v0, role: vision, gpu: L40S, launch: {}}\n"
+                    "  - {id: q0, role: language, gpu: H100, model: qwen, launch: {}}\n")
+    assert image_warnings(load_cluster(path)) == [
+        "vision backend(s) v0 of model 'llava-1.5-7b' encode nothing: every language backend of it takes images "
+        "itself (role both, or a kind: openai upstream without image_embeds)",
+        "model 'qwen' takes images, but no backend encodes them for it (role vision or both, or a kind: openai "
+        "upstream without image_embeds): its image requests get 400",
+    ]
