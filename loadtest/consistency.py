@@ -44,6 +44,7 @@ from common.catalog import Catalog, GpuProfile, ModelProfile, load_catalog
 from common.service_time import PRIOR_OUTPUT_TOKENS, PRIOR_PROMPT_TOKENS
 from gateway.routing.policies import build_policy
 from loadtest.live_replay import ReplayOutcome, ReplayRequest, replay, replay_client, request_id_for, warm_up
+from loadtest.planner.options import at_least, positive
 from loadtest.sim import capacity, workloads
 from loadtest.sim.engines import BatchEngine, Engine, EngineSpec, GatewayState, Recorder
 from loadtest.sim.simulator import simulate
@@ -322,10 +323,10 @@ def write_results(out: Path, results: list[dict[str, Any]], meta: dict[str, Any]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.consistency", description=__doc__.splitlines()[0])
-    p.add_argument("--loads", type=float, nargs="+", default=list(DEFAULT_LOADS), help="× Σ_i μ_i")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="launch.time_scale of every engine")
+    p.add_argument("--loads", type=positive, nargs="+", default=list(DEFAULT_LOADS), help="× Σ_i μ_i")
+    p.add_argument("--requests", type=at_least(2), default=DEFAULT_REQUESTS)
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--time-scale", type=positive, default=DEFAULT_TIME_SCALE, help="launch.time_scale of every engine")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"where consistency.json/.csv go (default: {DEFAULT_OUT}/ under the current directory; "
                         f"`--out {RECORDED_OUT}` replaces the results docs/CONSISTENCY.md quotes)")

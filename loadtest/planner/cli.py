@@ -38,12 +38,13 @@ from loadtest.planner.options import (
     rate,
     seed,
     share,
+    some_share,
     unwritable,
     workers,
 )
 from loadtest.planner.pool import Terminated, sigterm_raises
 from loadtest.planner.search import GROUPINGS, Evaluated, Problem, SearchResult, search
-from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Split, trace_rate
+from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Split, decoder_fits, trace_rate
 from loadtest.planner.workload import (
     MAX_RATE_RPS,
     MAX_TRACE_REQUESTS,
@@ -87,7 +88,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     s = p.add_argument_group("service level")
     s.add_argument("--ttft-slo", type=positive, default=2.0, help="time to first token, seconds (default 2)")
     s.add_argument("--itl-slo", type=positive, default=0.1, help="mean inter-token time, seconds (default 0.1)")
-    s.add_argument("--attainment", type=share, default=0.9,
+    s.add_argument("--attainment", type=some_share, default=0.9,
                    help="share of requests that must meet both SLOs (default 0.9)")
     c = p.add_argument_group("GPUs")
     c.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog model (default {DEFAULT_MODEL})")
@@ -215,6 +216,10 @@ def build_problem(args: argparse.Namespace) -> Problem:
         catalog.gpu(g)
     if args.inventory is not None:
         gpus = tuple(g for g in gpus if dict(args.inventory).get(g, 0) > 0)
+    if gpus and not any(decoder_fits(model, catalog.gpu(g), "language") for g in gpus):
+        # no budget or inventory of these types serves it: "raise the budget" would be the wrong advice
+        raise WorkloadError(f"model {args.model}'s weights ({model.weight_bytes / 1e9:.1f} GB) leave no room for a KV "
+                            f"cache on any GPU allowed ({', '.join(gpus)}): allow a larger one (--gpus, --inventory)")
     for policy in (args.policy, args.vision_policy):
         build_policy(policy)
     splits: tuple[Split, ...] = tuple(s for s in SPLITS if s in args.splits)

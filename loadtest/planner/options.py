@@ -57,6 +57,14 @@ def share(text: str) -> float:
     return value
 
 
+def some_share(text: str) -> float:
+    """A share that asks for something: in (0, 1] (an attainment target of 0 is met by any plan)."""
+    value = finite(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {text}")
+    return value
+
+
 def below_one(text: str) -> float:
     """A share that must leave something: in [0, 1) (a low mark under the high mark it is a share of)."""
     value = finite(text)

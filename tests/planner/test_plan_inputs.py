@@ -126,6 +126,14 @@ def test_a_budget_no_plan_fits_prints_no_empty_table(capsys: pytest.CaptureFixtu
     assert "best plans" not in out
 
 
+def test_a_model_no_allowed_gpu_holds_is_refused_as_such(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "no plan fits the limits: raise the budget or the inventory", which no budget could help."""
+    assert cli.main(["--rate", "5", "--inventory", "L4=2", "--model", "llama-2-70b"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("gateway plan: model llama-2-70b's weights (138.0 GB) leave no room for a KV cache on any GPU "
+                   "allowed (L4): allow a larger one (--gpus, --inventory)\n")
+
+
 def test_more_workers_than_four_a_core_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(capsys, "--rate", "5", "--budget", "8", "--workers", str(MAX_WORKERS + 1))
     assert f"argument --workers: must be at most {MAX_WORKERS:,}, not {MAX_WORKERS + 1}" in err
@@ -193,7 +201,9 @@ def test_gpu_choices_that_leave_no_gpu_are_refused(
 @pytest.mark.parametrize(("args", "message"), [
     (["--budget", "0"], "argument --budget: must be positive, not 0"),
     (["--inventory", "H100=0"], "argument --inventory: 'H100=0': write GPU=COUNT"),
-    (["--budget", "8", "--attainment", "1.5"], "argument --attainment: must be in [0, 1], not 1.5"),
+    (["--budget", "8", "--attainment", "1.5"], "argument --attainment: must be in (0, 1], not 1.5"),
+    # 0 was taken, and every plan "sustained" it
+    (["--budget", "8", "--attainment", "0"], "argument --attainment: must be in (0, 1], not 0"),
     (["--budget", "8", "--inventory", "H100=1"], "argument --inventory: not allowed with argument --budget"),
     ([], "one of the arguments --budget --inventory is required"),
 ])

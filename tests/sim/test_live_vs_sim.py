@@ -14,7 +14,16 @@ import pytest
 
 from common.catalog import load_catalog
 from gateway.requests.tokens import BYTES_PER_TOKEN, count_text_tokens
-from loadtest.consistency import CLUSTER, arrival_rate, conservation_errors, measure, replay_trace, run_live, run_sim
+from loadtest.consistency import (
+    CLUSTER,
+    arrival_rate,
+    conservation_errors,
+    measure,
+    parse_args,
+    replay_trace,
+    run_live,
+    run_sim,
+)
 from loadtest.live_replay import prompt_text
 
 N_REQUESTS, LOAD, TIME_SCALE, SEED = 40, 0.7, 2.0, 1
@@ -54,3 +63,18 @@ def test_replayed_prompts_are_their_trace_lengths_and_share_no_prefix_block() ->
     assert [count_text_tokens(p) for p in prompts] == [512] * len(tags)
     assert len({p[:16 * BYTES_PER_TOKEN] for p in prompts}) == len(tags)   # the first 16-token block differs
     assert count_text_tokens(prompt_text(3, "a-long-request-id")) == 3
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # each ended in a numpy or ZeroDivisionError traceback and exit 1, the code of a failed check
+    (["--loads", "-1"], "argument --loads: must be positive, not -1"),
+    (["--loads", "0"], "argument --loads: must be positive, not 0"),
+    (["--requests", "0"], "argument --requests: must be at least 2, not 0"),
+    (["--time-scale", "0"], "argument --time-scale: must be positive, not 0"),
+])
+def test_the_check_refuses_arguments_it_cannot_run_in_one_line(
+        capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(args)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
