@@ -24,7 +24,8 @@ open on.
 Limits, first found (`context_source`, `kv_capacity_source` in /admin/backends):
     context      the engine's max_model_len (heartbeat) · the entry's `max_model_len` · the catalog model;
                  per model for a backend serving several: the engine's figure is its first model's
-                 (the one whose /v1/models entry it reports), the others start at the entry's
+                 (the one whose /v1/models entry it reports); the others' are the entry's
+                 `max_model_len` where set, else their catalog model's
     KV capacity  the engine's (heartbeat) · configured (agent flag, or the entry's `kv_capacity_tokens`)
                  · the performance-model estimate
 
