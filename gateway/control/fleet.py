@@ -20,7 +20,9 @@ The admin routes (`POST /admin/backends`, `POST /admin/backends/{id}/drain`, `DE
 /admin/backends/{id}`, gateway/doors/routes.py) call `add`, `drain` and `remove`; SIGHUP calls
 `reload`, which reads the backends file again and applies the difference between its `backends:` and
 the running fleet (a changed entry is removed, drained, then added again; a drained one still in the
-file is taken out and added again, so it serves once more). Only `backends:` is reloaded: the
+file is taken out and added again, so it serves once more; where no other backend would serve language
+work while they restart, the serving ones among the changed are replaced one at a time, each once the
+one before serves again). Only `backends:` is reloaded: the
 gateway's settings are read at start-up.
 
 Changes are applied one at a time, in the order they come (`Fleet.exclusive`): a reload, an admin call
@@ -276,16 +278,56 @@ class Fleet:
         if self._refused is not None:
             log.error("config_reload_refused", path=str(path), error=self._refused)
             return
-        log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed, restored=restored)
+        rolling = self._rolling([*changed, *restored], {*gone, *changed, *restored})
+        log.info("config_reload", path=str(path), added=new, removed=gone, replaced=changed, restored=restored,
+                 one_at_a_time=rolling)
         changed += restored
         self._replacing.update(changed)
+        at_once = [i for i in changed if i not in rolling]
         leaving = {backend_id: self._removals.get(backend_id) or self._start_removal(backend_id)
-                   for backend_id in (*gone, *changed)}
+                   for backend_id in (*gone, *at_once)}
         for backend_id in new:
             self._apply_add(target, specs[backend_id])
-        for backend_id in changed:
+        for backend_id in at_once:
             await leaving[backend_id]
             self._apply_add(target, specs[backend_id])
+        for k, backend_id in enumerate(rolling):
+            await (self._removals.get(backend_id) or self._start_removal(backend_id))
+            self._apply_add(target, specs[backend_id])
+            if k + 1 < len(rolling) and not await self._serves_again(backend_id):
+                log.warning("config_reload_replacement_not_serving", backend=backend_id,
+                            detail="not serving within its start timeout; the next one is replaced anyway")
+        if len(rolling) == 1 and not self._serving_language(set()):
+            log.warning("config_reload_gap", backend=rolling[0],
+                        detail="the only backend serving language work was replaced: nothing serves until it is back")
+
+    def _serving_language(self, leaving: set[str]) -> list[str]:
+        """The backends serving language work now (heard from, or an upstream that answers), less `leaving`
+        and those already draining or being removed."""
+        table, out = self._runtime.table, {*leaving, *self._drains, *self._removals}
+        return [b.id for b in self.config.raw.backends if b.role in POOL_ROLES["language"] and b.id not in out
+                and (e := table.get(b.id)) is not None and (table.is_healthy(e) or table.answers_unheard(e))]
+
+    def _rolling(self, changed: list[str], leaving: set[str]) -> list[str]:
+        """The changed backends a reload replaces one at a time, each once its predecessor serves again: the
+        serving language backends among them where no other would serve while they restart (all at once,
+        the gateway would answer 503 until the first came back), else none."""
+        if self._serving_language(leaving):
+            return []
+        serving = set(self._serving_language(set()))
+        return [i for i in changed if i in serving]
+
+    async def _serves_again(self, backend_id: str) -> bool:
+        """Wait until a backend just added serves language work, for at most its engine's start timeout
+        (managed), else the drain timeout; whether it does."""
+        launcher = self._launchers.get(backend_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (launcher.start_timeout_s if launcher is not None else self._drain_timeout_s)
+        while backend_id not in self._serving_language(set()):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(self._poll_s)
+        return True
 
     async def close(self) -> None:
         """Stop the changes under way (the gateway is stopping)."""

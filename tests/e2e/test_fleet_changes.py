@@ -232,6 +232,22 @@ def test_sighup_that_changes_the_only_backend_replaces_it(tmp_path: Path) -> Non
         assert "Task exception was never retrieved" not in gw.log_path.read_text()
 
 
+def test_sighup_that_changes_every_language_backend_replaces_them_one_at_a_time(tmp_path: Path) -> None:
+    """Both language backends changed in the file: replaced at once, nothing served until the first was
+    back (503 no_backend_available for seconds); now one at a time, the other serving, and no request fails."""
+    path = cluster(tmp_path, engine("h100-0"), engine("h100-1"))
+    with run_gateway(path) as gw:
+        load = Load(gw, clients=4)
+        gw.wait_until(lambda: len(load.outcomes) >= 8, timeout=30)
+        data = yaml.safe_load(path.read_text())
+        data["backends"] = [engine("h100-0", "A100-80GB"), engine("h100-1", "A100-80GB")]
+        path.write_text(yaml.safe_dump(data))
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: all(b["gpu"] == "A100-80GB" and b["healthy"] for b in gw.backends()), timeout=90)
+        outcomes = load.stop()
+    assert outcomes and all(status == 200 for status, _ in outcomes), [o for o in outcomes if o[0] != 200]
+
+
 def test_an_engine_stopped_with_requests_in_flight_ends_them_and_they_restart(tmp_path: Path) -> None:
     """A drain that runs out of time stops the engine with requests still on it: its session ends each with
     UNAVAILABLE (no error logged by the gRPC server), and a request that wants one answer starts over on
