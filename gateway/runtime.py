@@ -136,8 +136,10 @@ class Runtime:
                 "state": e.lifecycle if e.lifecycle not in SERVING else
                 "healthy" if self.table.is_healthy(e) else
                 "reachable" if self.table.answers_unheard(e) else "unhealthy",
-                # the engine's own as it reports it, else the process the supervisor runs for it
-                "pid": None if e.lifecycle == "stopped" else e.reported.pid or e.process_pid or None,
+                # the engine's own as it reports it, else the process the supervisor runs for it; while a
+                # managed engine starts again, that process (its last report's pid is the one that went)
+                "pid": None if e.lifecycle == "stopped" else
+                (e.reported.pid if e.lifecycle in SERVING else 0) or e.process_pid or None,
                 "healthy": self.table.is_healthy(e),
                 "draining": self.table.is_draining(e.id),   # no new requests (fleet changes at runtime)
                 "reachable": self.table.reachable(e.id),   # kind: openai: does the upstream answer the probe

@@ -86,3 +86,22 @@ def test_a_vision_model_nothing_encodes_for_and_an_encoder_nothing_uses_are_name
         "model 'qwen' takes images, but no backend encodes them for it (role vision or both, or a kind: openai "
         "upstream without image_embeds): its image requests get 400",
     ]
+
+
+def test_a_relaunched_engine_shows_its_new_process_not_the_one_that_went(tmp_path: Path) -> None:
+    """Killed, its entry said `starting` with the dead engine's pid until the new one reported: a script that
+    kills by that pid could hit a recycled one."""
+    path = tmp_path / "backends.yaml"
+    path.write_text("model: llava-1.5-7b\nbackends:\n  - {id: h100, gpu: H100, launch: {}}\n")
+    runtime = build_runtime(load_cluster(path))
+    t = runtime.table
+    t.note_process("h100", 4100)
+    t.set_lifecycle("h100", "ready")
+    t.apply_heartbeat("h100", 1, "127.0.0.1:7001", Reported(seq=1, pid=4100))
+    assert runtime.describe_backends()[0]["pid"] == 4100
+    t.note_exit("h100", "exited with status 137 (killed by SIGKILL)")
+    t.set_lifecycle("h100", "restarting")
+    assert runtime.describe_backends()[0]["pid"] is None   # nothing runs for it between the two
+    t.note_process("h100", 4200)
+    t.set_lifecycle("h100", "starting")
+    assert runtime.describe_backends()[0]["pid"] == 4200
