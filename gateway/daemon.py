@@ -345,7 +345,11 @@ async def serve(config: ClusterConfig, options: ServeOptions, checks: StartupChe
     # Start-up objects live for the whole run: keep them out of every collection (GC was ~8% of CPU).
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
-    loop.add_signal_handler(signal.SIGHUP, fleet.reload_soon)   # apply backends.yaml's `backends:` again
+    def reload() -> None:   # the API key files read again, and backends.yaml's `backends:` applied again
+        runtime.reload_keys()
+        fleet.reload_soon()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     log.info("gateway_starting", http=f"{options.host}:{options.port}", control=f"{options.grpc_host}:{grpc_port}",
              policy=runtime.pipeline.policy.name, backends=len(config.raw.backends), model=config.served_model_name,
              replica=replication.replica_id if replication else None)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import structlog
 
 from common.errors import ConfigError
 from gateway.clients.engine_client import EngineClients, client_factory
@@ -26,6 +27,8 @@ from gateway.routing.policies import build_policy
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.signals import LocalSignals, SignalStore
 from gateway.routing.state_table import StateTable
+
+log = structlog.get_logger("runtime")
 
 
 @dataclass
@@ -50,6 +53,23 @@ class Runtime:
     def __post_init__(self) -> None:
         self.signals = LocalSignals(self.table, self.clients.ensure)
         self.had_encoders = has_encoders(self.config)
+
+    def reload_keys(self) -> None:
+        """SIGHUP: the API keys read again from the files and variables the settings name (the settings
+        themselves are start-up's), so a key is added or revoked without a restart. A file that start-up
+        would refuse (unreadable, no key, a key of two tenants) keeps the keys in use, logged; keys never
+        go off this way (a file without keys is refused). Keys are never logged, only their counts."""
+        settings = self.config.settings
+        try:
+            keys = KeyRing.load(settings.auth, settings.tenants)
+        except ConfigError as exc:
+            log.error("keys_reload_refused", error=str(exc), detail="the keys in use are kept")
+            return
+        if keys == self.keys:
+            return
+        self.keys = keys
+        log.info("keys_reloaded", api_keys=len(keys.user), admin_keys=len(keys.admin),
+                 tenant_keys={name: keys.tenant_of.count(name) for name in dict.fromkeys(keys.tenant_of)})
 
     async def close(self) -> None:
         await self.clients.close()

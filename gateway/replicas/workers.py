@@ -68,10 +68,19 @@ async def run_workers(argv: list[str], count: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # A reload asked of the parent (README: `kill -HUP $GATEWAY_PID`): workers share one fleet and refuse
-    # runtime changes; without a handler the signal's default action stopped every worker and engine.
-    loop.add_signal_handler(signal.SIGHUP, lambda: log.error(
-        "config_reload_refused", error="--workers: the fleet cannot change at runtime; restart to apply the file"))
+    running: dict[int, asyncio.subprocess.Process] = {}
+
+    def reload() -> None:
+        """A reload asked of the parent (README: `kill -HUP $GATEWAY_PID`): each worker reads its API keys
+        again; workers share one fleet and refuse runtime changes. Without a handler the signal's default
+        action stopped every worker and engine."""
+        log.error("config_reload_refused", error="--workers: the fleet cannot change at runtime; restart to apply "
+                  "the file (the workers read their API keys again)")
+        for proc in running.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGHUP)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     cmd = worker_argv(argv)
     env = {**os.environ, WORKER_ENV: "1"}
     failed = False
@@ -83,7 +92,9 @@ async def run_workers(argv: list[str], count: int) -> int:
             proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, env=env,
                                                         preexec_fn=functools.partial(_stop_with, os.getpid()))
             log.info("worker_started", worker=i, pid=proc.pid)
+            running[i] = proc
             code = await _run_until_stopped(proc, stop)
+            running.pop(i, None)
             if stop.is_set():
                 return
             if code == CANNOT_START and first:
@@ -103,6 +114,9 @@ async def run_workers(argv: list[str], count: int) -> int:
 def _stop_with(parent: int) -> None:
     """In a worker before it runs: SIGTERM (a graceful stop) when the parent dies, even by SIGKILL; killed
     that way, the workers served on, and a new gateway on the same ports shared them with the orphans."""
+    # ignored (across exec) until the worker's own handler is in place: a reload forwarded to a worker still
+    # starting would otherwise stop it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     ask_for_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:   # the parent died before the line above took effect
         os._exit(1)

@@ -67,7 +67,8 @@ def limits_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
             # Remote image URLs on, so that the loopback refusal (not the switch) is what is tested.
             "images": {"remote_urls": True},
         },
-        "backends": [{"id": "l4-0", "gpu": "L4", "launch": {"time_scale": 1.0}}],
+        # role both: it encodes the images the tests send (a language engine alone serves the model text only)
+        "backends": [{"id": "l4-0", "role": "both", "gpu": "L4", "launch": {"time_scale": 1.0}}],
     })
     with run_gateway(config, "--log-level", "info") as gw:   # the request lines
         yield gw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,29 @@ async def test_grpc_generate_health_and_errors(gateway: Gateway) -> None:
 
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sighup_reads_the_key_files_again_and_keeps_them_when_the_file_is_bad(tmp_path: Path) -> None:
+    """Keys were read at start-up only: a revoked key kept working, and a new one got 401, until a restart."""
+    keys = tmp_path / "user.keys"
+    keys.write_text("first-key\n")
+    (tmp_path / "admin.keys").write_text(f"{ADMIN}\n")
+    (tmp_path / "cluster.token").write_text("cluster-secret\n")
+    config = write_config(tmp_path, {
+        "model": MODEL,
+        "gateway": {"auth": {"api_keys_file": str(keys), "admin_keys_file": str(tmp_path / "admin.keys"),
+                             "cluster_token_file": str(tmp_path / "cluster.token")}},
+        "backends": [{"id": "h100-0", "role": "language", "gpu": "H100", "launch": {"time_scale": 0.1}}],
+    })
+    with run_gateway(config, admin_key=ADMIN) as gw:
+        assert chat(gw, "first-key").status_code == 200 and chat(gw, "second-key").status_code == 401
+        keys.write_text("# rotated\nsecond-key\n")
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: chat(gw, "second-key").status_code == 200, timeout=20)
+        assert chat(gw, "first-key").status_code == 401
+        keys.write_text("# emptied by mistake\n")   # start-up refuses a file without keys: the keys in use stay
+        gw.process.send_signal(signal.SIGHUP)
+        gw.wait_until(lambda: "keys_reload_refused" in gw.log_path.read_text(), timeout=20)
+        assert "holds no keys" in gw.log_tail(20)
+        assert chat(gw, "second-key").status_code == 200
+        assert httpx.get(f"{gw.url}/admin/backends", headers=gw.admin_headers, timeout=10).status_code == 200
