@@ -70,7 +70,7 @@ def _tenant_keys(tenants: TenantsConfig, taken: dict[bytes, str]) -> tuple[tuple
     for name, spec in tenants.teams.items():
         for key in dict.fromkeys(_read(spec.api_keys_file, spec.api_keys_env, "api", f"gateway.tenants.teams.{name}")):
             if key in taken:   # (a key repeated in one tenant's own list is that tenant's once)
-                raise ConfigError(f"gateway.tenants.teams.{name}: one of its keys is also {taken[key]}'s; "
+                raise ConfigError(f"gateway.tenants.teams.{name}: one of its keys is also a key of {taken[key]}; "
                                   "a key belongs to one tenant")
             taken[key] = f"tenant {name!r}"
             keys.append(key)

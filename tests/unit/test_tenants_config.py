@@ -67,9 +67,9 @@ def test_tenant_keys_alone_turn_keys_on(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.parametrize(("teams", "auth", "message"), [
     ({"a": {"api_keys_env": "HG_TEST_A"}, "b": {"api_keys_env": "HG_TEST_SAME"}}, {},
-     r"gateway\.tenants\.teams\.b: one of its keys is also tenant 'a''s"),
+     r"gateway\.tenants\.teams\.b: one of its keys is also a key of tenant 'a';"),
     ({"a": {"api_keys_env": "HG_TEST_A"}}, {"api_keys_env": "HG_TEST_A"},
-     r"gateway\.tenants\.teams\.a: one of its keys is also gateway\.auth\.api_keys's"),
+     r"gateway\.tenants\.teams\.a: one of its keys is also a key of gateway\.auth\.api_keys;"),
     ({"a": {"api_keys_env": "HG_TEST_UNSET"}}, {},
      r"gateway\.tenants\.teams\.a\.api_keys_env: environment variable HG_TEST_UNSET is not set"),
     ({"a": {"api_keys_env": "HG_TEST_COMMAS"}}, {},
