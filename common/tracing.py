@@ -29,6 +29,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
+from urllib.parse import urlsplit
 
 from common.errors import ConfigError
 
@@ -142,6 +143,39 @@ def batch(env: Mapping[str, str] = os.environ) -> Batch:
     return settings
 
 
+# The OTLP exporter's endpoint variables (the traces' own first: it wins) and its timeouts (seconds, as the
+# SDK reads them)
+_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_TIMEOUTS = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+
+
+def otlp_target(env: Mapping[str, str] = os.environ) -> None:
+    """ConfigError naming the variable where the OTLP exporter's endpoint is no http(s) URL with a host,
+    or its timeout no positive number: the SDK takes either, then fails every export (or warns and uses
+    its default), so a typo lost every trace with the gateway running as if all were well."""
+    for name in _ENDPOINTS:
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            url = urlsplit(raw)
+            port_ok = url.port is None or url.port > 0
+        except ValueError:
+            port_ok = False
+        if not (port_ok and url.scheme in ("http", "https") and url.hostname):
+            raise ConfigError(f"{name}: {raw!r} is not an http(s) URL with a host (e.g. http://collector:4318)")
+    for name in _TIMEOUTS:
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0.0 < value < float("inf"):
+            raise ConfigError(f"{name}: {raw!r} is not a positive number of seconds")
+
+
 def check(env: Mapping[str, str] = os.environ) -> list[str]:
     """The exporters the environment asks for, once its exporters, OTLP protocol, sampler and batch
     processor are known to be ones this process can use (ConfigError naming the variable); start-up checks
@@ -153,6 +187,8 @@ def check(env: Mapping[str, str] = os.environ) -> list[str]:
     protocol = env[variable].strip().lower() if variable else "http/protobuf"   # HTTP/PROTOBUF too
     if "otlp" in names and protocol != "http/protobuf":
         raise ConfigError(f"{variable}: {protocol!r}; traces are exported over http/protobuf only")
+    if "otlp" in names:
+        otlp_target(env)
     sampler(env)
     batch(env)
     return names

@@ -59,6 +59,12 @@ class BackendCollector(Collector):
                 "heterogate_backend_vision_backlog_tokens", "Image tokens waiting to be encoded", labels=labels
             ),
             "healthy": GaugeMetricFamily("heterogate_backend_healthy", "1 if heartbeats are current", labels=labels),
+            # what /ready counts: heard from, or a kind: openai upstream that answers its probe though its
+            # metrics are stale or absent (it serves, routed on the gateway's own counts)
+            "serving": GaugeMetricFamily(
+                "heterogate_backend_serving", "1 if it can serve now: heard from, or an upstream that answers "
+                "its probe", labels=labels,
+            ),
             # A drain (the fleet API, a reload, the autoscaler) stops a managed engine, so its `healthy` goes to
             # 0 on purpose: alerts on `healthy` leave out the backends this says are draining.
             "draining": GaugeMetricFamily(
@@ -109,7 +115,9 @@ class BackendCollector(Collector):
             families["kv_total"].add_metric(values, snap.kv_total_bytes)
             families["context"].add_metric(values, snap.max_context)
             families["vision"].add_metric(values, snap.vision_backlog)
-            families["healthy"].add_metric(values, 1.0 if self._table.is_healthy(e) else 0.0)
+            healthy = self._table.is_healthy(e)
+            families["healthy"].add_metric(values, 1.0 if healthy else 0.0)
+            families["serving"].add_metric(values, 1.0 if healthy or self._table.answers_unheard(e) else 0.0)
             families["draining"].add_metric(values, 1.0 if self._table.is_draining(e.id) else 0.0)
             families["service"].add_metric(values, snap.mean_service_s)
             families["prefill"].add_metric(values, e.speed.prefill.value)

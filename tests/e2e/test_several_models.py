@@ -117,6 +117,9 @@ def test_each_request_goes_to_its_models_pool(gateway: tuple[Gateway, str]) -> N
     assert "serves 'llava-1.5-7b', 'llama'" in unknown.json()["error"]["message"]
     assert metric_total(gw, "heterogate_requests_total", model=LLAMA, status="200") >= 8
     assert metric_total(gw, "heterogate_backend_model", backend="up", model=LLAMA) == 1
+    # the unscraped upstream is never heard from, yet it serves: what deploy/'s BackendDown alert reads
+    assert metric_total(gw, "heterogate_backend_healthy", backend="up") == 0
+    assert metric_total(gw, "heterogate_backend_serving", backend="up") == 1
 
 
 def test_an_alias_reaches_the_upstream_under_the_models_name(gateway: tuple[Gateway, str]) -> None:

@@ -39,6 +39,26 @@ def test_an_unknown_exporter_or_protocol_is_refused_with_its_name() -> None:
     assert check({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "HTTP/Protobuf "}) == ["otlp"]
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    # each was taken: then every export failed ("Invalid URL ... No scheme supplied"), or the SDK warned
+    # and waited its default, with the gateway running as if all were well
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not-a-url"}, "OTEL_EXPORTER_OTLP_ENDPOINT: 'not-a-url' is not an http(s) URL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT: 'collector:4318' is not"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://"}, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://' is not"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:99999"}, "'http://h:99999' is not"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "abc"},
+     "OTEL_EXPORTER_OTLP_TIMEOUT: 'abc' is not a positive number of seconds"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0"}, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
+])
+def test_an_otlp_endpoint_or_timeout_the_exporter_cannot_use_is_refused(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check(env)
+    assert str(refused.value).startswith(message) or message in str(refused.value)
+    ok = {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector.example:4318", "OTEL_EXPORTER_OTLP_TIMEOUT": "2.5"}
+    assert check(ok) == ["otlp"]
+    assert check({"OTEL_TRACES_EXPORTER": "console", "OTEL_EXPORTER_OTLP_ENDPOINT": "not-a-url"}) == ["console"]
+
+
 def test_the_sampler_comes_from_the_environment_and_a_bad_one_is_refused() -> None:
     assert sampler({}).get_description().startswith("ParentBased{root:AlwaysOnSampler")
     assert "0.25" in sampler({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
