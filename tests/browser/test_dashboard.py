@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,6 +120,8 @@ def test_dashboard_with_admin_keys_asks_for_a_key(tmp_path: Path) -> None:
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
         wait.until(lambda d: d.find_element(By.ID, "status").text == "that key was refused: not a key of this gateway")
         wait.until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
+        time.sleep(2.5)   # a few more polls (each without the refused key): the page still says why, not only
+        assert status.text == "that key was refused: not a key of this gateway"   # "an admin key is needed"
         driver.find_element(By.ID, "key").clear()
         driver.find_element(By.ID, "key").send_keys("dash-admin-key")
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()

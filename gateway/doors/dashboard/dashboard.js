@@ -181,6 +181,8 @@ function render(backends, metrics, t) {
   }));
 }
 
+let keyRefused = false;   // the key last given was not one of this gateway's
+
 function headers() {
   const key = sessionStorage.getItem(KEY_ITEM);
   return key ? {authorization: `Bearer ${key}`} : {};
@@ -202,11 +204,14 @@ async function poll() {
     if (refused) {
       // 401: no key, or one this gateway does not know (forgotten, so the form asks again); 403: a user's key
       const given = Boolean(sessionStorage.getItem(KEY_ITEM));
-      if (refused === 401) sessionStorage.removeItem(KEY_ITEM);
+      if (refused === 401 && given) {
+        sessionStorage.removeItem(KEY_ITEM);
+        keyRefused = true;   // said until another key is given: the next polls go without one
+      }
       document.getElementById("key-form").hidden = false;
-      setStatus(!given ? "an admin key is needed"
-        : refused === 401 ? "that key was refused: not a key of this gateway"
-        : "that key is a user's key: an admin key is needed", true);
+      setStatus(refused === 403 ? "that key is a user's key: an admin key is needed"
+        : keyRefused ? "that key was refused: not a key of this gateway"
+        : "an admin key is needed", true);
       return;
     }
     if (!b.ok || !m.ok) throw new Error(`HTTP ${b.ok ? m.status : b.status}`);
@@ -226,6 +231,7 @@ async function poll() {
 document.getElementById("key-form").addEventListener("submit", (event) => {
   event.preventDefault();
   sessionStorage.setItem(KEY_ITEM, document.getElementById("key").value);
+  keyRefused = false;
   document.getElementById("key-form").hidden = true;
 });
 
