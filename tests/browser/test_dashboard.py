@@ -138,3 +138,21 @@ def test_dashboard_shows_a_drained_backend_as_drained_not_down(tmp_path: Path) -
         wait.until(lambda d: rows(d)["l40s-0"]["state"] == "drained")
         row_class = driver.execute_script("return document.querySelector('tr[data-backend=\"l40s-0\"]').className")
         assert row_class == "draining" and rows(driver)["h100-0"]["state"] == "healthy"
+
+
+def test_dashboard_totals_keep_a_removed_backends_requests(tmp_path: Path) -> None:
+    """A removed backend's series leave /metrics: the page's outcome and decision totals went back by its share."""
+    with run_gateway(two_engines(tmp_path)) as gw, browser() as driver:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        served = {httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30).headers["x-heterogate-backend"]
+                  for _ in range(12)}
+        victim = sorted(served)[0]   # a backend with requests: its series are the ones that leave
+        kept = ({"h100-0", "l40s-0"} - {victim}).pop()
+        driver.get(f"{gw.url}/dashboard")
+        wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
+        wait.until(lambda d: dict(map(tuple, table(d, "#outcomes"))) == {"200": "12"})   # type: ignore[arg-type]
+        assert httpx.delete(f"{gw.url}/admin/backends/{victim}", timeout=10).status_code == 202
+        wait.until(lambda d: set(rows(d)) == {kept})
+        time.sleep(2.5)   # polls after the removal
+        assert dict(map(tuple, table(driver, "#outcomes"))) == {"200": "12"}   # type: ignore[arg-type]
+        assert sum(int(r[2]) for r in table(driver, "#decisions")) == 12

@@ -8,6 +8,23 @@ const KEY_ITEM = "heterogate-admin-key";
 
 let previous = null;          // {t, metrics} of the last poll
 const rpsHistory = [];
+// counter series (totals, histogram buckets) of backends that left the fleet: their series leave /metrics,
+// and the totals summed over them would go back (a removed backend's requests still happened)
+const departed = new Map();
+const COUNTER = /_(total|bucket|count|sum)$/;
+const seriesKey = (s) => s.name + JSON.stringify(Object.entries(s.labels).sort());
+
+function withDeparted(samples) {
+  // `samples` with the counter series that were in the last poll and are gone now, at their last value
+  if (previous) {
+    const present = new Set(samples.map(seriesKey));
+    for (const s of previous.metrics) {
+      const key = seriesKey(s);
+      if (COUNTER.test(s.name) && !present.has(key)) departed.set(key, s);
+    }
+  }
+  return departed.size ? [...samples, ...departed.values()] : samples;
+}
 
 function parseMetrics(text) {
   // Prometheus text format: name{label="value",...} number
@@ -57,11 +74,11 @@ function quantile(cumulative, q) {
 }
 
 function windowed(now, before) {
-  // bucket counts of the last interval when there were requests in it, else since start
-  if (!before) return now;
+  // bucket counts of the last interval when there were requests in it ([counts, true]), else since start
+  if (!before) return [now, false];
   const prev = new Map(before);
   const delta = now.map(([le, n]) => [le, n - (prev.get(le) || 0)]);
-  return delta.length && delta[delta.length - 1][1] > 0 ? delta : now;
+  return delta.length && delta[delta.length - 1][1] > 0 ? [delta, true] : [now, false];
 }
 
 const seconds = (v) => v == null ? "–" : v < 1 ? `${(v * 1000).toFixed(0)} ms` : `${v.toFixed(2)} s`;
@@ -154,8 +171,9 @@ function render(backends, metrics, t) {
 
   const latency = (name, qs) => {
     const now = buckets(metrics, name);
-    const win = windowed(now, previous ? buckets(previous.metrics, name) : null);
-    return qs.map((q) => seconds(quantile(win, q))).join(" / ");
+    const [win, recent] = windowed(now, previous ? buckets(previous.metrics, name) : null);
+    const shown = qs.map((q) => seconds(quantile(win, q))).join(" / ");
+    return recent || !win.length ? shown : `${shown} (since start)`;
   };
   document.getElementById("ttft").textContent = latency("heterogate_ttft_seconds", [0.5, 0.9, 0.99]);
   document.getElementById("itl").textContent = latency("heterogate_itl_seconds", [0.5, 0.99]);
@@ -216,7 +234,7 @@ async function poll() {
     }
     if (!b.ok || !m.ok) throw new Error(`HTTP ${b.ok ? m.status : b.status}`);
     const backends = (await b.json()).data;
-    const metrics = parseMetrics(await m.text());
+    const metrics = withDeparted(parseMetrics(await m.text()));
     const t = Date.now();
     render(backends, metrics, t);
     previous = {t, metrics};
