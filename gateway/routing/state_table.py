@@ -598,8 +598,12 @@ class StateTable:
         return out
 
     def _saturated(self, e: BackendEntry, model: str | None) -> BackendSnapshot:
-        return replace(self._for_model(e, model, self.snapshot(e)),
-                       queue_depth=max(SATURATED_QUEUE, e.in_flight + e.peer_in_flight), kv_free_bytes=0)
+        """A stale backend beside fresh ones, as the policies should see it: saturated in every figure one of
+        them reads for a queue (depth, no free KV, a prefill backlog of SATURATED_QUEUE tokens: marginal_delay
+        reads no depth, and with the backlog alone it looked idle to a short prompt)."""
+        snap = self._for_model(e, model, self.snapshot(e))
+        return replace(snap, queue_depth=max(SATURATED_QUEUE, e.in_flight + e.peer_in_flight), kv_free_bytes=0,
+                       prefill_backlog_tokens=max(SATURATED_QUEUE, snap.prefill_backlog_tokens))
 
     def _blind(self, e: BackendEntry) -> BackendSnapshot:
         """What the gateway knows without metrics: its own in-flight count and the configured or nominal

@@ -151,16 +151,16 @@ async def test_a_request_refused_before_admission_is_logged_under_its_tenant(gat
 
 
 def test_a_drained_backend_is_not_alerted_on_as_down(gateway: Gateway) -> None:
-    """Drained through the fleet API, a managed engine stops and `heterogate_backend_healthy` goes to 0 on
+    """Drained through the fleet API, a managed engine stops and `heterogate_backend_serving` goes to 0 on
     purpose; HeteroGateBackendDown (deploy/prometheus/alerts.yaml) leaves it out by its draining gauge."""
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
     down = next(r for g in rules["groups"] for r in g["rules"] if r["alert"] == "HeteroGateBackendDown")
-    assert down["expr"].split() == "heterogate_backend_healthy == 0 unless heterogate_backend_draining == 1".split()
+    assert down["expr"].split() == "heterogate_backend_serving == 0 unless heterogate_backend_draining == 1".split()
 
     drained = httpx.post(f"{gateway.url}/admin/backends/l40s-1/drain", headers=gateway.admin_headers, timeout=10)
     assert drained.status_code == 202
     gateway.wait_until(lambda: gateway.backend("l40s-1")["state"] == "stopped", timeout=60)
-    healthy = samples(gateway, "heterogate_backend_healthy")
+    healthy = samples(gateway, "heterogate_backend_serving")
     draining = samples(gateway, "heterogate_backend_draining")
     assert {dict(labels)["backend"]: v for labels, v in draining.items()} == {"h100-0": 0, "l40s-0": 0, "l40s-1": 1}
     # the rule as Prometheus evaluates it on one scrape: `unless` drops the series matched on every label

@@ -50,7 +50,8 @@ def reference(table: StateTable, roles: tuple[Role, ...], now: float, exclude: s
             blind.append(dataclasses.replace(b, queue_depth=b.in_flight, kv_free_bytes=kv, kv_total_bytes=kv,
                                              prefill_backlog_tokens=backlog, foreign_running=0))
         return blind
-    return fresh + [dataclasses.replace(b, queue_depth=max(SATURATED_QUEUE, b.in_flight), kv_free_bytes=0)
+    return fresh + [dataclasses.replace(b, queue_depth=max(SATURATED_QUEUE, b.in_flight), kv_free_bytes=0,
+                                        prefill_backlog_tokens=max(SATURATED_QUEUE, b.prefill_backlog_tokens))
                     for b in stale]
 
 

@@ -113,3 +113,22 @@ def test_a_backend_scraped_less_often_than_heartbeats_stays_heard_from_between_s
     clock.now += 0.3   # past its own window too
     assert not t.is_healthy(entry)
     assert len(t.candidates(LANGUAGE)) == 2 and t.failing_open   # both stale: routed on in-flight counts
+
+
+def test_a_stale_backend_beside_a_fresh_one_is_avoided_by_the_default_policy() -> None:
+    """Kept as a candidate but saturated, a stale backend looked idle to marginal_delay (which reads no queue
+    depth): a short prompt went to the upstream whose agent had died, not to the one reporting."""
+    from gateway.routing.policies.contracts import RequestProfile
+    from gateway.routing.policies.marginal_delay import MarginalDelay
+
+    t, clock = table("up-fresh", "up-stale")
+    t.set_reachable("up-stale", True)
+    t.apply_heartbeat("up-fresh", 1, "", Reported(seq=1, waiting=2, running=6))
+    t.apply_heartbeat("up-stale", 1, "", Reported(seq=1))
+    clock.now += INTERVAL_S * MISS_LIMIT + 1   # up-stale's agent died; up-fresh reports on
+    t.apply_heartbeat("up-fresh", 2, "", Reported(seq=2, waiting=2, running=6))
+    candidates = t.candidates(LANGUAGE)
+    assert [b.id for b in candidates] == ["up-fresh", "up-stale"] and not t.failing_open
+    policy = MarginalDelay()
+    for tokens in (20, 500, 3700):
+        assert policy.choose(RequestProfile(f"r{tokens}", tokens, 16), candidates, clock.now).backend.id == "up-fresh"
