@@ -187,9 +187,17 @@ class UpstreamMonitor:
         return False
 
     async def probe_once(self, w: Watched) -> None:
-        """One probe: the backend's reachability, and for a managed one without `scrape:` its heartbeat."""
+        """One probe: the backend's reachability, and for a managed one without `scrape:` its heartbeat. An
+        agent's accepted address move (`ControlAuth`) moves the probe with it: probing the old address
+        found it unreachable for good while the agent reported from the new one."""
         if not self._watching(w):
             return
+        entry = self._table.get(w.spec.id)
+        moved = entry.address.rstrip("/") if entry is not None and entry.address else w.address
+        if not w.managed and w.agent is None and moved != w.address:
+            w.address, w.probe_url = moved, (w.spec.probe or ProbeSpec()).url(moved, None)
+            w.failed = 0
+            log.info("upstream_probe_moved", backend=w.spec.id, url=w.probe_url)
         w.probe_error = await probe_error(w.client, w.probe_url, w.probe_timeout_s)
         self._note_error(w)
         answered = w.probe_error is None

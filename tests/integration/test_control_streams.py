@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from common.catalog import load_catalog
 from common.wire import control_pb2, control_pb2_grpc
@@ -144,5 +145,36 @@ async def test_bytes_that_are_no_backend_state_end_with_invalid_argument_after_a
             err = await garbage(port, BEARER)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "BackendState" in (err.details() or "")
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        await server.stop(None)
+
+
+async def test_a_second_live_stream_cannot_claim_a_backend_from_another_address() -> None:
+    """Two agents for one backend, each at its own address, were both taken: the backend's address flipped
+    between them with every heartbeat. The second is refused while the first lives, and once the first
+    ends it may move the backend. A heartbeat for a backend the gateway does not have is logged, as the
+    other refusals are (it was refused silently)."""
+    server, table, port = await control_server(ControlAuth(TOKEN))
+    moved = "127.0.0.1:7999"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            first = Stream(channel, BEARER)
+            await first.send(**engine(1, 1))
+            second = Stream(channel, BEARER)
+            refusal = await second.refused(**{**engine(1, 9), "address": moved})
+            assert refusal.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert f"reported by another live stream, from '{EXTERNAL_ADDRESS}'" in (refusal.details() or "")
+            entry = table.get(EXTERNAL)
+            assert entry is not None and entry.address == EXTERNAL_ADDRESS and entry.reported.waiting == 1
+            await first.call.done_writing()
+            while await first.call.read() is not grpc.aio.EOF:   # the first stream ends
+                pass
+            await Stream(channel, BEARER).send(**{**engine(2, 3), "address": moved})
+            assert entry.address == moved and entry.reported.waiting == 3
+            with capture_logs() as logs:
+                ghost = await Stream(channel, BEARER).refused(**{**engine(1, 1), "backend_id": "ghost"})
+            assert ghost.code() == grpc.StatusCode.NOT_FOUND
+            assert [(e["event"], e["backend"]) for e in logs if e["log_level"] == "warning"] == [
+                ("heartbeat_refused", "ghost")]
     finally:
         await server.stop(None)
