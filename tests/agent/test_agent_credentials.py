@@ -4,6 +4,7 @@ agent says so in its log); an unreadable token file stops the agent naming the f
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -71,12 +72,20 @@ async def test_agent_with_token_and_ca_is_heard_and_without_is_refused(
     assert entry is not None
     endpoint.body = vllm_text([(2, 1, 0.5)])
     anonymous, anonymous_log = agent(tmp_path, "anonymous", endpoint, address, "--ca-file", str(cert))
+    plaintext, plaintext_log = agent(tmp_path, "plaintext", endpoint, address, "--log-level", "debug")
     try:
         await wait_for(lambda: "UNAUTHENTICATED" in anonymous_log.read_text(errors="replace"), 20,
                        "the gateway refuses an agent without the token", anonymous_log)
         assert entry.last_heartbeat is None and entry.address is None
+        await asyncio.sleep(1.5)   # retried with backoff meanwhile, five times or so
+        # said once (it was an error line at every retry), until the reason changes or a stream lands
+        assert anonymous_log.read_text(errors="replace").count("gateway_rejected_backend") == 1
+        # without the CA, a TLS port only drops the handshake: the agent says what that may mean
+        await wait_for(lambda: "a TLS control port? give its CA (--ca-file)" in plaintext_log.read_text(
+            errors="replace"), 20, "a plaintext agent at a TLS port is given the hint", plaintext_log)
     finally:
         stop(anonymous)
+        stop(plaintext)
     (tmp_path / "token").write_text(f"{TOKEN}\n")
     trusted, log = agent(tmp_path, "trusted", endpoint, address, "--token-file", str(tmp_path / "token"),
                          "--ca-file", str(cert))
