@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.catalog import ModelProfile
-from common.tokenizer import PromptIds, encode_chat, encode_text, load_tokenizer, model_family
+from common.tokenizer import PromptIds, encode_chat, encode_text, image_token, load_tokenizer, model_family
 from gateway.requests.errors import InvalidRequest
 from gateway.requests.images import ImageInput
 from gateway.requests.openai_types import ChatMessage, ImagePart, TextPart
@@ -47,10 +47,16 @@ class ExactPrompts:
 
     def check_ids(self, ids: list[int]) -> None:
         """A prompt of token ids the model can read: every id within its tokenizer's vocabulary (an id past
-        it would index past the engine's embedding table)."""
+        it would index past the engine's embedding table), and no image placeholder (such a prompt carries
+        no image for it: the engine embedded it as a word, where vLLM refuses a placeholder without its image)."""
         vocab = len(self._tok)
         if (largest := max(ids)) >= vocab:
             raise InvalidRequest(f"token id {largest} is outside the model's vocabulary of {vocab} ids", param="prompt")
+        placeholder = image_token(self._tok)
+        image_id = self._tok.convert_tokens_to_ids(placeholder)
+        if isinstance(image_id, int) and image_id in ids:
+            raise InvalidRequest(f"token id {image_id} is the model's image placeholder ({placeholder}), and a prompt "
+                                 "of token ids carries no image: send images in a chat message", param="prompt")
 
 
 def _content(message: ChatMessage) -> str | list[dict[str, Any]]:

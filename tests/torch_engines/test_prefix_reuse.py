@@ -76,3 +76,9 @@ def test_a_prompt_of_token_ids_is_the_model_input_itself(gw: Gateway, tiny_model
                       timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["message"] == f"token id {vocab} is outside the model's vocabulary of {vocab} ids"
+    # the image placeholder among the ids, no image with it: embedded as a word, where vLLM refuses it
+    image_id = reference.tokenizer.convert_tokens_to_ids("<image>")
+    resp = httpx.post(f"{gw.url}/v1/completions", json={"model": TINY, "prompt": [1, image_id, 5], "max_tokens": 2},
+                      timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith(f"token id {image_id} is the model's image placeholder")
