@@ -10,6 +10,9 @@ import runpy
 import sys
 from pathlib import Path
 
+from loadtest.ctrl_c import ctrl_c_in_this_process_only
+from loadtest.planner.pool import Terminated, sigterm_raises
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -38,7 +41,18 @@ def main(argv: list[str]) -> int:
         print(f"benchmarks: no benchmark {argv[0]!r}; `python -m benchmarks` lists them", file=sys.stderr)
         return 2
     sys.argv = [f"benchmarks.{table[name][0]}", *argv[1:]]
-    runpy.run_module(f"benchmarks.{table[name][0]}", run_name="__main__", alter_sys=True)
+    # Ctrl-C and SIGTERM (`timeout`, a CI cancel, `kill`) unwind the benchmark's `with` blocks, which stop the
+    # gateways and engines it launched (SIGTERM left them running, ports held), and end in one line; forked
+    # workers leave the signal to this process (loadtest/ctrl_c.py, loadtest/planner/pool.py).
+    try:
+        with ctrl_c_in_this_process_only(), sigterm_raises():
+            runpy.run_module(f"benchmarks.{table[name][0]}", run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        print(f"benchmarks {name}: interrupted; what it launched is stopped", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"benchmarks {name}: terminated; what it launched is stopped", file=sys.stderr)
+        return 143
     return 0
 
 

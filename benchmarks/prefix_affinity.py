@@ -129,6 +129,7 @@ from gateway.routing.policies.contracts import RequestProfile  # noqa: E402
 from gateway.routing.policies.spreading import Spreading  # noqa: E402
 from gateway.routing.prefix_index import PrefixIndex, PrefixQuery  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
+from loadtest.planner.options import at_least, non_negative, positive, unwritable  # noqa: E402
 from loadtest.sim.gate import SimGate  # noqa: E402
 from loadtest.sim.peers import cache_aware_pick  # noqa: E402
 
@@ -854,16 +855,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(DEFAULT_TARGETS))
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    p.add_argument("--loads", type=float, nargs="+", default=None,
+    p.add_argument("--seeds", type=at_least(0), nargs="+", default=[1, 2, 3, 4, 5])
+    p.add_argument("--loads", type=positive, nargs="+", default=None,
                    help=f"times the cache-blind capacity, for every workload (default: {DEFAULT_LOADS})")
-    p.add_argument("--tenants", type=int, default=DEFAULT_TENANTS, help="tenants with a system prompt of their own")
-    p.add_argument("--sessions", type=int, default=600, help="multiturn: conversations per scored run")
-    p.add_argument("--requests", type=int, default=3000, help="nosharing, hotprefix: requests per scored run")
-    p.add_argument("--warmup", type=int, default=150, help="conversations of the unscored warm-up")
-    p.add_argument("--interval-ms", type=float, default=200, help="engine report interval (heartbeats: 200)")
+    p.add_argument("--tenants", type=at_least(1), default=DEFAULT_TENANTS,
+                   help="tenants with a system prompt of their own")
+    p.add_argument("--sessions", type=at_least(1), default=600, help="multiturn: conversations per scored run")
+    p.add_argument("--requests", type=at_least(1), default=3000, help="nosharing, hotprefix: requests per scored run")
+    p.add_argument("--warmup", type=at_least(0), default=150, help="conversations of the unscored warm-up")
+    p.add_argument("--interval-ms", type=positive, default=200, help="engine report interval (heartbeats: 200)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="hg-3shared: the Redis the replicas share")
-    p.add_argument("--foreign", type=float, default=0.0, metavar="SHARE",
+    p.add_argument("--foreign", type=non_negative, default=0.0, metavar="SHARE",
                    help="other clients send each H100 this share of its saturated rate directly (default 0)")
     p.add_argument("--latency", action="store_true", help="also the routing cost per request at N=64")
     p.add_argument("--latency-only", action="store_true", help="only that (results: prefix_affinity_latency.json)")
@@ -874,6 +876,8 @@ def main(argv: list[str] | None = None) -> int:
         args.workloads, args.latency = [], True
         if args.out == RESULTS:
             args.out = LATENCY_RESULTS
+    if why := unwritable(args.out):   # found before the runs, not after them
+        p.error(f"--out: {why}")
     rows, capacities = run(args.workloads, args.targets, args.seeds, args.loads, args.sessions, args.requests,
                            args.warmup, args.tenants, args.interval_ms / 1000, redis_url=args.redis_url,
                            foreign_share=args.foreign)

@@ -53,12 +53,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pydantic import ValidationError  # noqa: E402
+
 from benchmarks.gateway_overhead import git_state  # noqa: E402
 from common.catalog import load_catalog  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
 from gateway.config.cluster import RoutingConfig  # noqa: E402
 from gateway.config.sections import OverloadConfig  # noqa: E402
 from gateway.routing.policies import build_policy  # noqa: E402
 from gateway.routing.policies.contracts import Policy  # noqa: E402
+from loadtest.planner.options import at_least, positive, unwritable  # noqa: E402
 from loadtest.sim.family import Member, RunSettings, capacity_rps, family, run  # noqa: E402
 from loadtest.sim.peers import SglangCacheAware, VllmPowerOfTwo  # noqa: E402
 
@@ -225,11 +229,20 @@ def save(path: Path, report: dict[str, Any]) -> None:
 
 
 def parse_variants(specs: list[str]) -> Variants:
+    """NAME=POLICY:JSON each; ValueError naming the one that is not."""
     variants = {}
     for spec in specs:
         name, _, rest = spec.partition("=")
         policy, _, params = rest.partition(":")
-        variants[name] = (policy, json.loads(params) if params else {})
+        if not (name and policy):
+            raise ValueError(f"{spec!r}: write NAME=POLICY or NAME=POLICY:JSON")
+        try:
+            parsed = json.loads(params) if params else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{spec!r}: its JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{spec!r}: its JSON must be an object of settings")
+        variants[name] = (policy, parsed)
     return variants
 
 
@@ -248,20 +261,34 @@ def parse_gates(specs: list[str]) -> Gates:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--members", nargs="+", default=None, help="member names (default: all)")
-    p.add_argument("--loads", type=float, nargs="+", default=list(LOADS))
-    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="default: seeds no tuning used")
-    p.add_argument("--requests", type=int, default=600, help="scored requests a run")
-    p.add_argument("--warmup", type=int, default=200, help="unscored requests first, at 0.6x")
-    p.add_argument("--interval-ms", type=float, default=200, help="engine figures reach the gateway this often")
+    p.add_argument("--loads", type=positive, nargs="+", default=list(LOADS))
+    p.add_argument("--seeds", type=at_least(0), nargs="+", default=list(SEEDS), help="default: seeds no tuning used")
+    p.add_argument("--requests", type=at_least(1), default=600, help="scored requests a run")
+    p.add_argument("--warmup", type=at_least(0), default=200, help="unscored requests first, at 0.6x")
+    p.add_argument("--interval-ms", type=positive, default=200, help="engine figures reach the gateway this often")
     p.add_argument("--targets", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_TARGETS)} (variants too)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=POLICY:JSON")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=TARGET:JSON",
                    help="TARGET behind the overload queue with these settings")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--jobs", type=at_least(1), default=min(2, os.cpu_count() or 1))
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    variants, gates = parse_variants(args.variant), {DEFAULT: default_gateway(), **parse_gates(args.gate)}
-    targets = [*(args.targets or DEFAULT_TARGETS), *(v for v in [*variants, *gates] if v not in (args.targets or ()))]
+    if why := unwritable(args.out):   # found before the runs, not after them
+        p.error(f"--out: {why}")
+    known = {m.name for m in family()}
+    if unknown := [name for name in args.members or () if name not in known]:
+        p.error(f"--members: no member {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+    try:
+        variants, gates = parse_variants(args.variant), {DEFAULT: default_gateway(), **parse_gates(args.gate)}
+        targets = [*(args.targets or DEFAULT_TARGETS),
+                   *(v for v in [*variants, *gates] if v not in (args.targets or ()))]
+        for target in targets:   # each policy built once here: a bad name is one line now, not a worker's traceback
+            base = gates.get(target, (target, None))[0]
+            if base not in (PROXY, "lor", *PEERS):
+                name, params = variants.get(base, (base, {}))
+                build_policy(name, params)
+    except (ValueError, ConfigError, ValidationError) as exc:
+        p.error(" ".join(str(exc).split()))
     if PROXY not in targets:
         targets.insert(0, PROXY)
     members = [m for m in family() if args.members is None or m.name in args.members]

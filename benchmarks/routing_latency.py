@@ -69,6 +69,7 @@ from gateway.routing.policies import REGISTRY, build_policy  # noqa: E402
 from gateway.routing.policies.contracts import BackendSnapshot, Decision, RequestProfile  # noqa: E402
 from gateway.routing.state_table import StateTable  # noqa: E402
 from gateway.runtime import pipeline_settings  # noqa: E402
+from loadtest.planner.options import at_least, unwritable  # noqa: E402
 
 MODEL = "llava-1.5-7b"
 SIZES = (8, 64, 1024)
@@ -298,15 +299,18 @@ def side_by_side_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--decisions", type=int, default=20_000, help="timed decisions per (policy, path, N), at most")
-    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    ap.add_argument("--decisions", type=at_least(1), default=20_000,
+                    help="timed decisions per (policy, path, N), at most (fewer for big N; never under 2,000)")
+    ap.add_argument("--sizes", type=at_least(1), nargs="+", default=list(SIZES))
     ap.add_argument("--policies", nargs="+", default=[], choices=sorted(REGISTRY), help="default: all")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/routing_latency[_cpu].json")
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run side by side with this one")
-    ap.add_argument("--pairs", type=int, default=4, help="with --baseline: runs of each, alternating")
+    ap.add_argument("--pairs", type=at_least(1), default=4, help="with --baseline: runs of each, alternating")
     args = ap.parse_args(argv)
+    if args.out is not None and (why := unwritable(args.out)):   # found before the runs, not after them
+        ap.error(f"--out: {why}")
     if args.baseline is not None:
         forwarded = ["--decisions", str(args.decisions), "--sizes", *map(str, args.sizes), "--seed", str(args.seed),
                      "--clock", args.clock, *(["--policies", *args.policies] if args.policies else [])]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from testkit.harness import ROOT
 
@@ -44,3 +50,67 @@ def test_every_listed_benchmark_imports() -> None:
     done = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"),
+                                                   (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_stops_a_benchmark_and_what_it_forked_in_one_line(
+        tmp_path: Path, sig: signal.Signals, code: int, word: str) -> None:
+    """Ctrl-C (to the whole group, as a terminal sends it) printed tracebacks from the parent and each pool
+    worker; SIGTERM (`timeout`, a CI cancel, to the parent alone) skipped the clean-up, and a live benchmark's
+    gateways ran on holding their ports."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks", "routing-family", "--members", "m00", "m01", "--loads", "0.9",
+         "--seeds", "11", "12", "--requests", "3000", "--jobs", "2", "--out", str(tmp_path / "out.json")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(group_members(proc.pid)) < 3 and time.monotonic() < deadline:   # the parent and its 2 workers
+            time.sleep(0.1)
+        time.sleep(1.0)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == code, err
+    assert err == f"benchmarks routing-family: {word}; what it launched is stopped\n", err
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(proc.pid) == []
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("args", [
+    # each ended in a ZeroDivisionError, IndexError or numpy traceback, hung, or ran to the end on nonsense
+    ("routing-family", "--requests", "0"), ("routing-family", "--members", "nosuch"),
+    ("routing-family", "--targets", "bogus_policy"), ("routing-family", "--variant", "garbage"),
+    ("prefix-affinity", "--interval-ms", "0"), ("prefix-affinity", "--loads", "-1"),
+    ("routing-latency", "--sizes", "-1"),
+    # found only after the whole run, its results lost
+    ("routing-family", "--out", "/"), ("prefix-affinity", "--out", "/"),
+])
+def test_arguments_a_benchmark_cannot_run_are_refused_in_one_line_before_it_runs(args: tuple[str, ...]) -> None:
+    refused = run(*args)
+    assert refused.returncode == 2, refused.stderr
+    assert "Traceback" not in refused.stderr   # argparse's usage, then one line
+    assert ".py: error: " in refused.stderr.splitlines()[-1]
