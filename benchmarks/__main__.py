@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from loadtest.ctrl_c import ctrl_c_in_this_process_only
-from loadtest.planner.pool import Terminated, sigterm_raises
+from loadtest.planner.pool import stopped_in_one_line
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,16 +44,12 @@ def main(argv: list[str]) -> int:
     # Ctrl-C and SIGTERM (`timeout`, a CI cancel, `kill`) unwind the benchmark's `with` blocks, which stop the
     # gateways and engines it launched (SIGTERM left them running, ports held), and end in one line; forked
     # workers leave the signal to this process (loadtest/ctrl_c.py, loadtest/planner/pool.py).
-    try:
-        with ctrl_c_in_this_process_only(), sigterm_raises():
+    def run() -> int:
+        with ctrl_c_in_this_process_only():
             runpy.run_module(f"benchmarks.{table[name][0]}", run_name="__main__", alter_sys=True)
-    except KeyboardInterrupt:
-        print(f"benchmarks {name}: interrupted; what it launched is stopped", file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"benchmarks {name}: terminated; what it launched is stopped", file=sys.stderr)
-        return 143
-    return 0
+        return 0
+
+    return stopped_in_one_line(f"benchmarks {name}", "what it launched is stopped", run)
 
 
 if __name__ == "__main__":

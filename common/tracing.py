@@ -26,7 +26,7 @@ import atexit
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import urlsplit
@@ -149,14 +149,18 @@ _ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT
 _TIMEOUTS = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 
 
+def _given(env: Mapping[str, str], names: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(name, value) of each of these variables that is set to more than blanks."""
+    for name in names:
+        if raw := env.get(name, "").strip():
+            yield name, raw
+
+
 def otlp_target(env: Mapping[str, str] = os.environ) -> None:
     """ConfigError naming the variable where the OTLP exporter's endpoint is no http(s) URL with a host,
     or its timeout no positive number: the SDK takes either, then fails every export (or warns and uses
     its default), so a typo lost every trace with the gateway running as if all were well."""
-    for name in _ENDPOINTS:
-        raw = env.get(name, "").strip()
-        if not raw:
-            continue
+    for name, raw in _given(env, _ENDPOINTS):
         try:
             url = urlsplit(raw)
             port_ok = url.port is None or url.port > 0
@@ -164,10 +168,7 @@ def otlp_target(env: Mapping[str, str] = os.environ) -> None:
             port_ok = False
         if not (port_ok and url.scheme in ("http", "https") and url.hostname):
             raise ConfigError(f"{name}: {raw!r} is not an http(s) URL with a host (e.g. http://collector:4318)")
-    for name in _TIMEOUTS:
-        raw = env.get(name, "").strip()
-        if not raw:
-            continue
+    for name, raw in _given(env, _TIMEOUTS):
         try:
             value = float(raw)
         except ValueError:

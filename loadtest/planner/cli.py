@@ -42,7 +42,7 @@ from loadtest.planner.options import (
     unwritable,
     workers,
 )
-from loadtest.planner.pool import Terminated, sigterm_raises
+from loadtest.planner.pool import stopped_in_one_line
 from loadtest.planner.search import GROUPINGS, Evaluated, Problem, SearchResult, search
 from loadtest.planner.space import SPLITS, Limits, Plan, Slo, Split, decoder_fits, trace_rate
 from loadtest.planner.workload import (
@@ -407,15 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and (why := unwritable(path)):
             print(f"{PROG}: {option}: {why}", file=sys.stderr)
             return 2
-    try:
-        with sigterm_raises():
-            return _plan(args, " ".join([PROG, *map(shell_word, argv)]))
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the search and its simulations are stopped", file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"{PROG}: terminated; the search and its simulations are stopped", file=sys.stderr)
-        return 143
+    return stopped_in_one_line(PROG, "the search and its simulations are stopped",
+                               lambda: _plan(args, " ".join([PROG, *map(shell_word, argv)])))
 
 
 def _plan(args: argparse.Namespace, command: str) -> int:

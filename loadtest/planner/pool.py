@@ -66,6 +66,20 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def stopped_in_one_line(prog: str, stopped: str, run: Callable[[], int]) -> int:
+    """`run()`'s status; Ctrl-C and SIGTERM (`sigterm_raises` within) unwind it and end in one line,
+    "PROG: interrupted; STOPPED" (130) or "PROG: terminated; STOPPED" (143), not a traceback."""
+    try:
+        with sigterm_raises():
+            return run()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {stopped}", file=sys.stderr)
+        return 130
+    except Terminated:
+        print(f"{prog}: terminated; {stopped}", file=sys.stderr)
+        return 143
+
+
 @contextmanager
 def worker_pool(workers: int, shared: object = None) -> Iterator[ProcessPoolExecutor]:
     """A pool of `workers` forked processes, shut down on leaving; on an exception, at once (module docstring).

@@ -12,17 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from testkit.harness import (
-    Gateway,
-    data_url,
-    free_port,
-    image_bytes,
-    image_part,
-    metric_total,
-    run_gateway,
-    text_part,
-    write_config,
-)
+from testkit import harness
+from testkit.harness import Gateway, free_port, metric_total, run_gateway, write_config
 from tests.e2e.test_external_engines import spawn, stop
 
 pytestmark = pytest.mark.timeout(240)
@@ -94,7 +85,7 @@ def test_each_model_has_its_own_context_on_an_upstream_serving_several(gateway: 
 def test_a_vision_model_no_backend_encodes_for_takes_text_only(gateway: tuple[Gateway, str]) -> None:
     """Its image requests were held for an encoder of another model and answered 503 with Retry-After, for ever."""
     gw, _ = gateway
-    image = [text_part("what is this?"), image_part(data_url(image_bytes()))]
+    image = [harness.text_part("what is this?"), harness.image_part(harness.data_url(harness.image_bytes()))]
     body = {"model": QWEN_TEXT, "messages": [{"role": "user", "content": image}], "max_tokens": 3}
     resp = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
