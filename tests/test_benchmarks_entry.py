@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from testkit.harness import ROOT
+from tests.planner.processes import stop_with_workers
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,20 +51,6 @@ def test_every_listed_benchmark_imports() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of a process group."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
-
-
 @pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"),
                                                    (signal.SIGTERM, 143, "terminated")])
 def test_a_signal_stops_a_benchmark_and_what_it_forked_in_one_line(
@@ -73,30 +58,12 @@ def test_a_signal_stops_a_benchmark_and_what_it_forked_in_one_line(
     """Ctrl-C (to the whole group, as a terminal sends it) printed tracebacks from the parent and each pool
     worker; SIGTERM (`timeout`, a CI cancel, to the parent alone) skipped the clean-up, and a live benchmark's
     gateways ran on holding their ports."""
-    proc = subprocess.Popen(
+    stopped = stop_with_workers(
         [sys.executable, "-m", "benchmarks", "routing-family", "--members", "m00", "m01", "--loads", "0.9",
-         "--seeds", "11", "12", "--requests", "3000", "--jobs", "2", "--out", str(tmp_path / "out.json")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(group_members(proc.pid)) < 3 and time.monotonic() < deadline:   # the parent and its 2 workers
-            time.sleep(0.1)
-        time.sleep(1.0)
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == code, err
-    assert err == f"benchmarks routing-family: {word}; what it launched is stopped\n", err
-    deadline = time.monotonic() + 10
-    while group_members(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert group_members(proc.pid) == []
+         "--seeds", "11", "12", "--requests", "3000", "--jobs", "2", "--out", str(tmp_path / "out.json")], sig)
+    assert stopped.returncode == code, stopped.stderr
+    assert stopped.stderr == f"benchmarks routing-family: {word}; what it launched is stopped\n", stopped.stderr
+    assert stopped.survivors == []
     assert not (tmp_path / "out.json").exists()
 
 
